@@ -1,0 +1,116 @@
+"""The command line: Hydra config groups composed from `configs/`, with errors a user can act on.
+
+`python scripts/train.py task=geoqa model=qwen2.5-vl-7b trainer.lr=1e-6 --cfg job`
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from gpg_vl.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+GROUPS = ("task", "model")
+
+if not OmegaConf.has_resolver("now"):
+    OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, DictConfig) and len(value) > 0:
+            keys += _valid_keys(value, full + ".")
+        else:
+            keys.append(full)
+    return keys
+
+
+def _check_override(cfg: DictConfig, override: str) -> None:
+    key = override.split("=", 1)[0].lstrip("+~")
+    if override.startswith("+") or key in GROUPS or key.startswith("hydra"):
+        return
+    parts = key.split(".")
+    node = cfg
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or part not in node:
+            parent = ".".join(parts[:depth])
+            scope = node if isinstance(node, DictConfig) else cfg
+            valid = _valid_keys(scope, parent + "." if parent else "")
+            if parent in ("task.options",) or parts[:2] == ["task", "options"]:
+                return  # task options are the task constructor's keywords, checked by the task itself
+            raise UserError(
+                f"unknown config key {key!r}; valid keys{' under ' + parent if parent else ''}: "
+                f"{', '.join(valid)}."
+            )
+        node = node[part]
+
+
+def load_config(config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose `configs/<config_name>.yaml` with `key=value` overrides; unknown keys fail with the list."""
+    for override in overrides:
+        if "=" not in override:
+            raise UserError(f"cannot read argument {override!r}; write overrides as key=value.")
+        key, value = override.split("=", 1)
+        if key in GROUPS and value not in group_options(key) and not (key == "task" and ":" in value):
+            raise UserError(f"unknown {key} {value!r}; known: {', '.join(group_options(key))} "
+                            f"(files in configs/{key}/).")
+    # `task=module:Name` loads an out-of-tree task; its config is the base task config with that name.
+    plugin = [o for o in overrides if o.startswith("task=") and ":" in o.split("=", 1)[1]]
+    overrides = [o if o not in plugin else "task=shapes" for o in overrides]
+    if plugin:
+        overrides.append(f"task.name={plugin[-1].split('=', 1)[1]}")
+    group_overrides = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            base = compose(config_name=config_name, overrides=group_overrides)
+            for override in overrides:
+                _check_override(base, override)
+            cfg = compose(config_name=config_name, overrides=overrides)
+    except HydraException as error:
+        raise UserError(f"bad command line: {str(error).splitlines()[0]}") from None
+    return cfg
+
+
+def parse_argv(argv: list[str]) -> tuple[list[str], bool]:
+    """Split `--cfg job` (print the resolved config and exit) from the overrides."""
+    print_only = False
+    rest = []
+    skip = False
+    for index, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg in ("--cfg", "-c"):
+            print_only = True
+            skip = index + 1 < len(argv) and argv[index + 1] in ("job", "all")
+            continue
+        rest.append(arg)
+    return rest, print_only
+
+
+def run_cli(config_name: str, main, argv: list[str] | None = None) -> int:
+    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        overrides, print_only = parse_argv(argv)
+        cfg = load_config(config_name, overrides)
+        if print_only:
+            print(OmegaConf.to_yaml(cfg, resolve=True))
+            return 0
+        main(cfg)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

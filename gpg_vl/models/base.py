@@ -1,0 +1,269 @@
+"""What the trainer needs from a vision-language model, and its implementation for the Qwen-VL families.
+
+The trainer sees a `Policy`: `encode` turns chat messages into a left-padded `PromptBatch`,
+`generate` samples completions, and `token_logps` scores completions under the same distribution
+the sampler used (same temperature, same suppressed tokens), so the policy that is trained is the
+policy that sampled. Qwen2-VL and Qwen2.5-VL share this code; a family that differs subclasses
+`QwenVLAdapter` and overrides the one method that differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from qwen_vl_utils import process_vision_info
+from torch import Tensor
+
+from gpg_vl.errors import UserError
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+EMBEDDED_PREFIX = "embedded:"
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompts and their images, as the processor returns them.
+
+    `images_per_prompt[i]` says how many of the flattened `pixel_values` / `image_grid_thw` rows
+    belong to prompt i, so any subset of prompts can be selected (`select`) or repeated.
+    """
+
+    inputs: dict[str, Tensor]  # input_ids [B, P], attention_mask [B, P], mm_token_type_ids [B, P], ...
+    images_per_prompt: list[int]
+    ids: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.inputs["input_ids"].shape[0]
+
+    def select(self, indices: list[int], *, with_pixels: bool = True) -> PromptBatch:
+        """The prompts at `indices` (repeats allowed), with their images, in that order."""
+        index = torch.tensor(indices, dtype=torch.long)
+        selected = {
+            key: value[index.to(value.device)]
+            for key, value in self.inputs.items()
+            if key not in ("pixel_values", "image_grid_thw")
+        }
+        if "image_grid_thw" in self.inputs:
+            grid = self.inputs["image_grid_thw"]  # [num_images, 3]
+            patches = grid.prod(dim=1).tolist()
+            image_start = [0]
+            for count in self.images_per_prompt:
+                image_start.append(image_start[-1] + count)
+            patch_start = [0]
+            for count in patches:
+                patch_start.append(patch_start[-1] + count)
+            image_rows, patch_chunks = [], []
+            for i in indices:
+                for image in range(image_start[i], image_start[i + 1]):
+                    image_rows.append(image)
+                    if with_pixels:
+                        patch_chunks.append(self.inputs["pixel_values"][patch_start[image]:patch_start[image + 1]])
+            selected["image_grid_thw"] = grid[torch.tensor(image_rows, dtype=torch.long).to(grid.device)]
+            if with_pixels:
+                selected["pixel_values"] = torch.cat(patch_chunks)
+        return PromptBatch(
+            selected,
+            [self.images_per_prompt[i] for i in indices],
+            [self.ids[i] for i in indices] if self.ids else [],
+        )
+
+    def to(self, device: torch.device) -> PromptBatch:
+        return PromptBatch({k: v.to(device) for k, v in self.inputs.items()}, self.images_per_prompt, self.ids)
+
+
+class QwenVLAdapter:
+    """Qwen2-VL / Qwen2.5-VL specifics: processor call, suppressed vision tokens, 3-D rotary positions."""
+
+    def __init__(self, processor, config, *, min_pixels: int | None, max_pixels: int | None) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.config = config
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        vocab = self.tokenizer.get_vocab()
+        self.suppressed_ids = sorted({vocab[t] for t in VISION_TOKENS if t in vocab})
+        eos = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id,
+               self.tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+        self.eos_ids = sorted({i for i in eos if isinstance(i, int) and i >= 0})
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def render(self, messages: list[dict]) -> str:
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
+        """Chat messages -> left-padded processor inputs. Images are resized within min/max pixels."""
+        for messages in messages_batch:
+            for message in messages:
+                for part in message["content"] if isinstance(message["content"], list) else []:
+                    if part.get("type") == "image" or "image" in part:
+                        if self.min_pixels is not None:
+                            part.setdefault("min_pixels", self.min_pixels)
+                        if self.max_pixels is not None:
+                            part.setdefault("max_pixels", self.max_pixels)
+        texts = [self.render(messages) for messages in messages_batch]
+        images_per_prompt, images = [], []
+        for messages in messages_batch:
+            prompt_images, _ = process_vision_info(messages)
+            prompt_images = prompt_images or []
+            images_per_prompt.append(len(prompt_images))
+            images.extend(prompt_images)
+        self.tokenizer.padding_side = "left"
+        inputs = self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+        return PromptBatch(dict(inputs), images_per_prompt, list(ids or []))
+
+    # ---- positions and log-probs ---------------------------------------------------------------
+    def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor:
+        """Explicit 3-D rotary positions [3, N, L] for a full (prompt + completion) batch.
+
+        Passing them avoids Qwen-VL's `rope_deltas`, which `generate()` caches on the model for its
+        own batch and which would otherwise leak into a training forward of another batch size.
+        """
+        base = model.model
+        base.rope_deltas = None
+        if "image_grid_thw" not in inputs:
+            mask = inputs["attention_mask"]
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
+            return positions.unsqueeze(0).expand(3, -1, -1)
+        positions, _ = base.get_rope_index(
+            inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"], attention_mask=inputs["attention_mask"],
+        )
+        return positions  # [3, N, L]
+
+    def token_logps(
+        self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+        completion_mask: Tensor, *, temperature: float = 1.0, share_vision: bool = True,
+    ) -> Tensor:
+        """Log-probs [N, C] of `completion_ids` [N, C]; sequence n continues prompt `prompt_index[n]`.
+
+        With `share_vision`, each distinct prompt's images go through the vision tower once (with
+        gradient) and the G sequences of a group reuse those embeddings; without it every sequence
+        re-encodes its images, as peers do. Logits are computed for completion positions only, and
+        suppressed tokens get -inf before the softmax, exactly as in sampling.
+        """
+        has_images = "pixel_values" in prompts.inputs
+        shared = share_vision and has_images
+        sequences = prompts.select(prompt_index, with_pixels=not shared).inputs
+        input_ids = torch.cat([sequences["input_ids"], completion_ids], dim=1)  # [N, P + C]
+        attention = torch.cat([sequences["attention_mask"], completion_mask.to(sequences["attention_mask"].dtype)],
+                              dim=1)  # [N, P + C]
+        full = {"input_ids": input_ids, "attention_mask": attention}
+        if "mm_token_type_ids" in sequences:
+            full["mm_token_type_ids"] = torch.cat(
+                [sequences["mm_token_type_ids"], torch.zeros_like(completion_ids)], dim=1)  # [N, P + C]
+        if has_images:
+            full["image_grid_thw"] = sequences["image_grid_thw"]
+        vision = {}
+        if shared:
+            vision["mm_encoder_outputs"] = {"image": self.shared_image_features(model, prompts, prompt_index)}
+        elif has_images:
+            vision["pixel_values"] = sequences["pixel_values"]
+        position_ids = self.position_ids(_unwrap(model), full)  # [3, N, P + C]
+        completion_length = completion_ids.shape[1]
+        outputs = model(
+            input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+            image_grid_thw=full.get("image_grid_thw"), logits_to_keep=completion_length + 1, use_cache=False,
+            **vision,
+        )
+        logits = outputs.logits[:, :-1].float()  # [N, C, V]
+        return self.logps_from_logits(logits, completion_ids, temperature=temperature)
+
+    def shared_image_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
+        """Vision-tower outputs computed once per distinct prompt, listed per sequence (no copy)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        distinct = sorted(set(prompt_index))
+        subset = prompts.select(distinct)
+        encoded = _unwrap(model).model.get_image_features(
+            subset.inputs["pixel_values"], subset.inputs["image_grid_thw"], return_dict=True).pooler_output
+        first_image, per_prompt = {}, 0
+        for position, prompt in enumerate(distinct):
+            first_image[prompt] = per_prompt
+            per_prompt += subset.images_per_prompt[position]
+        features = []
+        for prompt in prompt_index:
+            start = first_image[prompt]
+            features.extend(encoded[start:start + prompts.images_per_prompt[prompt]])
+        return BaseModelOutputWithPooling(pooler_output=features)
+
+    def logps_from_logits(self, logits: Tensor, token_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+        """Log-softmax over the sampling distribution (suppressed ids removed), gathered at token_ids."""
+        if self.suppressed_ids:
+            logits = logits.index_fill(-1, torch.tensor(self.suppressed_ids, device=logits.device), float("-inf"))
+        if temperature != 1.0:
+            logits = logits / temperature
+        logps = torch.log_softmax(logits, dim=-1)  # [N, C, V]
+        return logps.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [N, C]
+
+
+@dataclass
+class Policy:
+    """The model being trained, its processor and its family adapter."""
+
+    model: torch.nn.Module
+    processor: object
+    adapter: QwenVLAdapter
+    name_or_path: str
+
+
+FAMILIES: dict[str, type[QwenVLAdapter]] = {"qwen2_vl": QwenVLAdapter, "qwen2_5_vl": QwenVLAdapter}
+
+
+def resolve_path(name_or_path: str) -> str:
+    """`embedded:<name>` means a model shipped in gpg_vl/assets; anything else is a hub id or a path."""
+    if name_or_path.startswith(EMBEDDED_PREFIX):
+        path = ASSETS / name_or_path[len(EMBEDDED_PREFIX):]
+        if not (path / "config.json").is_file():
+            raise UserError(f"the embedded model {name_or_path!r} is missing at {path}; "
+                            "rebuild it with `python scripts/build_tiny.py`.")
+        return str(path)
+    return name_or_path
+
+
+def load_policy(
+    name_or_path: str, *, family: str = "qwen2_5_vl", dtype: str = "auto", min_pixels: int | None = None,
+    max_pixels: int | None = None, trust_remote_code: bool = False, attn_implementation: str | None = None,
+    device: torch.device | str = "cpu",
+) -> Policy:
+    """Load model + processor from a hub id or a local directory; a failed download is one sentence."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    if family not in FAMILIES:
+        raise UserError(f"unknown model family {family!r}; known: {', '.join(sorted(FAMILIES))}.")
+    path = resolve_path(name_or_path)
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    kwargs = {"trust_remote_code": trust_remote_code}
+    try:
+        processor = AutoProcessor.from_pretrained(path, **kwargs)
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **kwargs)
+    except OSError as error:
+        where = "local directory" if Path(path).exists() else "Hugging Face Hub id"
+        raise UserError(
+            f"could not load the model {path!r} as a {where} ({str(error).splitlines()[0][:160]}); "
+            "without network access, download it elsewhere and pass model.name_or_path=/path/to/local/copy."
+        ) from None
+    model.to(device)
+    adapter = FAMILIES[family](processor, model.config, min_pixels=min_pixels, max_pixels=max_pixels)
+    return Policy(model=model, processor=processor, adapter=adapter, name_or_path=path)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under a DistributedDataParallel (or similar) wrapper."""
+    return getattr(model, "module", model)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Switch to eval mode (no dropout) for sampling, and back."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

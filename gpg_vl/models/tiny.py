@@ -1,0 +1,133 @@
+"""Build the tiny Qwen2.5-VL that the embedded default trains: real classes, local files, no download.
+
+`build_tiny(path)` writes a Hugging Face directory with a random-weight
+`Qwen2_5_VLForConditionalGeneration` (about 3M parameters), a small byte-level BPE `Qwen2Tokenizer`
+that carries Qwen's special tokens and chat template, and a real `Qwen2_5_VLProcessor`. Everything is
+seeded, so the same call writes the same files. `scripts/build_tiny.py` then warm-starts it with a
+short supervised pass on the `shapes` task and ships the result under `gpg_vl/assets/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+)
+
+# The special tokens of the real Qwen2.5-VL tokenizer, in its order.
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+# Qwen2-VL / Qwen2.5-VL's published chat template.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+TINY_TEXT = dict(
+    hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
+    rope_scaling={"type": "mrope", "mrope_section": [8, 8, 8]},
+)
+TINY_VISION = dict(
+    depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=192,
+    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+    fullatt_block_indexes=[1, 3],
+)
+TINY_PIXELS = dict(min_pixels=56 * 56, max_pixels=224 * 224)
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int = 512) -> Qwen2Tokenizer:
+    """A byte-level BPE with Qwen's pre-tokenizer, trained on `corpus`, wrapped as a Qwen2Tokenizer."""
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer=trainer)
+    model_state = backend.model
+    vocab = backend.get_vocab()
+    merges_path = Path(model_state.save(str(_scratch_dir()))[1])
+    merges = [tuple(line.split(" ")) for line in merges_path.read_text().splitlines()[1:] if line]
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:], model_max_length=4096,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _scratch_dir() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="gpg-vl-tok-"))
+
+
+def build_tiny(path: str | Path, corpus: list[str], seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
+    """Write a random-weight tiny Qwen2.5-VL with tokenizer and processor to `path`; return the model."""
+    tokenizer = train_tokenizer(corpus)
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=TINY_PIXELS["min_pixels"], max_pixels=TINY_PIXELS["max_pixels"],
+        patch_size=14, temporal_patch_size=2, merge_size=2,
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=TINY_PIXELS["min_pixels"], max_pixels=TINY_PIXELS["max_pixels"],
+        patch_size=14, temporal_patch_size=2, merge_size=2,
+    )
+    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                    video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(TINY_TEXT, vocab_size=len(tokenizer), bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
+        vision_config=TINY_VISION,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model

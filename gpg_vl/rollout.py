@@ -1,0 +1,63 @@
+"""Grouped rollouts: B prompts (images + text) -> B x G sampled completions.
+
+Vision special tokens are suppressed during sampling (and, by the adapter, in the update's
+log-probs), so they are never generated and never fed back as image placeholders. A completion's
+mask covers its tokens up to and including the first end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gpg_vl.models.base import Policy, PromptBatch, eval_mode
+
+
+@dataclass
+class Rollout:
+    """B x G completions; row b * G + g is the g-th completion of prompt b."""
+
+    completion_ids: Tensor  # [B * G, C]
+    completion_mask: Tensor  # [B * G, C] bool, True up to and including the first EOS
+    texts: list[str]  # B * G decoded completions (special tokens removed)
+    group_size: int
+
+
+def completion_mask_from_eos(completion_ids: Tensor, eos_ids: list[int], *, ignore_eos: bool = False) -> Tensor:
+    """[N, C] bool mask: True up to and including the first EOS of each row (all True with ignore_eos)."""
+    if ignore_eos or not eos_ids:
+        return torch.ones_like(completion_ids, dtype=torch.bool)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [N, C]
+    eos_seen_before = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # [N, C]
+    return ~eos_seen_before
+
+
+@torch.no_grad()
+def generate(
+    policy: Policy, prompts: PromptBatch, *, group_size: int, max_new_tokens: int, temperature: float = 1.0,
+    top_p: float = 1.0, do_sample: bool = True, ignore_eos: bool = False,
+) -> Rollout:
+    """Sample `group_size` completions for every prompt with Hugging Face `generate`."""
+    adapter, model = policy.adapter, policy.model
+    inputs = prompts.to(model.device).inputs
+    adapter.position_ids(model, {"attention_mask": inputs["attention_mask"]})  # resets cached rope deltas
+    suppress = list(adapter.suppressed_ids)
+    if ignore_eos:
+        suppress += adapter.eos_ids
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {
+        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    with eval_mode(model):
+        output = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, num_return_sequences=group_size,
+            suppress_tokens=suppress or None, eos_token_id=adapter.eos_ids, pad_token_id=adapter.pad_id,
+            **sampling,
+        )
+    completion_ids = output[:, inputs["input_ids"].shape[1]:]  # [B * G, C]
+    if completion_ids.shape[1] == 0:
+        completion_ids = torch.full((output.shape[0], 1), adapter.pad_id, dtype=output.dtype, device=output.device)
+    mask = completion_mask_from_eos(completion_ids, adapter.eos_ids, ignore_eos=ignore_eos)  # [B * G, C]
+    completion_ids = completion_ids.masked_fill(~mask, adapter.pad_id)  # [B * G, C]
+    texts = adapter.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Rollout(completion_ids=completion_ids, completion_mask=mask, texts=texts, group_size=group_size)

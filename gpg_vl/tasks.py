@@ -1,0 +1,166 @@
+"""Tasks are data + prompt + rewards + metrics, and a registry to find them by name.
+
+A task never touches the model, the optimizer or the trainer. The trainer asks it for rows, turns each
+row into chat messages with `messages`, scores completions with `reward_components`, and summarises an
+evaluation with `metrics`.
+
+    from gpg_vl import Task, register_task
+
+    @register_task
+    class Capitals(Task):
+        name = "capitals"
+        ...
+
+`get_task("capitals")`, or `task.name=capitals` on the command line, then finds it. Out-of-tree tasks
+load from `module:ClassName` or `path/to/file.py:ClassName`; loading a file runs its code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from gpg_vl.errors import UserError
+from gpg_vl.rewards import extract_answer
+
+RewardFn = Callable[[str, dict], float]
+
+_REGISTRY: dict[str, type[Task]] = {}
+_BUILTINS_LOADED = False
+
+
+class Task:
+    """Base class of every task. Subclasses set `name` and implement `load` and `messages`.
+
+    `reward_functions` maps a reward's name to `fn(completion, row) -> float`; `reward_weights` gives
+    each one's weight in the total (1.0 when absent). The default metrics are the mean of each reward
+    and `accuracy`, the fraction of completions whose `accuracy` reward is 1.
+    """
+
+    name: ClassVar[str] = ""
+    train_split: ClassVar[str] = "train"
+    eval_split: ClassVar[str] = "test"
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise UserError(
+                f"task {self.name!r} takes no option {sorted(options)}; remove it from task.options."
+            )
+        self.reward_functions: dict[str, RewardFn] = {}
+        self.reward_weights: dict[str, float] = {}
+
+    def load(self, split: str) -> Sequence[dict]:
+        """The rows of `split`, each a dict of the dataset's columns."""
+        raise NotImplementedError
+
+    def messages(self, row: dict) -> list[dict]:
+        """Chat messages for one row, in the Qwen-VL format (`{"type": "image", "image": PIL.Image}`)."""
+        raise NotImplementedError
+
+    def target(self, row: dict) -> str:
+        """The reference answer of a row, as shown in predictions files."""
+        return str(row.get("answer", ""))
+
+    def reward_components(self, completion: str, row: dict) -> dict[str, float]:
+        """Each reward function's raw score for one completion."""
+        return {name: float(fn(completion, row)) for name, fn in self.reward_functions.items()}
+
+    def total(self, components: dict[str, float]) -> float:
+        """The weighted sum of reward components."""
+        return sum(self.reward_weights.get(name, 1.0) * score for name, score in components.items())
+
+    def reward(self, completion: str, row: dict) -> float:
+        """The weighted total reward of one completion."""
+        return self.total(self.reward_components(completion, row))
+
+    def metrics(self, rows: Sequence[dict], completions: Sequence[str]) -> dict[str, float]:
+        """Evaluation metrics over paired rows and completions."""
+        count = max(len(completions), 1)
+        sums: dict[str, float] = {}
+        for completion, row in zip(completions, rows, strict=True):
+            for name, score in self.reward_components(completion, row).items():
+                sums[name] = sums.get(name, 0.0) + score
+        result = {f"reward/{name}": total / count for name, total in sums.items()}
+        if "accuracy" in sums:
+            result["accuracy"] = sums["accuracy"] / count
+        result["answered"] = sum(extract_answer(c) is not None for c in completions) / count
+        return result
+
+
+def register_task(task_class: type[Task]) -> type[Task]:
+    """Register a Task subclass under its `name`; usable as a class decorator. Duplicates raise."""
+    if not (isinstance(task_class, type) and issubclass(task_class, Task)) or not task_class.name:
+        raise UserError(f"register_task needs a Task subclass with a `name`; got {task_class!r}.")
+    existing = _REGISTRY.get(task_class.name)
+    if existing is not None and existing is not task_class:
+        raise UserError(
+            f"a task named {task_class.name!r} is already registered ({existing.__module__}."
+            f"{existing.__qualname__}); pick another name."
+        )
+    _REGISTRY[task_class.name] = task_class
+    return task_class
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        importlib.import_module("gpg_vl_tasks")
+
+
+def list_tasks() -> list[str]:
+    """Names of every registered task, built-in ones included."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _load_from_reference(reference: str) -> type[Task]:
+    """Import `module:Name` or `path/to/file.py:Name` (this runs the file's code)."""
+    location, _, attribute = reference.rpartition(":")
+    if location.endswith(".py"):
+        path = Path(location).expanduser().resolve()
+        if not path.is_file():
+            raise UserError(f"task file {location!r} does not exist; give task.name=path/to/file.py:ClassName.")
+        module_name = f"gpg_vl_user_task_{abs(hash(str(path)))}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(location)
+        except ImportError as error:
+            raise UserError(f"cannot import task module {location!r} ({error}); check task.name.") from None
+    task_class = getattr(module, attribute, None)
+    if not (isinstance(task_class, type) and issubclass(task_class, Task)):
+        raise UserError(f"{reference!r} does not name a Task subclass; check the class name after ':'.")
+    return task_class
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """Build the task called `name` (a registered name, `module:Name` or `file.py:Name`)."""
+    if ":" in name:
+        task_class = _load_from_reference(name)
+        if task_class.name and task_class.name not in _REGISTRY:
+            register_task(task_class)
+    else:
+        _load_builtins()
+        if name not in _REGISTRY:
+            raise UserError(
+                f"unknown task {name!r}; known tasks: {', '.join(sorted(_REGISTRY))} "
+                "(or give module:ClassName / path/to/file.py:ClassName)."
+            )
+        task_class = _REGISTRY[name]
+    accepted = inspect.signature(task_class.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            valid = [p for p in accepted if p != "self"]
+            raise UserError(f"task {task_class.name!r} has no option {', '.join(unknown)}; "
+                            f"its options are: {', '.join(valid) or 'none'} (set them as task.options.<name>=...).")
+    return task_class(**options)

@@ -1,0 +1,82 @@
+"""The trainer end to end on the tiny model: files written, one model only, and real learning."""
+
+import gc
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, PreTrainedModel
+
+from gpg_vl.cli import train_main
+from gpg_vl.config import load_config
+
+METRIC_KEYS = {"step", "reward_mean", "reward_std", "reward/accuracy", "reward/format", "valid_fraction",
+               "attempts", "groups_used", "alpha", "loss", "grad_norm", "lr", "completion_tokens_mean",
+               "rollout_s", "update_s", "step_s"}
+
+
+def run(tmp_path, *overrides):
+    cfg = load_config("train", [f"output_dir={tmp_path}", *overrides])
+    return train_main(cfg)
+
+
+def test_two_steps_write_metrics_checkpoint_and_change_every_trained_parameter(tmp_path, monkeypatch):
+    built = []
+    original_init = PreTrainedModel.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "__init__", counting_init)
+    before = {n: p.detach().clone() for n, p in
+              AutoModelForImageTextToText.from_pretrained("gpg_vl/assets/tiny-qwen2.5-vl").named_parameters()}
+    built.clear()
+    summary = run(tmp_path, "trainer.max_steps=2", "trainer.save_every=1", "trainer.eval_before=false",
+                  "trainer.eval_after=false", "trainer.beta_th=0")
+    # No critic, no reference model: exactly one model was built, and only one is alive.
+    assert built == ["Qwen2_5_VLForConditionalGeneration"]
+    alive = [o for o in gc.get_objects() if isinstance(o, PreTrainedModel)]
+    assert len({id(o) for o in alive}) <= 1
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2] and METRIC_KEYS <= set(lines[0])
+    assert summary["steps"] == 2 and (tmp_path / "curves.png").stat().st_size > 0
+    assert (tmp_path / "checkpoint-2" / "trainer_state.pt").exists()
+    trained = AutoModelForImageTextToText.from_pretrained(tmp_path / "final")  # transformers alone loads it
+    frozen = {"model.language_model.embed_tokens.weight"}  # the image/video pad rows never get a gradient
+    changed = {n for n, p in trained.named_parameters() if not torch.equal(p, before[n])}
+    assert set(before) - changed <= frozen and len(changed) == len(before) - len(set(before) - changed)
+    unchanged_rows = (trained.model.language_model.embed_tokens.weight ==
+                      before["model.language_model.embed_tokens.weight"]).all(dim=1).nonzero().flatten().tolist()
+    assert len(unchanged_rows) <= 4  # only suppressed placeholder tokens can stay exactly as they were
+
+
+@pytest.mark.slow
+def test_short_run_raises_held_out_accuracy(tmp_path):
+    summary = run(tmp_path, "trainer.max_steps=50", "eval.limit=100")
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.10, summary
+
+
+def test_only_valid_groups_are_forwarded_and_alpha_is_logged(tmp_path, policy, shapes):
+    from gpg_vl.trainer import EvalSettings, RolloutSettings, TrainerSettings, train
+
+    forwarded = []
+    original = policy.adapter.token_logps
+
+    def counting(model, prompts, prompt_index, *args, **kwargs):
+        forwarded.append(len(prompt_index))
+        return original(model, prompts, prompt_index, *args, **kwargs)
+
+    policy.adapter.token_logps = counting
+    train(policy, shapes, trainer=TrainerSettings(max_steps=3, group_size=4, batch_size=4, micro_batch_size=6,
+                                                  lr=1e-4, eval_before=False, eval_after=False, beta_th=0.5),
+          rollout=RolloutSettings(max_new_tokens=16), evaluation=EvalSettings(), output_dir=tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(forwarded) == sum(m["groups_used"] * 4 for m in lines)  # invalid groups: no forward at all
+    assert max(forwarded) <= 6  # micro-batches of at most micro_batch_size sequences
+    for m in lines:
+        assert m["groups_sampled"] == 4 * m["attempts"]
+        if m["groups_used"]:
+            assert m["alpha"] == pytest.approx(m["groups_sampled"] / m["groups_used"])
+        if m["attempts"] > 1:
+            assert m["valid_fractions"][0] < 0.5
