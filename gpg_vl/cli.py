@@ -29,7 +29,10 @@ def train_main(cfg: DictConfig) -> dict:
     report_to = cfg.trainer.report_to
     accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir),
                               log_with=None if report_to == "none" else report_to)
-    policy = build_policy(cfg.model, accelerator.device)
+    model_cfg = cfg.model
+    if cfg.resume:  # the weights come from the checkpoint; the optimizer, data position and RNG follow in train()
+        model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(cfg.resume)})
+    policy = build_policy(model_cfg, accelerator.device)
     container = OmegaConf.to_container(cfg, resolve=True)
     summary = train(
         policy, task,

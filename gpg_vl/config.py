@@ -38,22 +38,19 @@ def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
 
 
 def _check_override(cfg: DictConfig, override: str) -> None:
-    key = override.split("=", 1)[0].lstrip("+~")
-    if override.startswith("+") or key in GROUPS or key.startswith("hydra"):
-        return
+    """Raise a UserError naming the valid keys when `key=value` sets a key the config does not have."""
+    key = override.split("=", 1)[0].lstrip("~")
     parts = key.split(".")
+    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or parts[:2] == ["task", "options"]:
+        return  # task options are the task constructor's keywords: the task checks them itself
     node = cfg
     for depth, part in enumerate(parts):
         if not isinstance(node, DictConfig) or part not in node:
             parent = ".".join(parts[:depth])
             scope = node if isinstance(node, DictConfig) else cfg
             valid = _valid_keys(scope, parent + "." if parent else "")
-            if parent in ("task.options",) or parts[:2] == ["task", "options"]:
-                return  # task options are the task constructor's keywords, checked by the task itself
-            raise UserError(
-                f"unknown config key {key!r}; valid keys{' under ' + parent if parent else ''}: "
-                f"{', '.join(valid)}."
-            )
+            where = f" under {parent}" if parent else ""
+            raise UserError(f"unknown config key {key!r}; valid keys{where}: {', '.join(valid)}.")
         node = node[part]
 
 

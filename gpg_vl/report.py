@@ -19,7 +19,13 @@ def write_curves(metrics_path: Path, out_path: Path) -> None:
     for axis, key, label in zip(axes, ("reward_mean", "valid_fraction", "alpha"),
                                 ("mean reward", "valid fraction (first rollout)", "alpha = B / (B - M)"),
                                 strict=True):
-        axis.plot(steps, [r[key] for r in rows], linewidth=1.2)
+        values = [r[key] for r in rows]
+        window = max(1, len(values) // 15)
+        smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                  for i in range(len(values))]
+        axis.plot(steps, values, linewidth=0.8, alpha=0.35)
+        axis.plot(steps, smooth, linewidth=1.6, label=f"mean of last {window}")
+        axis.legend(loc="best", fontsize=8)
         axis.set_title(label)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)

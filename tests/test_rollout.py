@@ -99,3 +99,20 @@ def test_prompt_over_the_limit_is_skipped_with_a_sentence_naming_it(policy, shap
                              std_normalize=False, warn=warnings.append)
     assert attempt.rows == [] and attempt.valid.numel() == 0
     assert len(warnings) == 2 and "shapes-0-" in warnings[0] and "max_prompt_tokens=10" in warnings[0]
+
+
+def test_prompts_with_several_images_keep_their_images_when_selected_and_shared(policy, shapes):
+    rows = shapes.load("train")[:3]
+    two_images = [{"role": "user", "content": [
+        {"type": "image", "image": rows[0]["image"]}, {"type": "image", "image": rows[1]["image"]},
+        {"type": "text", "text": "Which image has more shapes?"}]}]
+    prompts = policy.adapter.encode([two_images, shapes.messages(rows[2])])
+    assert prompts.images_per_prompt == [2, 1]
+    reordered = prompts.select([1, 0, 0])
+    assert reordered.images_per_prompt == [1, 2, 2] and reordered.inputs["image_grid_thw"].shape[0] == 5
+    result = generate(policy, prompts, group_size=2, max_new_tokens=6)
+    index = [0, 0, 1, 1]
+    shared = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids, result.completion_mask)
+    repeated = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids,
+                                          result.completion_mask, share_vision=False)
+    torch.testing.assert_close(shared, repeated, rtol=1e-4, atol=1e-5)
