@@ -1,0 +1,195 @@
+"""Rows and images for task plugins, from the Hugging Face Hub or from a local copy (`data.path=`).
+
+`load_rows` gives a split as a `datasets.Dataset`: lazy, indexable, each row a dict of the published
+columns (images as PIL images where the column is an `Image` feature). A local copy may be a data file,
+a folder of them named after their split, or a `save_to_disk` folder, so a machine without network
+access trains on the same rows. `load_image` turns whatever a row holds into an RGB PIL image.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from PIL import Image
+
+from gpg_vl.errors import UserError
+
+BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+ACCEPTED = "a parquet/jsonl/json/csv/arrow file, a folder of them named after their split, or a save_to_disk folder"
+_SHARD = re.compile(r"-\d+-of-\d+$")  # train-00000-of-00003 -> train, as the Hub names shards
+_METADATA = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}  # not rows
+
+
+def load_rows(
+    hub_id: str | None,
+    split: str,
+    *,
+    path: str | os.PathLike | None = None,
+    config_name: str | None = None,
+    required_columns: Sequence[str] = (),
+) -> datasets.Dataset:
+    """The rows of `split`: from `path` when given (a local copy wins over the Hub), else from `hub_id`."""
+    if path is not None:
+        rows, where = _load_local(Path(path).expanduser(), split), repr(str(path))
+    elif hub_id:
+        rows, where = _load_hub(hub_id, split, config_name), f"dataset {hub_id!r}"
+    else:
+        raise UserError("no data source was given; pass data.path=/path/to/local/copy or a Hub dataset id.")
+    missing = [column for column in required_columns if column not in rows.column_names]
+    if missing:
+        raise UserError(
+            f"split {split!r} of {where} lacks column(s) {missing} (it has {rows.column_names}); "
+            "point data.path= at a copy of the dataset with the published columns."
+        )
+    return rows
+
+
+def _load_hub(hub_id: str, split: str, config_name: str | None) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(hub_id, config_name, split=split)
+    except Exception as exc:  # offline, unknown id, missing split: the exception types vary by cause
+        reason = _reason(exc)
+        if isinstance(exc, ValueError) and re.search(r"(Unknown|Bad) split", reason):
+            raise UserError(f"dataset {hub_id!r} has no split {split!r} ({reason}); pick one of its splits.") from exc
+        raise UserError(
+            f"could not load dataset {hub_id!r} from the Hugging Face Hub ({reason}); check the id, or without "
+            f"network access download it elsewhere and pass data.path=/path/to/local/copy ({ACCEPTED})."
+        ) from exc
+
+
+def _load_local(path: Path, split: str) -> datasets.Dataset:
+    if not path.exists():
+        raise UserError(f"data.path {str(path)!r} does not exist; pass {ACCEPTED}.")
+    if _is_saved(path):
+        return _select(_read(path, lambda: datasets.load_from_disk(str(path))), split, path)
+    if path.is_file():
+        if path.suffix.lower() not in BUILDERS:
+            raise UserError(f"data.path {str(path)!r} has an unsupported file type {path.suffix!r}; pass {ACCEPTED}.")
+        return _read_files(path.suffix.lower(), [path], path)  # a single file is the split, whatever its name
+    saved = {child.name: child for child in path.iterdir() if child.is_dir() and _is_saved(child)}
+    files: dict[str, list[Path]] = {}
+    for file in sorted(path.rglob("*")):
+        parts = file.relative_to(path).parts
+        if file.is_file() and file.suffix.lower() in BUILDERS and parts[0] not in saved:
+            if file.name not in _METADATA and not any(part.startswith(".") for part in parts):
+                files.setdefault(_SHARD.sub("", file.name[: -len(file.suffix)]), []).append(file)
+    if split in saved:
+        return _select(_read(saved[split], lambda: datasets.load_from_disk(str(saved[split]))), split, saved[split])
+    if split not in files:
+        available = sorted({*saved, *files})
+        raise UserError(
+            f"data.path {str(path)!r} has no split {split!r} (available: {', '.join(available) or 'none'}); "
+            f"name a file after the split ({split}.parquet) or pass the file itself as data.path=."
+        )
+    suffixes = {file.suffix.lower() for file in files[split]}
+    if len({BUILDERS[suffix] for suffix in suffixes}) > 1:
+        raise UserError(f"split {split!r} of {str(path)!r} mixes file types {sorted(suffixes)}; keep one type.")
+    return _read_files(suffixes.pop(), files[split], path)
+
+
+def _is_saved(path: Path) -> bool:
+    """Whether `path` is a folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
+    return path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists())
+
+
+def _read_files(suffix: str, files: list[Path], where: Path) -> datasets.Dataset:
+    data_files = [str(file) for file in files]
+    return _read(where, lambda: datasets.load_dataset(BUILDERS[suffix], data_files=data_files, split="train"))
+
+
+def _read(where: Path, load: Callable[[], Any]) -> Any:
+    try:
+        return load()
+    except Exception as exc:  # corrupt parquet, malformed json lines, incomplete save_to_disk folders
+        raise UserError(f"could not read {str(where)!r} ({_reason(exc)}); check that it is {ACCEPTED}.") from exc
+
+
+def _select(loaded: datasets.Dataset | datasets.DatasetDict, split: str, where: Path) -> datasets.Dataset:
+    if isinstance(loaded, datasets.Dataset):
+        return loaded  # a saved single Dataset is the split, like a single file
+    if split not in loaded:
+        raise UserError(
+            f"save_to_disk folder {str(where)!r} has no split {split!r} (available: {', '.join(loaded)}); "
+            "pick one of those splits."
+        )
+    return loaded[split]
+
+
+def _reason(exc: BaseException) -> str:
+    """The exception's message on one short line, so the UserError stays one sentence."""
+    text = re.sub(r" <[^<>]* at 0x[0-9a-f]+>", "", " ".join(str(exc).split())).rstrip(".") or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: Any = None) -> Image.Image:
+    """An RGB image, fully decoded, from a PIL image, a `datasets` image dict, bytes or a path.
+
+    Relative paths resolve against `image_root`. `row` only names the row in error messages.
+    """
+    where = "image bytes" + (f" of row {row}" if row is not None else "")
+    if isinstance(value, dict):
+        where = repr(value["path"]) if value.get("path") else where
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (str, os.PathLike)):
+        file = Path(value).expanduser()
+        if not file.is_absolute() and image_root is not None:
+            file = Path(image_root).expanduser() / file
+        if not file.is_file():
+            raise UserError(f"image file {str(file)!r} does not exist; check data.image_root= (now {image_root!r}).")
+        where, value = repr(str(file)), file
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        value = io.BytesIO(bytes(value))
+    elif not isinstance(value, Image.Image):
+        raise UserError(f"{where} is a {type(value).__name__}, not an image, a path or bytes; check the image column.")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked below, with the size
+            image = value if isinstance(value, Image.Image) else Image.open(value)
+        limit = Image.MAX_IMAGE_PIXELS
+        if limit is not None and image.width * image.height > limit:
+            raise Image.DecompressionBombError(f"{image.width}x{image.height} = {image.width * image.height} pixels")
+        image.load()
+        return to_rgb(image)
+    except Image.DecompressionBombError as exc:
+        raise UserError(
+            f"{where} is too large to decode safely ({_pixels(exc)}, over PIL's limit of {Image.MAX_IMAGE_PIXELS}); "
+            "shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS if you trust the file."
+        ) from exc
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise UserError(
+            f"could not decode {where} ({_reason(exc)}); check that it is a complete image file and data.image_root=."
+        ) from exc
+
+
+def _pixels(exc: Exception) -> str:
+    """The size named by PIL's decompression-bomb message ("Image size (N pixels) exceeds ...")."""
+    found = re.search(r"\d+x\d+ = \d+ pixels|\d+ pixels", str(exc))
+    return found.group(0) if found else _reason(exc)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """`image` in RGB: transparency composited on white, 16-bit and float data scaled to 8 bits, not clipped."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        pixels = np.asarray(image).astype(np.float64)
+        if image.mode == "F":
+            scale = 255.0 if pixels.size and pixels.max() <= 1.0 else 1.0
+        else:  # I;16 always holds 16 bits; I holds 16-bit data (PNG) unless every value fits in 8 bits
+            scale = 1.0 if image.mode == "I" and (not pixels.size or pixels.max() <= 255) else 1 / 257
+        gray = np.clip(np.rint(pixels * scale), 0, 255).astype(np.uint8)
+        return Image.fromarray(gray).convert("RGB")
+    if image.mode in ("LA", "La", "PA", "RGBa") or (image.mode == "P" and "transparency" in image.info):
+        image = image.convert("RGBA")
+    if image.mode == "RGBA":
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image).convert("RGB")
+    return image.convert("RGB")
