@@ -18,7 +18,8 @@ def build_policy(model_cfg: DictConfig, device):
 
 
 def build_task(task_cfg: DictConfig):
-    return get_task(task_cfg.name, **OmegaConf.to_container(task_cfg.options or {}, resolve=True))
+    options = OmegaConf.to_container(task_cfg.options, resolve=True) if task_cfg.options is not None else {}
+    return get_task(task_cfg.name, **options)
 
 
 def train_main(cfg: DictConfig) -> dict:
@@ -52,3 +53,47 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def eval_main(cfg: DictConfig) -> dict[str, float]:
+    """Greedy evaluation of a model on a task split, or re-scoring of a saved predictions file."""
+    import json
+    from pathlib import Path
+
+    from gpg_vl.errors import UserError
+    from gpg_vl.evaluate import generate_greedy, prediction_records, rescore
+
+    task = build_task(cfg.task)
+    split = cfg.eval.split or task.eval_split
+    rows = task.load(split)
+    output_dir = Path(cfg.output_dir)
+    if cfg.predictions:
+        source = Path(cfg.predictions)
+        if not source.is_file():
+            raise UserError(f"predictions file {str(source)!r} does not exist; pass predictions=path/to/predictions.jsonl.")
+        try:
+            records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as error:
+            raise UserError(f"predictions file {str(source)!r} is not JSON lines ({error}); "
+                            "pass a predictions.jsonl written by scripts/eval.py.") from None
+        metrics, records = rescore(task, records, rows)
+    else:
+        import torch
+
+        torch.manual_seed(cfg.seed)
+        rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
+        policy = build_policy(cfg.model, "cuda" if _cuda() else "cpu")
+        completions = generate_greedy(policy, task, rows, batch_size=cfg.eval.batch_size,
+                                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+        records = prediction_records(task, rows, completions, split)
+        metrics = task.metrics(rows, completions)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with (output_dir / "predictions.jsonl").open("w") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    width = max(len(name) for name in metrics)
+    print(f"{task.name} / {split}: {len(records)} rows  ({output_dir})")
+    for name, value in metrics.items():
+        print(f"  {name:<{width}}  {value:.4f}")
+    return metrics

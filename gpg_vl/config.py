@@ -65,9 +65,9 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
                             f"(files in configs/{key}/).")
     # `task=module:Name` loads an out-of-tree task; its config is the base task config with that name.
     plugin = [o for o in overrides if o.startswith("task=") and ":" in o.split("=", 1)[1]]
-    overrides = [o if o not in plugin else "task=shapes" for o in overrides]
+    overrides = [o if o not in plugin else "task=plugin" for o in overrides]
     if plugin:
-        overrides.append(f"task.name={plugin[-1].split('=', 1)[1]}")
+        overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
     group_overrides = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
