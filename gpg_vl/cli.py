@@ -70,7 +70,8 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     if cfg.predictions:
         source = Path(cfg.predictions)
         if not source.is_file():
-            raise UserError(f"predictions file {str(source)!r} does not exist; pass predictions=path/to/predictions.jsonl.")
+            raise UserError(f"predictions file {str(source)!r} does not exist; "
+                            "pass predictions=path/to/predictions.jsonl.")
         try:
             records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
         except json.JSONDecodeError as error:
