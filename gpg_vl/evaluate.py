@@ -7,14 +7,14 @@ from collections.abc import Sequence
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
 from gpg_vl.rewards import extract_answer
-from gpg_vl.rollout import generate
+from gpg_vl.rollout import generate, in_task_frame
 
 
 def generate_greedy(
     policy: Policy, task, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int, rank: int = 0,
     world_size: int = 1, gather=None, progress=None,
 ) -> list[str]:
-    """Greedy completions for `rows`, in order. Each process decodes its own share of the rows;
+    """Greedy completions for `rows`, in order, boxes in original pixels. Each process decodes its own share;
     `gather` (e.g. accelerate's gather_object) joins the shares when there are several processes."""
     local = list(range(rank, len(rows), world_size))
     texts: list[tuple[int, str]] = []
@@ -22,7 +22,7 @@ def generate_greedy(
         chunk = local[start:start + batch_size]
         prompts = policy.adapter.encode([task.messages(rows[i]) for i in chunk])
         rollout = generate(policy, prompts, group_size=1, max_new_tokens=max_new_tokens, do_sample=False)
-        texts += list(zip(chunk, rollout.texts, strict=True))
+        texts += list(zip(chunk, in_task_frame(policy, task, rollout.texts, prompts, 1), strict=True))
         if progress is not None:
             progress(len(chunk))
     if world_size > 1 and gather is not None:

@@ -61,3 +61,11 @@ def generate(
     completion_ids = completion_ids.masked_fill(~mask, adapter.pad_id)  # [B * G, C]
     texts = adapter.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return Rollout(completion_ids=completion_ids, completion_mask=mask, texts=texts, group_size=group_size)
+
+
+def in_task_frame(policy: Policy, task, texts: list[str], prompts: PromptBatch, group_size: int) -> list[str]:
+    """Completions as the task scores them: boxes moved from the model's frame into original pixels."""
+    if not getattr(task, "uses_boxes", False) or not prompts.image_sizes:
+        return texts
+    return [policy.adapter.completion_to_original(text, prompts.image_sizes[i // group_size])
+            for i, text in enumerate(texts)]

@@ -45,6 +45,7 @@ class Task:
     name: ClassVar[str] = ""
     train_split: ClassVar[str] = "train"
     eval_split: ClassVar[str] = "test"
+    uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model adapter maps them to original pixels
 
     def __init__(self, **options: Any) -> None:
         if options:

@@ -28,7 +28,7 @@ from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
 from gpg_vl.objective import group_advantages, policy_loss
 from gpg_vl.report import write_curves
-from gpg_vl.rollout import Rollout, generate
+from gpg_vl.rollout import Rollout, generate, in_task_frame
 from gpg_vl.sampler import collect_valid_groups
 
 TIMING_KEYS = ("rollout_s", "update_s", "step_s")
@@ -117,7 +117,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
                       temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos)
-    scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(result.texts)]
+    texts = in_task_frame(policy, task, result.texts, prompts, group_size)
+    scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(texts)]
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
     advantages, valid = group_advantages(rewards, std_normalize=std_normalize)  # [b, G], [b]

@@ -1,5 +1,6 @@
 """Grouped rollouts and the update's log-probs on the real Qwen2.5-VL class (tiny weights, CPU)."""
 
+import pytest
 import torch
 
 from gpg_vl.data import PromptStream
@@ -116,3 +117,24 @@ def test_prompts_with_several_images_keep_their_images_when_selected_and_shared(
     repeated = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids,
                                           result.completion_mask, share_vision=False)
     torch.testing.assert_close(shared, repeated, rtol=1e-4, atol=1e-5)
+
+
+def test_box_frames_round_trip_and_completions_are_rewritten_into_original_pixels(policy, shapes):
+    from gpg_vl.models.base import Qwen2VLAdapter, QwenVLAdapter
+
+    size = (640, 480, 644, 476)  # original W, H; resized w, h
+    box = (100.0, 50.0, 300.0, 200.0)
+    for adapter_class, expected in ((QwenVLAdapter, (100.625, 49.5833, 301.875, 198.3333)),
+                                    (Qwen2VLAdapter, (156.25, 104.1667, 468.75, 416.6667))):
+        adapter = adapter_class.__new__(adapter_class)  # the frame maths needs no processor
+        model_box = adapter.to_model_frame(box, size)
+        assert model_box == pytest.approx(expected, abs=1e-3)
+        assert adapter.to_original_frame(model_box, size) == pytest.approx(box, abs=1e-9)
+        text = f"<answer>[{model_box[0]:.4f}, {model_box[1]:.4f}, {model_box[2]:.4f}, {model_box[3]:.4f}]</answer>"
+        assert adapter.completion_to_original(text, [size]) == "<answer>[100, 50, 300, 200]</answer>"
+    qwen2 = Qwen2VLAdapter.__new__(Qwen2VLAdapter)
+    assert qwen2.completion_to_original("(500,500),(1000,1000)", [size]) == "(320,240),(640,480)"
+    # the sizes recorded at encoding time: original image size, then the size the processor fed the model
+    rows = shapes.load("train")[:1]
+    prompts = policy.adapter.encode([shapes.messages(rows[0])])
+    assert prompts.image_sizes == [[(112, 112, 112, 112)]]

@@ -10,6 +10,7 @@ policy that sampled. Qwen2-VL and Qwen2.5-VL share this code; a family that diff
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class PromptBatch:
     inputs: dict[str, Tensor]  # input_ids [B, P], attention_mask [B, P], mm_token_type_ids [B, P], ...
     images_per_prompt: list[int]
     ids: list[str] = field(default_factory=list)
+    image_sizes: list[list[tuple[int, int, int, int]]] = field(default_factory=list)  # (W, H, w, h) per image
 
     def __len__(self) -> int:
         return self.inputs["input_ids"].shape[0]
@@ -69,14 +71,30 @@ class PromptBatch:
             selected,
             [self.images_per_prompt[i] for i in indices],
             [self.ids[i] for i in indices] if self.ids else [],
+            [self.image_sizes[i] for i in indices] if self.image_sizes else [],
         )
 
     def to(self, device: torch.device) -> PromptBatch:
-        return PromptBatch({k: v.to(device) for k, v in self.inputs.items()}, self.images_per_prompt, self.ids)
+        return PromptBatch({k: v.to(device) for k, v in self.inputs.items()}, self.images_per_prompt, self.ids,
+                           self.image_sizes)
+
+
+_NUMBER = r"(-?\d+(?:\.\d+)?)"
+_BOX_PATTERNS = (
+    re.compile(rf"\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]"),  # [x1, y1, x2, y2]
+    re.compile(rf"\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)\s*,\s*\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)"),  # (x1,y1),(x2,y2)
+)
+
+
+def _format_number(value: float) -> str:
+    """Two decimals at most, none when they are zero: 50.0 -> '50', 12.345 -> '12.35'."""
+    text = f"{value:.2f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
 
 
 class QwenVLAdapter:
-    """Qwen2-VL / Qwen2.5-VL specifics: processor call, suppressed vision tokens, 3-D rotary positions."""
+    """Qwen2.5-VL specifics (Qwen2-VL overrides the box frame): processor call, suppressed vision tokens,
+    3-D rotary positions, and the coordinate frame of boxes: absolute pixels of the RESIZED image."""
 
     def __init__(self, processor, config, *, min_pixels: int | None, max_pixels: int | None) -> None:
         self.processor = processor
@@ -105,15 +123,48 @@ class QwenVLAdapter:
                         if self.max_pixels is not None:
                             part.setdefault("max_pixels", self.max_pixels)
         texts = [self.render(messages) for messages in messages_batch]
-        images_per_prompt, images = [], []
+        images_per_prompt, images, image_sizes = [], [], []
         for messages in messages_batch:
+            originals = [part["image"].size for message in messages if isinstance(message["content"], list)
+                         for part in message["content"] if hasattr(part.get("image"), "size")]
             prompt_images, _ = process_vision_info(messages)
             prompt_images = prompt_images or []
             images_per_prompt.append(len(prompt_images))
             images.extend(prompt_images)
+            if len(originals) != len(prompt_images):  # images given by path: their sizes are unknown here
+                originals = []
+            image_sizes.append([(*original, *resized.size) for original, resized in zip(originals, prompt_images)])  # noqa: B905
         self.tokenizer.padding_side = "left"
         inputs = self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
-        return PromptBatch(dict(inputs), images_per_prompt, list(ids or []))
+        return PromptBatch(dict(inputs), images_per_prompt, list(ids or []), image_sizes)
+
+    # ---- boxes: tasks work in original-image pixels, the model in its own frame ----------------------
+    def box_scale(self, size: tuple[int, int, int, int]) -> tuple[float, float]:
+        """(x, y) factors from original pixels (W, H) to the model's frame; here the resized image (w, h)."""
+        width, height, resized_width, resized_height = size
+        return resized_width / width, resized_height / height
+
+    def to_model_frame(self, box, size: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
+        sx, sy = self.box_scale(size)
+        return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+    def to_original_frame(self, box, size: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
+        sx, sy = self.box_scale(size)
+        return (box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy)
+
+    def completion_to_original(self, text: str, sizes: list[tuple[int, int, int, int]]) -> str:
+        """Rewrite the boxes of a completion from the model's frame into original pixels of its first image."""
+        if not sizes or "," not in text:
+            return text
+
+        def rewrite(match: re.Match) -> str:
+            box = self.to_original_frame([float(v) for v in match.groups()], sizes[0])
+            numbers = iter(_format_number(v) for v in box)
+            return re.sub(_NUMBER, lambda _: next(numbers), match.group(0))
+
+        for pattern in _BOX_PATTERNS:
+            text = pattern.sub(rewrite, text)
+        return text
 
     # ---- positions and log-probs ---------------------------------------------------------------
     def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor:
@@ -210,7 +261,15 @@ class Policy:
     name_or_path: str
 
 
-FAMILIES: dict[str, type[QwenVLAdapter]] = {"qwen2_vl": QwenVLAdapter, "qwen2_5_vl": QwenVLAdapter}
+class Qwen2VLAdapter(QwenVLAdapter):
+    """Qwen2-VL answers boxes in a 0-1000 frame normalised to the image, whatever its size."""
+
+    def box_scale(self, size: tuple[int, int, int, int]) -> tuple[float, float]:
+        width, height = size[0], size[1]
+        return 1000.0 / width, 1000.0 / height
+
+
+FAMILIES: dict[str, type[QwenVLAdapter]] = {"qwen2_vl": Qwen2VLAdapter, "qwen2_5_vl": QwenVLAdapter}
 
 
 def resolve_path(name_or_path: str) -> str:
