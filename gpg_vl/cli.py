@@ -17,15 +17,16 @@ def build_policy(model_cfg: DictConfig, device):
     )
 
 
-def build_task(task_cfg: DictConfig):
+def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
     options = OmegaConf.to_container(task_cfg.options, resolve=True) if task_cfg.options is not None else {}
-    return get_task(task_cfg.name, **options)
+    data_cfg = data_cfg or {}
+    return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"), **options)
 
 
 def train_main(cfg: DictConfig) -> dict:
     from accelerate import Accelerator
 
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, cfg.data)
     mixed = "bf16" if cfg.model.dtype in ("auto", "bfloat16") and _cuda() else "no"
     report_to = cfg.trainer.report_to
     accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir),
@@ -63,7 +64,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     from gpg_vl.errors import UserError
     from gpg_vl.evaluate import generate_greedy, prediction_records, rescore
 
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, cfg.data)
     split = cfg.eval.split or task.eval_split
     rows = task.load(split)
     output_dir = Path(cfg.output_dir)

@@ -54,6 +54,8 @@ class Task:
             )
         self.reward_functions: dict[str, RewardFn] = {}
         self.reward_weights: dict[str, float] = {}
+        self.data_path: str | None = None  # data.path: a local copy that replaces the hub dataset
+        self.image_root: str | None = None  # data.image_root: where relative image paths resolve
 
     def load(self, split: str) -> Sequence[dict]:
         """The rows of `split`, each a dict of the dataset's columns."""
@@ -143,8 +145,11 @@ def _load_from_reference(reference: str) -> type[Task]:
     return task_class
 
 
-def get_task(name: str, **options: Any) -> Task:
-    """Build the task called `name` (a registered name, `module:Name` or `file.py:Name`)."""
+def get_task(name: str, *, data_path: str | None = None, image_root: str | None = None, **options: Any) -> Task:
+    """Build the task called `name` (a registered name, `module:Name` or `file.py:Name`).
+
+    `options` go to the task's constructor; `data_path` / `image_root` point it at a local copy of its data.
+    """
     if ":" in name:
         task_class = _load_from_reference(name)
         if task_class.name and task_class.name not in _REGISTRY:
@@ -164,4 +169,9 @@ def get_task(name: str, **options: Any) -> Task:
             valid = [p for p in accepted if p != "self"]
             raise UserError(f"task {task_class.name!r} has no option {', '.join(unknown)}; "
                             f"its options are: {', '.join(valid) or 'none'} (set them as task.options.<name>=...).")
-    return task_class(**options)
+    task = task_class(**options)
+    if data_path is not None:
+        task.data_path = str(data_path)
+    if image_root is not None:
+        task.image_root = str(image_root)
+    return task

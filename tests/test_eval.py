@@ -45,7 +45,7 @@ def test_the_readme_task_registers_and_trains_two_steps(tmp_path):
     summary = train_main(load_config("train", [f"task={plugin}:Dominant", f"output_dir={tmp_path / 'run'}",
                                                "trainer.max_steps=2", "trainer.batch_size=4",
                                                "trainer.group_size=4", "rollout.max_new_tokens=12",
-                                               "eval.limit=8", "trainer.lr=1e-5"]))
+                                               "eval.limit=8", "trainer.lr=1e-5", "trainer.max_attempts=2"]))
     assert summary["task"] == "dominant" and summary["steps"] == 2
     assert 0.0 <= summary["accuracy_after"] <= 1.0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
