@@ -14,7 +14,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,7 @@ class TrainerSettings:
     """`trainer.*` config keys (see configs/train.yaml for each one's meaning)."""
 
     max_steps: int = 100
+    epochs: float | None = None
     group_size: int = 8
     batch_size: int = 8
     micro_batch_size: int = 16
@@ -265,6 +266,9 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     random.seed(seed)
     np.random.seed(seed)
 
+    train_rows = task.load(task.train_split)
+    if trainer.epochs:  # epochs over the train split decide the length of the run
+        trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
     model = policy.model
     if trainer.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
@@ -282,7 +286,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
 
-    stream = PromptStream(task.load(task.train_split), seed=seed, rank=accelerator.process_index,
+    stream = PromptStream(train_rows, seed=seed, rank=accelerator.process_index,
                           world_size=accelerator.num_processes)
     start_step = 0
     if resume_from is not None:
