@@ -1,25 +1,62 @@
 """Reward primitives: answer extraction, format check and answer matching.
 
 Every function here takes model output (any string) and never raises on it; each documents its range.
+The answer is always the content of the last complete `<answer>...</answer>` (`extract_answer`); a completion
+without one scores 0 for accuracy. Answers longer than `_MAX_PARSE_CHARS` are not parsed (they score 0, except
+where a plain string comparison decides), so a 1 MB completion costs a linear scan, not a parse.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
+import math
 import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 FORMAT_PATTERN = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
 ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
+Box = tuple[float, float, float, float]  # (x1, y1, x2, y2) with x2 > x1 and y2 > y1
+_T = TypeVar("_T")
+
+# No sensible final answer (a letter, a label, a box, a number) is longer; longer ones are not parsed at all.
+_MAX_PARSE_CHARS = 2048
+_SPACES = re.compile(r"\s*")  # the `\s*` of FORMAT_PATTERN, so both agree on what whitespace is
+
 
 def extract_answer(completion: str) -> str | None:
     """The content of the last complete `<answer>...</answer>`, stripped; None when there is none."""
-    matches = ANSWER_PATTERN.findall(completion)
-    return matches[-1].strip() if matches else None
+    # Same result as ANSWER_PATTERN.findall(completion)[-1].strip(), found with str.find: the regex rescans to
+    # the end from every unclosed '<answer>', which is quadratic ('<answer>' * 200_000 takes minutes).
+    last = None
+    start = completion.find("<answer>")
+    while start >= 0:
+        end = completion.find("</answer>", start + 8)
+        if end < 0:
+            break
+        last = (start + 8, end)
+        start = completion.find("<answer>", end + 9)
+    return completion[last[0]:last[1]].strip() if last else None
 
 
 def format_reward(completion: str) -> float:
     """1.0 if the completion fullmatches `<think>.*?</think>\\s*<answer>.*?</answer>` (DOTALL), else 0.0."""
-    return 1.0 if FORMAT_PATTERN.fullmatch(completion.strip()) else 0.0
+    # Same result as FORMAT_PATTERN.fullmatch(completion.strip()), but linear: the regex backtracks to every
+    # '</think>' and rescans to the end from each (quadratic on '<think></think><answer>' * 100_000).
+    text = completion.strip()
+    if not (text.startswith("<think>") and text.endswith("</answer>")):
+        return 0.0
+    latest_answer = len(text) - len("<answer></answer>")  # the last index '<answer>' may start at
+    close = text.find("</think>", len("<think>"))
+    while close >= 0:
+        start = _SPACES.match(text, close + 8).end()  # whitespace runs after distinct '</think>' are disjoint
+        if start <= latest_answer and text.startswith("<answer>", start):
+            return 1.0
+        close = text.find("</think>", close + 1)
+    return 0.0
 
 
 def normalize_text(text: str) -> str:
@@ -33,3 +70,341 @@ def exact_match_reward(completion: str, target: str) -> float:
     if answer is None or not normalize_text(answer):
         return 0.0
     return 1.0 if normalize_text(answer) == normalize_text(target) else 0.0
+
+
+# ---------------------------------------------------------------- labels and multiple choice
+
+# Stripped from both ends of labels and option texts: sentence punctuation, quotes, brackets, markdown emphasis.
+_EDGE_PUNCT = " .,:;!?\"'`*()[]{}\u201c\u201d\u2018\u2019\u00ab\u00bb\u3002\uff0c\uff01\uff1f\uff1a\uff1b"
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# A bare letter: 'B', 'b', '(B)', '[B]', 'B)', 'B.', 'B:', '(B).'
+_LETTER_ONLY = re.compile(r"[(\[]?\s*([A-Za-z])\s*[)\]]?\s*[.:]?")
+# A letter with a delimiter, then text: '(B) red', 'B. red', 'B) red', 'B: red'
+_LETTER_TEXT = re.compile(r"[(\[]?\s*([A-Za-z])\s*(?:[)\]]\s*[.:]?|[.:])\s*(.+)", re.DOTALL)
+
+
+def _text_key(text: str) -> str:
+    """Lower-case, collapse whitespace, strip `_EDGE_PUNCT` at the ends."""
+    return " ".join(text.lower().split()).strip(_EDGE_PUNCT)
+
+
+def _label_key(text: str) -> str:
+    """`_text_key` with '_' and '-' read as spaces: 'Pink_Rose' and 'pink-rose' -> 'pink rose'."""
+    return _text_key(text.replace("_", " ").replace("-", " "))
+
+
+def label_reward(completion: str, labels: str | list[str]) -> float:
+    """1.0 if the answer equals the label or one of its listed synonyms (`_label_key`), else 0.0; range {0, 1}.
+
+    A str is one label (never split). An empty answer scores 0, and a substring does not count:
+    'rose' does not match 'pink rose' unless 'rose' is listed.
+    """
+    answer = extract_answer(completion)
+    if answer is None or len(answer) > _MAX_PARSE_CHARS:
+        return 0.0
+    key = _label_key(answer)
+    if not key:  # `"" in label` is true for every label: an empty answer must not match
+        return 0.0
+    candidates = [labels] if isinstance(labels, str) else labels
+    return 1.0 if any(isinstance(c, str) and _label_key(c) == key for c in candidates) else 0.0
+
+
+def _option_key(option: str, letter: str) -> str:
+    """`_text_key` of an option's text, without its own letter prefix ('B. red' as option B -> 'red')."""
+    prefixed = _LETTER_TEXT.fullmatch(option.strip())
+    if prefixed and prefixed.group(1).upper() == letter:
+        option = prefixed.group(2)
+    return _text_key(option)
+
+
+def choice_letter(text: str, choices: Sequence[str]) -> str | None:
+    """The one option letter `text` names ('A' = choices[0]); None when it names none or several.
+
+    Read in this order: a bare letter ('B', 'b', '(B)', 'B.'); an option's text (case-, whitespace- and
+    edge-punctuation-insensitive); a letter followed by that same option's text ('(B) red'). Anything else
+    names no single option: 'A or B', '(A) (B)', 'A, B', '(B) <another option's text>', two option texts.
+    With `choices` empty, letters A-Z are accepted (options known only by letter).
+    """
+    if len(text) > _MAX_PARSE_CHARS:
+        return None
+    letters = _LETTERS[: len(choices)] if choices else _LETTERS
+    core = text.strip().strip("*`'\"").strip()  # markdown emphasis and quotes around the answer
+    bare = _LETTER_ONLY.fullmatch(core)
+    if bare:
+        letter = bare.group(1).upper()
+        return letter if letter in letters else None
+    keys = [_option_key(str(option), letter) for option, letter in zip(choices, letters, strict=False)]
+    key = _text_key(core)
+    named = [letter for letter, option_key in zip(letters, keys, strict=False) if key and option_key == key]
+    if named:
+        return named[0] if len(named) == 1 else None  # duplicate option texts: ambiguous
+    prefixed = _LETTER_TEXT.fullmatch(core)
+    if prefixed:
+        letter = prefixed.group(1).upper()
+        index = letters.find(letter)
+        if 0 <= index < len(keys) and keys[index] and _text_key(prefixed.group(2)) == keys[index]:
+            return letter
+    return None
+
+
+def choice_reward(completion: str, choices: Sequence[str], answer: str) -> float:
+    """1.0 if the answer names the right option and only it (see `choice_letter`), else 0.0; range {0, 1}.
+
+    `answer` is the right letter ('B', '(B)', 'B.') or the right option's text; an `answer` that names no
+    single option makes every completion score 0.
+    """
+    right = choice_letter(answer, choices)
+    predicted = extract_answer(completion)
+    if right is None or predicted is None:
+        return 0.0
+    return 1.0 if choice_letter(predicted, choices) == right else 0.0
+
+
+# ---------------------------------------------------------------- math
+
+# '140°', '140^\circ', '140^{\circ}', '140\degree' all mean 140.
+_DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree|°")
+# CPython's way to raise an exception in a given thread (to stop an overrunning check); None elsewhere.
+_SET_ASYNC_EXC = getattr(getattr(ctypes, "pythonapi", None), "PyThreadState_SetAsyncExc", None)
+# Exact integers math_verify may build (sympy evaluates 9^{9^9} exactly) are capped at this many digits: one
+# CPython big-int operation holds the GIL, so neither a timeout in another thread nor `_Deadline` can stop it.
+_MAX_DIGITS = 100_000
+
+
+class _Deadline(BaseException):
+    """Raised into a math check that ran out of time; a BaseException so that `except Exception` in sympy and
+    math_verify cannot swallow it (math_verify's own TimeoutException is one too)."""
+
+
+class _Check(threading.Thread):
+    """Runs fn() once in a daemon thread; `cancel()` raises `_Deadline` in it, at most once, while fn runs."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        super().__init__(name="gpg_vl math check", daemon=True)
+        self._fn = fn
+        self.result: object = None
+        self._lock = threading.Lock()  # orders cancel() against the end of fn()
+        self._running = True
+        self._cancelled = False
+
+    def run(self) -> None:
+        try:
+            try:
+                self.result = self._fn()
+            finally:
+                with self._lock:
+                    self._running = False
+                    cancelled = self._cancelled
+                if cancelled and _SET_ASYNC_EXC is not None:  # raised into us but maybe not delivered yet: drop it
+                    _SET_ASYNC_EXC(ctypes.c_ulong(threading.get_ident()), None)
+        except BaseException:  # _Deadline or an error: the caller has already moved on or scores 0
+            self.result = None
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._running and not self._cancelled and _SET_ASYNC_EXC is not None:
+                self._cancelled = True
+                _SET_ASYNC_EXC(ctypes.c_ulong(self.ident), ctypes.py_object(_Deadline))
+
+
+def _within(seconds: float, fn: Callable[[], _T]) -> _T | None:
+    """fn()'s result, or None if it raised or was still running after `seconds` (it is then cancelled).
+
+    fn runs in a worker thread and the caller waits at most `seconds`, in any thread, for the whole check.
+    math_verify's own timeouts cannot do that: they use signal.alarm (main thread only, whole seconds) and
+    restart for each parse and each comparison. The caller is never interrupted itself, so no exception can
+    surface after the check; the overrunning worker gets `_Deadline` between bytecodes, which stops sympy
+    (not one long C call: hence `_MAX_DIGITS`; should the exception be swallowed, it finishes unobserved).
+    """
+    try:
+        check = _Check(fn)
+        check.start()
+        check.join(seconds)
+        if check.is_alive():
+            check.cancel()
+            return None
+        return check.result
+    except Exception:  # e.g. no thread could be started
+        return None
+
+
+def _log10_bound(node: object) -> float:
+    """Upper bound on log10 |value| of a parsed math_verify result (digits of any exact integer sympy may build
+    from it); inf once over `_MAX_DIGITS`. Unknown functions are bounded like factorials, containers by their
+    largest element, symbols as 0."""
+    from sympy import Basic, Function, MatrixBase
+    from sympy.concrete.expr_with_limits import ExprWithLimits
+
+    if isinstance(node, MatrixBase):
+        bound = max((_log10_bound(entry) for entry in node), default=0.0)
+    elif not isinstance(node, Basic):  # math_verify's string fallback
+        bound = 0.0
+    elif node.is_Rational:
+        bound = math.log10(max(abs(node.p), node.q))
+    elif node.is_Float:
+        bound = math.log10(abs(float(node)) + 1.0)
+    elif not node.args:  # symbols, pi, I, oo
+        bound = 0.0
+    else:
+        args = [_log10_bound(arg) for arg in node.args]
+        if node.is_Add:
+            bound = max(args) + math.log10(len(args))
+        elif node.is_Mul:
+            bound = sum(args)
+        elif node.is_Pow:  # b^e has about log10|b| * |e| digits
+            bound = args[0] * 10.0 ** args[1] if args[1] <= 300 else math.inf
+        elif isinstance(node, (Function, ExprWithLimits)):  # n! has about n log10 n digits
+            bound = 10.0 ** max(args) * max(1.0, max(args)) if max(args) <= 300 else math.inf
+        else:  # sets, tuples, relations, intervals
+            bound = max(args)
+    return bound if bound <= _MAX_DIGITS else math.inf
+
+
+def _math_text(text: str) -> str:
+    """Degree marks removed, then surrounding whitespace and `$` stripped: '$140^\\circ$' -> '140'."""
+    return _DEGREES.sub("", text).strip().strip("$").strip()
+
+
+def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0) -> float:
+    """1.0 if the answer is mathematically equal to `ground_truth` (math_verify), else 0.0; range {0, 1}.
+
+    Identical answers (ignoring whitespace) score 1 without parsing. Otherwise both sides are parsed with
+    `math_verify.parse` and compared with `math_verify.verify`, the whole cut off after `timeout_s` seconds in
+    any thread (see `_within`). Empty answers, answers over `_MAX_PARSE_CHARS`, expressions whose exact value
+    would exceed `_MAX_DIGITS` digits, parse failures, errors and timeouts score 0.0.
+    """
+    answer = extract_answer(completion)
+    if answer is None:
+        return 0.0
+    pred, gold = _math_text(answer), _math_text(ground_truth)
+    if not pred or not gold:
+        return 0.0
+    if "".join(pred.split()) == "".join(gold.split()):
+        return 1.0
+    if max(len(pred), len(gold)) > _MAX_PARSE_CHARS or not timeout_s > 0:
+        return 0.0
+    try:
+        # Imported here, outside the deadline: sympy's first import is slow and must not be interrupted midway.
+        from math_verify import parse, verify
+    except ImportError:
+        return 0.0
+
+    def equal() -> bool:
+        # math_verify's own timeouts are off (None): `_within` bounds the whole check instead.
+        # Wrapping in `$` makes its LaTeX extractor read the whole answer ('2^{10}' would otherwise parse as 2).
+        parsed = [parse(s if "$" in s else f"${s}$", parsing_timeout=None) for s in (gold, pred)]
+        if any(math.isinf(_log10_bound(item)) for side in parsed for item in side):
+            return False
+        return verify(parsed[0], parsed[1], timeout_seconds=None)
+
+    return 1.0 if _within(min(timeout_s, threading.TIMEOUT_MAX), equal) is True else 0.0
+
+
+# ---------------------------------------------------------------- boxes
+
+_NUMBER = r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*"
+_BRACKET_BOX = re.compile(rf"\[{_NUMBER},{_NUMBER},{_NUMBER},{_NUMBER}\]")  # [x1, y1, x2, y2]
+_CORNER_BOX = re.compile(rf"\({_NUMBER},{_NUMBER}\)\s*(?:,\s*)?\({_NUMBER},{_NUMBER}\)")  # (x1, y1), (x2, y2)
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)  # Qwen2.5-VL often fences its JSON
+
+
+def _as_box(values: object) -> Box | None:
+    """Four finite numbers with x2 > x1 and y2 > y1 as a float tuple; None otherwise (inverted is rejected)."""
+    try:
+        if isinstance(values, (str, bytes)) or len(values) != 4 or any(isinstance(v, bool) for v in values):
+            return None
+        x1, y1, x2, y2 = (float(v) for v in values)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not all(math.isfinite(v) for v in (x1, y1, x2, y2)) or x2 <= x1 or y2 <= y1:
+        return None
+    return x1, y1, x2, y2
+
+
+def _json_box(obj: object) -> Box | None:
+    """The box of `{"bbox_2d": [...]}`, `[x1, y1, x2, y2]`, or a list holding exactly one of those."""
+    if isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], (dict, list)):
+        obj = obj[0]  # Seg-Zero / VLM-R1: [{"bbox_2d": [...], "label": ...}]
+    if isinstance(obj, dict):
+        obj = obj.get("bbox_2d")
+    if isinstance(obj, list) and all(isinstance(v, (int, float)) for v in obj):
+        return _as_box(obj)
+    return None
+
+
+def parse_box(text: str) -> Box | None:
+    """The one box `text` is, as (x1, y1, x2, y2) floats; None when it is not exactly one valid box.
+
+    Accepted (the whole text, optionally in a ``` fence): `[x1, y1, x2, y2]`, `(x1, y1), (x2, y2)`,
+    `{"bbox_2d": [x1, y1, x2, y2], ...}` and a JSON list holding one such dict. Several boxes are rejected
+    (an answer must commit to one), as are inverted or empty boxes (x2 <= x1 or y2 <= y1: never swapped),
+    non-finite numbers, text around the box and texts over `_MAX_PARSE_CHARS`.
+    """
+    if len(text) > _MAX_PARSE_CHARS:
+        return None
+    text = text.strip()
+    fenced = _FENCE.fullmatch(text)
+    if fenced:
+        text = fenced.group(1)
+    for pattern in (_BRACKET_BOX, _CORNER_BOX):
+        match = pattern.fullmatch(text)
+        if match:
+            return _as_box(match.groups())
+    if not text.startswith(("{", "[")):
+        return None
+    try:
+        return _json_box(json.loads(text))
+    except (ValueError, RecursionError):  # invalid JSON, over-long int literal, deep nesting
+        return None
+
+
+def _box_areas(a: object, b: object) -> tuple[float, float, float] | None:
+    """(intersection, union, enclosing box) areas of two boxes; None if either is not a valid box."""
+    box_a, box_b = _as_box(a), _as_box(b)
+    if box_a is None or box_b is None:
+        return None
+    # Scale coordinates into [-1, 1]: areas of boxes near float max would overflow to inf (inf / inf = NaN).
+    scale = max(abs(v) for v in box_a + box_b)  # > 0: a valid box has x2 > x1
+    ax1, ay1, ax2, ay2 = (v / scale for v in box_a)
+    bx1, by1, bx2, by2 = (v / scale for v in box_b)
+    inter = max(0.0, min(ax2, bx2) - max(ax1, bx1)) * max(0.0, min(ay2, by2) - max(ay1, by1))
+    union = (ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter
+    enclosing = (max(ax2, bx2) - min(ax1, bx1)) * (max(ay2, by2) - min(ay1, by1))
+    if not (union > 0 and enclosing > 0):  # both boxes underflow to nothing next to a huge coordinate
+        return None
+    return inter, union, enclosing
+
+
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Intersection over union of two (x1, y1, x2, y2) boxes; range [0, 1]; 0.0 if either box is invalid."""
+    areas = _box_areas(a, b)
+    if areas is None:
+        return 0.0
+    inter, union, _ = areas
+    return min(1.0, max(0.0, inter / union))
+
+
+def box_giou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Generalised IoU: IoU - (enclosing - union) / enclosing; range [-1, 1]; -1.0 if either box is invalid.
+
+    -1 (the worst score) rather than 0, so an invalid box never beats a valid but distant one.
+    """
+    areas = _box_areas(a, b)
+    if areas is None:
+        return -1.0
+    inter, union, enclosing = areas
+    return min(1.0, max(-1.0, inter / union - (enclosing - union) / enclosing))
+
+
+def iou_reward(completion: str, target_box: Sequence[float]) -> float:
+    """IoU of the answer's box (`parse_box`) with `target_box`; range [0, 1]; 0.0 with no valid box."""
+    answer = extract_answer(completion)
+    box = None if answer is None else parse_box(answer)
+    return 0.0 if box is None else box_iou(box, target_box)
+
+
+def giou_reward(completion: str, target_box: Sequence[float]) -> float:
+    """GIoU + 1 of the answer's box with `target_box`; range [0, 2]; 0.0 with no valid box (or target)."""
+    answer = extract_answer(completion)
+    box = None if answer is None else parse_box(answer)
+    return 0.0 if box is None else box_giou(box, target_box) + 1.0

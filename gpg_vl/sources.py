@@ -193,3 +193,32 @@ def to_rgb(image: Image.Image) -> Image.Image:
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, image).convert("RGB")
     return image.convert("RGB")
+
+
+class RowView(Sequence):
+    """A lazy view of a `datasets.Dataset`: `prepare(index, row)` completes each row when it is read.
+
+    Slicing a `datasets.Dataset` gives a dict of columns; slicing a view gives another lazy view, so
+    `rows[:limit]` works as on any sequence of rows and decodes nothing until a row is read.
+    """
+
+    def __init__(self, rows: Any, prepare: Callable[[int, dict], dict], positions: range | None = None) -> None:
+        self.rows, self.prepare = rows, prepare
+        self.positions = range(len(rows)) if positions is None else positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return RowView(self.rows, self.prepare, self.positions[index])
+        position = self.positions[index]
+        return self.prepare(position, dict(self.rows[position]))
+
+
+def data_image_root(image_root: str | os.PathLike | None, data_path: str | os.PathLike | None) -> str | None:
+    """Where relative image paths resolve: data.image_root, else next to the data file (or in the data folder)."""
+    if image_root is not None or data_path is None:
+        return None if image_root is None else str(image_root)
+    path = Path(data_path).expanduser()
+    return str(path.parent if path.is_file() else path)

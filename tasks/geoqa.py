@@ -1,0 +1,88 @@
+"""`geoqa`: geometry problems with a numeric answer (the paper's GeoQA experiment).
+
+Train rows come from `leonardPKU/GEOQA_R1V_Train_8K` (`image`, `problem`, `solution` = `<answer>N</answer>`).
+The GeoQA test set (754 items) has no Hub copy: it is a jsonl of `{"image_path": "./Geo170K/images/test/N.png",
+"question", "ground_truth"}` given as data.path, its image paths resolving against data.image_root (by default the
+jsonl's folder). A data.path serves whichever split is asked, so rows of either layout are read by their columns.
+The accuracy reward is mathematical equality with the answer ("140°" and "140" agree).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpg_vl.errors import UserError
+from gpg_vl.rewards import extract_answer, format_reward, math_reward
+from gpg_vl.sources import RowView, load_image, load_rows
+from gpg_vl.tasks import Task, register_task
+
+HUB_ID = "leonardPKU/GEOQA_R1V_Train_8K"
+TRAIN_COLUMNS = ("image", "problem", "solution")  # the Hub's train layout
+TEST_COLUMNS = ("image_path", "question", "ground_truth")  # the GeoQA test jsonl's layout
+INSTRUCTION = "  Output the thinking process in <think> </think> and final answer (number) in <answer> </answer> tags."
+
+
+@register_task
+class GeoQA(Task):
+    """GeoQA geometry: numeric answers; accuracy (math equality) + format rewards."""
+
+    name = "geoqa"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reward_functions = {
+            "accuracy": lambda completion, row: math_reward(completion, row["answer"]),
+            "format": lambda completion, row: format_reward(completion),
+        }
+        self.reward_weights = {"accuracy": 1.0, "format": 1.0}
+
+    def load(self, split: str) -> RowView:
+        if self.data_path is None and split == self.eval_split:
+            raise UserError(
+                "the GeoQA test split has no Hub copy; pass data.path=/path/to/geoqa_test.jsonl and "
+                "data.image_root=/path/with/Geo170K (the folder holding Geo170K/images/test)."
+            )
+        rows = load_rows(HUB_ID, split, path=self.data_path)
+        columns = set(rows.column_names)
+        if set(TEST_COLUMNS) <= columns:
+            return RowView(rows, self._test_row)
+        if set(TRAIN_COLUMNS) <= columns:
+            return RowView(rows, lambda index, row: self._train_row(row, index, split))
+        where = repr(self.data_path) if self.data_path else f"dataset {HUB_ID!r}"
+        raise UserError(
+            f"split {split!r} of {where} has columns {rows.column_names}, neither GeoQA layout; give rows with "
+            f"{list(TRAIN_COLUMNS)} (the Hub's train set) or {list(TEST_COLUMNS)} (the GeoQA test jsonl)."
+        )
+
+    def _image_root(self) -> Path | None:
+        """data.image_root, else the folder of data.path (the folder itself when data.path is one)."""
+        if self.image_root is not None:
+            return Path(self.image_root)
+        if self.data_path is None:
+            return None
+        path = Path(self.data_path).expanduser()
+        return path if path.is_dir() else path.parent
+
+    def _test_row(self, index: int, row: dict) -> dict:
+        image = load_image(row["image_path"], image_root=self._image_root(), row=index)
+        return {**row, "id": row["image_path"], "image": image, "answer": str(row["ground_truth"])}
+
+    def _train_row(self, row: dict, index: int, split: str) -> dict:
+        image = load_image(row["image"], image_root=self._image_root(), row=index)
+        solution = str(row["solution"])
+        answer = extract_answer(solution)
+        return {
+            **row, "id": f"geoqa-{split}-{index}", "image": image, "question": row["problem"],
+            "answer": solution.strip() if answer is None else answer,
+        }
+
+    def messages(self, row: dict) -> list[dict]:
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": row["image"]},
+                    {"type": "text", "text": row["question"] + INSTRUCTION},
+                ],
+            }
+        ]

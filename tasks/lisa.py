@@ -1,0 +1,195 @@
+"""`lisa`: reasoning grounding on ReasonSeg (LISA), the paper's fourth experiment: a query -> one box.
+
+Rows have ReasonSeg's published columns `image`, `text` (the query) and `mask`, plus optionally `image_id`,
+`ann_id`, `img_height`, `img_width`. The target is the box of the ground-truth mask, so a row's mask may come as
+- a 2-D array (nested lists of bool or 0/1, or a numpy array), as in the Hub copies;
+- COCO RLE: a dict with `size` [height, width] and `counts` (compressed string/bytes or a list of run lengths);
+- polygons: a list of flat [x1, y1, x2, y2, ...] lists (or one flat list), which needs `img_height`/`img_width`;
+- a PIL image (non-zero pixels are the object).
+All are turned into one COCO RLE with pycocotools; its `toBbox` (x, y, w, h) gives the target box
+(x, y, x + w, y + h) in original-image pixels: x2 and y2 are exclusive, the pixel edges, so a one-pixel mask at
+(3, 4) has the box (3, 4, 4, 5). A mask of several parts gives the box around all of them.
+
+A row whose mask is empty has no target box (`box` None): every completion scores 0 for accuracy (the group
+then gives no accuracy signal), its target reads "none", and `miou` leaves the row out.
+
+Splits: `validation` (or `val`) and `test` load the Hub copies `Ricky06662/ReasonSeg_val` and
+`Ricky06662/ReasonSeg_test` (both publish their rows as their split "test"); ReasonSeg train (239 images) has
+no published Hub copy, so `train` needs `data.path=`. With `data.path=` every split comes from there.
+
+Boxes: `uses_boxes` is set, so the model adapter rewrites a completion's boxes from the model's frame into
+original pixels before the rewards see it; rewards and targets here are in original pixels.
+Rewards: `accuracy` (IoU of the answer's box with the target box, or GIoU + 1 with `reward="giou"`) and `format`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from pycocotools import mask as mask_utils
+
+from gpg_vl.errors import UserError
+from gpg_vl.rewards import Box, box_iou, extract_answer, format_reward, giou_reward, iou_reward, parse_box
+from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
+from gpg_vl.tasks import Task, register_task
+
+# split -> (Hub id, the split name there)
+HUB_SPLITS = {
+    "validation": ("Ricky06662/ReasonSeg_val", "test"),
+    "val": ("Ricky06662/ReasonSeg_val", "test"),
+    "test": ("Ricky06662/ReasonSeg_test", "test"),
+}
+COLUMNS = ("image", "text", "mask")
+MASK_COLUMNS = ("mask", "img_height", "img_width")  # what `mask_box` reads
+REWARDS = ("iou", "giou")
+# The paper's grounding prompt (Visual-RFT's LISA prompt).
+PROMPT = (
+    "Output the bounding box in the image corresponding to the instruction: {query} Output the thinking process "
+    'in <think> </think> and your grounding box. Following "<think> thinking process </think>\n'
+    '<answer>(x1,y1),(x2,y2)</answer>" format.'
+)
+
+
+def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> dict:
+    """One COCO RLE for a mask given as a 2-D array, an RLE dict, polygons or a PIL image (see the module doc).
+
+    A 2-D array is told from polygons by its dtype (bool), by holding only 0/1, or by its shape matching
+    (height, width); anything else 2-D, 1-D or ragged is read as polygons (which need height and width).
+    """
+    if isinstance(mask, Image.Image):
+        mask = np.asarray(mask.convert("L")) > 0
+    if isinstance(mask, dict):
+        if "size" not in mask or "counts" not in mask:
+            raise UserError(f"an RLE mask needs 'size' and 'counts' (it has {sorted(mask)}); check the mask column.")
+        h, w = (int(v) for v in mask["size"])
+        counts = mask["counts"]
+        if isinstance(counts, (str, bytes)):
+            return {"size": [h, w], "counts": counts.encode() if isinstance(counts, str) else counts}
+        return mask_utils.frPyObjects({"size": [h, w], "counts": [int(c) for c in counts]}, h, w)
+    try:
+        array = np.asarray(mask)
+    except ValueError:  # ragged nested lists: polygons of different lengths
+        array = None
+    if array is not None and array.dtype != object and array.ndim == 2 and (
+        array.dtype == bool or array.shape == (height, width) or np.isin(array, (0, 1)).all()
+    ):
+        return mask_utils.encode(np.asfortranarray(array != 0, dtype=np.uint8))
+    if height is None or width is None:
+        raise UserError("a mask that is not a bool or 0/1 array (nor an array of the image's size) is read as "
+                        "polygons, which need the row's img_height and img_width columns; add them to the data.")
+    polygons = mask if array is None or array.ndim != 1 else [mask]
+    try:
+        polygons = [[float(v) for v in polygon] for polygon in polygons]
+    except (TypeError, ValueError):
+        raise UserError(f"cannot read a mask of type {type(mask).__name__}; give a 2-D array, COCO RLE "
+                        "({'size', 'counts'}) or polygons ([[x1, y1, x2, y2, ...], ...]).") from None
+    polygons = [p for p in polygons if len(p) >= 6 and len(p) % 2 == 0]  # pycocotools reads 4 values as a box
+    if not polygons:
+        return mask_utils.encode(np.zeros((int(height), int(width)), dtype=np.uint8, order="F"))
+    return mask_utils.merge(mask_utils.frPyObjects(polygons, int(height), int(width)))
+
+
+def mask_box(mask: Any, height: int | None = None, width: int | None = None) -> Box | None:
+    """The box (x1, y1, x2, y2) around a mask, x2/y2 exclusive (x + w, y + h), in pixels; None when it is empty."""
+    rle = mask_rle(mask, height, width)
+    if int(mask_utils.area(rle)) == 0:
+        return None
+    x, y, w, h = (float(v) for v in mask_utils.toBbox(rle))
+    return x, y, x + w, y + h
+
+
+def answer_box(completion: str) -> Box | None:
+    """The box of a completion's answer (`parse_box`), None when there is none."""
+    answer = extract_answer(completion)
+    return None if answer is None else parse_box(answer)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+class LisaRows(RowView):
+    """ReasonSeg rows without their `mask` (heavy: a full-size array), plus `id`, `query` and `box`.
+
+    Each row's box is computed from its mask once and cached; later reads skip the mask column.
+    """
+
+    def __init__(self, rows: Any) -> None:
+        present = [c for c in MASK_COLUMNS if c in rows.column_names]
+        self.masks = rows.select_columns(present)
+        self.boxes: dict[int, Box | None] = {}
+        super().__init__(rows.remove_columns("mask"), self._complete)
+
+    def _complete(self, index: int, row: dict) -> dict:
+        if index not in self.boxes:
+            entry = self.masks[index]
+            self.boxes[index] = mask_box(entry["mask"], _size(entry.get("img_height")), _size(entry.get("img_width")))
+        if row.get("image_id") is not None and row.get("ann_id") is not None:
+            row_id = f"{row['image_id']}:{row['ann_id']}"
+        else:
+            row_id = str(row["id"]) if row.get("id") is not None else str(index)
+        return {**row, "id": row_id, "query": str(row["text"]).strip(), "box": self.boxes[index]}
+
+
+def _size(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@register_task
+class Lisa(Task):
+    """ReasonSeg reasoning grounding: answer one box for a query; IoU (or GIoU + 1) + format rewards; box mIoU.
+
+    Option `reward`: "iou" (IoU in [0, 1], the default) or "giou" (GIoU + 1 in [0, 2], the paper's option).
+    """
+
+    name = "lisa"
+    eval_split = "test"
+    uses_boxes = True
+
+    def __init__(self, reward: str = "iou") -> None:
+        super().__init__()
+        if reward not in REWARDS:
+            raise UserError(f"task lisa has no reward {reward!r}; set task.options.reward to one of "
+                            f"{', '.join(REWARDS)}.")
+        self.reward_kind = reward
+        box_reward = iou_reward if reward == "iou" else giou_reward
+        self.reward_functions = {
+            "accuracy": lambda completion, row: 0.0 if row["box"] is None else box_reward(completion, row["box"]),
+            "format": lambda completion, row: format_reward(completion),
+        }
+        self.reward_weights = {"accuracy": 1.0, "format": 1.0}
+
+    def load(self, split: str) -> LisaRows:
+        if self.data_path is not None:
+            rows = load_rows(None, split, path=self.data_path, required_columns=COLUMNS)
+        elif split in HUB_SPLITS:
+            hub_id, hub_split = HUB_SPLITS[split]
+            rows = load_rows(hub_id, hub_split, required_columns=COLUMNS)
+        else:
+            raise UserError(f"ReasonSeg's {split!r} split has no Hub copy, so pass data.path=/path/to/reasonseg "
+                            f"(a copy with columns {', '.join(COLUMNS)}; Hub splits: {', '.join(HUB_SPLITS)}).")
+        return LisaRows(rows)
+
+    def messages(self, row: dict) -> list[dict]:
+        image = load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
+        text = PROMPT.format(query=row["query"])
+        return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+    def target(self, row: dict) -> str:
+        box = row["box"]
+        return "none" if box is None else "[" + ", ".join(_number(v) for v in box) + "]"
+
+    def metrics(self, rows: Sequence[dict], completions: Sequence[str]) -> dict[str, float]:
+        """The default reward means, plus `miou`: the mean box IoU over rows with a target box (0 for a
+        completion without a parsable box)."""
+        result = super().metrics(rows, completions)
+        ious = []
+        for row, completion in zip(rows, completions, strict=True):
+            if row["box"] is not None:
+                box = answer_box(completion)
+                ious.append(0.0 if box is None else box_iou(box, row["box"]))
+        result["miou"] = sum(ious) / len(ious) if ious else 0.0
+        return result
