@@ -8,19 +8,21 @@ where a plain string comparison decides), so a 1 MB completion costs a linear sc
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import json
 import math
+import queue
 import re
+import subprocess
+import sys
 import threading
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+import time
+from collections.abc import Sequence
 
 FORMAT_PATTERN = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
 ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 Box = tuple[float, float, float, float]  # (x1, y1, x2, y2) with x2 > x1 and y2 > y1
-_T = TypeVar("_T")
 
 # No sensible final answer (a letter, a label, a box, a number) is longer; longer ones are not parsed at all.
 _MAX_PARSE_CHARS = 2048
@@ -120,19 +122,19 @@ def _option_key(option: str, letter: str) -> str:
 def choice_letter(text: str, choices: Sequence[str]) -> str | None:
     """The one option letter `text` names ('A' = choices[0]); None when it names none or several.
 
-    Read in this order: a bare letter ('B', 'b', '(B)', 'B.'); an option's text (case-, whitespace- and
-    edge-punctuation-insensitive); a letter followed by that same option's text ('(B) red'). Anything else
-    names no single option: 'A or B', '(A) (B)', 'A, B', '(B) <another option's text>', two option texts.
-    With `choices` empty, letters A-Z are accepted (options known only by letter).
+    Read in this order: a bare letter of an option ('B', 'b', '(B)', 'B.'); an option's text (case-,
+    whitespace- and edge-punctuation-insensitive, so option 'I' of ['I', 'II'] is 'A'); a letter followed by
+    that same option's text ('(B) red'). Anything else names no single option: 'A or B', '(A) (B)', 'A, B',
+    '(B) <another option's text>', two option texts. Options past Z have no letter; with `choices` empty,
+    letters A-Z are accepted (options known only by letter).
     """
     if len(text) > _MAX_PARSE_CHARS:
         return None
     letters = _LETTERS[: len(choices)] if choices else _LETTERS
     core = text.strip().strip("*`'\"").strip()  # markdown emphasis and quotes around the answer
     bare = _LETTER_ONLY.fullmatch(core)
-    if bare:
-        letter = bare.group(1).upper()
-        return letter if letter in letters else None
+    if bare and bare.group(1).upper() in letters:
+        return bare.group(1).upper()
     keys = [_option_key(str(option), letter) for option, letter in zip(choices, letters, strict=False)]
     key = _text_key(core)
     named = [letter for letter, option_key in zip(letters, keys, strict=False) if key and option_key == key]
@@ -164,68 +166,122 @@ def choice_reward(completion: str, choices: Sequence[str], answer: str) -> float
 
 # '140°', '140^\circ', '140^{\circ}', '140\degree' all mean 140.
 _DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree|°")
-# CPython's way to raise an exception in a given thread (to stop an overrunning check); None elsewhere.
-_SET_ASYNC_EXC = getattr(getattr(ctypes, "pythonapi", None), "PyThreadState_SetAsyncExc", None)
-# Exact integers math_verify may build (sympy evaluates 9^{9^9} exactly) are capped at this many digits: one
-# CPython big-int operation holds the GIL, so neither a timeout in another thread nor `_Deadline` can stop it.
+# Exact integers math_verify may build (sympy evaluates 9^{9^9} exactly) are capped at this many digits, so
+# that the check does not spend its whole time budget (and memory) on one giant big-int operation.
 _MAX_DIGITS = 100_000
 
-
-class _Deadline(BaseException):
-    """Raised into a math check that ran out of time; a BaseException so that `except Exception` in sympy and
-    math_verify cannot swallow it (math_verify's own TimeoutException is one too)."""
-
-
-class _Check(threading.Thread):
-    """Runs fn() once in a daemon thread; `cancel()` raises `_Deadline` in it, at most once, while fn runs."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        super().__init__(name="gpg_vl math check", daemon=True)
-        self._fn = fn
-        self.result: object = None
-        self._lock = threading.Lock()  # orders cancel() against the end of fn()
-        self._running = True
-        self._cancelled = False
-
-    def run(self) -> None:
-        try:
-            try:
-                self.result = self._fn()
-            finally:
-                with self._lock:
-                    self._running = False
-                    cancelled = self._cancelled
-                if cancelled and _SET_ASYNC_EXC is not None:  # raised into us but maybe not delivered yet: drop it
-                    _SET_ASYNC_EXC(ctypes.c_ulong(threading.get_ident()), None)
-        except BaseException:  # _Deadline or an error: the caller has already moved on or scores 0
-            self.result = None
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self._running and not self._cancelled and _SET_ASYNC_EXC is not None:
-                self._cancelled = True
-                _SET_ASYNC_EXC(ctypes.c_ulong(self.ident), ctypes.py_object(_Deadline))
-
-
-def _within(seconds: float, fn: Callable[[], _T]) -> _T | None:
-    """fn()'s result, or None if it raised or was still running after `seconds` (it is then cancelled).
-
-    fn runs in a worker thread and the caller waits at most `seconds`, in any thread, for the whole check.
-    math_verify's own timeouts cannot do that: they use signal.alarm (main thread only, whole seconds) and
-    restart for each parse and each comparison. The caller is never interrupted itself, so no exception can
-    surface after the check; the overrunning worker gets `_Deadline` between bytecodes, which stops sympy
-    (not one long C call: hence `_MAX_DIGITS`; should the exception be swallowed, it finishes unobserved).
-    """
+# The math check runs in a child Python process (see `_MathProcess`), which loads this file by path (not the
+# package, which imports torch) and answers one JSON request [gold, pred] per line with '1' or '0'.
+_CHILD_SOURCE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gpg_vl_rewards_child", sys.argv[1])
+rewards = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rewards)
+import math_verify
+sys.stdout.write("ready\\n")
+sys.stdout.flush()
+for line in iter(sys.stdin.buffer.readline, b""):
     try:
-        check = _Check(fn)
-        check.start()
-        check.join(seconds)
-        if check.is_alive():
-            check.cancel()
+        ok = rewards._math_equal(*json.loads(line))
+    except Exception:
+        ok = False
+    sys.stdout.write("1\\n" if ok else "0\\n")
+    sys.stdout.flush()
+"""
+
+
+class _MathProcess:
+    """A child Python process that answers `_math_equal` for one caller at a time; killed when it overruns.
+
+    Why a process: math_verify's own timeouts use signal.alarm (main thread only, whole seconds, restarted for
+    each parse and comparison), and sympy cannot be stopped safely from another thread (an exception raised
+    into it can land inside the import machinery and deadlock the process). Killing a process is always safe.
+    """
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD_SOURCE, __file__],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,  # math_verify logs there
+        )
+        self._lines: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._ready = False
+        self.usable = True
+        try:
+            threading.Thread(target=self._read, name="gpg_vl math reader", daemon=True).start()
+        except RuntimeError:
+            self.kill()
+            raise
+
+    def _read(self) -> None:
+        # A thread, not select(): portable, and a line read here can never be split across two answers.
+        for line in iter(self._proc.stdout.readline, b""):
+            self._lines.put(line)
+        self._lines.put(b"")  # end of file: the child is gone
+        self._proc.stdout.close()
+        self._proc.wait()  # reap it
+
+    def _next_line(self, deadline: float) -> bytes | None:
+        try:
+            return self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
             return None
-        return check.result
-    except Exception:  # e.g. no thread could be started
+
+    def ask(self, gold: str, pred: str, deadline: float) -> bool | None:
+        """`_math_equal(gold, pred)`, or None if there was no answer before `deadline` (time.monotonic())."""
+        try:
+            if not self._ready:  # the first request waits for startup (imports take about a second)
+                line = self._next_line(deadline)
+                if line is None:
+                    return None  # still starting: no request was sent, so it stays usable
+                if line != b"ready\n":
+                    self.kill()
+                    return None
+                self._ready = True
+            self._proc.stdin.write(json.dumps([gold, pred]).encode() + b"\n")
+            self._proc.stdin.flush()
+            line = self._next_line(deadline)
+            if line not in (b"1\n", b"0\n"):  # overran (or died): its answer would reach the next caller
+                self.kill()
+                return None
+            return line == b"1\n"
+        except (OSError, ValueError):  # broken pipe: the child died
+            self.kill()
+            return None
+
+    def alive(self) -> bool:
+        return self.usable and self._proc.poll() is None
+
+    def kill(self) -> None:
+        self.usable = False
+        self._proc.kill()  # the reader thread reaps it
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+
+
+_IDLE_PROCESSES: list[_MathProcess] = []  # started children waiting for work, one taken per concurrent call
+_IDLE_LOCK = threading.Lock()
+
+
+def _math_check(gold: str, pred: str, seconds: float) -> bool | None:
+    """`_math_equal(gold, pred)` in a child process, or None if it took over `seconds` (it is then killed)."""
+    deadline = time.monotonic() + seconds
+    with _IDLE_LOCK:
+        process = _IDLE_PROCESSES.pop() if _IDLE_PROCESSES else None
+    if process is not None and not process.alive():  # died while idle (e.g. killed by the OOM killer)
+        process = None
+    try:
+        process = process or _MathProcess()
+    except (OSError, ValueError, RuntimeError):  # no interpreter or no thread could be started
         return None
+    result = process.ask(gold, pred, deadline)
+    if not process.usable:  # killed: start its replacement now, so the next call need not wait for startup
+        try:
+            process = _MathProcess()
+        except (OSError, ValueError, RuntimeError):
+            return result
+    with _IDLE_LOCK:
+        _IDLE_PROCESSES.append(process)
+    return result
 
 
 def _log10_bound(node: object) -> float:
@@ -269,9 +325,11 @@ def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0) -
     """1.0 if the answer is mathematically equal to `ground_truth` (math_verify), else 0.0; range {0, 1}.
 
     Identical answers (ignoring whitespace) score 1 without parsing. Otherwise both sides are parsed with
-    `math_verify.parse` and compared with `math_verify.verify`, the whole cut off after `timeout_s` seconds in
-    any thread (see `_within`). Empty answers, answers over `_MAX_PARSE_CHARS`, expressions whose exact value
-    would exceed `_MAX_DIGITS` digits, parse failures, errors and timeouts score 0.0.
+    `math_verify.parse` and compared with `math_verify.verify` in a child process, which is killed if it has
+    not answered within `timeout_s` seconds (the call returns by then, from any thread; the first call in a
+    process also spends about a second of it starting the child). Empty answers, answers over
+    `_MAX_PARSE_CHARS`, expressions whose exact value would exceed `_MAX_DIGITS` digits, parse failures, errors
+    and timeouts score 0.0.
     """
     answer = extract_answer(completion)
     if answer is None:
@@ -283,21 +341,19 @@ def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0) -
         return 1.0
     if max(len(pred), len(gold)) > _MAX_PARSE_CHARS or not timeout_s > 0:
         return 0.0
-    try:
-        # Imported here, outside the deadline: sympy's first import is slow and must not be interrupted midway.
-        from math_verify import parse, verify
-    except ImportError:
-        return 0.0
+    return 1.0 if _math_check(gold, pred, min(timeout_s, threading.TIMEOUT_MAX)) is True else 0.0
 
-    def equal() -> bool:
-        # math_verify's own timeouts are off (None): `_within` bounds the whole check instead.
-        # Wrapping in `$` makes its LaTeX extractor read the whole answer ('2^{10}' would otherwise parse as 2).
-        parsed = [parse(s if "$" in s else f"${s}$", parsing_timeout=None) for s in (gold, pred)]
-        if any(math.isinf(_log10_bound(item)) for side in parsed for item in side):
-            return False
-        return verify(parsed[0], parsed[1], timeout_seconds=None)
 
-    return 1.0 if _within(min(timeout_s, threading.TIMEOUT_MAX), equal) is True else 0.0
+def _math_equal(gold: str, pred: str) -> bool:
+    """math_verify's verdict on two answer texts (run in the child process: it can take any time)."""
+    from math_verify import parse, verify
+
+    # math_verify's own timeouts are off (None): they need SIGALRM; the parent kills an overrunning child instead.
+    # Wrapping in `$` makes its LaTeX extractor read the whole answer ('2^{10}' would otherwise parse as 2).
+    parsed = [parse(s if "$" in s else f"${s}$", parsing_timeout=None) for s in (gold, pred)]
+    if any(math.isinf(_log10_bound(item)) for side in parsed for item in side):
+        return False
+    return verify(parsed[0], parsed[1], timeout_seconds=None)
 
 
 # ---------------------------------------------------------------- boxes
