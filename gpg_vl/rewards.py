@@ -1,4 +1,4 @@
-"""Reward primitives: answer extraction, format check and answer matching.
+"""Reward primitives: answer extraction, format check, and answer matching (text, choice, math, label, box).
 
 Every function here takes model output (any string) and never raises on it; each documents its range.
 The answer is always the content of the last complete `<answer>...</answer>` (`extract_answer`); a completion
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import queue
 import re
 import subprocess
@@ -177,7 +178,7 @@ import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("gpg_vl_rewards_child", sys.argv[1])
 rewards = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rewards)
-import math_verify
+rewards._math_equal("1/2", "0.5")  # warm up: the first parse and verify load more
 sys.stdout.write("ready\\n")
 sys.stdout.flush()
 for line in iter(sys.stdin.buffer.readline, b""):
@@ -260,6 +261,18 @@ class _MathProcess:
 
 _IDLE_PROCESSES: list[_MathProcess] = []  # started children waiting for work, one taken per concurrent call
 _IDLE_LOCK = threading.Lock()
+
+
+def _forget_processes_after_fork() -> None:
+    # A forked copy (e.g. a DataLoader worker) must not talk to its parent's children (their reader threads did
+    # not survive the fork) nor wait on a lock another thread held at fork time: it starts its own.
+    global _IDLE_LOCK
+    _IDLE_LOCK = threading.Lock()
+    _IDLE_PROCESSES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_processes_after_fork)
 
 
 def _math_check(gold: str, pred: str, seconds: float) -> bool | None:
