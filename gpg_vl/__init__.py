@@ -2,7 +2,9 @@
 
 from gpg_vl.errors import UserError
 from gpg_vl.objective import group_advantages, policy_loss
-from gpg_vl.tasks import Task, get_task, list_tasks, register_task
+from gpg_vl.tasks import Task, get_task, image_question, list_tasks, register_task
 
-__all__ = ["Task", "UserError", "get_task", "group_advantages", "list_tasks", "policy_loss", "register_task"]
+__all__ = [
+    "Task", "UserError", "get_task", "group_advantages", "image_question", "list_tasks", "policy_loss", "register_task",
+]
 __version__ = "0.1.0"

@@ -95,6 +95,11 @@ class Task:
         return result
 
 
+def image_question(image, text: str) -> list[dict]:
+    """The chat messages of a single-image question: one user turn holding the image, then the text."""
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
 def register_task(task_class: type[Task]) -> type[Task]:
     """Register a Task subclass under its `name`; usable as a class decorator. Duplicates raise."""
     if not (isinstance(task_class, type) and issubclass(task_class, Task)) or not task_class.name:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, label_reward, normalize_text
 from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
-from gpg_vl.tasks import Task, register_task
+from gpg_vl.tasks import Task, image_question, register_task
 
 # option value -> (Hub id, object named in the prompt, what to identify)
 DATASETS = {
@@ -92,4 +92,4 @@ class Classification(Task):
     def messages(self, row: dict) -> list[dict]:
         image = load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
         text = evaluation_prompt(self.dataset) if self.prompt == "evaluation" else str(row["problem"])
-        return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+        return image_question(image, text)

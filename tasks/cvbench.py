@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 
 from gpg_vl.rewards import choice_letter, choice_reward, format_reward
 from gpg_vl.sources import RowView, load_image, load_rows
-from gpg_vl.tasks import Task, register_task
+from gpg_vl.tasks import Task, image_question, register_task
 
 SAT_HUB_ID = "array/SAT"
 SAT_COLUMNS = ("image_bytes", "question", "answers", "correct_answer")
@@ -77,15 +77,7 @@ class CVBench(Task):
         }
 
     def messages(self, row: dict) -> list[dict]:
-        return [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image", "image": row["image"]},
-                    {"type": "text", "text": f"{row['prompt']}\n{INSTRUCTION}"},
-                ],
-            }
-        ]
+        return image_question(row["image"], f"{row['prompt']}\n{INSTRUCTION}")
 
     def target(self, row: dict) -> str:
         letter = choice_letter(row["answer"], row["choices"])

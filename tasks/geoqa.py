@@ -14,7 +14,7 @@ from pathlib import Path
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, math_reward
 from gpg_vl.sources import RowView, load_image, load_rows
-from gpg_vl.tasks import Task, register_task
+from gpg_vl.tasks import Task, image_question, register_task
 
 HUB_ID = "leonardPKU/GEOQA_R1V_Train_8K"
 TRAIN_COLUMNS = ("image", "problem", "solution")  # the Hub's train layout
@@ -77,12 +77,4 @@ class GeoQA(Task):
         }
 
     def messages(self, row: dict) -> list[dict]:
-        return [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image", "image": row["image"]},
-                    {"type": "text", "text": row["question"] + INSTRUCTION},
-                ],
-            }
-        ]
+        return image_question(row["image"], row["question"] + INSTRUCTION)

@@ -34,7 +34,7 @@ from pycocotools import mask as mask_utils
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import Box, box_iou, extract_answer, format_reward, giou_reward, iou_reward, parse_box
 from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
-from gpg_vl.tasks import Task, register_task
+from gpg_vl.tasks import Task, image_question, register_task
 
 # split -> (Hub id, the split name there)
 HUB_SPLITS = {
@@ -176,7 +176,7 @@ class Lisa(Task):
     def messages(self, row: dict) -> list[dict]:
         image = load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
         text = PROMPT.format(query=row["query"])
-        return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+        return image_question(image, text)
 
     def target(self, row: dict) -> str:
         box = row["box"]

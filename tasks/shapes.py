@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from PIL import Image, ImageDraw
 
 from gpg_vl.rewards import exact_match_reward, format_reward
-from gpg_vl.tasks import Task, register_task
+from gpg_vl.tasks import Task, image_question, register_task
 
 COLORS = {"red": (220, 40, 40), "green": (30, 170, 60), "blue": (40, 80, 225), "yellow": (235, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -120,15 +120,7 @@ class Shapes(Task):
         return ShapesSplit(SPLIT_SEEDS[split], self.sizes[split], self.image_size)
 
     def messages(self, row: dict) -> list[dict]:
-        return [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image", "image": row["image"]},
-                    {"type": "text", "text": row["question"] + INSTRUCTION},
-                ],
-            }
-        ]
+        return image_question(row["image"], row["question"] + INSTRUCTION)
 
     def metrics(self, rows, completions) -> dict[str, float]:
         result = super().metrics(rows, completions)
