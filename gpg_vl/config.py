@@ -56,12 +56,19 @@ def _check_override(cfg: DictConfig, override: str) -> None:
 
 def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     """Compose `configs/<config_name>.yaml` with `key=value` overrides; unknown keys fail with the list."""
+    # `model=/path/to/dir` evaluates or trains a local directory, its family read from its config.json.
+    local = [o for o in overrides if o.startswith("model=") and o.split("=", 1)[1] not in group_options("model")
+             and Path(o.split("=", 1)[1]).expanduser().is_dir()]
+    overrides = [o if o not in local else "model=local" for o in overrides]
+    if local:
+        overrides.append(f"model.name_or_path='{Path(local[-1].split('=', 1)[1]).expanduser()}'")
     for override in overrides:
         if "=" not in override:
             raise UserError(f"cannot read argument {override!r}; write overrides as key=value.")
         key, value = override.split("=", 1)
         if key in GROUPS and value not in group_options(key) and not (key == "task" and ":" in value):
-            raise UserError(f"unknown {key} {value!r}; known: {', '.join(group_options(key))} "
+            hint = " or a model directory" if key == "model" else ""
+            raise UserError(f"unknown {key} {value!r}; known: {', '.join(group_options(key))}{hint} "
                             f"(files in configs/{key}/).")
     # `task=module:Name` loads an out-of-tree task; its config is the base task config with that name.
     plugin = [o for o in overrides if o.startswith("task=") and ":" in o.split("=", 1)[1]]

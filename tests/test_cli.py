@@ -67,3 +67,13 @@ def test_script_prints_resolved_config_and_reports_errors_without_traceback():
     bad = subprocess.run([sys.executable, "scripts/train.py", "rollout.max_new_token=3"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "rollout.max_new_tokens" in bad.stderr
+
+
+def test_model_can_be_a_local_directory_whose_family_is_read_from_its_config(tmp_path):
+    from gpg_vl.models.base import _family_of
+
+    cfg = load_config("train", [f"model={ROOT / 'gpg_vl' / 'assets' / 'tiny-qwen2.5-vl'}"])
+    assert cfg.model.family == "auto" and cfg.model.name_or_path.endswith("tiny-qwen2.5-vl")
+    assert _family_of(cfg.model.name_or_path) == "qwen2_5_vl"
+    with pytest.raises(UserError, match="model.family="):
+        _family_of(str(tmp_path))

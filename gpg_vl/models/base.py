@@ -291,9 +291,12 @@ def load_policy(
     """Load model + processor from a hub id or a local directory; a failed download is one sentence."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    if family not in FAMILIES:
-        raise UserError(f"unknown model family {family!r}; known: {', '.join(sorted(FAMILIES))}.")
     path = resolve_path(name_or_path)
+    if family == "auto":
+        family = _family_of(path)
+    if family not in FAMILIES:
+        raise UserError(f"unknown model family {family!r}; known: {', '.join(sorted(FAMILIES))} "
+                        "(set model.family=).")
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     kwargs = {"trust_remote_code": trust_remote_code}
@@ -315,6 +318,17 @@ def load_policy(
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The bare model under a DistributedDataParallel (or similar) wrapper."""
     return getattr(model, "module", model)
+
+
+def _family_of(path: str) -> str:
+    """The adapter family of a local model directory, from its config.json's model_type."""
+    import json
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise UserError(f"{path!r} has no config.json, so its model family is unknown; "
+                        "set model.family=qwen2_vl or qwen2_5_vl.")
+    return json.loads(config.read_text()).get("model_type", "unknown")
 
 
 @contextlib.contextmanager
