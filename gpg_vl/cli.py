@@ -62,7 +62,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     from pathlib import Path
 
     from gpg_vl.errors import UserError
-    from gpg_vl.evaluate import generate_greedy, prediction_records, rescore
+    from gpg_vl.evaluate import evaluate, prediction_records, rescore
 
     task = build_task(cfg.task, cfg.data)
     split = cfg.eval.split or task.eval_split
@@ -85,10 +85,9 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         torch.manual_seed(cfg.seed)
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
         policy = build_policy(cfg.model, "cuda" if _cuda() else "cpu")
-        completions = generate_greedy(policy, task, rows, batch_size=cfg.eval.batch_size,
-                                      max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
-        records = prediction_records(task, rows, completions, split)
-        metrics = task.metrics(rows, completions)
+        metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
+                                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+        records = prediction_records(task, decoded, split)
     output_dir.mkdir(parents=True, exist_ok=True)
     with (output_dir / "predictions.jsonl").open("w") as handle:
         for record in records:

@@ -1,8 +1,15 @@
-"""Batched greedy decoding on held-out rows, scored by the task's metrics."""
+"""Batched greedy decoding on held-out rows, scored by the task's metrics.
+
+Each row is read once (reading a row can decode its image): the decoding pass keeps what scoring and
+reporting need (the prompt text and the row without its images), so nothing is read a second time.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from PIL import Image
 
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
@@ -10,43 +17,50 @@ from gpg_vl.rewards import extract_answer
 from gpg_vl.rollout import generate, in_task_frame
 
 
+@dataclass
+class Decoded:
+    """One row's greedy completion, with what is needed to score and report it."""
+
+    index: int
+    completion: str  # boxes in original pixels
+    prompt: str  # the messages' text, images shown as <image>
+    row: dict  # the row's columns without its images
+
+
 def generate_greedy(
     policy: Policy, task, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int, rank: int = 0,
-    world_size: int = 1, gather=None, progress=None,
-) -> list[str]:
-    """Greedy completions for `rows`, in order, boxes in original pixels. Each process decodes its own share;
+    world_size: int = 1, gather=None,
+) -> list[Decoded]:
+    """Greedy completions for `rows`, in order. Each process decodes its own share of the rows;
     `gather` (e.g. accelerate's gather_object) joins the shares when there are several processes."""
     local = list(range(rank, len(rows), world_size))
-    texts: list[tuple[int, str]] = []
+    decoded: list[Decoded] = []
     for start in range(0, len(local), batch_size):
-        chunk = local[start:start + batch_size]
-        prompts = policy.adapter.encode([task.messages(rows[i]) for i in chunk])
+        chunk = [(i, rows[i]) for i in local[start:start + batch_size]]
+        messages = [task.messages(row) for _, row in chunk]
+        prompts = policy.adapter.encode(messages)
         rollout = generate(policy, prompts, group_size=1, max_new_tokens=max_new_tokens, do_sample=False)
-        texts += list(zip(chunk, in_task_frame(policy, task, rollout.texts, prompts, 1), strict=True))
-        if progress is not None:
-            progress(len(chunk))
+        texts = in_task_frame(policy, task, rollout.texts, prompts, 1)
+        decoded += [Decoded(i, text, _prompt_text(message), _without_images(row))
+                    for (i, row), message, text in zip(chunk, messages, texts, strict=True)]
     if world_size > 1 and gather is not None:
-        texts = gather(texts)
-    return [text for _, text in sorted(texts)]
+        decoded = gather(decoded)
+    return sorted(decoded, key=lambda d: d.index)
 
 
-def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict[str, float], list[str]]:
-    """The task's metrics for greedy completions of `rows`, and the completions."""
-    completions = generate_greedy(policy, task, rows, **kwargs)
-    return task.metrics(rows, completions), completions
+def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict[str, float], list[Decoded]]:
+    """The task's metrics for greedy completions of `rows`, and the decoded rows."""
+    decoded = generate_greedy(policy, task, rows, **kwargs)
+    return task.metrics([d.row for d in decoded], [d.completion for d in decoded]), decoded
 
 
-def prediction_records(task, rows: Sequence[dict], completions: Sequence[str], split: str) -> list[dict]:
+def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dict]:
     """One JSON-ready record per row: where it came from, what the model said, and each reward's score."""
-    records = []
-    for index, (row, completion) in enumerate(zip(rows, completions, strict=True)):
-        records.append({
-            "index": index, "id": str(row.get("id", index)), "split": split,
-            "prompt": _prompt_text(task.messages(row)), "completion": completion,
-            "answer": extract_answer(completion), "target": task.target(row),
-            "rewards": task.reward_components(completion, row),
-        })
-    return records
+    return [{
+        "index": d.index, "id": str(d.row.get("id", d.index)), "split": split, "prompt": d.prompt,
+        "completion": d.completion, "answer": extract_answer(d.completion), "target": task.target(d.row),
+        "rewards": task.reward_components(d.completion, d.row),
+    } for d in decoded]
 
 
 def rescore(task, records: Sequence[dict], rows: Sequence[dict]) -> tuple[dict[str, float], list[dict]]:
@@ -54,16 +68,21 @@ def rescore(task, records: Sequence[dict], rows: Sequence[dict]) -> tuple[dict[s
     matched = []
     for record in records:
         index = int(record["index"])
-        if index >= len(rows) or str(rows[index].get("id", index)) != str(record["id"]):
+        row = _without_images(rows[index]) if index < len(rows) else None
+        if row is None or str(row.get("id", index)) != str(record["id"]):
             raise UserError(f"prediction {record['id']!r} (index {index}) does not match split "
                             f"{record.get('split')!r} of task {task.name!r}; re-score with the same task, split "
                             "and data.path that produced the file.")
-        matched.append(rows[index])
+        matched.append(row)
     completions = [record["completion"] for record in records]
     refreshed = [{**record, "answer": extract_answer(record["completion"]),
                   "rewards": task.reward_components(record["completion"], row)}
                  for record, row in zip(records, matched, strict=True)]
     return task.metrics(matched, completions), refreshed
+
+
+def _without_images(row: dict) -> dict:
+    return {key: value for key, value in row.items() if not isinstance(value, Image.Image)}
 
 
 def _prompt_text(messages: list[dict]) -> str:

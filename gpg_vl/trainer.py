@@ -31,8 +31,6 @@ from gpg_vl.report import write_curves
 from gpg_vl.rollout import Rollout, generate, in_task_frame
 from gpg_vl.sampler import collect_valid_groups
 
-TIMING_KEYS = ("rollout_s", "update_s", "step_s")
-
 
 @dataclass
 class TrainerSettings:
