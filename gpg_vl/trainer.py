@@ -26,6 +26,7 @@ from transformers import get_scheduler
 from gpg_vl.data import PromptStream
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
+from gpg_vl.models.lora import save_model
 from gpg_vl.objective import group_advantages, policy_loss
 from gpg_vl.report import write_curves
 from gpg_vl.rollout import Rollout, generate, in_task_frame
@@ -218,7 +219,7 @@ def save_checkpoint(path: Path, policy: Policy, model, optimizer, scheduler, str
     if accelerator.is_main_process:
         partial = path.with_name(path.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(partial, safe_serialization=True)
+        save_model(accelerator.unwrap_model(model), partial, policy.save_format)
         policy.processor.save_pretrained(partial)
         torch.save({
             "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -280,7 +281,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    policy = Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, policy.name_or_path)
+    policy = replace(policy, model=accelerator.unwrap_model(model))
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
 

@@ -22,7 +22,15 @@ from gpg_vl.errors import UserError
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 EMBEDDED_PREFIX = "embedded:"
+TINY_PREFIX = "tiny:"
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # the processor expands the pad per image
+PROMPT_STYLES = ("chat", "raw")
+# The raw-text prompt of the paper's CV-Bench run with the base Qwen2-VL-2B (R1-V's), minus its forced
+# "Let me solve this step by step.\n<think>" prefix, so that a completion holds its own <think> tag.
+RAW_TEMPLATE = ("A conversation between User and Assistant. The user asks a question about the image, and the "
+                "Assistant solves it. The assistant first thinks about the reasoning process in the mind and then "
+                "provides the user with the answer.\nUser: {prompt}\nAssistant:")
 
 
 @dataclass
@@ -96,11 +104,25 @@ class QwenVLAdapter:
     """Qwen2.5-VL specifics (Qwen2-VL overrides the box frame): processor call, suppressed vision tokens,
     3-D rotary positions, and the coordinate frame of boxes: absolute pixels of the RESIZED image."""
 
-    def __init__(self, processor, config, *, min_pixels: int | None, max_pixels: int | None) -> None:
+    processor_kwargs: dict = {}  # extra keywords of the processor call
+
+    def __init__(self, processor, config, *, min_pixels: int | None, max_pixels: int | None,
+                 prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE) -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.config = config
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        # qwen_vl_utils resizes images to multiples of patch x merge size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL
+        self.image_patch_size = getattr(processor.image_processor, "patch_size", 14)
+        if prompt_style not in PROMPT_STYLES:
+            raise UserError(f"unknown model.prompt_style {prompt_style!r}; use one of {', '.join(PROMPT_STYLES)}.")
+        if prompt_style == "chat" and not getattr(processor, "chat_template", None):
+            raise UserError("the model's processor has no chat template; set model.prompt_style=raw "
+                            "(a base model) or use a model directory that ships chat_template.jinja.")
+        if "{prompt}" not in raw_template:
+            raise UserError(f"model.raw_template {raw_template!r} has no {{prompt}} placeholder; add one where "
+                            "the question (with its images) goes.")
+        self.prompt_style, self.raw_template = prompt_style, raw_template
         vocab = self.tokenizer.get_vocab()
         self.suppressed_ids = sorted({vocab[t] for t in VISION_TOKENS if t in vocab})
         eos = [self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id,
@@ -110,7 +132,20 @@ class QwenVLAdapter:
 
     # ---- prompts -------------------------------------------------------------------------------
     def render(self, messages: list[dict]) -> str:
-        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        """The prompt text: the chat template (instruct models), or `raw_template` around the messages' text
+        with each image's vision tokens where it stands (base models, as the paper's CV-Bench run)."""
+        if self.prompt_style == "chat":
+            return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        parts = []
+        for message in messages:
+            for part in message["content"] if isinstance(message["content"], list) else [message["content"]]:
+                if isinstance(part, str):
+                    parts.append(part)
+                elif part.get("type") == "image" or "image" in part:
+                    parts.append(IMAGE_PLACEHOLDER)
+                elif "text" in part:
+                    parts.append(part["text"])
+        return self.raw_template.replace("{prompt}", "".join(parts))
 
     def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
         """Chat messages -> left-padded processor inputs. Images are resized within min/max pixels."""
@@ -127,7 +162,7 @@ class QwenVLAdapter:
         for messages in messages_batch:
             originals = [part["image"].size for message in messages if isinstance(message["content"], list)
                          for part in message["content"] if hasattr(part.get("image"), "size")]
-            prompt_images, _ = process_vision_info(messages)
+            prompt_images, _ = process_vision_info(messages, image_patch_size=self.image_patch_size)
             prompt_images = prompt_images or []
             images_per_prompt.append(len(prompt_images))
             images.extend(prompt_images)
@@ -135,7 +170,8 @@ class QwenVLAdapter:
                 originals = []
             image_sizes.append([(*original, *resized.size) for original, resized in zip(originals, prompt_images)])  # noqa: B905
         self.tokenizer.padding_side = "left"
-        inputs = self.processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+        inputs = self.processor(text=texts, images=images or None, padding=True, return_tensors="pt",
+                                **self.processor_kwargs)
         return PromptBatch(dict(inputs), images_per_prompt, list(ids or []), image_sizes)
 
     # ---- boxes: tasks work in original-image pixels, the model in its own frame ----------------------
@@ -231,15 +267,7 @@ class QwenVLAdapter:
         subset = prompts.select(distinct)
         encoded = _unwrap(model).model.get_image_features(
             subset.inputs["pixel_values"], subset.inputs["image_grid_thw"], return_dict=True).pooler_output
-        first_image, per_prompt = {}, 0
-        for position, prompt in enumerate(distinct):
-            first_image[prompt] = per_prompt
-            per_prompt += subset.images_per_prompt[position]
-        features = []
-        for prompt in prompt_index:
-            start = first_image[prompt]
-            features.extend(encoded[start:start + prompts.images_per_prompt[prompt]])
-        return BaseModelOutputWithPooling(pooler_output=features)
+        return BaseModelOutputWithPooling(pooler_output=[encoded[i] for i in _image_order(prompts, prompt_index)])
 
     def logps_from_logits(self, logits: Tensor, token_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
         """Log-softmax over the sampling distribution (suppressed ids removed), gathered at token_ids."""
@@ -259,6 +287,16 @@ class Policy:
     processor: object
     adapter: QwenVLAdapter
     name_or_path: str
+    save_format: str = "full"  # how checkpoints write the weights: full, or for LoRA adapter / merged
+
+
+def _image_order(prompts: PromptBatch, prompt_index: list[int]) -> list[int]:
+    """Indices into the images of `prompts.select(sorted(set(prompt_index)))`, listed per sequence."""
+    first_image, count = {}, 0
+    for prompt in sorted(set(prompt_index)):
+        first_image[prompt] = count
+        count += prompts.images_per_prompt[prompt]
+    return [first_image[prompt] + k for prompt in prompt_index for k in range(prompts.images_per_prompt[prompt])]
 
 
 class Qwen2VLAdapter(QwenVLAdapter):
@@ -269,11 +307,43 @@ class Qwen2VLAdapter(QwenVLAdapter):
         return 1000.0 / width, 1000.0 / height
 
 
-FAMILIES: dict[str, type[QwenVLAdapter]] = {"qwen2_vl": Qwen2VLAdapter, "qwen2_5_vl": QwenVLAdapter}
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Qwen3-VL: boxes in the 0-1000 frame again (as Qwen2-VL), 16-pixel patches, and DeepStack.
+
+    Its processor would resize images a second time to its own pixel limits (at least 65,536 pixels by
+    default), so images keep the size qwen_vl_utils gave them (`do_resize=False`, as Qwen's cookbooks do).
+    The vision tower returns, besides the merged image tokens, one feature map per DeepStack tap that the
+    first decoder layers add at the image positions; shared vision features carry both, so one encoding
+    per prompt serves its G sequences exactly as per-sequence pixels would.
+    """
+
+    processor_kwargs = {"do_resize": False}
+
+    def shared_image_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
+        distinct = sorted(set(prompt_index))
+        subset = prompts.select(distinct)
+        encoded = _unwrap(model).model.get_image_features(
+            subset.inputs["pixel_values"], subset.inputs["image_grid_thw"], return_dict=True)
+        order = _image_order(prompts, prompt_index)
+        encoded.pooler_output = [encoded.pooler_output[i] for i in order]
+        encoded.deepstack_features = [[level[i] for i in order] for level in encoded.deepstack_features]
+        return encoded
+
+
+FAMILIES: dict[str, type[QwenVLAdapter]] = {"qwen2_vl": Qwen2VLAdapter, "qwen2_5_vl": QwenVLAdapter,
+                                            "qwen3_vl": Qwen3VLAdapter}
 
 
 def resolve_path(name_or_path: str) -> str:
-    """`embedded:<name>` means a model shipped in gpg_vl/assets; anything else is a hub id or a path."""
+    """`embedded:<name>` means a model shipped in gpg_vl/assets, `tiny:<family>` a tiny random model of a
+    family built on first use (gpg_vl.models.tiny); anything else is a hub id or a path."""
+    if name_or_path.startswith(TINY_PREFIX):
+        from gpg_vl.models.tiny import TINY_FAMILIES, tiny_model_path
+
+        family = name_or_path[len(TINY_PREFIX):]
+        if family not in TINY_FAMILIES:
+            raise UserError(f"no tiny model of family {family!r}; known: {', '.join(TINY_FAMILIES)}.")
+        return str(tiny_model_path(family))
     if name_or_path.startswith(EMBEDDED_PREFIX):
         path = ASSETS / name_or_path[len(EMBEDDED_PREFIX):]
         if not (path / "config.json").is_file():
@@ -286,7 +356,7 @@ def resolve_path(name_or_path: str) -> str:
 def load_policy(
     name_or_path: str, *, family: str = "qwen2_5_vl", dtype: str = "auto", min_pixels: int | None = None,
     max_pixels: int | None = None, trust_remote_code: bool = False, attn_implementation: str | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE,
 ) -> Policy:
     """Load model + processor from a hub id or a local directory; a failed download is one sentence."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -311,24 +381,16 @@ def load_policy(
             "without network access, download it elsewhere and pass model.name_or_path=/path/to/local/copy."
         ) from None
     model.to(device)
-    adapter = FAMILIES[family](processor, model.config, min_pixels=min_pixels, max_pixels=max_pixels)
+    adapter = FAMILIES[family](processor, model.config, min_pixels=min_pixels, max_pixels=max_pixels,
+                               prompt_style=prompt_style, raw_template=raw_template)
     return Policy(model=model, processor=processor, adapter=adapter, name_or_path=path)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare model under a DistributedDataParallel (or similar) wrapper."""
-    return getattr(model, "module", model)
-
-
-def _family_of(path: str) -> str:
-    """The adapter family of a local model directory, from its config.json's model_type."""
-    import json
-
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        raise UserError(f"{path!r} has no config.json, so its model family is unknown; "
-                        "set model.family=qwen2_vl or qwen2_5_vl.")
-    return json.loads(config.read_text()).get("model_type", "unknown")
+    """The bare Hugging Face model under a DistributedDataParallel (or similar) wrapper and a PEFT wrapper."""
+    model = getattr(model, "module", model)
+    get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel
+    return get_base_model() if get_base_model is not None else model
 
 
 @contextlib.contextmanager
@@ -340,3 +402,14 @@ def eval_mode(model: torch.nn.Module):
         yield
     finally:
         model.train(was_training)
+
+
+def _family_of(path: str) -> str:
+    """The adapter family of a local model directory, from its config.json's model_type."""
+    import json
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise UserError(f"{path!r} has no config.json, so its model family is unknown; "
+                        f"set model.family= to one of {', '.join(sorted(FAMILIES))}.")
+    return json.loads(config.read_text()).get("model_type", "unknown")

@@ -1,25 +1,40 @@
-"""Build the tiny Qwen2.5-VL that the embedded default trains: real classes, local files, no download.
+"""Tiny Qwen-VL models of each family: real classes, local files, no download.
 
 `build_tiny(path)` writes a Hugging Face directory with a random-weight
 `Qwen2_5_VLForConditionalGeneration` (about 3M parameters), a small byte-level BPE `Qwen2Tokenizer`
 that carries Qwen's special tokens and chat template, and a real `Qwen2_5_VLProcessor`. Everything is
 seeded, so the same call writes the same files. `scripts/build_tiny.py` then warm-starts it with a
 short supervised pass on the `shapes` task and ships the result under `gpg_vl/assets/`.
+
+`build_tiny_family(path, family)` writes a random-weight tiny model of another family (`qwen2_vl`,
+`qwen3_vl`) with the embedded model's tokenizer and that family's real processor; `tiny_model_path`
+builds one on first use into a cache folder, which is what `name_or_path: tiny:<family>` means.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
+    AutoTokenizer,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen2Tokenizer,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 
 # The special tokens of the real Qwen2.5-VL tokenizer, in its order.
@@ -131,3 +146,86 @@ def build_tiny(path: str | Path, corpus: list[str], seed: int = 0) -> Qwen2_5_VL
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model
+
+
+# Other families, same text size; each vision tower keeps its family's shape (patch 14 for Qwen2-VL,
+# patch 16 with learned position embeddings and DeepStack taps for Qwen3-VL).
+TINY_QWEN2_VISION = dict(depth=4, embed_dim=128, num_heads=4, mlp_ratio=2, hidden_size=192, patch_size=14,
+                         spatial_merge_size=2, temporal_patch_size=2)
+TINY_QWEN3_VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=192,
+                         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                         deepstack_visual_indexes=[1, 2])
+TINY_QWEN3_TEXT = dict(
+    hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=48, max_position_embeddings=2048,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 8, 8],
+                     "mrope_interleaved": True},
+)
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+EMBEDDED_TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
+CACHE_ENV = "GPG_VL_CACHE"
+
+
+def build_tiny_family(path: str | Path, family: str, seed: int = 0):
+    """Write a random-weight tiny model of `family` (its real model, config and processor classes) to `path`.
+
+    The tokenizer is the embedded tiny model's, so every tiny family reads the same vocabulary.
+    """
+    if family not in ("qwen2_vl", "qwen3_vl"):
+        raise ValueError(f"no tiny builder for family {family!r}; the qwen2_5_vl one is embedded (model=tiny).")
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_TINY)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    vision_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                      vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    patch = 16 if family == "qwen3_vl" else 14
+    pixels = dict(min_pixels=TINY_PIXELS["min_pixels"], max_pixels=TINY_PIXELS["max_pixels"], patch_size=patch,
+                  temporal_patch_size=2, merge_size=2)
+    image_processor = Qwen2VLImageProcessor(**pixels)
+    if family == "qwen2_vl":
+        text = {key: value for key, value in TINY_TEXT.items() if key != "rope_scaling"}
+        config = Qwen2VLConfig(
+            text_config=dict(text, vocab_size=len(tokenizer), **special,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "mrope_section": [8, 8, 8]}),
+            vision_config=TINY_QWEN2_VISION, tie_word_embeddings=True, **vision_ids)
+        model_class = Qwen2VLForConditionalGeneration
+        processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                     video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=CHAT_TEMPLATE)
+    else:
+        config = Qwen3VLConfig(text_config=dict(TINY_QWEN3_TEXT, vocab_size=len(tokenizer), **special),
+                               vision_config=TINY_QWEN3_VISION, tie_word_embeddings=True, **vision_ids)
+        model_class = Qwen3VLForConditionalGeneration
+        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                     video_processor=Qwen3VLVideoProcessor(**pixels), chat_template=CHAT_TEMPLATE)
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model
+
+
+def tiny_model_path(family: str) -> Path:
+    """The cached tiny model of `family`, built (seeded, so always the same) the first time it is asked for.
+
+    The cache is `$GPG_VL_CACHE` or `~/.cache/gpg-vl`; a build goes to a temporary folder that is renamed
+    into place, so concurrent first uses never see half a model.
+    """
+    if family == "qwen2_5_vl":
+        return EMBEDDED_TINY
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "gpg-vl")
+    path = root / f"tiny-{family}"
+    if not (path / "config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"tiny-{family}-", dir=root))
+        build_tiny_family(partial, family)
+        try:
+            partial.rename(path)
+        except OSError:  # another process finished first
+            shutil.rmtree(partial, ignore_errors=True)
+    return path
