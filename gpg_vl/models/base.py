@@ -209,7 +209,7 @@ class QwenVLAdapter:
         Passing them avoids Qwen-VL's `rope_deltas`, which `generate()` caches on the model for its
         own batch and which would otherwise leak into a training forward of another batch size.
         """
-        base = model.model
+        base = _unwrap(model).model
         base.rope_deltas = None
         if "image_grid_thw" not in inputs:
             mask = inputs["attention_mask"]
