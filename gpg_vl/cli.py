@@ -35,7 +35,8 @@ def build_policy(model_cfg: DictConfig, device):
         name_or_path, family=model_cfg.family, dtype=model_cfg.dtype, min_pixels=model_cfg.min_pixels,
         max_pixels=model_cfg.max_pixels, trust_remote_code=model_cfg.trust_remote_code,
         attn_implementation=model_cfg.attn_implementation, device=device,
-        prompt_style=model_cfg.get("prompt_style") or "chat", raw_template=model_cfg.get("raw_template") or RAW_TEMPLATE,
+        prompt_style=model_cfg.get("prompt_style") or "chat",
+        raw_template=model_cfg.get("raw_template") or RAW_TEMPLATE,
     )
     model = policy.model
     if adapter is not None:
