@@ -243,6 +243,9 @@ def test_lora_merged_save_loads_with_transformers_alone_and_equals_the_adapter(t
         c = policy.adapter.token_logps(policy.model, prompts, [0, 1], completion, mask)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(a, c)  # and the adapter did change the model
+    evaluated = build_policy(load_config("eval", [f"model={final}"]).model, "cpu").model  # the merged weights
+    assert not hasattr(evaluated, "peft_config")
+    assert all(torch.equal(p, merged.get_parameter(n)) for n, p in evaluated.named_parameters())
 
 
 def test_lora_run_resumes_exactly_from_a_checkpoint(tmp_path, tiny_paths):

@@ -3,8 +3,9 @@
 The trainer sees a `Policy`: `encode` turns chat messages into a left-padded `PromptBatch`,
 `generate` samples completions, and `token_logps` scores completions under the same distribution
 the sampler used (same temperature, same suppressed tokens), so the policy that is trained is the
-policy that sampled. Qwen2-VL and Qwen2.5-VL share this code; a family that differs subclasses
-`QwenVLAdapter` and overrides the one method that differs.
+policy that sampled. Qwen2-VL, Qwen2.5-VL and Qwen3-VL share this code; a family that differs subclasses
+`QwenVLAdapter` and overrides what differs (Qwen2-VL: the box frame; Qwen3-VL: also the processor call and
+the shared vision features).
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def _format_number(value: float) -> str:
 
 
 class QwenVLAdapter:
-    """Qwen2.5-VL specifics (Qwen2-VL overrides the box frame): processor call, suppressed vision tokens,
-    3-D rotary positions, and the coordinate frame of boxes: absolute pixels of the RESIZED image."""
+    """Qwen2.5-VL specifics (Qwen2-VL and Qwen3-VL subclass it): processor call, prompt text (chat template, or
+    a raw-text template for base models), suppressed vision tokens, 3-D rotary positions, and the coordinate
+    frame of boxes: absolute pixels of the RESIZED image."""
 
     processor_kwargs: dict = {}  # extra keywords of the processor call
 
@@ -393,17 +395,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return get_base_model() if get_base_model is not None else model
 
 
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module):
-    """Switch to eval mode (no dropout) for sampling, and back."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 def _family_of(path: str) -> str:
     """The adapter family of a local model directory, from its config.json's model_type."""
     import json
@@ -413,3 +404,14 @@ def _family_of(path: str) -> str:
         raise UserError(f"{path!r} has no config.json, so its model family is unknown; "
                         f"set model.family= to one of {', '.join(sorted(FAMILIES))}.")
     return json.loads(config.read_text()).get("model_type", "unknown")
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Switch to eval mode (no dropout) for sampling, and back."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
