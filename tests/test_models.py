@@ -285,8 +285,9 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_paths, family):
     grads = []
     for checkpointing in (False, True):
         if checkpointing:
-            policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            assert policy.model.model.language_model.gradient_checkpointing
+            policy.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            layers = [m for m in policy.model.modules() if hasattr(m, "gradient_checkpointing")]
+            assert layers and all(m.gradient_checkpointing for m in layers)  # language model and vision tower
         policy.model.zero_grad()
         logps = policy.adapter.token_logps(policy.model, prompts, [0, 0, 1, 1], completion, mask)
         logps.sum().backward()
