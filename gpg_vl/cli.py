@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpg_vl.checkpoint import resolve_resume
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import RAW_TEMPLATE, load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
@@ -71,8 +72,11 @@ def train_main(cfg: DictConfig) -> dict:
     accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir),
                               log_with=None if report_to == "none" else report_to)
     model_cfg = cfg.model
-    if cfg.resume:  # the weights come from the checkpoint; the optimizer, data position and RNG follow in train()
-        model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(cfg.resume)})
+    resume = resolve_resume(cfg.resume, cfg.output_dir)  # resume=auto: the newest complete checkpoint, if any
+    if str(cfg.resume) == "auto" and resume is None and accelerator.is_main_process:
+        print(f"resume=auto: no complete checkpoint in {cfg.output_dir}; starting at step 0")
+    if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
+        model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
     policy = build_policy(model_cfg, accelerator.device)
     container = OmegaConf.to_container(cfg, resolve=True)
     summary = train(
@@ -80,8 +84,8 @@ def train_main(cfg: DictConfig) -> dict:
         trainer=TrainerSettings(**container["trainer"]),
         rollout=RolloutSettings(**container["rollout"]),
         evaluation=EvalSettings(**container["eval"]),
-        output_dir=cfg.output_dir, seed=cfg.seed, resume_from=cfg.resume, accelerator=accelerator,
-        config=container,
+        output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, accelerator=accelerator,
+        config=container, max_bad_fraction=cfg.data.max_bad_fraction,
     )
     if accelerator.is_main_process and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"

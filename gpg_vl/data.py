@@ -1,23 +1,200 @@
-"""The prompt stream: an epoch-wise shuffled walk over a split's rows, with a resumable position."""
+"""The prompt stream: an epoch-wise shuffled walk over a split's rows, with a resumable position.
+
+Rows that cannot be used (a missing or broken image, an empty question, an invalid box, ...) are skipped:
+`prepare_prompt` turns a row into chat messages or raises `BadRow` with the reason, the stream counts
+each reason (`BadRowLog`) and draws the next rows instead, so a step always gets B good prompts. When more
+than `max_bad_fraction` of the rows seen are bad, the run stops with one sentence naming the first bad rows.
+`scan_rows` applies the same checks to a whole split (scripts/validate_data.py, held-out rows).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+from PIL import Image
+from qwen_vl_utils.vision_process import MAX_RATIO
+
+from gpg_vl.errors import BadRow, UserError
+
+MIN_ROWS_JUDGED = 100  # the bad fraction is taken over at least this many rows (or the whole split if smaller)
+FIRST_KEPT = 5  # bad rows remembered by position, to name them when the run stops
+
+
+@dataclass
+class Prompt:
+    """A good row of the split, ready for the policy."""
+
+    index: int  # position in the split
+    row: dict
+    messages: list[dict]
+
+
+def prepare_prompt(task, rows: Sequence, index: int) -> Prompt:
+    """Row `index` of `rows` as chat messages; raises `BadRow` (with its reason) when the row cannot be used.
+
+    Reading the row, the task's `check_row` and `messages` may each find a problem; images in the messages
+    must have pixels and an aspect ratio the Qwen-VL processors accept. Any other exception from the task's
+    code is a bad row too (reason "error"; `KeyError` is "missing column"), so one odd row never ends a run.
+    """
+    try:
+        row = rows[index]
+        task.check_row(row)
+        messages = task.messages(row)
+    except BadRow:
+        raise
+    except KeyError as error:
+        raise BadRow("missing column", f"row {index} has no column {error}; check the column names of the data.") \
+            from error
+    except Exception as error:  # the task's own code on an odd row: counted, the first traceback shown
+        raise BadRow("error", f"row {index} raised {type(error).__name__}: {str(error)[:200]}") from error
+    for message in messages:
+        for part in message["content"] if isinstance(message.get("content"), list) else []:
+            image = part.get("image") if isinstance(part, dict) else None
+            if isinstance(image, Image.Image):
+                width, height = image.size
+                if min(width, height) == 0:
+                    raise BadRow("zero-size image", f"row {index} has an image of {width}x{height} pixels.")
+                if max(width, height) / min(width, height) > MAX_RATIO:
+                    raise BadRow("extreme aspect ratio", f"row {index} has a {width}x{height} image, over the "
+                                                         f"{MAX_RATIO}:1 aspect ratio Qwen-VL processors accept.")
+    return Prompt(index, row, messages)
+
+
+class BadRowLog:
+    """Counts of rows seen and bad rows by reason, the first bad rows, and the stop rule.
+
+    The run stops once `bad > max_bad_fraction * max(seen, min(MIN_ROWS_JUDGED, split size))`: a few bad
+    rows at the start of a run do not stop it, a split where most rows are bad stops it within a few rows.
+    """
+
+    def __init__(self, max_bad_fraction: float = 1.0, total: int | None = None) -> None:
+        self.max_bad_fraction, self.total = max_bad_fraction, total
+        self.seen, self.bad, self.in_a_row = 0, 0, 0
+        self.by_reason: dict[str, int] = {}
+        self.first: list[list] = []  # [index, reason, message] of the first FIRST_KEPT bad rows
+        self.traceback_shown = False
+
+    def good(self) -> None:
+        self.seen += 1
+        self.in_a_row = 0
+
+    def record(self, index: int, error: BadRow) -> str | None:
+        """Count a bad row; returns a message to print when its reason is new (one per reason)."""
+        self.seen += 1
+        self.bad += 1
+        self.in_a_row += 1
+        new = error.reason not in self.by_reason
+        self.by_reason[error.reason] = self.by_reason.get(error.reason, 0) + 1
+        if len(self.first) < FIRST_KEPT:
+            self.first.append([index, error.reason, str(error)])
+        if not new:
+            return None
+        note = f"skipped row {index} ({error.reason}): {error} Bad rows are counted by reason in metrics.jsonl " \
+               "and summary.json; this is shown once per reason."
+        cause = error.__cause__
+        if error.reason == "error" and cause is not None and not self.traceback_shown:
+            self.traceback_shown = True
+            note += "\n" + "".join(traceback.format_exception(type(cause), cause, cause.__traceback__)).rstrip()
+        return note
+
+    def over_limit(self) -> bool:
+        judged = max(self.seen, min(MIN_ROWS_JUDGED, self.total or MIN_ROWS_JUDGED))
+        return self.bad > self.max_bad_fraction * judged
+
+    def stop_message(self) -> str:
+        """One sentence: how many rows are bad, the limit, the first bad rows with their reasons, the fix."""
+        first = ", ".join(f"row {index} ({reason})" for index, reason, _ in self.first)
+        detail = self.first[0][2].rstrip(".") if self.first else ""
+        return (f"{self.bad} of {self.seen} rows seen are bad ({self.bad / max(self.seen, 1):.1%}), over "
+                f"data.max_bad_fraction={self.max_bad_fraction}; the first: {first} (row {self.first[0][0]}: "
+                f"{detail}); fix or drop them (scripts/validate_data.py lists every bad row) or raise "
+                "data.max_bad_fraction.")
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counts for metrics.jsonl: rows_seen, bad_rows and bad_rows/<reason>."""
+        counts = {"rows_seen": self.seen, "bad_rows": self.bad}
+        counts.update({f"bad_rows/{reason}": count for reason, count in sorted(self.by_reason.items())})
+        return counts
+
+    def summary(self) -> dict:
+        return {"rows_seen": self.seen, "bad_rows": self.bad, "by_reason": dict(sorted(self.by_reason.items())),
+                "first_bad_rows": [{"row": i, "reason": r, "message": m} for i, r, m in self.first]}
+
+    def report(self, what: str = "rows") -> str:
+        """A few lines for people: the counts by reason and the first bad rows."""
+        lines = [f"{what}: {self.seen} seen, {self.bad} bad ({self.bad / max(self.seen, 1):.1%}; limit "
+                 f"data.max_bad_fraction={self.max_bad_fraction})"]
+        width = max((len(reason) for reason in self.by_reason), default=0)
+        lines += [f"  {reason:<{width}}  {count}" for reason, count in sorted(self.by_reason.items())]
+        if self.first:
+            lines.append("first bad rows:")
+            lines += [f"  row {index}: {reason}: {message}" for index, reason, message in self.first]
+        return "\n".join(lines)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "bad": self.bad, "in_a_row": self.in_a_row, "by_reason": dict(self.by_reason),
+                "first": [list(entry) for entry in self.first]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.bad, self.in_a_row = int(state["seen"]), int(state["bad"]), int(state["in_a_row"])
+        self.by_reason = {str(k): int(v) for k, v in state["by_reason"].items()}
+        self.first = [list(entry) for entry in state["first"]]
+
+
+def scan_rows(task, rows: Sequence, *, max_bad_fraction: float = 1.0,
+              progress: Callable[[int], None] | None = None) -> tuple[list[int], BadRowLog]:
+    """Check every row of `rows` as training would; returns the good positions and the log."""
+    log = BadRowLog(max_bad_fraction, total=len(rows))
+    good = []
+    for index in range(len(rows)):
+        try:
+            prepare_prompt(task, rows, index)
+            log.good()
+            good.append(index)
+        except BadRow as error:
+            log.record(index, error)
+        if progress is not None:
+            progress(index)
+    return good, log
+
+
+class Subset(Sequence):
+    """The rows of `rows` at `positions`, read lazily (images are decoded when a row is read)."""
+
+    def __init__(self, rows: Sequence, positions: Sequence[int]) -> None:
+        self.rows, self.positions = rows, list(positions)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Subset(self.rows, self.positions[index])
+        return self.rows[self.positions[index]]
 
 
 class PromptStream:
     """Yields the row indices of B prompts at a time, global over processes; every process walks the
     same permutation (seeded by seed and epoch) and takes its own share, so no prompt repeats
-    within an epoch and `state_dict()` / `load_state_dict()` resume exactly where it was."""
+    within an epoch and `state_dict()` / `load_state_dict()` resume exactly where it was.
 
-    def __init__(self, rows: Sequence, *, seed: int, rank: int = 0, world_size: int = 1) -> None:
+    `next_prompts` checks every drawn row (on every process, so that all of them skip the same rows and
+    stay in step without communicating) and replaces bad rows by the next ones of the walk."""
+
+    def __init__(self, rows: Sequence, *, seed: int, rank: int = 0, world_size: int = 1,
+                 max_bad_fraction: float = 1.0, warn: Callable[[str], None] | None = None,
+                 stop: Callable[[str], None] | None = None) -> None:
         if len(rows) == 0:
             raise ValueError("the training split has no rows")
         self.rows, self.seed, self.rank, self.world_size = rows, seed, rank, world_size
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
+        self.bad = BadRowLog(max_bad_fraction, total=len(rows))
+        self.warn = warn or (lambda message: print(f"warning: {message}"))
+        self.stop = stop  # called with the stop sentence before the UserError is raised (e.g. to write a summary)
 
     def _permutation(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
@@ -37,13 +214,34 @@ class PromptStream:
         return indices
 
     def next_local(self, global_count: int) -> list[tuple[int, dict]]:
-        """This process's share (index, row) of the next `global_count` prompts."""
+        """This process's share (index, row) of the next `global_count` prompts (rows unchecked)."""
         indices = self.next_indices(global_count)[self.rank::self.world_size]
         return [(i, self.rows[i]) for i in indices]
 
+    def next_prompts(self, global_count: int, task) -> list[Prompt]:
+        """This process's share of the next `global_count` GOOD prompts: bad rows are skipped, counted and
+        replaced by the next rows of the walk; raises UserError once too many of the rows seen are bad."""
+        good: list[Prompt] = []
+        while len(good) < global_count:
+            for index in self.next_indices(global_count - len(good)):
+                try:
+                    good.append(prepare_prompt(task, self.rows, index))
+                    self.bad.good()
+                except BadRow as error:
+                    note = self.bad.record(index, error)
+                    if note:
+                        self.warn(note)
+                    if self.bad.over_limit() or self.bad.in_a_row >= len(self.rows):
+                        if self.stop is not None:
+                            self.stop(self.bad.stop_message())
+                        raise UserError(self.bad.stop_message()) from None
+        return good[self.rank::self.world_size]
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "bad": self.bad.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
+        if "bad" in state:
+            self.bad.load_state_dict(state["bad"])

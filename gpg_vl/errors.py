@@ -8,3 +8,16 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A failure caused by the user's input (config, data, paths, network); the message names the fix."""
+
+
+class BadRow(UserError):
+    """One data row that cannot be used (a broken image, an empty question, an invalid box, ...).
+
+    `reason` is a short category that bad rows are counted by ("missing image file", "empty question");
+    the message names the row and the problem. Training skips such a row and counts it; where a single
+    row is all there is (e.g. `load_image` called directly), it reads like any UserError.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -20,7 +20,7 @@ import datasets
 import numpy as np
 from PIL import Image
 
-from gpg_vl.errors import UserError
+from gpg_vl.errors import BadRow, UserError
 
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 ACCEPTED = "a parquet/jsonl/json/csv/arrow file, a folder of them named after their split, or a save_to_disk folder"
@@ -132,23 +132,37 @@ def _reason(exc: BaseException) -> str:
 def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: Any = None) -> Image.Image:
     """An RGB image, fully decoded, from a PIL image, a `datasets` image dict, bytes or a path.
 
-    Relative paths resolve against `image_root`. `row` only names the row in error messages.
+    Relative paths resolve against `image_root`. `row` only names the row in error messages. A value that
+    is no usable image raises `BadRow` (a UserError) whose `reason` says why: "missing image" (None),
+    "not an image", "missing image file", "zero-size image", "image too large" (a decompression bomb,
+    over `PIL.Image.MAX_IMAGE_PIXELS`) or "corrupt image" (truncated or undecodable bytes).
     """
     where = "image bytes" + (f" of row {row}" if row is not None else "")
     if isinstance(value, dict):
         where = repr(value["path"]) if value.get("path") else where
         value = value.get("bytes") or value.get("path")
+    if value is None:
+        raise BadRow("missing image", f"{where} is missing (None); check the image column of the data.")
     if isinstance(value, (str, os.PathLike)):
         file = Path(value).expanduser()
         if not file.is_absolute() and image_root is not None:
             file = Path(image_root).expanduser() / file
         if not file.is_file():
-            raise UserError(f"image file {str(file)!r} does not exist; check data.image_root= (now {image_root!r}).")
+            raise BadRow("missing image file",
+                         f"image file {str(file)!r} does not exist; check data.image_root= (now "
+                         f"{None if image_root is None else str(image_root)!r}).")
         where, value = repr(str(file)), file
+        empty = file.stat().st_size == 0
     elif isinstance(value, (bytes, bytearray, memoryview)):
         value = io.BytesIO(bytes(value))
-    elif not isinstance(value, Image.Image):
-        raise UserError(f"{where} is a {type(value).__name__}, not an image, a path or bytes; check the image column.")
+        empty = value.getbuffer().nbytes == 0
+    elif isinstance(value, Image.Image):
+        empty = value.width == 0 or value.height == 0
+    else:
+        raise BadRow("not an image", f"{where} is a {type(value).__name__}, not an image, a path or bytes; "
+                                     "check the image column.")
+    if empty:
+        raise BadRow("zero-size image", f"{where} is empty (zero bytes or zero pixels); replace or drop it.")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # checked below, with the size
@@ -157,14 +171,18 @@ def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: 
         if limit is not None and image.width * image.height > limit:
             raise Image.DecompressionBombError(f"{image.width}x{image.height} = {image.width * image.height} pixels")
         image.load()
+        if image.width == 0 or image.height == 0:
+            raise BadRow("zero-size image", f"{where} has zero pixels ({image.width}x{image.height}); drop it.")
         return to_rgb(image)
     except Image.DecompressionBombError as exc:
-        raise UserError(
+        raise BadRow(
+            "image too large",
             f"{where} is too large to decode safely ({_pixels(exc)}, over PIL's limit of {Image.MAX_IMAGE_PIXELS}); "
             "shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS if you trust the file."
         ) from exc
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise UserError(
+        raise BadRow(
+            "corrupt image",
             f"could not decode {where} ({_reason(exc)}); check that it is a complete image file and data.image_root=."
         ) from exc
 

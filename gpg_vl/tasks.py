@@ -20,13 +20,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from gpg_vl.errors import UserError
-from gpg_vl.rewards import extract_answer
+from gpg_vl.errors import BadRow, UserError
+from gpg_vl.rewards import _as_box, extract_answer
 
 RewardFn = Callable[[str, dict], float]
 
@@ -56,6 +58,8 @@ class Task:
         self.reward_weights: dict[str, float] = {}
         self.data_path: str | None = None  # data.path: a local copy that replaces the hub dataset
         self.image_root: str | None = None  # data.image_root: where relative image paths resolve
+        self.reward_errors: dict[str, int] = {}  # reward name -> completions on which it raised (scored 0)
+        self.reward_nonfinite: dict[str, int] = {}  # reward name -> NaN or infinite scores
 
     def load(self, split: str) -> Sequence[dict]:
         """The rows of `split`, each a dict of the dataset's columns."""
@@ -65,13 +69,43 @@ class Task:
         """Chat messages for one row, in the Qwen-VL format (`{"type": "image", "image": PIL.Image}`)."""
         raise NotImplementedError
 
+    def check_row(self, row: dict) -> None:
+        """Raise `BadRow` when `row` cannot be trained on or scored; training then skips and counts it.
+
+        Called on every row before `messages` (which raises `BadRow` itself for a broken image, through
+        `load_image`). The default checks the target box of a task with `uses_boxes` (`row["box"]`, in
+        original pixels; None means no target); tasks add their columns' checks, e.g. with `require_text`.
+        """
+        if self.uses_boxes and row.get("box") is not None:
+            check_box(row["box"], row)
+
     def target(self, row: dict) -> str:
         """The reference answer of a row, as shown in predictions files."""
         return str(row.get("answer", ""))
 
     def reward_components(self, completion: str, row: dict) -> dict[str, float]:
-        """Each reward function's raw score for one completion."""
-        return {name: float(fn(completion, row)) for name, fn in self.reward_functions.items()}
+        """Each reward function's raw score for one completion.
+
+        A reward function that raises gives this completion 0 for that reward: the error is counted in
+        `reward_errors[name]` and its first traceback is printed once. A NaN or infinite score is kept (the
+        trainer leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`.
+        """
+        errors, nonfinite = vars(self).setdefault("reward_errors", {}), vars(self).setdefault("reward_nonfinite", {})
+        scores = {}
+        for name, fn in self.reward_functions.items():
+            try:
+                score = float(fn(completion, row))
+            except Exception:  # a reward (often a user's own) that fails on odd output must not end the run
+                errors[name] = errors.get(name, 0) + 1
+                if errors[name] == 1:
+                    print(f"warning: reward {name!r} of task {self.name!r} raised on a completion; it scores 0 "
+                          f"(counted as reward_errors in metrics.jsonl; this traceback is shown once):\n"
+                          f"{traceback.format_exc().rstrip()}", file=sys.stderr)
+                score = 0.0
+            if not math.isfinite(score):
+                nonfinite[name] = nonfinite.get(name, 0) + 1
+            scores[name] = score
+        return scores
 
     def total(self, components: dict[str, float]) -> float:
         """The weighted sum of reward components."""
@@ -93,6 +127,28 @@ class Task:
             result["accuracy"] = sums["accuracy"] / count
         result["answered"] = sum(extract_answer(c) is not None for c in completions) / count
         return result
+
+
+def row_name(row: dict) -> str:
+    """How messages name a row: by its id when it has one."""
+    return f"row {str(row['id'])!r}" if row.get("id") is not None else "a row"
+
+
+def require_text(row: dict, **roles: str) -> None:
+    """`BadRow` unless each column holds non-blank text: `require_text(row, question="problem", answer="solution")`
+    raises "missing column" for an absent or null column and "empty question" / "empty answer" for blank text."""
+    for role, column in roles.items():
+        value = row.get(column)
+        if value is None:
+            raise BadRow("missing column", f"{row_name(row)} has no {column!r} ({role}); check the data's columns.")
+        if not str(value).strip():
+            raise BadRow(f"empty {role}", f"{row_name(row)} has an empty {role} ({column!r}); fix or drop the row.")
+
+
+def check_box(box, row: dict) -> None:
+    """`BadRow` ("bad box") unless `box` is four finite numbers (x1, y1, x2, y2) with x2 > x1 and y2 > y1."""
+    if _as_box(box) is None:
+        raise BadRow("bad box", f"{row_name(row)} has the box {box!r}: not four finite numbers x1 < x2, y1 < y2.")
 
 
 def image_question(image, text: str) -> list[dict]:

@@ -23,10 +23,18 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from gpg_vl.data import PromptStream
+from gpg_vl.checkpoint import (
+    later_checkpoints,
+    latest_checkpoint,
+    load_trainer_state,
+    remove_partials,
+    save_checkpoint,
+    truncate_metrics,
+)
+from gpg_vl.data import PromptStream, Subset, scan_rows
+from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
-from gpg_vl.models.lora import save_model
 from gpg_vl.objective import group_advantages, policy_loss
 from gpg_vl.report import write_curves
 from gpg_vl.rollout import Rollout, generate, in_task_frame
@@ -55,6 +63,7 @@ class TrainerSettings:
     share_vision: bool = True
     save_every: int = 0
     keep_checkpoints: int = 2
+    max_bad_steps: int = 10
     report_to: str = "none"
     eval_before: bool = True
     eval_after: bool = True
@@ -100,9 +109,9 @@ class Attempt:
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
                    rollout: RolloutSettings, std_normalize: bool, warn) -> Attempt:
     """Draw this process's share of `batch_size` prompts, roll out G completions each, score them."""
-    drawn = stream.next_local(batch_size)
-    rows = [row for _, row in drawn]
-    prompts = policy.adapter.encode([task.messages(r) for r in rows], ids=[str(r.get("id", i)) for i, r in drawn])
+    drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
+    rows = [p.row for p in drawn]
+    prompts = policy.adapter.encode([p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
     lengths = prompts.inputs["attention_mask"].sum(dim=1).tolist()
     keep = [i for i, n in enumerate(lengths) if n <= rollout.max_prompt_tokens]
     for i in sorted(set(range(len(rows))) - set(keep)):
@@ -122,6 +131,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
     advantages, valid = group_advantages(rewards, std_normalize=std_normalize)  # [b, G], [b]
+    valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid)
 
 
@@ -179,14 +189,14 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 token_count += int(info["num_tokens"])
             accelerator.backward(loss * accelerator.num_processes)
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
-    if not math.isfinite(grad_norm):
+    totals = accelerator.reduce(torch.tensor([total_loss, logp_sum, token_count], device=device,
+                                             dtype=torch.float64), "sum")
+    if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
         optimizer.zero_grad(set_to_none=True)
-        return {"loss": total_loss, "grad_norm": grad_norm, "skipped": 1.0}
+        return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    totals = accelerator.reduce(torch.tensor([total_loss, logp_sum, token_count], device=device,
-                                             dtype=torch.float64), "sum")
     return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
             "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
 
@@ -194,57 +204,32 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
 # ---------------------------------------------------------------------------------------------
 # log + save
 # ---------------------------------------------------------------------------------------------
-def step_metrics(collected, accelerator: Accelerator, reward_names: list[str]) -> dict[str, float]:
-    """Global reward statistics over every completion sampled in this step."""
+def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
+                 reward_errors: int = 0) -> dict[str, float]:
+    """Global reward statistics over every completion sampled in this step. Completions with a NaN or
+    infinite reward are counted (`rewards_nonfinite`), not averaged; `reward_errors` (this process's count of
+    reward functions that raised) is summed over processes."""
     stats = []
     for attempt in collected.attempts:
         lengths = attempt.rollout.completion_mask.sum(dim=1).float() if attempt.rollout else torch.zeros(0)
         r = attempt.rewards.flatten()
+        finite = torch.isfinite(r)
         stats.append(torch.stack([
-            torch.tensor(float(r.numel())), r.sum(), (r * r).sum(), lengths.sum(),
-            *[attempt.components[n].sum() for n in reward_names]]).double())
+            torch.tensor(float(r.numel())), r[finite].sum(), (r[finite] ** 2).sum(), lengths.sum(),
+            finite.sum().float(), torch.tensor(0.0),
+            *[attempt.components[n].flatten()[finite].sum() for n in reward_names]]).double())
+    stats[0][5] += reward_errors
     totals = accelerator.reduce(torch.stack(stats).sum(0).to(accelerator.device), "sum").cpu()
-    count = max(float(totals[0]), 1.0)
+    count = max(float(totals[4]), 1.0)
     mean = float(totals[1]) / count
     metrics = {"reward_mean": mean, "reward_std": math.sqrt(max(float(totals[2]) / count - mean * mean, 0.0))}
-    metrics.update({f"reward/{n}": float(totals[4 + i]) / count for i, n in enumerate(reward_names)})
-    metrics["completion_tokens_mean"] = float(totals[3]) / count
+    metrics.update({f"reward/{n}": float(totals[6 + i]) / count for i, n in enumerate(reward_names)})
+    metrics["completion_tokens_mean"] = float(totals[3]) / max(float(totals[0]), 1.0)
+    metrics["rewards_nonfinite"] = int(totals[0] - totals[4])
+    metrics["reward_errors"] = int(totals[5])
     return metrics
 
 
-def save_checkpoint(path: Path, policy: Policy, model, optimizer, scheduler, stream: PromptStream, step: int,
-                    accelerator: Accelerator, *, keep: int = 0) -> None:
-    """Hugging Face model + processor, and the trainer state; written to a temp folder, then renamed."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        partial = path.with_name(path.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        save_model(accelerator.unwrap_model(model), partial, policy.save_format)
-        policy.processor.save_pretrained(partial)
-        torch.save({
-            "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "data": stream.state_dict(), "rng": {
-                "python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state()}}, partial / "trainer_state.pt")
-        if path.exists():
-            shutil.rmtree(path)
-        partial.rename(path)
-        if keep > 0:
-            old = sorted(path.parent.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
-            for stale in old[:-keep]:
-                shutil.rmtree(stale, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def load_trainer_state(path: Path, optimizer, scheduler, stream: PromptStream) -> int:
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    stream.load_state_dict(state["data"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
-    return int(state["step"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,8 +237,13 @@ def load_trainer_state(path: Path, optimizer, scheduler, stream: PromptStream) -
 # ---------------------------------------------------------------------------------------------
 def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSettings, evaluation: EvalSettings,
           output_dir: str | Path, seed: int = 0, resume_from: str | Path | None = None,
-          accelerator: Accelerator | None = None, config: dict | None = None) -> dict:
-    """Train `policy` on `task` with GPG; returns the run summary (also written to summary.json)."""
+          accelerator: Accelerator | None = None, config: dict | None = None, max_bad_fraction: float = 0.05) -> dict:
+    """Train `policy` on `task` with GPG; returns the run summary (also written to summary.json).
+
+    `resume_from` is a complete checkpoint (see gpg_vl/checkpoint.py): training continues from its step with
+    its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past that step.
+    Bad rows are skipped and counted; more than `max_bad_fraction` of the rows seen stops the run.
+    """
     accelerator = accelerator or Accelerator(
         log_with=None if trainer.report_to == "none" else trainer.report_to, project_dir=str(output_dir))
     output_dir = Path(output_dir)
@@ -285,25 +275,6 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
 
-    stream = PromptStream(train_rows, seed=seed, rank=accelerator.process_index,
-                          world_size=accelerator.num_processes)
-    start_step = 0
-    if resume_from is not None:
-        start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream)
-
-    eval_rows = task.load(evaluation.split or task.eval_split)
-    eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
-    eval_kwargs = {"batch_size": evaluation.batch_size,
-                   "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
-                   "rank": accelerator.process_index, "world_size": accelerator.num_processes,
-                   "gather": _gather_object}
-    summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir)}
-    if trainer.eval_before and start_step == 0:
-        before, _ = evaluate(policy, task, eval_rows, **eval_kwargs)
-        summary["accuracy_before"] = before.get("accuracy")
-        summary["eval_before"] = before
-        accelerator.print(f"held-out before training: {_format(before)}")
-
     warned: set[str] = set()
 
     def warn(message: str) -> None:
@@ -311,12 +282,60 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
             warned.add(message)
             accelerator.print(f"warning: {message}")
 
-    history: list[dict] = []
+    def stop(message: str) -> None:
+        """End the run with one sentence (too many bad rows or bad steps); summary.json says why."""
+        if main:
+            summary.update({"stopped": message, "data": stream.bad.summary(), **counters})
+            (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        raise UserError(message)
+
+    stream = PromptStream(train_rows, seed=seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
+                          max_bad_fraction=max_bad_fraction, warn=warn, stop=stop)
+    start_step = 0
+    counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0}
+    if resume_from is not None:
+        start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream,
+                                        process_index=accelerator.process_index, counters=counters)
+        accelerator.print(f"resumed from {resume_from} at step {start_step}")
     metrics_file = output_dir / "metrics.jsonl"
+    if main:  # what an interrupted save or an earlier continuation of this run left behind
+        for leftover in remove_partials(output_dir):
+            accelerator.print(f"removed {leftover.name}, left by an interrupted save")
+        truncate_metrics(metrics_file, start_step)
+        if start_step:
+            for later in later_checkpoints(output_dir, start_step):
+                shutil.rmtree(later, ignore_errors=True)
+                accelerator.print(f"removed {later.name}: it is past step {start_step}, which this run continues")
+
+    eval_rows = task.load(evaluation.split or task.eval_split)
+    eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
+    eval_data = None
+    if (trainer.eval_before and start_step == 0) or trainer.eval_after:  # held-out rows are checked once, here
+        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=max_bad_fraction)
+        if eval_data.bad:
+            warn(f"{eval_data.bad} held-out rows are bad and left out of evaluation:\n{eval_data.report()}")
+        if eval_data.over_limit():
+            raise UserError(f"held-out split: {eval_data.stop_message()}")
+        eval_rows = Subset(eval_rows, good)
+    eval_kwargs = {"batch_size": evaluation.batch_size,
+                   "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
+                   "rank": accelerator.process_index, "world_size": accelerator.num_processes,
+                   "gather": _gather_object}
+    summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir)}
+    if eval_data is not None:
+        summary["eval_data"] = eval_data.summary()
+    if trainer.eval_before and start_step == 0:
+        before, _ = evaluate(policy, task, eval_rows, **eval_kwargs)
+        summary["accuracy_before"] = before.get("accuracy")
+        summary["eval_before"] = before
+        accelerator.print(f"held-out before training: {_format(before)}")
+
+    history: list[dict] = []
     bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not main, desc="GPG", dynamic_ncols=True)
     reward_names = list(task.reward_functions)
     for step in range(start_step + 1, trainer.max_steps + 1):
         started = time.perf_counter()
+        errors_before = sum(getattr(task, "reward_errors", {}).values())
         # sample + score + advantage, resampling until enough groups carry signal
         collected = collect_valid_groups(
             lambda: sample_attempt(policy, task, stream, batch_size=trainer.batch_size,
@@ -334,15 +353,32 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
             warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
                  "it was skipped (check the task's rewards, or raise rollout.temperature).")
         updated = time.perf_counter()
+        # a NaN or infinite loss or gradient: update() took no optimizer step; too many in a row stop the run
+        bad_step = bool(result.get("nonfinite"))
+        counters["nonfinite_steps"] += bad_step
+        counters["bad_steps_in_a_row"] = counters["bad_steps_in_a_row"] + 1 if bad_step else 0
+        if bad_step:
+            accelerator.print(f"warning: step {step}: the loss or gradient is NaN or infinite (loss={result['loss']}, "
+                              f"grad_norm={result['grad_norm']}); the step was skipped, no weight changed "
+                              f"({counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
+                              f"{trainer.max_bad_steps}).")
         # log
-        metrics = {"step": step, **step_metrics(collected, accelerator, reward_names),
+        errors = sum(getattr(task, "reward_errors", {}).values()) - errors_before
+        metrics = {"step": step, **step_metrics(collected, accelerator, reward_names, reward_errors=errors),
                    "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
                    "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
                    "groups_used": collected.groups_valid,
                    "alpha": collected.groups_sampled / collected.groups_valid if collected.groups_valid else 0.0,
-                   **result, "lr": scheduler.get_last_lr()[0],
+                   **result, "lr": scheduler.get_last_lr()[0], "nonfinite_steps": counters["nonfinite_steps"],
+                   **stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position,
                    "rollout_s": rolled - started, "update_s": updated - rolled,
                    "step_s": time.perf_counter() - started}
+        counters["reward_errors"] += metrics["reward_errors"]
+        counters["rewards_nonfinite"] += metrics["rewards_nonfinite"]
+        if metrics["rewards_nonfinite"]:
+            names = sorted(getattr(task, "reward_nonfinite", {})) or ["on another process"]
+            warn(f"some completions got a NaN or infinite reward (reward {', '.join(names)}); their groups are left "
+                 "out of the update and counted per step as rewards_nonfinite in metrics.jsonl.")
         history.append(metrics)
         if main:
             with metrics_file.open("a") as handle:
@@ -352,14 +388,26 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
             bar.update(1)
         if trainer.report_to != "none":
             accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
-        # save
+        if trainer.max_bad_steps and counters["bad_steps_in_a_row"] >= trainer.max_bad_steps:
+            bar.close()
+            last = latest_checkpoint(output_dir) if main else None
+            stop(f"stopped at step {step}: the last {counters['bad_steps_in_a_row']} steps had a NaN or infinite loss "
+                 f"or gradient (trainer.max_bad_steps={trainer.max_bad_steps}) and changed no weight; the last good "
+                 f"checkpoint, {last or 'none (none was written)'}, is intact: lower trainer.lr, check the task's "
+                 "rewards and data, then continue with resume=auto.")
+        # save (never while steps are failing, so the last good checkpoint is not rotated away)
         if trainer.save_every and step % trainer.save_every == 0:
-            save_checkpoint(output_dir / f"checkpoint-{step}", policy, model, optimizer, scheduler, stream, step,
-                            accelerator, keep=trainer.keep_checkpoints)
+            if counters["bad_steps_in_a_row"] or not _finite_weights(model, accelerator):
+                warn(f"step {step}: no checkpoint written: the weights or the last step are not finite.")
+            else:
+                save_checkpoint(output_dir / f"checkpoint-{step}", policy, model, optimizer, scheduler, stream, step,
+                                accelerator, keep=trainer.keep_checkpoints, counters=counters)
     bar.close()
 
     save_checkpoint(output_dir / "final", policy, model, optimizer, scheduler, stream, trainer.max_steps,
-                    accelerator)
+                    accelerator, counters=counters)
+    if stream.bad.bad:
+        accelerator.print(stream.bad.report("training rows"))
     if trainer.eval_after:
         after, _ = evaluate(policy, task, eval_rows, **eval_kwargs)
         summary["accuracy_after"] = after.get("accuracy")
@@ -367,6 +415,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         accelerator.print(f"held-out after training:  {_format(after)}")
     summary["steps"] = trainer.max_steps
     summary["train_seconds"] = sum(m["step_s"] for m in history)
+    summary["data"] = stream.bad.summary()
+    summary.update({key: value for key, value in counters.items() if key != "bad_steps_in_a_row"})
     if main:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if history:
@@ -385,6 +435,12 @@ def _flat_scalars(config: dict, prefix: str = "") -> dict:
         elif value is None or isinstance(value, (int, float, str, bool)):
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _finite_weights(model, accelerator: Accelerator) -> bool:
+    """Whether every trainable weight is finite, on every process (one parameter at a time: little memory)."""
+    bad = sum(int(not torch.isfinite(p).all()) for p in model.parameters() if p.requires_grad)
+    return int(accelerator.reduce(torch.tensor(bad, device=accelerator.device), "sum")) == 0
 
 
 def _global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int]:

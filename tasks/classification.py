@@ -17,7 +17,7 @@ from __future__ import annotations
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, label_reward, normalize_text
 from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
-from gpg_vl.tasks import Task, image_question, register_task
+from gpg_vl.tasks import Task, image_question, register_task, require_text
 
 # option value -> (Hub id, object named in the prompt, what to identify)
 DATASETS = {
@@ -88,6 +88,13 @@ class Classification(Task):
         extra += self.synonyms.get(normalize_text(label), [])
         row["id"] = str(row["id"]) if row.get("id") is not None else str(index)
         return {**row, "answer": label, "labels": [label, *extra]}
+
+    def check_row(self, row: dict) -> None:
+        """A solution whose label is not blank (and a problem text when the prompt is each row's own)."""
+        require_text(row, answer="solution")
+        require_text(row, answer="answer")
+        if self.prompt == "problem":
+            require_text(row, question="problem")
 
     def messages(self, row: dict) -> list[dict]:
         image = load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 
 import pyarrow.compute as pc
 
+from gpg_vl.errors import BadRow
 from gpg_vl.rewards import choice_letter, choice_reward, format_reward
 from gpg_vl.sources import RowView, load_image, load_rows
-from gpg_vl.tasks import Task, image_question, register_task
+from gpg_vl.tasks import Task, image_question, register_task, require_text, row_name
 
 SAT_HUB_ID = "array/SAT"
 SAT_COLUMNS = ("image_bytes", "question", "answers", "correct_answer")
@@ -72,9 +73,15 @@ class CVBench(Task):
     def _sat_row(self, index: int, row: dict) -> dict:
         image = load_image(row["image_bytes"][0], image_root=self.image_root, row=index)
         return {
-            **row, "id": f"sat-{index}", "image": image, "choices": list(row["answers"]),
-            "answer": row["correct_answer"], "prompt": sat_prompt(row["question"], row["answers"]),
+            **row, "id": f"sat-{index}", "image": image, "choices": list(row["answers"] or []),
+            "answer": row["correct_answer"], "prompt": sat_prompt(row["question"], row["answers"] or []),
         }
+
+    def check_row(self, row: dict) -> None:
+        """A question (SAT's `question`, CV-Bench's `prompt`), options and an answer."""
+        require_text(row, question="question" if str(row["id"]).startswith("sat-") else "prompt", answer="answer")
+        if not row.get("choices"):
+            raise BadRow("no options", f"{row_name(row)} has no answer options; check its choices/answers column.")
 
     def messages(self, row: dict) -> list[dict]:
         return image_question(row["image"], f"{row['prompt']}\n{INSTRUCTION}")

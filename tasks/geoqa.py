@@ -14,7 +14,7 @@ from pathlib import Path
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, math_reward
 from gpg_vl.sources import RowView, load_image, load_rows
-from gpg_vl.tasks import Task, image_question, register_task
+from gpg_vl.tasks import Task, image_question, register_task, require_text
 
 HUB_ID = "leonardPKU/GEOQA_R1V_Train_8K"
 TRAIN_COLUMNS = ("image", "problem", "solution")  # the Hub's train layout
@@ -75,6 +75,14 @@ class GeoQA(Task):
             **row, "id": f"geoqa-{split}-{index}", "image": image, "question": row["problem"],
             "answer": solution.strip() if answer is None else answer,
         }
+
+    def check_row(self, row: dict) -> None:
+        """A question and an answer, in the columns of either layout (the answer is checked again once read)."""
+        if "ground_truth" in row:
+            require_text(row, question="question", answer="ground_truth")
+        else:
+            require_text(row, question="problem", answer="solution")
+        require_text(row, answer="answer")
 
     def messages(self, row: dict) -> list[dict]:
         return image_question(row["image"], row["question"] + INSTRUCTION)

@@ -24,6 +24,7 @@ Rewards: `accuracy` (IoU of the answer's box with the target box, or GIoU + 1 wi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,10 +32,10 @@ import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
 
-from gpg_vl.errors import UserError
+from gpg_vl.errors import BadRow, UserError
 from gpg_vl.rewards import Box, box_iou, extract_answer, format_reward, giou_reward, iou_reward, parse_box
 from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
-from gpg_vl.tasks import Task, image_question, register_task
+from gpg_vl.tasks import Task, image_question, register_task, require_text, row_name
 
 # split -> (Hub id, the split name there)
 HUB_SPLITS = {
@@ -58,12 +59,18 @@ def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> 
 
     A 2-D array is told from polygons by its dtype (bool), by holding only 0/1, or by its shape matching
     (height, width); anything else 2-D, 1-D or ragged is read as polygons (which need height and width).
+    A mask that cannot be read raises `BadRow` ("bad mask"; "missing column" for a null mask), as do polygon
+    coordinates that are not finite or lie far outside the image (pycocotools would rasterise them without
+    bound: a NaN coordinate exhausts memory).
     """
+    if mask is None:
+        raise BadRow("missing column", "a row has no mask (null); check the mask column.")
     if isinstance(mask, Image.Image):
         mask = np.asarray(mask.convert("L")) > 0
     if isinstance(mask, dict):
         if "size" not in mask or "counts" not in mask:
-            raise UserError(f"an RLE mask needs 'size' and 'counts' (it has {sorted(mask)}); check the mask column.")
+            raise BadRow("bad mask", f"an RLE mask needs 'size' and 'counts' (it has {sorted(mask)}); check the mask "
+                                     "column.")
         h, w = (int(v) for v in mask["size"])
         counts = mask["counts"]
         if isinstance(counts, (str, bytes)):
@@ -78,14 +85,20 @@ def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> 
     ):
         return mask_utils.encode(np.asfortranarray(array != 0, dtype=np.uint8))
     if height is None or width is None:
-        raise UserError("a mask that is not a bool or 0/1 array (nor an array of the image's size) is read as "
-                        "polygons, which need the row's img_height and img_width columns; add them to the data.")
+        raise BadRow("bad mask", "a mask that is not a bool or 0/1 array (nor an array of the image's size) is read "
+                                 "as polygons, which need the row's img_height and img_width columns; add them.")
     polygons = mask if array is None or array.ndim != 1 else [mask]
     try:
         polygons = [[float(v) for v in polygon] for polygon in polygons]
     except (TypeError, ValueError):
-        raise UserError(f"cannot read a mask of type {type(mask).__name__}; give a 2-D array, COCO RLE "
-                        "({'size', 'counts'}) or polygons ([[x1, y1, x2, y2, ...], ...]).") from None
+        raise BadRow("bad mask", f"cannot read a mask of type {type(mask).__name__}; give a 2-D array, COCO RLE "
+                                 "({'size', 'counts'}) or polygons ([[x1, y1, x2, y2, ...], ...]).") from None
+    side = max(int(height), int(width))
+    if min(int(height), int(width)) < 1 or int(height) * int(width) > 4 * (Image.MAX_IMAGE_PIXELS or 1 << 30):
+        raise BadRow("bad mask", f"polygon masks need a positive, sane image size; got {height}x{width}.")
+    if not all(math.isfinite(v) and -side <= v <= 2 * side for polygon in polygons for v in polygon):
+        raise BadRow("bad mask", f"a polygon mask has coordinates that are not finite or lie far outside its "
+                                 f"{width}x{height} image; fix the mask column.")
     polygons = [p for p in polygons if len(p) >= 6 and len(p) % 2 == 0]  # pycocotools reads 4 values as a box
     if not polygons:
         return mask_utils.encode(np.zeros((int(height), int(width)), dtype=np.uint8, order="F"))
@@ -94,7 +107,11 @@ def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> 
 
 def mask_box(mask: Any, height: int | None = None, width: int | None = None) -> Box | None:
     """The box (x1, y1, x2, y2) around a mask, x2/y2 exclusive (x + w, y + h), in pixels; None when it is empty."""
-    rle = mask_rle(mask, height, width)
+    return rle_box(mask_rle(mask, height, width))
+
+
+def rle_box(rle: dict) -> Box | None:
+    """The box around a COCO RLE (see `mask_box`); None when it is empty."""
     if int(mask_utils.area(rle)) == 0:
         return None
     x, y, w, h = (float(v) for v in mask_utils.toBbox(rle))
@@ -121,17 +138,20 @@ class LisaRows(RowView):
         present = [c for c in MASK_COLUMNS if c in rows.column_names]
         self.masks = rows.select_columns(present)
         self.boxes: dict[int, Box | None] = {}
+        self.mask_sizes: dict[int, tuple[int, int]] = {}  # (height, width) of each row's mask
         super().__init__(rows.remove_columns("mask"), self._complete)
 
     def _complete(self, index: int, row: dict) -> dict:
         if index not in self.boxes:
             entry = self.masks[index]
-            self.boxes[index] = mask_box(entry["mask"], _size(entry.get("img_height")), _size(entry.get("img_width")))
+            rle = mask_rle(entry["mask"], _size(entry.get("img_height")), _size(entry.get("img_width")))
+            self.boxes[index], self.mask_sizes[index] = rle_box(rle), (int(rle["size"][0]), int(rle["size"][1]))
         if row.get("image_id") is not None and row.get("ann_id") is not None:
             row_id = f"{row['image_id']}:{row['ann_id']}"
         else:
             row_id = str(row["id"]) if row.get("id") is not None else str(index)
-        return {**row, "id": row_id, "query": str(row["text"]).strip(), "box": self.boxes[index]}
+        query = "" if row.get("text") is None else str(row["text"]).strip()
+        return {**row, "id": row_id, "query": query, "box": self.boxes[index], "mask_size": self.mask_sizes[index]}
 
 
 def _size(value: Any) -> int | None:
@@ -173,8 +193,16 @@ class Lisa(Task):
                             f"(a copy with columns {', '.join(COLUMNS)}; Hub splits: {', '.join(HUB_SPLITS)}).")
         return LisaRows(rows)
 
+    def check_row(self, row: dict) -> None:
+        require_text(row, question="query")
+        super().check_row(row)
+
     def messages(self, row: dict) -> list[dict]:
         image = load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
+        if row.get("mask_size") is not None and tuple(row["mask_size"]) != (image.height, image.width):
+            height, width = row["mask_size"]
+            raise BadRow("mask size mismatch", f"{row_name(row)} has a {width}x{height} mask for a "
+                                               f"{image.width}x{image.height} image; fix its mask or image.")
         text = PROMPT.format(query=row["query"])
         return image_question(image, text)
 
