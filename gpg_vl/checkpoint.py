@@ -94,8 +94,8 @@ def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, ste
         _fsync_tree(partial)
         _replace(partial, path)
         if keep > 0:
-            for stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
-                shutil.rmtree(stale[1], ignore_errors=True)
+            for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
+                remove_checkpoint(stale)
     accelerator.wait_for_everyone()
 
 
@@ -111,6 +111,15 @@ def _replace(partial: Path, path: Path) -> None:
         path.rename(old)
     partial.rename(path)
     _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder: renamed aside first, so that a kill during the deletion never leaves a
+    half-deleted folder that still looks complete."""
+    old = path.with_name(path.name + OLD)
+    shutil.rmtree(old, ignore_errors=True)
+    path.rename(old)
     shutil.rmtree(old, ignore_errors=True)
 
 

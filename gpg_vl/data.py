@@ -70,11 +70,11 @@ class BadRowLog:
     rows at the start of a run do not stop it, a split where most rows are bad stops it within a few rows.
     """
 
-    def __init__(self, max_bad_fraction: float = 1.0, total: int | None = None) -> None:
-        self.max_bad_fraction, self.total = max_bad_fraction, total
+    def __init__(self, max_bad_fraction: float = 1.0, total: int | None = None, kept: int | None = FIRST_KEPT) -> None:
+        self.max_bad_fraction, self.total, self.kept = max_bad_fraction, total, kept
         self.seen, self.bad, self.in_a_row = 0, 0, 0
         self.by_reason: dict[str, int] = {}
-        self.first: list[list] = []  # [index, reason, message] of the first FIRST_KEPT bad rows
+        self.first: list[list] = []  # [index, reason, message] of the first `kept` bad rows (None: all)
         self.traceback_shown = False
 
     def good(self) -> None:
@@ -88,7 +88,7 @@ class BadRowLog:
         self.in_a_row += 1
         new = error.reason not in self.by_reason
         self.by_reason[error.reason] = self.by_reason.get(error.reason, 0) + 1
-        if len(self.first) < FIRST_KEPT:
+        if self.kept is None or len(self.first) < self.kept:
             self.first.append([index, error.reason, str(error)])
         if not new:
             return None
@@ -106,12 +106,10 @@ class BadRowLog:
 
     def stop_message(self) -> str:
         """One sentence: how many rows are bad, the limit, the first bad rows with their reasons, the fix."""
-        first = ", ".join(f"row {index} ({reason})" for index, reason, _ in self.first)
-        detail = self.first[0][2].rstrip(".") if self.first else ""
+        first = ", ".join(f"row {index} ({reason})" for index, reason, _ in self.first[:FIRST_KEPT])
         return (f"{self.bad} of {self.seen} rows seen are bad ({self.bad / max(self.seen, 1):.1%}), over "
-                f"data.max_bad_fraction={self.max_bad_fraction}; the first: {first} (row {self.first[0][0]}: "
-                f"{detail}); fix or drop them (scripts/validate_data.py lists every bad row) or raise "
-                "data.max_bad_fraction.")
+                f"data.max_bad_fraction={self.max_bad_fraction}; the first: {first}; fix or drop them "
+                "(scripts/validate_data.py lists every bad row and why) or raise data.max_bad_fraction.")
 
     def metrics(self) -> dict[str, float]:
         """Cumulative counts for metrics.jsonl: rows_seen, bad_rows and bad_rows/<reason>."""
@@ -130,7 +128,7 @@ class BadRowLog:
         width = max((len(reason) for reason in self.by_reason), default=0)
         lines += [f"  {reason:<{width}}  {count}" for reason, count in sorted(self.by_reason.items())]
         if self.first:
-            lines.append("first bad rows:")
+            lines.append("bad rows:" if len(self.first) == self.bad else f"first {len(self.first)} bad rows:")
             lines += [f"  row {index}: {reason}: {message}" for index, reason, message in self.first]
         return "\n".join(lines)
 
@@ -144,10 +142,11 @@ class BadRowLog:
         self.first = [list(entry) for entry in state["first"]]
 
 
-def scan_rows(task, rows: Sequence, *, max_bad_fraction: float = 1.0,
+def scan_rows(task, rows: Sequence, *, max_bad_fraction: float = 1.0, kept: int | None = FIRST_KEPT,
               progress: Callable[[int], None] | None = None) -> tuple[list[int], BadRowLog]:
-    """Check every row of `rows` as training would; returns the good positions and the log."""
-    log = BadRowLog(max_bad_fraction, total=len(rows))
+    """Check every row of `rows` as training would; returns the good positions and the log (which keeps the
+    first `kept` bad rows with their messages, or all of them with `kept=None`)."""
+    log = BadRowLog(max_bad_fraction, total=len(rows), kept=kept)
     good = []
     for index in range(len(rows)):
         try:

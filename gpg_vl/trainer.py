@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from gpg_vl.checkpoint import (
     later_checkpoints,
     latest_checkpoint,
     load_trainer_state,
+    remove_checkpoint,
     remove_partials,
     save_checkpoint,
     truncate_metrics,
@@ -208,28 +208,28 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
                  reward_errors: int = 0) -> dict[str, float]:
     """Global reward statistics over every completion sampled in this step. Completions with a NaN or
     infinite reward are counted (`rewards_nonfinite`), not averaged; `reward_errors` (this process's count of
-    reward functions that raised) is summed over processes."""
-    stats = []
+    reward function calls that raised) is summed over processes."""
+    # one row per attempt: completions, finite rewards, their sum and sum of squares, completion tokens,
+    # reward errors, each component's sum over the finite rewards; plus a row for this process's errors
+    rows = [torch.zeros(6 + len(reward_names), dtype=torch.float64)]
+    rows[0][5] = reward_errors
     for attempt in collected.attempts:
         lengths = attempt.rollout.completion_mask.sum(dim=1).float() if attempt.rollout else torch.zeros(0)
         r = attempt.rewards.flatten()
         finite = torch.isfinite(r)
-        stats.append(torch.stack([
-            torch.tensor(float(r.numel())), r[finite].sum(), (r[finite] ** 2).sum(), lengths.sum(),
-            finite.sum().float(), torch.tensor(0.0),
+        rows.append(torch.stack([
+            torch.tensor(float(r.numel())), finite.sum().float(), r[finite].sum(), (r[finite] ** 2).sum(),
+            lengths.sum(), torch.tensor(0.0),
             *[attempt.components[n].flatten()[finite].sum() for n in reward_names]]).double())
-    stats[0][5] += reward_errors
-    totals = accelerator.reduce(torch.stack(stats).sum(0).to(accelerator.device), "sum").cpu()
-    count = max(float(totals[4]), 1.0)
-    mean = float(totals[1]) / count
-    metrics = {"reward_mean": mean, "reward_std": math.sqrt(max(float(totals[2]) / count - mean * mean, 0.0))}
-    metrics.update({f"reward/{n}": float(totals[6 + i]) / count for i, n in enumerate(reward_names)})
-    metrics["completion_tokens_mean"] = float(totals[3]) / max(float(totals[0]), 1.0)
-    metrics["rewards_nonfinite"] = int(totals[0] - totals[4])
-    metrics["reward_errors"] = int(totals[5])
+    totals = accelerator.reduce(torch.stack(rows).sum(0).to(accelerator.device), "sum").cpu().tolist()
+    completions, scored, total, squares, tokens, errors = totals[:6]
+    mean = total / max(scored, 1.0)
+    metrics = {"reward_mean": mean, "reward_std": math.sqrt(max(squares / max(scored, 1.0) - mean * mean, 0.0))}
+    metrics.update({f"reward/{n}": totals[6 + i] / max(scored, 1.0) for i, n in enumerate(reward_names)})
+    metrics["completion_tokens_mean"] = tokens / max(completions, 1.0)
+    metrics["rewards_nonfinite"] = int(completions - scored)
+    metrics["reward_errors"] = int(errors)
     return metrics
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +284,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
 
     def stop(message: str) -> None:
         """End the run with one sentence (too many bad rows or bad steps); summary.json says why."""
+        bar.close()
         if main:
             summary.update({"stopped": message, "data": stream.bad.summary(), **counters})
             (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -304,7 +305,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         truncate_metrics(metrics_file, start_step)
         if start_step:
             for later in later_checkpoints(output_dir, start_step):
-                shutil.rmtree(later, ignore_errors=True)
+                remove_checkpoint(later)
                 accelerator.print(f"removed {later.name}: it is past step {start_step}, which this run continues")
 
     eval_rows = task.load(evaluation.split or task.eval_split)
@@ -389,7 +390,6 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         if trainer.report_to != "none":
             accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
         if trainer.max_bad_steps and counters["bad_steps_in_a_row"] >= trainer.max_bad_steps:
-            bar.close()
             last = latest_checkpoint(output_dir) if main else None
             stop(f"stopped at step {step}: the last {counters['bad_steps_in_a_row']} steps had a NaN or infinite loss "
                  f"or gradient (trainer.max_bad_steps={trainer.max_bad_steps}) and changed no weight; the last good "

@@ -27,7 +27,8 @@ def validate_main(cfg, *, split: str | None, limit: int | None) -> None:
     rows = task.load(split)
     rows = rows[:limit] if limit else rows
     with tqdm(total=len(rows), desc=f"{task.name}/{split}", dynamic_ncols=True, file=sys.stderr) as bar:
-        _, log = scan_rows(task, rows, max_bad_fraction=cfg.data.max_bad_fraction, progress=lambda _: bar.update(1))
+        _, log = scan_rows(task, rows, max_bad_fraction=cfg.data.max_bad_fraction, kept=None,
+                           progress=lambda _: bar.update(1))
     print(log.report(f"{task.name} / {split}"))
     if log.over_limit():
         raise UserError(log.stop_message())

@@ -123,10 +123,11 @@ def test_validate_data_prints_the_counts_by_reason_and_the_stop_sentence(tmp_pat
     for reason, count in (("corrupt image", 2), ("missing image file", 1), ("empty question", 1),
                           ("empty answer", 1), ("missing column", 1), ("zero-size image", 1), ("image too large", 1)):
         assert any(line.split() == [*reason.split(), str(count)] for line in out.splitlines()), reason
-    assert "row 6: missing image file: image file" in out
+    assert "bad rows:\n  row 6: missing image file: image file" in out and "row 14: missing image:" in out
     message = err.strip().splitlines()[-1]
     assert message.startswith("error: 9 of 15 rows seen are bad (60.0%), over data.max_bad_fraction=0.05; the "
                               "first: row 6 (missing image file), row 7 (corrupt image), row 8 (corrupt image)")
+    assert "row 9 (zero-size image), row 10 (image too large); fix" in message and "\n" not in message
     assert message.count(". ") == 0 and message.endswith("raise data.max_bad_fraction.")
     assert validate_data.main(["task=geoqa", f"data.path={file}", "split=test", "limit=6"]) == 0
     assert "geoqa / test: 6 seen, 0 bad" in capsys.readouterr().out
