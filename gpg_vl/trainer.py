@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -20,10 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType, gather_object
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gpg_vl.data import PromptStream
+from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
+from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
 from gpg_vl.models.lora import save_model
@@ -113,8 +117,11 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         rows, prompts = [rows[i] for i in keep], prompts.select(keep) if keep else None
     names = list(task.reward_functions)
     if not rows:
+        if forward_is_collective(policy.model):  # generation is collective there: join it, keep nothing
+            generate(policy, placeholder_prompts(policy), group_size=group_size, max_new_tokens=rollout.max_new_tokens)
         empty = torch.zeros(0, group_size)
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
+    require_images("pixel_values" in prompts.inputs, stream.world_size, "a batch of training prompts")
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
                       temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos)
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
@@ -148,45 +155,67 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE).
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
-    process's loss is multiplied by the number of processes because DDP averages gradients: the
-    update's gradient is then the mean over every valid sequence of every process.
+    process's loss is multiplied by the number of processes because DDP (and FSDP, DeepSpeed) average
+    gradients: the update's gradient is then the mean over every valid sequence of every process.
+    Every process runs the same number of forward/backward calls, each through the vision tower
+    (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted placeholders.
     """
     device = accelerator.device
     chunks = list(update_chunks(attempts, settings.micro_batch_size))
-    local = torch.tensor([sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks)], device=device)
-    global_sequences, global_tokens = (int(x) for x in accelerator.reduce(local, "sum"))
-    steps_needed = int(accelerator.reduce(torch.tensor(len(chunks), device=device), "max"))
+    local = torch.tensor([[sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks), len(chunks),
+                           sum("pixel_values" not in c[0].inputs for c in chunks)]], device=device)
+    # Collective: train() calls update() on every process or on none (its test uses global counts), and
+    # this gather runs first and unconditionally; every branch below depends only on its result.
+    counts = accelerator.gather(local)  # [processes, 4]
+    global_sequences, global_tokens = int(counts[:, 0].sum()), int(counts[:, 1].sum())
+    steps_needed = int(counts[:, 2].max())
+    require_images(int(counts[:, 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if global_sequences == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
     normalizer = global_sequences if settings.aggregation == "seq_mean_token_mean" else global_tokens
-    chunks += [None] * (steps_needed - len(chunks))  # every process runs as many backward() calls
+    real = len(chunks)
+    if steps_needed > real:
+        chunks += [placeholder_chunk(policy, attempts, device)] * (steps_needed - real)
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
-    for index, chunk in enumerate(chunks):
-        sync = index == len(chunks) - 1
-        with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-            if chunk is None:  # a process without valid sequences still joins the gradient all-reduce
-                loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-            else:
-                prompts, prompt_index, ids, mask, adv = chunk
+    try:
+        for index, (prompts, prompt_index, ids, mask, adv) in enumerate(chunks):
+            sync = index == len(chunks) - 1  # the same index on every process: len(chunks) == steps_needed
+            # DeepSpeed takes its optimizer step inside the backward that has sync_gradients set.
+            accelerator.sync_gradients = sync
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 mask = mask.to(device)
+                # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
+                # forward steps_needed times, each with images (require_images), so the calls match.
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
                                                    temperature=temperature,
                                                    share_vision=settings.share_vision)  # [n, C]
-                loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
-                                         normalizer=normalizer)
-                total_loss += float(loss.detach())
-                logp_sum += info["logp_mean"] * info["num_tokens"]
-                token_count += int(info["num_tokens"])
-            accelerator.backward(loss * accelerator.num_processes)
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
+                if index >= real:  # placeholder: every parameter takes part, with a zero gradient
+                    loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
+                else:
+                    loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
+                                             normalizer=normalizer)
+                    total_loss += float(loss.detach())
+                    logp_sum += info["logp_mean"] * info["num_tokens"]
+                    token_count += int(info["num_tokens"])
+                # Collective on the last micro-batch (DDP all-reduce) or on each (FSDP reduce-scatter):
+                # a backward after a forward through the wrapper, the same count on every process.
+                accelerator.backward(loss * accelerator.num_processes)
+    finally:
+        accelerator.sync_gradients = True
+    # Collective under FSDP (the norm of sharded gradients); the gradients are already reduced, so the
+    # norm, and the decision below, are the same on every process. Under DeepSpeed the engine clipped
+    # (its own gradient_clipping) and stepped in the last backward, and this only reads the norm back.
+    norm = accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+    grad_norm = 0.0 if norm is None else float(norm)
+    # Collective, before any branch: every process reaches it exactly once per update.
+    totals = accelerator.reduce(torch.tensor([total_loss, logp_sum, token_count], device=device,
+                                             dtype=torch.float64), "sum")
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
-        return {"loss": total_loss, "grad_norm": grad_norm, "skipped": 1.0}
+        return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0}
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    totals = accelerator.reduce(torch.tensor([total_loss, logp_sum, token_count], device=device,
-                                             dtype=torch.float64), "sum")
     return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
             "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
 
@@ -195,7 +224,8 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
 # log + save
 # ---------------------------------------------------------------------------------------------
 def step_metrics(collected, accelerator: Accelerator, reward_names: list[str]) -> dict[str, float]:
-    """Global reward statistics over every completion sampled in this step."""
+    """Global reward statistics over every completion sampled in this step. Collective: one all-reduce,
+    called once per step by every process (a process without prompts adds zeros)."""
     stats = []
     for attempt in collected.attempts:
         lengths = attempt.rollout.completion_mask.sum(dim=1).float() if attempt.rollout else torch.zeros(0)
@@ -214,18 +244,30 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str]) -
 
 def save_checkpoint(path: Path, policy: Policy, model, optimizer, scheduler, stream: PromptStream, step: int,
                     accelerator: Accelerator, *, keep: int = 0) -> None:
-    """Hugging Face model + processor, and the trainer state; written to a temp folder, then renamed."""
-    accelerator.wait_for_everyone()
+    """Hugging Face model + processor, and the trainer state; written to a temp folder, then renamed.
+
+    Written by the main process only. Every process calls this function at the same step (save_every
+    and the final save depend on the step only) and so reaches each collective below.
+    """
+    accelerator.wait_for_everyone()  # collective: no process is still using the previous checkpoint folder
+    # Collective under FSDP / ZeRO-3 (each process holds a shard): every process gathers the full weights.
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    weights = accelerator.get_state_dict(model) if sharded else None
+    optimizer_state = _full_optimizer_state(accelerator, model, optimizer)  # collective under FSDP
+    # Collective: every process's RNG states (each samples its own completions), restored per process.
+    rng = gather_object([{"python": random.getstate(), "numpy": np.random.get_state(),
+                          "torch": torch.get_rng_state()}])
     if accelerator.is_main_process:
         partial = path.with_name(path.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        save_model(accelerator.unwrap_model(model), partial, policy.save_format)
+        if weights is None:
+            save_model(accelerator.unwrap_model(model), partial, policy.save_format)
+        else:  # the weights gathered above (FSDP / DeepSpeed), saved in full
+            accelerator.unwrap_model(model).save_pretrained(partial, state_dict=weights, safe_serialization=True)
         policy.processor.save_pretrained(partial)
         torch.save({
-            "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "data": stream.state_dict(), "rng": {
-                "python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state()}}, partial / "trainer_state.pt")
+            "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "data": stream.state_dict(), "rng": rng[0], "rng_per_process": rng}, partial / "trainer_state.pt")
         if path.exists():
             shutil.rmtree(path)
         partial.rename(path)
@@ -233,18 +275,41 @@ def save_checkpoint(path: Path, policy: Policy, model, optimizer, scheduler, str
             old = sorted(path.parent.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
             for stale in old[:-keep]:
                 shutil.rmtree(stale, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # collective: the checkpoint exists for every process once this returns
 
 
-def load_trainer_state(path: Path, optimizer, scheduler, stream: PromptStream) -> int:
+def load_trainer_state(path: Path, optimizer, scheduler, stream: PromptStream,
+                       accelerator: Accelerator | None = None, model=None) -> int:
     state = torch.load(path / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    if accelerator is not None and accelerator.is_fsdp2:  # collective: every process loads its shard
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+    elif state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
+    rank = accelerator.process_index if accelerator is not None else 0
+    per_process = state.get("rng_per_process") or [state["rng"]]
+    rng = per_process[rank] if rank < len(per_process) else state["rng"]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
     return int(state["step"])
+
+
+def _full_optimizer_state(accelerator: Accelerator, model, optimizer) -> dict | None:
+    """The optimizer state as one process-count-free dict; None under DeepSpeed (the ZeRO optimizer keeps
+    its own partitioned state: a resume there restarts the AdamW moments)."""
+    if accelerator.is_fsdp2:  # collective: every process contributes its shard, every one gets the whole
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return None
+    return optimizer.state_dict()  # DDP / one process: the same on every process
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,9 +326,14 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(json.dumps(config or {}, indent=2, default=str))
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+    # Each process samples its own completions: with one seed everywhere they would draw the same numbers.
+    torch.manual_seed(seed + accelerator.process_index)
+    random.seed(seed + accelerator.process_index)
+    np.random.seed(seed + accelerator.process_index)
+    if trainer.batch_size < accelerator.num_processes:
+        raise UserError(f"trainer.batch_size={trainer.batch_size} is smaller than the {accelerator.num_processes} "
+                        "processes, so some would get no prompt; set trainer.batch_size to at least "
+                        f"{accelerator.num_processes} (prompts per step, over all processes).")
 
     train_rows = task.load(task.train_split)
     if trainer.epochs:  # epochs over the train split decide the length of the run
@@ -280,6 +350,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                                   weight_decay=trainer.weight_decay)
     scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps)
+    _check_engine(accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
     if trainer.report_to != "none":
@@ -289,7 +360,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                           world_size=accelerator.num_processes)
     start_step = 0
     if resume_from is not None:
-        start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream)
+        start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream, accelerator, model)
 
     eval_rows = task.load(evaluation.split or task.eval_split)
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
@@ -387,15 +458,28 @@ def _flat_scalars(config: dict, prefix: str = "") -> dict:
     return flat
 
 
+def _check_engine(accelerator: Accelerator) -> None:
+    """Say when accelerate ignored the engine the launch asked for; size DeepSpeed's batch bookkeeping."""
+    for engine, wanted in (("FSDP", DistributedType.FSDP), ("DEEPSPEED", DistributedType.DEEPSPEED)):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() == "true" and accelerator.distributed_type != wanted:
+            accelerator.print(f"warning: the launch asked for {engine}, but accelerate runs "
+                              f"{accelerator.distributed_type.value} (it enables {engine} on GPUs and other "
+                              "accelerators only, not with --cpu or on a machine without one).")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # accelerate sizes DeepSpeed's batch from a dataloader, and the trainer has none (it draws prompts
+        # itself). The value is bookkeeping only: the update's micro-batches are the trainer's own.
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+
+
 def _global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int]:
+    """(groups, valid groups) of an attempt over all processes. Collective: collect_valid_groups calls it
+    once per attempt on every process, and stops on its result, the same everywhere."""
     counts = accelerator.reduce(torch.tensor([attempt.valid.numel(), int(attempt.valid.sum())],
                                              device=accelerator.device), "sum")
     return int(counts[0]), int(counts[1])
 
 
 def _gather_object(items: list) -> list:
-    from accelerate.utils import gather_object
-
     return gather_object(items)
 
 
