@@ -288,6 +288,9 @@ def load_trainer_state(path: Path, optimizer, scheduler, stream: PromptStream,
                                  options=StateDictOptions(full_state_dict=True))
     elif state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
+    elif accelerator is not None:
+        accelerator.print(f"warning: {path} holds no optimizer state (saved under DeepSpeed); AdamW's moments "
+                          "restart from zero.")
     scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
     rank = accelerator.process_index if accelerator is not None else 0

@@ -182,8 +182,9 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
 
         setattr(trainer, name, recorded)
 
-    wrap("collect_valid_groups", "collected", lambda c: {"groups_sampled": c.groups_sampled, "groups_valid": c.groups_valid,
-                                            "valid_fractions": c.valid_fractions, "attempts": len(c.attempts)})
+    wrap("collect_valid_groups", "collected", lambda c: {
+        "groups_sampled": c.groups_sampled, "groups_valid": c.groups_valid, "valid_fractions": c.valid_fractions,
+        "attempts": len(c.attempts)})
     wrap("step_metrics", "step_metrics", dict)
     wrap("update", "update", dict)
     save_pretrained = PreTrainedModel.save_pretrained

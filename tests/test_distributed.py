@@ -93,7 +93,7 @@ def launch_environment(config: Path) -> dict[str, str]:
     return prepare_multi_gpu_env(arguments)
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"])
 def test_accelerate_config_loads_into_its_plugin(name, monkeypatch):
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
@@ -109,7 +109,7 @@ def test_accelerate_config_loads_into_its_plugin(name, monkeypatch):
         assert plugin.state_dict_type.name == "FULL_STATE_DICT"
     else:
         plugin = DeepSpeedPlugin()
-        stage = int(name[-1])
+        stage = int(name[4])
         assert plugin.zero_stage == stage and plugin.deepspeed_config["zero_optimization"]["stage"] == stage
         assert plugin.deepspeed_config["gradient_clipping"] == 1.0
         assert plugin.deepspeed_config["gradient_accumulation_steps"] == 1
@@ -117,7 +117,7 @@ def test_accelerate_config_loads_into_its_plugin(name, monkeypatch):
             assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3"])
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3_offload"])
 def test_deepspeed_parses_the_zero_configs(name, monkeypatch):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
     from accelerate.utils import DeepSpeedPlugin
@@ -129,7 +129,7 @@ def test_deepspeed_parses_the_zero_configs(name, monkeypatch):
     config.pop("train_batch_size")
     config.update(train_micro_batch_size_per_gpu=1, bf16={"enabled": True})  # what training fills in
     parsed = DeepSpeedConfig(config)
-    assert parsed.zero_optimization_stage == int(name[-1]) and parsed.gradient_clipping == 1.0
+    assert parsed.zero_optimization_stage == int(name[4]) and parsed.gradient_clipping == 1.0
 
 
 # ---------------------------------------------------------------------------------------------
