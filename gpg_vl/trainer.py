@@ -117,10 +117,14 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         rows, prompts = [rows[i] for i in keep], prompts.select(keep) if keep else None
     names = list(task.reward_functions)
     if not rows:
-        if forward_is_collective(policy.model):  # generation is collective there: join it, keep nothing
+        # Under FSDP / ZeRO-3 generation is collective (weights gathered per module, synced_gpus): a process
+        # whose prompts were all skipped still makes this attempt's one generate call, on a placeholder whose
+        # completions it drops (the same call evaluation makes for a process out of rows, which is tested).
+        if forward_is_collective(policy.model):
             generate(policy, placeholder_prompts(policy), group_size=group_size, max_new_tokens=rollout.max_new_tokens)
         empty = torch.zeros(0, group_size)
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
+    # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
     require_images("pixel_values" in prompts.inputs, stream.world_size, "a batch of training prompts")
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
                       temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos)

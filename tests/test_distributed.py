@@ -133,6 +133,33 @@ def test_deepspeed_parses_the_zero_configs(name, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# in one process: the pieces that keep processes in step
+# ---------------------------------------------------------------------------------------------
+def test_placeholder_micro_batch_reaches_every_parameter_with_a_zero_gradient(policy):
+    """A process without data runs a blank-image sequence: every parameter, the vision tower's included,
+    takes part in the backward (DDP reduces them all; FSDP / ZeRO-3 gather them all), and none moves."""
+    from gpg_vl.distributed import placeholder_chunk
+
+    prompts, prompt_index, ids, mask, _ = placeholder_chunk(policy, [], torch.device("cpu"))
+    assert "pixel_values" in prompts.inputs
+    logps = policy.adapter.token_logps(policy.model, prompts, prompt_index, ids, mask)  # [1, 1]
+    (torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0).backward()
+    untouched = [n for n, p in policy.model.named_parameters() if p.grad is None]
+    assert not untouched
+    assert all(float(p.grad.abs().max()) == 0.0 for p in policy.model.parameters())
+
+
+def test_several_processes_need_an_image_in_every_batch():
+    from gpg_vl.distributed import require_images
+    from gpg_vl.errors import UserError
+
+    require_images(True, 2, "a batch")
+    require_images(False, 1, "a batch")  # one process: text-only batches are fine
+    with pytest.raises(UserError, match="a batch holds no image, and training on 2 processes needs one"):
+        require_images(False, 2, "a batch")
+
+
+# ---------------------------------------------------------------------------------------------
 # the 2-process launch: metrics, checkpoints, resume
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
