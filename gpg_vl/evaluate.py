@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from gpg_vl.distributed import placeholder_prompts
+from gpg_vl.distributed import forward_is_collective, placeholder_prompts
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
 from gpg_vl.rewards import extract_answer
@@ -37,14 +37,15 @@ def generate_greedy(
     `gather` (e.g. accelerate's gather_object) joins the shares when there are several processes."""
     local = list(range(rank, len(rows), world_size))
     decoded: list[Decoded] = []
-    # Every process makes the same number of generate calls (collective under FSDP / ZeRO-3): a process
-    # whose share ran out decodes a placeholder prompt and keeps nothing.
+    # Under FSDP / ZeRO-3 generate is collective, so every process makes the same number of calls: a
+    # process whose share ran out decodes a placeholder prompt and keeps nothing.
     calls = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
     for start in range(0, calls * batch_size, batch_size):
         chunk = [(i, rows[i]) for i in local[start:start + batch_size]]
         if not chunk:
-            generate(policy, placeholder_prompts(policy), group_size=1, max_new_tokens=max_new_tokens,
-                     do_sample=False)
+            if forward_is_collective(policy.model):
+                generate(policy, placeholder_prompts(policy), group_size=1, max_new_tokens=max_new_tokens,
+                         do_sample=False)
             continue
         messages = [task.messages(row) for _, row in chunk]
         prompts = policy.adapter.encode(messages)
