@@ -75,20 +75,29 @@ def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, ste
     """Write a complete checkpoint to `path` atomically (see the module doc); every process calls it.
 
     The main process writes the files; the RNG states of every process are gathered into the trainer state.
-    `keep > 0` deletes all but the newest `keep` `checkpoint-<step>/` folders next to `path`.
+    `keep > 0` deletes all but the newest `keep` `checkpoint-<step>/` folders next to `path`. Every process
+    calls it at the same step (save_every and the final save depend on the step only), so each reaches every
+    collective below.
     """
-    from accelerate.utils import gather_object
+    from accelerate.utils import DistributedType, gather_object
 
     path = Path(path)
-    accelerator.wait_for_everyone()
-    rng = gather_object([rng_state()])  # one entry per process, in rank order
+    accelerator.wait_for_everyone()  # collective: no process still uses the previous checkpoint folder
+    # Collective under FSDP / ZeRO-3 (each process holds a shard): every process gathers the full weights.
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    weights = accelerator.get_state_dict(model) if sharded else None
+    optimizer_state = _full_optimizer_state(accelerator, model, optimizer)  # collective under FSDP
+    rng = gather_object([rng_state()])  # collective: one entry per process, in rank order
     if accelerator.is_main_process:
         partial = path.with_name(path.name + PARTIAL)
         shutil.rmtree(partial, ignore_errors=True)
-        save_model(accelerator.unwrap_model(model), partial, getattr(policy, "save_format", "full"))
+        if weights is None:
+            save_model(accelerator.unwrap_model(model), partial, getattr(policy, "save_format", "full"))
+        else:  # the weights gathered above (FSDP / DeepSpeed), saved in full
+            accelerator.unwrap_model(model).save_pretrained(partial, state_dict=weights, safe_serialization=True)
         policy.processor.save_pretrained(partial)
         _write_trainer_state(partial, {
-            "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
             "data": stream.state_dict(), "rng": rng, "counters": counters or {}})
         (partial / MARKER_FILE).write_text(json.dumps({"step": step}))
         _fsync_tree(partial)
@@ -96,7 +105,22 @@ def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, ste
         if keep > 0:
             for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
                 remove_checkpoint(stale)
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # collective: the checkpoint exists for every process once this returns
+
+
+def _full_optimizer_state(accelerator, model, optimizer) -> dict | None:
+    """The optimizer state as one process-count-free dict; None under DeepSpeed (the ZeRO optimizer keeps
+    its own partitioned state: a resume there restarts the AdamW moments)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.is_fsdp2:  # collective: every process contributes its shard, every one gets the whole
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return None
+    return optimizer.state_dict()  # DDP / one process: the same on every process
 
 
 def _write_trainer_state(folder: Path, state: dict) -> None:
@@ -216,20 +240,30 @@ def resolve_resume(resume, output_dir: str | os.PathLike) -> Path | None:
     return path
 
 
-def load_trainer_state(path: Path, optimizer, scheduler, stream, *, process_index: int = 0,
+def load_trainer_state(path: Path, optimizer, scheduler, stream, *, accelerator=None, model=None,
                        counters: dict | None = None) -> int:
     """Restore optimizer, scheduler, data position and this process's RNG states from a checkpoint; returns
-    its step. `counters`, when given, is updated with the run's saved counters."""
+    its step. `counters`, when given, is updated with the run's saved counters. Every process calls it (under
+    FSDP it is collective: each process loads its shard of the optimizer state)."""
     file = Path(path) / STATE_FILE
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as error:  # unpickling refused (an old or foreign file), truncated file
         raise UserError(f"cannot read the trainer state {str(file)!r} ({str(error).splitlines()[0][:160]}); "
                         "resume from a checkpoint written by this version of gpg-vl.") from None
-    optimizer.load_state_dict(state["optimizer"])
+    if accelerator is not None and accelerator.is_fsdp2:  # collective: every process loads its shard
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+    elif state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    elif accelerator is not None:
+        accelerator.print(f"warning: {path} holds no optimizer state (saved under DeepSpeed); AdamW's moments "
+                          "restart from zero.")
     scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
-    rng = state["rng"]
+    rng, process_index = state["rng"], accelerator.process_index if accelerator is not None else 0
     set_rng_state(rng[process_index] if process_index < len(rng) else rng[0])
     if counters is not None:
         counters.update(state.get("counters", {}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,8 +70,19 @@ def train_main(cfg: DictConfig) -> dict:
     task = build_task(cfg.task, cfg.data)
     mixed = "bf16" if cfg.model.dtype in ("auto", "bfloat16") and _cuda() else "no"
     report_to = cfg.trainer.report_to
-    accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir),
+    # Several processes and no GPU (`accelerate launch --multi_gpu --num_processes 2` or torchrun on a CPU
+    # machine): cpu=True makes accelerate join them with gloo; otherwise each would train alone.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir), cpu=launched > 1 and not _cuda(),
                               log_with=None if report_to == "none" else report_to)
+    if accelerator.num_processes != launched:
+        raise UserError(f"{launched} processes were launched but accelerate joined {accelerator.num_processes}; "
+                        "launch with `accelerate launch --multi_gpu --num_processes N` (or torchrun) on a machine "
+                        "whose devices accelerate supports.")
+    if accelerator.num_processes > 1:  # collective, on every process: one output_dir (${now} differs by process)
+        from accelerate.utils import broadcast_object_list
+
+        cfg.output_dir = broadcast_object_list([str(cfg.output_dir)])[0]
     model_cfg = cfg.model
     resume = resolve_resume(cfg.resume, cfg.output_dir)  # resume=auto: the newest complete checkpoint, if any
     if str(cfg.resume) == "auto" and resume is None and accelerator.is_main_process:

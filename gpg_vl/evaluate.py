@@ -6,11 +6,13 @@ reporting need (the prompt text and the row without its images), so nothing is r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from PIL import Image
 
+from gpg_vl.distributed import forward_is_collective, placeholder_prompts
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
 from gpg_vl.rewards import extract_answer
@@ -35,8 +37,16 @@ def generate_greedy(
     `gather` (e.g. accelerate's gather_object) joins the shares when there are several processes."""
     local = list(range(rank, len(rows), world_size))
     decoded: list[Decoded] = []
-    for start in range(0, len(local), batch_size):
+    # Under FSDP / ZeRO-3 generate is collective, so every process makes the same number of calls: a
+    # process whose share ran out decodes a placeholder prompt and keeps nothing.
+    calls = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
+    for start in range(0, calls * batch_size, batch_size):
         chunk = [(i, rows[i]) for i in local[start:start + batch_size]]
+        if not chunk:
+            if forward_is_collective(policy.model):
+                generate(policy, placeholder_prompts(policy), group_size=1, max_new_tokens=max_new_tokens,
+                         do_sample=False)
+            continue
         messages = [task.messages(row) for _, row in chunk]
         prompts = policy.adapter.encode(messages)
         rollout = generate(policy, prompts, group_size=1, max_new_tokens=max_new_tokens, do_sample=False)
@@ -44,7 +54,7 @@ def generate_greedy(
         decoded += [Decoded(i, text, _prompt_text(message), _without_images(row))
                     for (i, row), message, text in zip(chunk, messages, texts, strict=True)]
     if world_size > 1 and gather is not None:
-        decoded = gather(decoded)
+        decoded = gather(decoded)  # collective: every process reaches it once, after the same number of batches
     return sorted(decoded, key=lambda d: d.index)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gpg_vl.distributed import forward_is_collective, gathered_for_generation
 from gpg_vl.models.base import Policy, PromptBatch, eval_mode
 
 
@@ -48,11 +49,12 @@ def generate(
         suppress += adapter.eos_ids
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {
         "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    with eval_mode(model):
+    # Under FSDP / ZeRO-3 generation is collective: synced_gpus keeps every process decoding until all are done.
+    with eval_mode(model), gathered_for_generation(model):
         output = model.generate(
             **inputs, max_new_tokens=max_new_tokens, num_return_sequences=group_size,
             suppress_tokens=suppress or None, eos_token_id=adapter.eos_ids, pad_token_id=adapter.pad_id,
-            **sampling,
+            synced_gpus=forward_is_collective(model), **sampling,
         )
     completion_ids = output[:, inputs["input_ids"].shape[1]:]  # [B * G, C]
     if completion_ids.shape[1] == 0:

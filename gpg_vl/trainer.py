@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType, gather_object
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -32,6 +34,7 @@ from gpg_vl.checkpoint import (
     truncate_metrics,
 )
 from gpg_vl.data import PromptStream, Subset, scan_rows
+from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
@@ -122,8 +125,15 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         rows, prompts = [rows[i] for i in keep], prompts.select(keep) if keep else None
     names = list(task.reward_functions)
     if not rows:
+        # Under FSDP / ZeRO-3 generation is collective (weights gathered per module, synced_gpus): a process
+        # whose prompts were all skipped still makes this attempt's one generate call, on a placeholder whose
+        # completions it drops (the same call evaluation makes for a process out of rows, which is tested).
+        if forward_is_collective(policy.model):
+            generate(policy, placeholder_prompts(policy), group_size=group_size, max_new_tokens=rollout.max_new_tokens)
         empty = torch.zeros(0, group_size)
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
+    # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
+    require_images("pixel_values" in prompts.inputs, stream.world_size, "a batch of training prompts")
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
                       temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos)
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
@@ -158,37 +168,60 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE).
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
-    process's loss is multiplied by the number of processes because DDP averages gradients: the
-    update's gradient is then the mean over every valid sequence of every process.
+    process's loss is multiplied by the number of processes because DDP (and FSDP, DeepSpeed) average
+    gradients: the update's gradient is then the mean over every valid sequence of every process.
+    Every process runs the same number of forward/backward calls, each through the vision tower
+    (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted placeholders.
+    A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
     """
     device = accelerator.device
     chunks = list(update_chunks(attempts, settings.micro_batch_size))
-    local = torch.tensor([sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks)], device=device)
-    global_sequences, global_tokens = (int(x) for x in accelerator.reduce(local, "sum"))
-    steps_needed = int(accelerator.reduce(torch.tensor(len(chunks), device=device), "max"))
+    local = torch.tensor([[sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks), len(chunks),
+                           sum("pixel_values" not in c[0].inputs for c in chunks)]], device=device)
+    # Collective: train() calls update() on every process or on none (its test uses global counts), and
+    # this gather runs first and unconditionally; every branch below depends only on its result.
+    counts = accelerator.gather(local)  # [processes, 4]
+    global_sequences, global_tokens = int(counts[:, 0].sum()), int(counts[:, 1].sum())
+    steps_needed = int(counts[:, 2].max())
+    require_images(int(counts[:, 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if global_sequences == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
     normalizer = global_sequences if settings.aggregation == "seq_mean_token_mean" else global_tokens
-    chunks += [None] * (steps_needed - len(chunks))  # every process runs as many backward() calls
+    real = len(chunks)
+    if steps_needed > real:
+        chunks += [placeholder_chunk(policy, attempts, device)] * (steps_needed - real)
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
-    for index, chunk in enumerate(chunks):
-        sync = index == len(chunks) - 1
-        with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-            if chunk is None:  # a process without valid sequences still joins the gradient all-reduce
-                loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-            else:
-                prompts, prompt_index, ids, mask, adv = chunk
+    try:
+        for index, (prompts, prompt_index, ids, mask, adv) in enumerate(chunks):
+            sync = index == len(chunks) - 1  # the same index on every process: len(chunks) == steps_needed
+            # DeepSpeed takes its optimizer step inside the backward that has sync_gradients set.
+            accelerator.sync_gradients = sync
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 mask = mask.to(device)
+                # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
+                # forward steps_needed times, each with images (require_images), so the calls match.
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
                                                    temperature=temperature,
                                                    share_vision=settings.share_vision)  # [n, C]
-                loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
-                                         normalizer=normalizer)
-                total_loss += float(loss.detach())
-                logp_sum += info["logp_mean"] * info["num_tokens"]
-                token_count += int(info["num_tokens"])
-            accelerator.backward(loss * accelerator.num_processes)
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
+                if index >= real:  # placeholder: every parameter takes part, with a zero gradient
+                    loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
+                else:
+                    loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
+                                             normalizer=normalizer)
+                    total_loss += float(loss.detach())
+                    logp_sum += info["logp_mean"] * info["num_tokens"]
+                    token_count += int(info["num_tokens"])
+                # Collective on the last micro-batch (DDP all-reduce) or on each (FSDP reduce-scatter):
+                # a backward after a forward through the wrapper, the same count on every process.
+                accelerator.backward(loss * accelerator.num_processes)
+    finally:
+        accelerator.sync_gradients = True
+    # Collective under FSDP (the norm of sharded gradients); the gradients are already reduced, so the
+    # norm, and the decision below, are the same on every process. Under DeepSpeed the engine clipped
+    # (its own gradient_clipping) and stepped in the last backward, and this only reads the norm back.
+    norm = accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+    grad_norm = 0.0 if norm is None else float(norm)
+    # Collective, before any branch: every process reaches it exactly once per update.
     totals = accelerator.reduce(torch.tensor([total_loss, logp_sum, token_count], device=device,
                                              dtype=torch.float64), "sum")
     if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
@@ -206,7 +239,8 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
 # ---------------------------------------------------------------------------------------------
 def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
                  reward_errors: int = 0) -> dict[str, float]:
-    """Global reward statistics over every completion sampled in this step. Completions with a NaN or
+    """Global reward statistics over every completion sampled in this step (collective: one all-reduce, called
+    once per step by every process; a process without prompts adds zeros). Completions with a NaN or
     infinite reward are counted (`rewards_nonfinite`), not averaged; `reward_errors` (this process's count of
     reward function calls that raised) is summed over processes."""
     # one row per attempt: completions, finite rewards, their sum and sum of squares, completion tokens,
@@ -251,9 +285,14 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(json.dumps(config or {}, indent=2, default=str))
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+    # Each process samples its own completions: with one seed everywhere they would draw the same numbers.
+    torch.manual_seed(seed + accelerator.process_index)
+    random.seed(seed + accelerator.process_index)
+    np.random.seed(seed + accelerator.process_index)
+    if trainer.batch_size < accelerator.num_processes:
+        raise UserError(f"trainer.batch_size={trainer.batch_size} is smaller than the {accelerator.num_processes} "
+                        "processes, so some would get no prompt; set trainer.batch_size to at least "
+                        f"{accelerator.num_processes} (prompts per step, over all processes).")
 
     train_rows = task.load(task.train_split)
     if trainer.epochs:  # epochs over the train split decide the length of the run
@@ -270,6 +309,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                                   weight_decay=trainer.weight_decay)
     scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps)
+    _check_engine(accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
     if trainer.report_to != "none":
@@ -296,7 +336,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0}
     if resume_from is not None:
         start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream,
-                                        process_index=accelerator.process_index, counters=counters)
+                                        accelerator=accelerator, model=model, counters=counters)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     metrics_file = output_dir / "metrics.jsonl"
     if main:  # what an interrupted save or an earlier continuation of this run left behind
@@ -443,15 +483,28 @@ def _finite_weights(model, accelerator: Accelerator) -> bool:
     return int(accelerator.reduce(torch.tensor(bad, device=accelerator.device), "sum")) == 0
 
 
+def _check_engine(accelerator: Accelerator) -> None:
+    """Say when accelerate ignored the engine the launch asked for; size DeepSpeed's batch bookkeeping."""
+    for engine, wanted in (("FSDP", DistributedType.FSDP), ("DEEPSPEED", DistributedType.DEEPSPEED)):
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() == "true" and accelerator.distributed_type != wanted:
+            accelerator.print(f"warning: the launch asked for {engine}, but accelerate runs "
+                              f"{accelerator.distributed_type.value} (it enables {engine} on GPUs and other "
+                              "accelerators only, not with --cpu or on a machine without one).")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # accelerate sizes DeepSpeed's batch from a dataloader, and the trainer has none (it draws prompts
+        # itself). The value is bookkeeping only: the update's micro-batches are the trainer's own.
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+
+
 def _global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int]:
+    """(groups, valid groups) of an attempt over all processes. Collective: collect_valid_groups calls it
+    once per attempt on every process, and stops on its result, the same everywhere."""
     counts = accelerator.reduce(torch.tensor([attempt.valid.numel(), int(attempt.valid.sum())],
                                              device=accelerator.device), "sum")
     return int(counts[0]), int(counts[1])
 
 
 def _gather_object(items: list) -> list:
-    from accelerate.utils import gather_object
-
     return gather_object(items)
 
 

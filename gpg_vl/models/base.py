@@ -247,8 +247,9 @@ class QwenVLAdapter:
         if has_images:
             full["image_grid_thw"] = sequences["image_grid_thw"]
         vision = {}
-        if shared:
-            vision["mm_encoder_outputs"] = {"image": self.shared_image_features(model, prompts, prompt_index)}
+        if shared:  # encoded inside the (wrapped) model's forward, see _encode_shared_vision_in_forward
+            _encode_shared_vision_in_forward(_unwrap(model), self)
+            vision[SHARED_VISION] = (prompts, prompt_index)
         elif has_images:
             vision["pixel_values"] = sequences["pixel_values"]
         position_ids = self.position_ids(_unwrap(model), full)  # [3, N, P + C]
@@ -386,6 +387,31 @@ def load_policy(
     adapter = FAMILIES[family](processor, model.config, min_pixels=min_pixels, max_pixels=max_pixels,
                                prompt_style=prompt_style, raw_template=raw_template)
     return Policy(model=model, processor=processor, adapter=adapter, name_or_path=path)
+
+
+SHARED_VISION = "gpg_shared_vision"  # model(..., gpg_shared_vision=(prompts, prompt_index)): see below
+
+
+def _encode_shared_vision_in_forward(module: torch.nn.Module, adapter: QwenVLAdapter) -> None:
+    """Let `module(...)` take `gpg_shared_vision=(prompts, prompt_index)` and encode those images itself.
+
+    The shared vision features must be computed INSIDE the forward of whatever wraps the model
+    (DDP, FSDP, DeepSpeed): FSDP all-gathers the root's parameters (the vision tower's patch embedding
+    and merger among them) in its forward pre-hook, so encoding before calling the wrapper reads
+    sharded weights; DDP prepares its gradient reducer in its forward. A forward pre-hook on the bare
+    model runs inside the wrapper's forward and after FSDP's own pre-hook (FSDP prepends its hook).
+    Registered once per model; without the keyword the model behaves exactly as before.
+    """
+    if getattr(module, "_gpg_shared_vision_hook", None) is not None:
+        return
+
+    def encode(model, args, kwargs):
+        request = kwargs.pop(SHARED_VISION, None)
+        if request is not None:
+            kwargs["mm_encoder_outputs"] = {"image": adapter.shared_image_features(model, *request)}
+        return args, kwargs
+
+    module._gpg_shared_vision_hook = module.register_forward_pre_hook(encode, with_kwargs=True)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,90 @@
+"""What several processes need beyond accelerate: the rules that keep their collectives in step.
+
+Under DDP and DeepSpeed ZeRO-1/2 only the gradient all-reduce is collective. Under FSDP and ZeRO-3 every
+forward is collective too: each wrapped module all-gathers its parameters when it runs, so every process
+must call the same modules, in the same order, the same number of times (a process that skips the
+vision tower while another runs it deadlocks both). The trainer keeps to that rule by
+
+* giving every process the same number of forward/backward calls in an update (`placeholder_chunk`
+  fills the ones a process has no data for, with a real sequence holding an image, weighted zero);
+* requiring an image in every prompt batch and micro-batch when there are several processes
+  (`require_images`), so that every forward runs the vision tower;
+* making every process call `generate` for every attempt and evaluation batch, even with no prompt of
+  its own (`placeholder_prompts`), with `synced_gpus` so that their decoding steps stay in step too;
+* encoding images inside the wrapped forward in the update (models/base.py), and with the FSDP root's
+  parameters gathered during generation (`gathered_for_generation`), since transformers encodes a
+  prompt's images before its first forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from PIL import Image
+
+from gpg_vl.errors import UserError
+from gpg_vl.models.base import Policy, PromptBatch
+from gpg_vl.tasks import image_question
+
+
+def forward_is_collective(model: torch.nn.Module) -> bool:
+    """True under FSDP or DeepSpeed ZeRO-3 with several processes (transformers' own `synced_gpus` test)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    # transformers recognises FSDP1 and its own FSDP2, not accelerate's FSDP2 modules: test those too
+    sharded = is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or isinstance(model, FSDPModule)
+    return torch.distributed.get_world_size() > 1 and sharded
+
+
+def placeholder_prompts(policy: Policy) -> PromptBatch:
+    """One prompt holding a blank image: what a process without data feeds the model so that it still runs
+    the same modules (the vision tower included) as the processes that have data."""
+    return policy.adapter.encode([image_question(Image.new("RGB", (28, 28)), "")], ids=["placeholder"])
+
+
+def placeholder_chunk(policy: Policy, attempts: list, device: torch.device):
+    """A micro-batch (prompts, prompt_index, ids [1, 1], mask [1, 1], adv [1]) with one real sequence of
+    this process (the first token of its first completion), or the blank-image prompt if it has none.
+    Its loss is multiplied by zero: it adds nothing to the gradient, but runs every module."""
+    for attempt in attempts:
+        if attempt.rollout is not None:
+            rollout = attempt.rollout
+            return (attempt.prompts, [0], rollout.completion_ids[:1, :1], rollout.completion_mask[:1, :1],
+                    torch.zeros(1))
+    prompts = placeholder_prompts(policy)
+    ids = torch.full((1, 1), policy.adapter.pad_id, dtype=torch.long)
+    return prompts, [0], ids, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1)
+
+
+def require_images(has_images: bool, num_processes: int, what: str) -> None:
+    """Several processes need an image in every prompt batch and micro-batch (see the module doc)."""
+    if num_processes > 1 and not has_images:
+        raise UserError(f"{what} holds no image, and training on {num_processes} processes needs one in each "
+                        "(every process must run the vision tower: DDP reduces its gradients, FSDP and ZeRO-3 "
+                        "gather its weights); give every training row an image, or train on one process.")
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model: torch.nn.Module):
+    """During `generate` under FSDP2, hold the root module's own parameters (embeddings, the vision tower's
+    patch embedding and merger, the head) gathered: transformers encodes images before the first forward,
+    outside the root's forward pre-hook that would otherwise gather them. A no-op for other engines
+    (ZeRO-3 gathers per module wherever it is called; DDP and ZeRO-1/2 hold full weights)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    # The first FSDP module to run becomes FSDP's root; make it the model itself, not the vision tower's
+    # first block (which runs first when generation starts with images, before any training forward).
+    model._get_fsdp_state()._lazy_init()
+    model.unshard()  # collective (all-gather): every process calls generate the same number of times
+    try:
+        yield
+    finally:
+        model.reshard()
