@@ -42,6 +42,7 @@ class TrainerSettings:
     group_size: int = 8
     batch_size: int = 8
     micro_batch_size: int = 16
+    micro_batch_tokens: int = 8192
     lr: float = 1e-6
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -53,6 +54,8 @@ class TrainerSettings:
     aggregation: str = "seq_mean_token_mean"
     gradient_checkpointing: bool = False
     share_vision: bool = True
+    share_prompt: bool = True
+    logits_chunk_tokens: int = 1024
     save_every: int = 0
     keep_checkpoints: int = 2
     report_to: str = "none"
@@ -69,6 +72,8 @@ class RolloutSettings:
     top_p: float = 1.0
     ignore_eos: bool = False
     max_prompt_tokens: int = 4096
+    prefill_once: bool = True
+    static_cache: bool = False
 
 
 @dataclass
@@ -116,7 +121,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         empty = torch.zeros(0, group_size)
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
-                      temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos)
+                      temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos,
+                      prefill_once=rollout.prefill_once, static_cache=rollout.static_cache)
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(texts)]
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
@@ -125,19 +131,58 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
     return Attempt(rows, prompts, result, rewards, components, advantages, valid)
 
 
-def update_chunks(attempts: list[Attempt], micro_batch_size: int):
-    """Sequences of valid groups only, as micro-batches (prompts, ids [n, C], mask [n, C], adv [n])."""
+def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
+                  share_prompt: bool = False):
+    """Sequences of valid groups only, as micro-batches (prompts, prompt index, ids [n, C], mask [n, C], adv [n]).
+
+    With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
+    forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
+    sequences longest first, so neighbours have similar lengths and little padding is computed. A
+    sequence over the budget on its own gets a micro-batch of its own. Otherwise `micro_batch_size`
+    sequences at a time, in order.
+    """
     for attempt in attempts:
         group_size = attempt.rollout.group_size if attempt.rollout else 1
-        sequences = [b * group_size + g for b in attempt.valid.nonzero().flatten().tolist()
-                     for g in range(group_size)]
-        for start in range(0, len(sequences), micro_batch_size):
-            chosen = sequences[start:start + micro_batch_size]
+        groups = attempt.valid.nonzero().flatten().tolist()
+        if micro_batch_tokens > 0:
+            batches = _token_budget_batches(attempt, groups, group_size, micro_batch_tokens, share_prompt)
+        else:
+            sequences = [b * group_size + g for b in groups for g in range(group_size)]
+            batches = [sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
+        for chosen in batches:
             mask = attempt.rollout.completion_mask[chosen]  # [n, C]
             width = max(int(mask.sum(dim=1).max()), 1)
             yield (attempt.prompts, [s // group_size for s in chosen],
                    attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
                    attempt.advantages.flatten()[chosen])
+
+
+def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
+                          share_prompt: bool) -> list[list[int]]:
+    """Sequence indices of `groups`, longest group first and longest sequence first, cut at `budget` tokens."""
+    lengths = attempt.rollout.completion_mask.sum(dim=1).tolist()  # [b * G]
+    prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()  # [b]
+    members = {b: sorted(range(b * group_size, (b + 1) * group_size), key=lambda s: -lengths[s]) for b in groups}
+    batches, current = [], []
+    for sequence in (s for b in sorted(groups, key=lambda b: -lengths[members[b][0]]) for s in members[b]):
+        candidate = current + [sequence]
+        cost = micro_batch_cost([prompt_lengths[s // group_size] for s in candidate],
+                                [s // group_size for s in candidate], [lengths[s] for s in candidate],
+                                share_prompt=share_prompt)
+        if current and cost > budget:
+            batches.append(current)
+            candidate = [sequence]
+        current = candidate
+    return batches + ([current] if current else [])
+
+
+def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], completion_lengths: list[int], *,
+                     share_prompt: bool) -> int:
+    """Tokens one forward computes for these sequences, padding included: prompts are left-padded to the
+    longest, completions right-padded to the longest; with `share_prompt` each distinct prompt runs once."""
+    prompt_width, completion_width = max(prompt_lengths), max(max(completion_lengths), 1)
+    prompts = len(set(prompt_index)) if share_prompt else len(prompt_index)
+    return prompts * prompt_width + len(prompt_index) * completion_width
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +197,8 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     update's gradient is then the mean over every valid sequence of every process.
     """
     device = accelerator.device
-    chunks = list(update_chunks(attempts, settings.micro_batch_size))
+    chunks = list(update_chunks(attempts, settings.micro_batch_size, settings.micro_batch_tokens,
+                                share_prompt=settings.share_prompt))
     local = torch.tensor([sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks)], device=device)
     global_sequences, global_tokens = (int(x) for x in accelerator.reduce(local, "sum"))
     steps_needed = int(accelerator.reduce(torch.tensor(len(chunks), device=device), "max"))
@@ -170,14 +216,17 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 prompts, prompt_index, ids, mask, adv = chunk
                 mask = mask.to(device)
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
-                                                   temperature=temperature,
-                                                   share_vision=settings.share_vision)  # [n, C]
+                                                   temperature=temperature, share_vision=settings.share_vision,
+                                                   share_prompt=settings.share_prompt,
+                                                   logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
                 loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
                                          normalizer=normalizer)
                 total_loss += float(loss.detach())
                 logp_sum += info["logp_mean"] * info["num_tokens"]
                 token_count += int(info["num_tokens"])
             accelerator.backward(loss * accelerator.num_processes)
+    if settings.share_prompt or settings.logits_chunk_tokens > 0:
+        _average_gradients(model, accelerator)  # these paths run the bare model, outside DDP's gradient hooks
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
@@ -189,6 +238,17 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                                              dtype=torch.float64), "sum")
     return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
             "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+
+
+def _average_gradients(model, accelerator: Accelerator) -> None:
+    """Average the gradients over processes, as DDP does (idempotent when DDP already did)."""
+    if accelerator.num_processes == 1:
+        return
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in parameters])
+    flat = accelerator.reduce(flat, "mean")
+    for parameter, gradient in zip(parameters, flat.split([p.numel() for p in parameters]), strict=True):
+        parameter.grad = gradient.view_as(parameter)
 
 
 # ---------------------------------------------------------------------------------------------
