@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -159,3 +161,73 @@ def test_micro_batch_cost_counts_padding_and_shared_prompts():
     # prompts of 10 and 4 tokens (padded to 10), completions of 3, 5, 2 tokens (padded to 5)
     assert micro_batch_cost([10, 10, 4], [0, 0, 1], [3, 5, 2], share_prompt=False) == 3 * 10 + 3 * 5
     assert micro_batch_cost([10, 10, 4], [0, 0, 1], [3, 5, 2], share_prompt=True) == 2 * 10 + 3 * 5
+
+
+# ----------------------------------------------------------------------------- several processes
+def _two_group_attempt(policy, shapes, rank: int, valid: list[bool]) -> Attempt:
+    rows = shapes.load("train")[2 * rank:2 * rank + 2]
+    prompts = policy.adapter.encode([shapes.messages(row) for row in rows])
+    ids = torch.randint(20, 300, (4, 5), generator=torch.Generator().manual_seed(rank))  # [b * G, C]
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 3:] = False
+    advantages = torch.tensor([[0.5, -0.5], [0.3, -0.3]])
+    return Attempt([{}] * 2, prompts, Rollout(ids, mask, [""] * 4, 2), advantages, {}, advantages,
+                   torch.tensor(valid))
+
+
+def _weight_change(attempts_of, share_prompt: bool, accelerator: Accelerator) -> torch.Tensor:
+    """One SGD(lr=1) update of the tiny model on this process's attempts; returns the change of every weight."""
+    from gpg_vl import get_task
+    from gpg_vl.models.base import Policy, load_policy
+
+    policy = load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=50176)
+    attempts = attempts_of(policy, get_task("shapes", train_size=8, test_size=2))
+    settings = TrainerSettings(group_size=2, share_prompt=share_prompt, logits_chunk_tokens=4 if share_prompt else 0,
+                               max_grad_norm=1e9)
+    policy.model.train()
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    model, optimizer, scheduler = accelerator.prepare(policy.model, optimizer, get_scheduler("constant", optimizer))
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    update(Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, "tiny"), model, optimizer,
+           scheduler, accelerator, attempts, settings=settings, temperature=1.0)
+    return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+
+
+def _ddp_worker(rank: int, port: int, share_prompt: bool, valid_on_rank_1: list[bool], out: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    valid = [True, True] if rank == 0 else valid_on_rank_1
+    change = _weight_change(lambda policy, shapes: [_two_group_attempt(policy, shapes, rank, valid)], share_prompt,
+                            Accelerator(cpu=True))
+    torch.save(change, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize("valid_on_rank_1", [[True, False], [False, False]], ids=["one-valid", "none-valid"])
+def test_two_processes_update_as_one_process_on_all_their_sequences(tmp_path, share_prompt, valid_on_rank_1):
+    """Gradients are averaged over processes explicitly, also when a process has no valid sequence (no forward)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = mp.start_processes(_ddp_worker, args=(port, share_prompt, valid_on_rank_1, str(tmp_path)), nprocs=2,
+                                 start_method="spawn", join=False)
+    deadline = time.monotonic() + 300
+    while not workers.join(timeout=5):  # a collective one process never joins would hang: fail instead
+        if time.monotonic() > deadline:
+            for process in workers.processes:
+                process.terminate()
+            pytest.fail("the two processes did not finish their update within 300 s (a hung all-reduce)")
+    single = _weight_change(lambda policy, shapes: [_two_group_attempt(policy, shapes, 0, [True, True]),
+                                                    _two_group_attempt(policy, shapes, 1, valid_on_rank_1)],
+                            share_prompt, Accelerator(cpu=True))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert torch.equal(ranks[0], ranks[1])
+    torch.testing.assert_close(ranks[0], single, rtol=1e-5, atol=1e-6 * float(single.abs().max()))

@@ -274,7 +274,7 @@ class QwenVLAdapter:
             hidden = bare.model(**forward).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
             return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
                                       chunk_tokens=logits_chunk_tokens)
-        outputs = model(**forward, logits_to_keep=completion_length + 1)
+        outputs = bare(**forward, logits_to_keep=completion_length + 1)  # the bare model: the trainer averages grads
         logits = outputs.logits[:, :-1].float()  # [N, C, V]
         return self.logps_from_logits(logits, completion_ids, temperature=temperature)
 
