@@ -50,13 +50,13 @@ def generate(
     adapter, model = policy.adapter, policy.model
     inputs = prompts.to(model.device).inputs
     adapter.position_ids(model, {"attention_mask": inputs["attention_mask"]})  # resets cached rope deltas
-    expand = group_size
-    if prefill_once:
+    expand, forked = group_size, None
+    if prefill_once and group_size > 1:
         with eval_mode(model):
             forked = prefix.prefill_once(model, inputs, group_size=group_size, max_new_tokens=max_new_tokens,
                                          static_cache=static_cache)
-        if forked is not None:
-            inputs, expand = forked, 1
+    if forked is not None:
+        inputs, expand = forked, 1
     elif static_cache:
         inputs = {**inputs, "cache_implementation": "static"}
     suppress = list(adapter.suppressed_ids)
