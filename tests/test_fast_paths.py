@@ -23,6 +23,20 @@ from gpg_vl.rollout import Rollout, generate
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+def family_policy(request, tmp_path_factory):
+    """A float32 tiny model of each family: the embedded Qwen2.5-VL, random Qwen2-VL and Qwen3-VL built here."""
+    from gpg_vl.models.base import load_policy
+    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
+
+    path = EMBEDDED_TINY
+    if request.param != "qwen2_5_vl":
+        path = tmp_path_factory.mktemp("tiny") / request.param
+        build_tiny_family(path, request.param)
+    torch.manual_seed(0)
+    return load_policy(str(path), family=request.param, dtype="float32", min_pixels=3136, max_pixels=50176)
+
+
 def mixed_prompts(policy, shapes) -> PromptBatch:
     """Three prompts of different lengths (so left padding differs), the last one with two images."""
     rows = shapes.load("train")[:3]
@@ -41,14 +55,15 @@ class RecordingSGD(torch.optim.SGD):
     """Keeps a copy of the gradient each step() sees (update() zeroes it afterwards)."""
 
     def step(self, closure=None):
-        self.seen = torch.cat([p.grad.flatten().clone() for g in self.param_groups for p in g["params"]])
+        self.seen = torch.cat([p.grad.flatten().clone() for g in self.param_groups for p in g["params"]
+                               if p.grad is not None])
         return super().step(closure)
 
 
 def one_update_gradient(policy, attempt: Attempt, settings: TrainerSettings) -> torch.Tensor:
     model = policy.model
     model.train()
-    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    optimizer = RecordingSGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     scheduler = get_scheduler("constant", optimizer)
     result = update(policy, model, optimizer, scheduler, Accelerator(cpu=True), [attempt], settings=settings,
                     temperature=0.7)
@@ -56,35 +71,55 @@ def one_update_gradient(policy, attempt: Attempt, settings: TrainerSettings) -> 
     return optimizer.seen
 
 
-def test_one_update_gradient_with_every_fast_path_equals_the_plain_update(policy, shapes):
+def mixed_attempt(policy, shapes) -> Attempt:
+    """Three groups of G=3 (prompts of different lengths, one with two images), completions of different
+    lengths; the last group is invalid."""
     prompts = mixed_prompts(policy, shapes)
     group_size, width = 3, 7
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(20, 300, (3 * group_size, width), generator=generator)  # [B * G, C]
-    lengths = torch.tensor([7, 3, 5, 1, 7, 6, 2, 7, 4])  # completions of different lengths
+    lengths = torch.tensor([7, 3, 5, 1, 7, 6, 2, 7, 4])
     mask = torch.arange(width)[None, :] < lengths[:, None]  # [B * G, C]
-    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.9, 0.4], [1.0, 1.0, 1.0]])  # the last group is invalid
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.9, 0.4], [1.0, 1.0, 1.0]])
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
-    attempt = Attempt(rows=[{}] * 3, prompts=prompts,
-                      rollout=Rollout(ids.masked_fill(~mask, policy.adapter.pad_id), mask, [""] * 9, group_size),
-                      rewards=rewards, components={}, advantages=advantages,
-                      valid=torch.tensor([True, True, False]))
-    common = {"max_grad_norm": 1e9, "group_size": group_size}
+    return Attempt(rows=[{}] * 3, prompts=prompts,
+                   rollout=Rollout(ids.masked_fill(~mask, policy.adapter.pad_id), mask, [""] * 9, group_size),
+                   rewards=rewards, components={}, advantages=advantages, valid=torch.tensor([True, True, False]))
+
+
+def assert_fast_paths_give_the_plain_gradient(policy, attempt: Attempt) -> None:
+    common = {"max_grad_norm": 1e9, "group_size": attempt.rollout.group_size}
     plain = TrainerSettings(**common, share_vision=False, share_prompt=False, logits_chunk_tokens=0,
                             micro_batch_tokens=0, micro_batch_size=100)
     fast = TrainerSettings(**common, share_vision=True, share_prompt=True, logits_chunk_tokens=3,
                            micro_batch_tokens=110)  # several micro-batches, some splitting a group
-    fast_chunks = list(update_chunks([attempt], 0, 110, share_prompt=True))
-    assert len(fast_chunks) > 2
+    assert len(list(update_chunks([attempt], 0, 110, share_prompt=True))) > 2
     reference = one_update_gradient(policy, attempt, plain)
+    scale = float(reference.abs().max())
+    assert scale > 0
     for settings_ in (fast, TrainerSettings(**common, share_prompt=False, logits_chunk_tokens=5)):
         gradient = one_update_gradient(policy, attempt, settings_)
-        scale = float(reference.abs().max())
-        assert scale > 0
         torch.testing.assert_close(gradient, reference, rtol=1e-4, atol=1e-5 * scale)
 
 
-def test_prompt_once_prefill_gives_the_same_greedy_tokens(policy, shapes):
+def test_one_update_gradient_with_every_fast_path_equals_the_plain_update(family_policy, shapes):
+    assert_fast_paths_give_the_plain_gradient(family_policy, mixed_attempt(family_policy, shapes))
+
+
+def test_fast_paths_run_the_lora_adapters_and_give_their_plain_gradient(policy, shapes):
+    from gpg_vl.models.base import Policy
+    from gpg_vl.models.lora import apply_lora
+
+    lora = apply_lora(policy.model, r=4, alpha=8.0)
+    for name, parameter in lora.named_parameters():
+        if "lora_B" in name:  # B starts at zero, which would make the base path's gradient the only one
+            torch.nn.init.normal_(parameter, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    wrapped = Policy(lora, policy.processor, policy.adapter, policy.name_or_path)
+    assert_fast_paths_give_the_plain_gradient(wrapped, mixed_attempt(wrapped, shapes))
+
+
+def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes):
+    policy = family_policy
     prompts = mixed_prompts(policy, shapes)
     group_size = 2
     every_row = generate(policy, prompts.select([i // group_size for i in range(3 * group_size)]), group_size=1,

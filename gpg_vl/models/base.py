@@ -242,7 +242,7 @@ class QwenVLAdapter:
         """
         from gpg_vl.models import prefix
 
-        bare = _unwrap(model)
+        bare = prefix.unwrap(model)
         chunked = logits_chunk_tokens > 0
         if share_prompt and not prefix.checkpointing(bare):
             hidden = prefix.prompt_once_hidden(self, model, prompts, prompt_index, completion_ids,

@@ -26,8 +26,13 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_gr
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare model under a DistributedDataParallel (or similar) wrapper."""
-    return getattr(model, "module", model)
+    """The Hugging Face model under a DistributedDataParallel wrapper and a PEFT (LoRA) wrapper.
+
+    PEFT injects its adapters into the base model's layers, so the base model runs them too.
+    """
+    model = getattr(model, "module", model)
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
 
 
 def checkpointing(model: torch.nn.Module) -> bool:
