@@ -126,6 +126,7 @@ class Meter:
         self.cuda = device.startswith("cuda")
         self.process = psutil.Process()
         self.peak = 0
+        self._lock = threading.Lock()  # a sample read before start() must not land in the new window
         self._stop = threading.Event()
         if not self.cuda:
             threading.Thread(target=self._sample, daemon=True).start()
@@ -136,7 +137,8 @@ class Meter:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self.process.memory_info().rss)
+            with self._lock:
+                self.peak = max(self.peak, self.process.memory_info().rss)
 
     def start(self) -> None:
         if self.cuda:
@@ -146,7 +148,8 @@ class Meter:
         else:
             if self._trim is not None:
                 self._trim(0)
-            self.base = self.peak = self.process.memory_info().rss
+            with self._lock:
+                self.base = self.peak = self.process.memory_info().rss
         self.wall, self.cpu = time.perf_counter(), time.process_time()
 
     def stop(self) -> dict[str, float]:
@@ -154,7 +157,8 @@ class Meter:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = max(self.peak, self.process.memory_info().rss)
+            with self._lock:
+                peak = max(self.peak, self.process.memory_info().rss)
         return {"step_s": time.perf_counter() - self.wall, "cpu_s": time.process_time() - self.cpu,
                 "peak_mib": (peak - self.base) / 2**20}
 
