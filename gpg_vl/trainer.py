@@ -8,6 +8,7 @@ written by the main process only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -193,32 +194,40 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
     process's loss is multiplied by the number of processes because gradients are then averaged over
-    processes: the update's gradient is the mean over every valid sequence of every process. A process
-    without valid sequences runs no forward and contributes zeros to that average.
+    processes: the update's gradient is the mean over every valid sequence of every process.
     """
     device = accelerator.device
     chunks = list(update_chunks(attempts, settings.micro_batch_size, settings.micro_batch_tokens,
                                 share_prompt=settings.share_prompt))
     local = torch.tensor([sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks)], device=device)
     global_sequences, global_tokens = (int(x) for x in accelerator.reduce(local, "sum"))
+    steps_needed = int(accelerator.reduce(torch.tensor(len(chunks), device=device), "max"))
     if global_sequences == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
     normalizer = global_sequences if settings.aggregation == "seq_mean_token_mean" else global_tokens
+    chunks += [None] * (steps_needed - len(chunks))  # every process runs as many backward() calls
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
-    for prompts, prompt_index, ids, mask, adv in chunks:
-        with accelerator.no_sync(model):  # no all-reduce per micro-batch: gradients are averaged once, below
-            mask = mask.to(device)
-            logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
-                                               temperature=temperature, share_vision=settings.share_vision,
-                                               share_prompt=settings.share_prompt,
-                                               logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
-            loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
-                                     normalizer=normalizer)
-            total_loss += float(loss.detach())
-            logp_sum += info["logp_mean"] * info["num_tokens"]
-            token_count += int(info["num_tokens"])
+    for index, chunk in enumerate(chunks):
+        sync = index == len(chunks) - 1 and not ddp  # under DDP, gradients are averaged once, explicitly, below
+        with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+            if chunk is None:  # a process without valid sequences still joins the gradient reduction
+                loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+            else:
+                prompts, prompt_index, ids, mask, adv = chunk
+                mask = mask.to(device)
+                logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
+                                                   temperature=temperature, share_vision=settings.share_vision,
+                                                   share_prompt=settings.share_prompt,
+                                                   logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
+                loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
+                                         normalizer=normalizer)
+                total_loss += float(loss.detach())
+                logp_sum += info["logp_mean"] * info["num_tokens"]
+                token_count += int(info["num_tokens"])
             accelerator.backward(loss * accelerator.num_processes)
-    _average_gradients(model, accelerator)
+    if ddp:
+        _average_gradients(model, accelerator)
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm))
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
@@ -233,10 +242,8 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
 
 
 def _average_gradients(model, accelerator: Accelerator) -> None:
-    """Average gradients over processes, as DDP would, explicitly: the fast paths of `token_logps` run the
-    bare model (outside DDP's hooks), and a process without valid sequences never runs a forward at all."""
-    if accelerator.num_processes == 1:
-        return
+    """Average gradients over DDP processes explicitly, as DDP's hooks would: `token_logps` runs the bare
+    model (outside those hooks), and a process without valid sequences runs no forward at all."""
     for parameter in model.parameters():
         if parameter.requires_grad:
             if parameter.grad is None:
