@@ -1,9 +1,9 @@
 """Throughput: gpg-vl's trainer against TRL's GRPOTrainer on the same work, side by side in one process.
 
-    pip install "gpg-vl[bench]"     # TRL
-    python scripts/bench.py                                                  # the README's headline row
-    python scripts/bench.py --group-sizes 2,4,8,16 --image-sizes 224,448    # the scaling table
-    python scripts/bench.py --gpg-variants default,plain,no-share_prompt    # where gpg-vl's time goes
+    pip install -e ".[bench]"       # TRL
+    python scripts/bench.py --steps 5 --gpg-variants default,plain                 # the README's headline
+    python scripts/bench.py --group-sizes 2,4,8,16 --image-sizes 224,448 --steps 2  # the scaling table
+    python scripts/bench.py --steps 3 --gpg-variants default,no-share_prompt       # where gpg-vl's time goes
 
 The model is a random-weight Qwen2_5_VLForConditionalGeneration (text hidden 512 x 6 layers, vision
 hidden 256 x depth 6, about 26M parameters) with the embedded tiny model's tokenizer and processor.
