@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from gpg_vl.distributed import forward_is_collective, gathered_for_generation
+from gpg_vl.models import prefix
 from gpg_vl.models.base import Policy, PromptBatch, eval_mode
 
 
@@ -38,12 +39,29 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_ids: list[int], *, igno
 @torch.no_grad()
 def generate(
     policy: Policy, prompts: PromptBatch, *, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-    top_p: float = 1.0, do_sample: bool = True, ignore_eos: bool = False,
+    top_p: float = 1.0, do_sample: bool = True, ignore_eos: bool = False, prefill_once: bool = False,
+    static_cache: bool = False,
 ) -> Rollout:
-    """Sample `group_size` completions for every prompt with Hugging Face `generate`."""
+    """Sample `group_size` completions for every prompt with Hugging Face `generate`.
+
+    With `prefill_once`, each prompt (images included) is prefilled once and its key/value cache forked
+    G ways (`models/prefix.py`), instead of prefilling every one of the B * G rows; `static_cache`
+    preallocates that cache (no per-token reallocation while decoding). Under FSDP / ZeRO-3 with several
+    processes (generation is collective there) the rows are prefilled by `generate` itself, in step.
+    """
     adapter, model = policy.adapter, policy.model
     inputs = prompts.to(model.device).inputs
     adapter.position_ids(model, {"attention_mask": inputs["attention_mask"]})  # resets cached rope deltas
+    collective = forward_is_collective(model)
+    expand, forked = group_size, None
+    if prefill_once and group_size > 1 and not collective:
+        with eval_mode(model):
+            forked = prefix.prefill_once(model, inputs, group_size=group_size, max_new_tokens=max_new_tokens,
+                                         static_cache=static_cache)
+    if forked is not None:
+        inputs, expand = forked, 1
+    elif static_cache:
+        inputs = {**inputs, "cache_implementation": "static"}
     suppress = list(adapter.suppressed_ids)
     if ignore_eos:
         suppress += adapter.eos_ids
@@ -52,11 +70,11 @@ def generate(
     # Under FSDP / ZeRO-3 generation is collective: synced_gpus keeps every process decoding until all are done.
     with eval_mode(model), gathered_for_generation(model):
         output = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, num_return_sequences=group_size,
+            **inputs, max_new_tokens=max_new_tokens, num_return_sequences=expand,
             suppress_tokens=suppress or None, eos_token_id=adapter.eos_ids, pad_token_id=adapter.pad_id,
-            synced_gpus=forward_is_collective(model), **sampling,
+            synced_gpus=collective, **sampling,
         )
-    completion_ids = output[:, inputs["input_ids"].shape[1]:]  # [B * G, C]
+    completion_ids = output[:, prompts.inputs["input_ids"].shape[1]:]  # [B * G, C]
     if completion_ids.shape[1] == 0:
         completion_ids = torch.full((output.shape[0], 1), adapter.pad_id, dtype=output.dtype, device=output.device)
     mask = completion_mask_from_eos(completion_ids, adapter.eos_ids, ignore_eos=ignore_eos)  # [B * G, C]

@@ -53,6 +53,7 @@ class TrainerSettings:
     group_size: int = 8
     batch_size: int = 8
     micro_batch_size: int = 16
+    micro_batch_tokens: int = 8192
     lr: float = 1e-6
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -64,6 +65,8 @@ class TrainerSettings:
     aggregation: str = "seq_mean_token_mean"
     gradient_checkpointing: bool = False
     share_vision: bool = True
+    share_prompt: bool = True
+    logits_chunk_tokens: int = 1024
     save_every: int = 0
     keep_checkpoints: int = 2
     max_bad_steps: int = 10
@@ -81,6 +84,8 @@ class RolloutSettings:
     top_p: float = 1.0
     ignore_eos: bool = False
     max_prompt_tokens: int = 4096
+    prefill_once: bool = True
+    static_cache: bool = False
 
 
 @dataclass
@@ -135,7 +140,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
     require_images("pixel_values" in prompts.inputs, stream.world_size, "a batch of training prompts")
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
-                      temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos)
+                      temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos,
+                      prefill_once=rollout.prefill_once, static_cache=rollout.static_cache)
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(texts)]
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
@@ -145,19 +151,60 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
     return Attempt(rows, prompts, result, rewards, components, advantages, valid)
 
 
-def update_chunks(attempts: list[Attempt], micro_batch_size: int):
-    """Sequences of valid groups only, as micro-batches (prompts, ids [n, C], mask [n, C], adv [n])."""
+def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
+                  share_prompt: bool = False):
+    """Sequences of valid groups only, as micro-batches (prompts, prompt index, ids [n, C], mask [n, C], adv [n]).
+
+    With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
+    forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
+    sequences longest first, so neighbours have similar lengths and little padding is computed. A
+    sequence over the budget on its own gets a micro-batch of its own. Otherwise `micro_batch_size`
+    sequences at a time, in order.
+    """
     for attempt in attempts:
         group_size = attempt.rollout.group_size if attempt.rollout else 1
-        sequences = [b * group_size + g for b in attempt.valid.nonzero().flatten().tolist()
-                     for g in range(group_size)]
-        for start in range(0, len(sequences), micro_batch_size):
-            chosen = sequences[start:start + micro_batch_size]
+        groups = attempt.valid.nonzero().flatten().tolist()
+        if not groups:  # nothing to train on (an attempt of a process without prompts has no rollout)
+            continue
+        if micro_batch_tokens > 0:
+            batches = _token_budget_batches(attempt, groups, group_size, micro_batch_tokens, share_prompt)
+        else:
+            sequences = [b * group_size + g for b in groups for g in range(group_size)]
+            batches = [sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
+        for chosen in batches:
             mask = attempt.rollout.completion_mask[chosen]  # [n, C]
             width = max(int(mask.sum(dim=1).max()), 1)
             yield (attempt.prompts, [s // group_size for s in chosen],
                    attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
                    attempt.advantages.flatten()[chosen])
+
+
+def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
+                          share_prompt: bool) -> list[list[int]]:
+    """Sequence indices of `groups`, longest group first and longest sequence first, cut at `budget` tokens."""
+    lengths = attempt.rollout.completion_mask.sum(dim=1).tolist()  # [b * G]
+    prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()  # [b]
+    members = {b: sorted(range(b * group_size, (b + 1) * group_size), key=lambda s: -lengths[s]) for b in groups}
+    batches, current = [], []
+    for sequence in (s for b in sorted(groups, key=lambda b: -lengths[members[b][0]]) for s in members[b]):
+        candidate = current + [sequence]
+        cost = micro_batch_cost([prompt_lengths[s // group_size] for s in candidate],
+                                [s // group_size for s in candidate], [lengths[s] for s in candidate],
+                                share_prompt=share_prompt)
+        if current and cost > budget:
+            batches.append(current)
+            candidate = [sequence]
+        current = candidate
+    return batches + ([current] if current else [])
+
+
+def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], completion_lengths: list[int], *,
+                     share_prompt: bool) -> int:
+    """Tokens one forward computes for these sequences, padding included: prompts are left-padded to the
+    longest, completions right-padded to the longest; with `share_prompt` each distinct prompt runs once."""
+    prompt_width, completion_width = max(prompt_lengths), max(max(completion_lengths), 1)
+    prompts = len(set(prompt_index)) if share_prompt else len(prompt_index)
+    return prompts * prompt_width + len(prompt_index) * completion_width
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,14 +215,17 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE).
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
-    process's loss is multiplied by the number of processes because DDP (and FSDP, DeepSpeed) average
-    gradients: the update's gradient is then the mean over every valid sequence of every process.
-    Every process runs the same number of forward/backward calls, each through the vision tower
-    (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted placeholders.
-    A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
+    process's loss is multiplied by the number of processes because gradients are then averaged over
+    processes: the update's gradient is the mean over every valid sequence of every process.
+    Under DDP the fast paths of `token_logps` run the bare model, outside DDP's hooks, so every
+    micro-batch runs under no_sync and the gradients are averaged once, explicitly, at the end. Under
+    FSDP and DeepSpeed every process runs the same number of forward/backward calls, each through the
+    vision tower (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted
+    placeholders. A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
     """
     device = accelerator.device
-    chunks = list(update_chunks(attempts, settings.micro_batch_size))
+    chunks = list(update_chunks(attempts, settings.micro_batch_size, settings.micro_batch_tokens,
+                                share_prompt=settings.share_prompt))
     local = torch.tensor([[sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks), len(chunks),
                            sum("pixel_values" not in c[0].inputs for c in chunks)]], device=device)
     # Collective: train() calls update() on every process or on none (its test uses global counts), and
@@ -187,22 +237,25 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     if global_sequences == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
     normalizer = global_sequences if settings.aggregation == "seq_mean_token_mean" else global_tokens
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     real = len(chunks)
-    if steps_needed > real:
+    if steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one below
         chunks += [placeholder_chunk(policy, attempts, device)] * (steps_needed - real)
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
     try:
         for index, (prompts, prompt_index, ids, mask, adv) in enumerate(chunks):
-            sync = index == len(chunks) - 1  # the same index on every process: len(chunks) == steps_needed
-            # DeepSpeed takes its optimizer step inside the backward that has sync_gradients set.
+            # The same index on every process outside DDP (len(chunks) == steps_needed there); DeepSpeed
+            # takes its optimizer step inside the backward that has sync_gradients set.
+            sync = index == len(chunks) - 1 and not ddp
             accelerator.sync_gradients = sync
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 mask = mask.to(device)
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
-                                                   temperature=temperature,
-                                                   share_vision=settings.share_vision)  # [n, C]
+                                                   temperature=temperature, share_vision=settings.share_vision,
+                                                   share_prompt=settings.share_prompt,
+                                                   logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
@@ -211,11 +264,13 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                     total_loss += float(loss.detach())
                     logp_sum += info["logp_mean"] * info["num_tokens"]
                     token_count += int(info["num_tokens"])
-                # Collective on the last micro-batch (DDP all-reduce) or on each (FSDP reduce-scatter):
-                # a backward after a forward through the wrapper, the same count on every process.
+                # Collective on the last micro-batch (ZeRO all-reduce) or on each (FSDP reduce-scatter):
+                # a backward after a forward, the same count on every process. Local under DDP (no_sync).
                 accelerator.backward(loss * accelerator.num_processes)
     finally:
         accelerator.sync_gradients = True
+    if ddp:
+        _average_gradients(model, accelerator)  # collective: every process calls it once per update
     # Collective under FSDP (the norm of sharded gradients); the gradients are already reduced, so the
     # norm, and the decision below, are the same on every process. Under DeepSpeed the engine clipped
     # (its own gradient_clipping) and stepped in the last backward, and this only reads the norm back.
@@ -232,6 +287,29 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     optimizer.zero_grad(set_to_none=True)
     return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
             "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+
+
+def _average_gradients(model, accelerator: Accelerator, bucket_elements: int = 1 << 25) -> None:
+    """Average gradients over DDP processes explicitly, as DDP's hooks would: `token_logps` runs the bare
+    model (outside those hooks), and a process without valid sequences runs no forward at all. Gradients
+    are flattened into buckets of one dtype (at most `bucket_elements` each): one all-reduce per bucket."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            if parameter.grad is None:  # same parameters, same order on every process: the buckets match
+                parameter.grad = torch.zeros_like(parameter)
+            lists = buckets.setdefault(parameter.grad.dtype, [[]])
+            if lists[-1] and sum(g.numel() for g in lists[-1]) + parameter.grad.numel() > bucket_elements:
+                lists.append([])
+            lists[-1].append(parameter.grad)
+    for bucket in (bucket for lists in buckets.values() for bucket in lists):
+        flat = _flatten_dense_tensors(bucket)
+        torch.distributed.all_reduce(flat)
+        flat.div_(accelerator.num_processes)
+        for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            grad.copy_(averaged)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ def test_only_valid_groups_are_forwarded_and_alpha_is_logged(tmp_path, policy, s
 
     policy.adapter.token_logps = counting
     train(policy, shapes, trainer=TrainerSettings(max_steps=3, group_size=4, batch_size=4, micro_batch_size=6,
-                                                  lr=1e-4, eval_before=False, eval_after=False, beta_th=0.5),
+                                                  micro_batch_tokens=0, lr=1e-4, eval_before=False, eval_after=False,
+                                                  beta_th=0.5),
           rollout=RolloutSettings(max_new_tokens=16), evaluation=EvalSettings(), output_dir=tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(forwarded) == sum(m["groups_used"] * 4 for m in lines)  # invalid groups: no forward at all

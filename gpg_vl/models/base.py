@@ -225,18 +225,40 @@ class QwenVLAdapter:
 
     def token_logps(
         self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
-        completion_mask: Tensor, *, temperature: float = 1.0, share_vision: bool = True,
+        completion_mask: Tensor, *, temperature: float = 1.0, share_vision: bool = True, share_prompt: bool = False,
+        logits_chunk_tokens: int = 0,
     ) -> Tensor:
         """Log-probs [N, C] of `completion_ids` [N, C]; sequence n continues prompt `prompt_index[n]`.
 
-        With `share_vision`, each distinct prompt's images go through the vision tower once (with
-        gradient) and the G sequences of a group reuse those embeddings; without it every sequence
-        re-encodes its images, as peers do. Logits are computed for completion positions only, and
-        suppressed tokens get -inf before the softmax, exactly as in sampling.
+        With `share_prompt`, each distinct prompt (images included) runs forward once, with gradient,
+        and its G sequences' completions attend to its key/value cache (`models/prefix.py`); this
+        needs the cache, so it is skipped under gradient checkpointing. Otherwise every sequence runs
+        prompt + completion, and with `share_vision` each distinct prompt's images still go through
+        the vision tower once (with gradient), the G sequences reusing those embeddings; without it
+        every sequence re-encodes its images, as peers do. Logits are computed for completion
+        positions only; with `logits_chunk_tokens` > 0 they are computed that many tokens at a time,
+        forward and backward, never for all tokens at once. Suppressed tokens get -inf before the
+        softmax, exactly as in sampling.
+
+        These fast paths call the bare model's parts directly (the trainer averages gradients itself).
+        Under FSDP and ZeRO-3 with several processes a module's weights are gathered only in the wrapped
+        forward, so there the wrapped model runs every whole sequence (shared vision still applies: the
+        images are encoded inside that forward) and full completion logits are computed.
         """
+        from gpg_vl.distributed import forward_is_collective
+        from gpg_vl.models import prefix
+
+        bare = prefix.unwrap(model)
+        wrapped = forward_is_collective(model)
+        chunked = logits_chunk_tokens > 0 and not wrapped
+        if share_prompt and not wrapped and not prefix.checkpointing(bare):
+            hidden = prefix.prompt_once_hidden(self, model, prompts, prompt_index, completion_ids,
+                                               completion_mask)  # [N, C, H]
+            return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                                      chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
         has_images = "pixel_values" in prompts.inputs
         shared = share_vision and has_images
-        sequences = prompts.select(prompt_index, with_pixels=not shared).inputs
+        sequences = prefix.trim_left_padding(prompts.select(prompt_index, with_pixels=not shared).inputs)
         input_ids = torch.cat([sequences["input_ids"], completion_ids], dim=1)  # [N, P + C]
         attention = torch.cat([sequences["attention_mask"], completion_mask.to(sequences["attention_mask"].dtype)],
                               dim=1)  # [N, P + C]
@@ -247,20 +269,33 @@ class QwenVLAdapter:
         if has_images:
             full["image_grid_thw"] = sequences["image_grid_thw"]
         vision = {}
-        if shared:  # encoded inside the (wrapped) model's forward, see _encode_shared_vision_in_forward
-            _encode_shared_vision_in_forward(_unwrap(model), self)
+        if shared and wrapped:  # encoded inside the wrapped model's forward, see _encode_shared_vision_in_forward
+            _encode_shared_vision_in_forward(bare, self)
             vision[SHARED_VISION] = (prompts, prompt_index)
+        elif shared:
+            vision["mm_encoder_outputs"] = {"image": self.shared_image_features(bare, prompts, prompt_index)}
         elif has_images:
             vision["pixel_values"] = sequences["pixel_values"]
-        position_ids = self.position_ids(_unwrap(model), full)  # [3, N, P + C]
+        position_ids = self.position_ids(bare, full)  # [3, N, P + C]
         completion_length = completion_ids.shape[1]
-        outputs = model(
-            input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-            image_grid_thw=full.get("image_grid_thw"), logits_to_keep=completion_length + 1, use_cache=False,
-            **vision,
-        )
+        forward = {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids,
+                   "image_grid_thw": full.get("image_grid_thw"), "use_cache": False, **vision}
+        if chunked:  # hidden states only; the output layer runs chunk by chunk
+            hidden = bare.model(**forward).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
+            return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                                      chunk_tokens=logits_chunk_tokens)
+        outputs = (model if wrapped else bare)(**forward, logits_to_keep=completion_length + 1)
         logits = outputs.logits[:, :-1].float()  # [N, C, V]
         return self.logps_from_logits(logits, completion_ids, temperature=temperature)
+
+    def _hidden_logps(self, bare, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
+                      temperature: float, chunk_tokens: int) -> Tensor:
+        """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks."""
+        from gpg_vl.models.prefix import completion_logps
+
+        return completion_logps(hidden, bare.get_output_embeddings().weight, completion_ids,
+                                completion_mask.bool(), suppressed_ids=self.suppressed_ids,
+                                temperature=temperature, chunk_tokens=chunk_tokens)
 
     def shared_image_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
         """Vision-tower outputs computed once per distinct prompt, listed per sequence (no copy)."""

@@ -1,0 +1,373 @@
+"""Throughput: gpg-vl's trainer against TRL's GRPOTrainer on the same work, side by side in one process.
+
+    pip install -e ".[bench]"       # TRL
+    python scripts/bench.py --steps 5 --gpg-variants default,plain                 # the README's headline
+    python scripts/bench.py --group-sizes 2,4,8,16 --image-sizes 224,448 --steps 2  # the scaling table
+    python scripts/bench.py --steps 3 --gpg-variants default,no-share_prompt       # where gpg-vl's time goes
+
+The model is a random-weight Qwen2_5_VLForConditionalGeneration (text hidden 512 x 6 layers, vision
+hidden 256 x depth 6, about 26M parameters) with the embedded tiny model's tokenizer and processor.
+Both trainers get the same B prompts per step (same template, same image size, so the same token
+counts), G completions each of exactly --new-tokens tokens (EOS cannot be sampled: gpg-vl's
+rollout.ignore_eos, TRL's min_new_tokens), the same optimizer (AdamW) and learning rate, and one
+optimizer step per rollout. TRL is configured as close to GPG as it allows: beta=0,
+num_iterations=1, scale_rewards="none", loss_type="grpo", no vLLM, and no gradient checkpointing
+(gpg-vl does not checkpoint either). The reward is a hash of the completion text, so every group has
+differing rewards and gpg-vl forwards every group, as TRL does.
+
+TRL drives the loop (its own `train()`); after each TRL step a callback runs one gpg-vl step, so the
+two alternate and machine drift hits both alike. Times are wall-clock seconds per optimizer step,
+with the process's CPU seconds beside them (robust when other jobs share the machine). Memory is the
+peak resident set size (RSS) of the process during a step, above its level when the step began
+(after returning freed heap pages to the system with malloc_trim): a sampling thread reads RSS every
+2 ms. Both trainers also hold the same persistent state (weights, gradients, AdamW moments), printed
+once. On CUDA the peak is torch.cuda.max_memory_allocated during the step instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+import zlib
+from dataclasses import replace
+
+import numpy as np
+import psutil
+import torch
+from PIL import Image
+
+from gpg_vl.data import PromptStream
+from gpg_vl.models.base import Policy, QwenVLAdapter, resolve_path
+from gpg_vl.sampler import collect_valid_groups
+from gpg_vl.tasks import Task, image_question
+from gpg_vl.trainer import RolloutSettings, TrainerSettings, sample_attempt, update
+
+TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+            num_key_value_heads=2, layer_types=["full_attention"] * 6)
+VISION = dict(hidden_size=256, intermediate_size=1024, depth=6, num_heads=4, out_hidden_size=512,
+              fullatt_block_indexes=[2, 5])
+# gpg-vl with one optimisation (or all) switched off, to show where its time goes
+VARIANTS = {
+    "default": ({}, {}),
+    "plain": ({"share_vision": False, "share_prompt": False, "logits_chunk_tokens": 0, "micro_batch_tokens": 0},
+              {"prefill_once": False}),
+    "no-prefill_once": ({}, {"prefill_once": False}),
+    "no-share_prompt": ({"share_prompt": False}, {}),
+    "no-share_vision": ({"share_vision": False, "share_prompt": False}, {}),
+    "no-logits_chunk": ({"logits_chunk_tokens": 0}, {}),
+    "no-token_budget": ({"micro_batch_tokens": 0}, {}),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared model, prompts and reward
+# ---------------------------------------------------------------------------------------------
+def build_model(image_size: int, seed: int, dtype: torch.dtype, device: str):
+    """A random-weight Qwen2.5-VL of about 26M parameters and a processor that keeps images at image_size."""
+    from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    path = resolve_path("embedded:tiny-qwen2.5-vl")
+    processor = AutoProcessor.from_pretrained(path)
+    processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": image_size * image_size}
+    tiny = Qwen2_5_VLConfig.from_pretrained(path)
+    text = {**tiny.text_config.to_dict(), **TEXT}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [8, 12, 12]}  # head dim 64
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config={**tiny.vision_config.to_dict(), **VISION},
+        image_token_id=tiny.image_token_id, video_token_id=tiny.video_token_id,
+        vision_start_token_id=tiny.vision_start_token_id, vision_end_token_id=tiny.vision_end_token_id,
+        tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(device=device, dtype=dtype)
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    return model, processor
+
+
+def make_rows(count: int, image_size: int, seed: int) -> list[dict]:
+    """Prompts with the same template and image size, so every prompt has the same number of tokens."""
+    rng = np.random.default_rng(seed)
+    return [{"id": f"bench-{i}", "question": f"How many shapes? {i:03d}",
+             "image": Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))}
+            for i in range(count)]
+
+
+def hash_reward(text: str) -> float:
+    """A deterministic reward in [0, 1) that differs between (almost) any two completions."""
+    return (zlib.crc32(text.encode()) % 1000) / 1000
+
+
+class BenchTask(Task):
+    name = "bench"
+
+    def __init__(self, rows: list[dict]) -> None:
+        super().__init__()
+        self.rows = rows
+        self.reward_functions = {"hash": lambda completion, _row: hash_reward(completion)}
+
+    def load(self, split: str) -> list[dict]:
+        return self.rows
+
+    def messages(self, row: dict) -> list[dict]:
+        return image_question(row["image"], row["question"])
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+# ---------------------------------------------------------------------------------------------
+class Meter:
+    """Wall and CPU seconds, and the peak memory above the starting level, of one window at a time."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.process = psutil.Process()
+        self.peak = 0
+        self._lock = threading.Lock()  # a sample read before start() must not land in the new window
+        self._stop = threading.Event()
+        if not self.cuda:
+            threading.Thread(target=self._sample, daemon=True).start()
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:  # not glibc: RSS then also counts freed pages the allocator kept
+            self._trim = None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            with self._lock:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            if self._trim is not None:
+                self._trim(0)
+            with self._lock:
+                self.base = self.peak = self.process.memory_info().rss
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        else:
+            with self._lock:
+                peak = max(self.peak, self.process.memory_info().rss)
+        return {"step_s": time.perf_counter() - self.wall, "cpu_s": time.process_time() - self.cpu,
+                "peak_mib": (peak - self.base) / 2**20}
+
+
+def state_mib(model, optimizer) -> float:
+    """Weights, gradients and optimizer state, in MiB."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# the two trainers
+# ---------------------------------------------------------------------------------------------
+class GpgRunner:
+    """gpg-vl's own step: sample_attempt (encode, rollout, rewards, advantages) then update (one optimizer step)."""
+
+    def __init__(self, args, rows: list[dict], group_size: int, image_size: int, variant: str) -> None:
+        from accelerate import Accelerator
+        from transformers import get_scheduler
+
+        trainer_overrides, rollout_overrides = VARIANTS[variant]
+        model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device)
+        adapter = QwenVLAdapter(processor, model.config, min_pixels=56 * 56, max_pixels=image_size * image_size)
+        self.task = BenchTask(rows)
+        self.settings = replace(TrainerSettings(), group_size=group_size, batch_size=args.prompts, lr=args.lr,
+                                beta_th=0.0, max_attempts=1, **trainer_overrides)
+        self.rollout = replace(RolloutSettings(), max_new_tokens=args.new_tokens, ignore_eos=True,
+                               static_cache=args.cache == "static", **rollout_overrides)
+        self.accelerator = Accelerator(cpu=args.device == "cpu")
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        scheduler = get_scheduler("constant", optimizer)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.policy = Policy(self.accelerator.unwrap_model(self.model), processor, adapter, "bench")
+        self.stream = PromptStream(rows, seed=args.seed)
+
+    def step(self, meter: Meter) -> dict[str, float]:
+        meter.start()
+        started = time.perf_counter()
+        collected = collect_valid_groups(
+            lambda: sample_attempt(self.policy, self.task, self.stream, batch_size=self.settings.batch_size,
+                                   group_size=self.settings.group_size, rollout=self.rollout,
+                                   std_normalize=False, warn=print),
+            lambda attempt: (attempt.valid.numel(), int(attempt.valid.sum())),
+            beta_th=0.0, batch_size=self.settings.batch_size, max_attempts=1)
+        rolled = time.perf_counter()
+        update(self.policy, self.model, self.optimizer, self.scheduler, self.accelerator, collected.attempts,
+               settings=self.settings, temperature=self.rollout.temperature)
+        measured = meter.stop()
+        attempt = collected.attempts[0]
+        prompt_tokens = int(attempt.prompts.inputs["attention_mask"].sum()) * self.settings.group_size
+        return {**measured, "rollout_s": rolled - started, "update_s": measured["step_s"] - (rolled - started),
+                "completion_tokens": int(attempt.rollout.completion_mask.sum()), "prompt_tokens": prompt_tokens,
+                "groups_used": collected.groups_valid}
+
+
+def trl_trainer(args, rows: list[dict], group_size: int, image_size: int, steps: int, callback):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": row["question"]}], "image": row["image"]}
+                                 for row in rows])
+
+    def reward(completions, **kwargs):
+        return [hash_reward(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="gpg-vl-bench-"), max_steps=steps, seed=args.seed,
+        per_device_train_batch_size=args.prompts * group_size, num_generations=group_size,
+        gradient_accumulation_steps=1, max_completion_length=args.new_tokens,
+        generation_kwargs={"min_new_tokens": args.new_tokens},  # EOS cannot be sampled before the limit
+        beta=0.0, num_iterations=1, scale_rewards="none", loss_type="grpo", learning_rate=args.lr,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, temperature=1.0, top_p=1.0,
+        cache_implementation="static" if args.cache == "static" else None,
+        use_vllm=False, gradient_checkpointing=False, bf16=args.dtype == "bfloat16", use_cpu=args.device == "cpu",
+        report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    return GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
+                       processing_class=processor, callbacks=[callback])
+
+
+# ---------------------------------------------------------------------------------------------
+# one configuration, both trainers alternating
+# ---------------------------------------------------------------------------------------------
+def run_pair(args, group_size: int, image_size: int) -> dict:
+    from transformers import PrinterCallback, TrainerCallback
+
+    steps = args.warmup + args.steps
+    rows = make_rows(args.prompts * steps * 2, image_size, args.seed)
+    meter = Meter(args.device)
+    runners = {f"gpg-vl[{v}]" if v != "default" else "gpg-vl": GpgRunner(args, rows, group_size, image_size, v)
+               for v in args.gpg_variants}
+    records: dict[str, list[dict]] = {"TRL": [], **{name: [] for name in runners}}
+
+    class Alternate(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            meter.start()
+
+        seen = 0
+
+        def on_step_end(self, _args, state, *_, **__):
+            trl = meter.stop()
+            tokens, self.seen = state.num_input_tokens_seen - self.seen, state.num_input_tokens_seen
+            trl.update(completion_tokens=args.prompts * group_size * args.new_tokens, all_tokens=int(tokens))
+            records["TRL"].append(trl)
+            for name, runner in runners.items():
+                records[name].append(runner.step(meter))
+            index = len(records["TRL"])
+            kind = "warm-up" if index <= args.warmup else "measured"
+            print(f"  step {index} ({kind}): TRL {trl['step_s']:.2f} s", end="")
+            for name in runners:
+                r = records[name][-1]
+                print(f" | {name} {r['step_s']:.2f} s (rollout {r['rollout_s']:.2f} + update {r['update_s']:.2f})",
+                      end="")
+            print(flush=True)
+            meter.start()
+
+    trainer = trl_trainer(args, rows, group_size, image_size, steps, Alternate())
+    trainer.remove_callback(PrinterCallback)  # its per-step log dict; the callback above prints the times
+    trainer.train()
+    first = next(iter(runners.values()))
+    summary = {"group_size": group_size, "image_size": image_size,
+               "state_mib": state_mib(first.model, first.optimizer),
+               "trl_state_mib": state_mib(trainer.model, trainer.optimizer)}
+    for name, rows_ in records.items():
+        measured = rows_[args.warmup:]
+        summary[name] = {key: statistics.mean(r[key] for r in measured) for key in measured[0]}
+        summary[name]["peak_mib"] = max(r["peak_mib"] for r in measured)
+        summary[name]["step_s_min"] = min(r["step_s"] for r in measured)
+    gpg = records[next(iter(runners))][-1]
+    summary["work"] = {"gpg_prompt_plus_completion_tokens": gpg["prompt_tokens"] + gpg["completion_tokens"],
+                       "trl_prompt_plus_completion_tokens": records["TRL"][-1]["all_tokens"],
+                       "groups_used": [r["groups_used"] for r in records[next(iter(runners))]]}
+    return summary
+
+
+def report(args, summary: dict) -> None:
+    g, size = summary["group_size"], summary["image_size"]
+    print(f"\nB={args.prompts} prompts x G={g}, image {size}x{size}, {args.new_tokens} new tokens (EOS ignored); "
+          f"{args.warmup} warm-up + {args.steps} measured steps; means over measured steps")
+    work = summary["work"]
+    print(f"  same work: prompt+completion tokens per step gpg-vl {work['gpg_prompt_plus_completion_tokens']}, "
+          f"TRL {work['trl_prompt_plus_completion_tokens']}; gpg-vl groups used per step {work['groups_used']} "
+          f"of {args.prompts}")
+    print(f"  persistent state (weights + grads + AdamW): gpg-vl {summary['state_mib']:.0f} MiB, "
+          f"TRL {summary['trl_state_mib']:.0f} MiB")
+    header = (f"  {'trainer':24s} {'s/step':>7s} {'min':>6s} {'rollout':>8s} {'update':>7s} {'cpu s':>6s} "
+              f"{'steps/s':>8s} {'compl tok/s':>11s} {'peak MiB':>9s} {'vs TRL':>7s}")
+    print(header)
+    trl_rate = 1.0 / summary["TRL"]["step_s"]
+    for name in ["TRL"] + [n for n in summary if n.startswith("gpg-vl")]:
+        r = summary[name]
+        rate = 1.0 / r["step_s"]
+        rollout = f"{r['rollout_s']:8.2f}" if "rollout_s" in r else f"{'-':>8s}"
+        update_ = f"{r['update_s']:7.2f}" if "update_s" in r else f"{'-':>7s}"
+        print(f"  {name:24s} {r['step_s']:7.2f} {r['step_s_min']:6.2f} {rollout} {update_} {r['cpu_s']:6.2f} "
+              f"{rate:8.3f} {r['completion_tokens'] * rate:11.1f} {r['peak_mib']:9.0f} {rate / trl_rate:6.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=2, help="B: prompts per step")
+    parser.add_argument("--group-sizes", default="8", help="G values, comma-separated")
+    parser.add_argument("--image-sizes", default="224", help="square image sides in pixels, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=64, help="completion length (EOS ignored)")
+    parser.add_argument("--warmup", type=int, default=1, help="steps not measured")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--gpg-variants", default="default",
+                        help=f"gpg-vl configurations run beside TRL, comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                        help="decoding cache of both trainers' generate (transformers' default is dynamic)")
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both trainers)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    args.gpg_variants = args.gpg_variants.split(",")
+    unknown = [v for v in args.gpg_variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown --gpg-variants {unknown}; known: {', '.join(VARIANTS)}")
+    args.torch_dtype = getattr(torch, args.dtype)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated argument names inside TRL
+    torch.set_num_threads(args.threads)
+    import transformers
+    import trl
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
+          f"device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, {args.cache} cache, "
+          f"{psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+    summaries = []
+    for image_size in [int(x) for x in args.image_sizes.split(",")]:
+        for group_size in [int(x) for x in args.group_sizes.split(",")]:
+            print(f"\n== G={group_size}, image {image_size}x{image_size}")
+            summary = run_pair(args, group_size, image_size)
+            report(args, summary)
+            summaries.append(summary)
+    print("\n| G | image | TRL s/step | gpg-vl s/step (rollout + update) | steps/s ratio | CPU-s ratio | "
+          "TRL peak MiB | gpg-vl peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in summaries:
+        trl_, gpg = s["TRL"], s["gpg-vl" if "gpg-vl" in s else next(n for n in s if n.startswith("gpg-vl"))]
+        print(f"| {s['group_size']} | {s['image_size']} | {trl_['step_s']:.2f} | {gpg['step_s']:.2f} "
+              f"({gpg['rollout_s']:.2f} + {gpg['update_s']:.2f}) | {trl_['step_s'] / gpg['step_s']:.2f}x | "
+              f"{trl_['cpu_s'] / gpg['cpu_s']:.2f}x | "
+              f"{trl_['peak_mib']:.0f} | {gpg['peak_mib']:.0f} |")
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
