@@ -133,12 +133,14 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         except json.JSONDecodeError as error:
             raise UserError(f"predictions file {str(source)!r} is not JSON lines ({error}); "
                             "pass a predictions.jsonl written by scripts/eval.py.") from None
+        _attach_segmenter(task, cfg)
         metrics, records = rescore(task, records, rows)
     else:
         import torch
 
         torch.manual_seed(cfg.seed)
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
+        _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
         policy = build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
                                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
@@ -149,7 +151,18 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
             handle.write(json.dumps(record) + "\n")
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     width = max(len(name) for name in metrics)
-    print(f"{task.name} / {split}: {len(records)} rows  ({output_dir})")
+    segmenter = getattr(task, "segmenter", None)
+    masks = f", masks by segmenter {segmenter.name}" if segmenter is not None else ""
+    print(f"{task.name} / {split}: {len(records)} rows{masks}  ({output_dir})")
     for name, value in metrics.items():
         print(f"  {name:<{width}}  {value:.4f}")
     return metrics
+
+
+def _attach_segmenter(task, cfg: DictConfig) -> None:
+    """Give a task that scores masks (it has a `segmenter` attribute: lisa) the segmenter `segmenter=` names."""
+    if hasattr(task, "segmenter"):
+        from gpg_vl.segment import load_segmenter
+
+        task.segmenter = load_segmenter(cfg.segmenter, cfg.segmenter_model, batch_size=cfg.segmenter_batch_size,
+                                        device="cuda" if _cuda() else "cpu")

@@ -1,7 +1,8 @@
 """Batched greedy decoding on held-out rows, scored by the task's metrics.
 
 Each row is read once (reading a row can decode its image): the decoding pass keeps what scoring and
-reporting need (the prompt text and the row without its images), so nothing is read a second time.
+reporting need (the prompt text and the row without its images, plus what the task's optional
+`prediction_fields` derives while the images are at hand: lisa's predicted masks), so nothing is read twice.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
 from gpg_vl.rewards import extract_answer
 from gpg_vl.rollout import generate, in_task_frame
+
+_RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
 
 
 @dataclass
@@ -51,8 +54,9 @@ def generate_greedy(
         prompts = policy.adapter.encode(messages)
         rollout = generate(policy, prompts, group_size=1, max_new_tokens=max_new_tokens, do_sample=False)
         texts = in_task_frame(policy, task, rollout.texts, prompts, 1)
-        decoded += [Decoded(i, text, _prompt_text(message), _without_images(row))
-                    for (i, row), message, text in zip(chunk, messages, texts, strict=True)]
+        scored = _scoring_rows(task, [row for _, row in chunk], texts)
+        decoded += [Decoded(i, text, _prompt_text(message), row)
+                    for (i, _), message, text, row in zip(chunk, messages, texts, scored, strict=True)]
     if world_size > 1 and gather is not None:
         decoded = gather(decoded)  # collective: every process reaches it once, after the same number of batches
     return sorted(decoded, key=lambda d: d.index)
@@ -74,21 +78,33 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dic
 
 
 def rescore(task, records: Sequence[dict], rows: Sequence[dict]) -> tuple[dict[str, float], list[dict]]:
-    """Score saved completions again against the dataset rows they name; no model is involved."""
-    matched = []
-    for record in records:
-        index = int(record["index"])
-        row = _without_images(rows[index]) if index < len(rows) else None
-        if row is None or str(row.get("id", index)) != str(record["id"]):
-            raise UserError(f"prediction {record['id']!r} (index {index}) does not match split "
-                            f"{record.get('split')!r} of task {task.name!r}; re-score with the same task, split "
-                            "and data.path that produced the file.")
-        matched.append(row)
+    """Score saved completions again against the dataset rows they name; the policy model is not involved
+    (a task's `prediction_fields`, e.g. lisa's segmenter, may run its own)."""
     completions = [record["completion"] for record in records]
+    matched = []
+    for start in range(0, len(records), _RESCORE_CHUNK):
+        chunk = []
+        for record in records[start:start + _RESCORE_CHUNK]:
+            index = int(record["index"])
+            row = rows[index] if index < len(rows) else None
+            if row is None or str(row.get("id", index)) != str(record["id"]):
+                raise UserError(f"prediction {record['id']!r} (index {index}) does not match split "
+                                f"{record.get('split')!r} of task {task.name!r}; re-score with the same task, "
+                                "split and data.path that produced the file.")
+            chunk.append(row)
+        matched += _scoring_rows(task, chunk, completions[start:start + len(chunk)])
     refreshed = [{**record, "answer": extract_answer(record["completion"]),
                   "rewards": task.reward_components(record["completion"], row)}
                  for record, row in zip(records, matched, strict=True)]
     return task.metrics(matched, completions), refreshed
+
+
+def _scoring_rows(task, rows: Sequence[dict], completions: Sequence[str]) -> list[dict]:
+    """The rows as scoring sees them: without their images, plus what the task's optional
+    `prediction_fields(rows, completions)` derives from each row (images included) and its completion."""
+    fields = getattr(task, "prediction_fields", None)
+    extra = fields(rows, completions) if fields is not None else [{} for _ in rows]
+    return [{**_without_images(row), **more} for row, more in zip(rows, extra, strict=True)]
 
 
 def _without_images(row: dict) -> dict:

@@ -401,6 +401,15 @@ def _json_box(obj: object) -> Box | None:
     return None
 
 
+def _unfenced(text: str) -> str | None:
+    """`text` stripped and taken out of a ``` fence; None when it is over `_MAX_PARSE_CHARS`."""
+    if len(text) > _MAX_PARSE_CHARS:
+        return None
+    text = text.strip()
+    fenced = _FENCE.fullmatch(text)
+    return fenced.group(1) if fenced else text
+
+
 def parse_box(text: str) -> Box | None:
     """The one box `text` is, as (x1, y1, x2, y2) floats; None when it is not exactly one valid box.
 
@@ -409,12 +418,9 @@ def parse_box(text: str) -> Box | None:
     (an answer must commit to one), as are inverted or empty boxes (x2 <= x1 or y2 <= y1: never swapped),
     non-finite numbers, text around the box and texts over `_MAX_PARSE_CHARS`.
     """
-    if len(text) > _MAX_PARSE_CHARS:
+    text = _unfenced(text)
+    if text is None:
         return None
-    text = text.strip()
-    fenced = _FENCE.fullmatch(text)
-    if fenced:
-        text = fenced.group(1)
     for pattern in (_BRACKET_BOX, _CORNER_BOX):
         match = pattern.fullmatch(text)
         if match:
@@ -477,3 +483,94 @@ def giou_reward(completion: str, target_box: Sequence[float]) -> float:
     answer = extract_answer(completion)
     box = None if answer is None else parse_box(answer)
     return 0.0 if box is None else box_giou(box, target_box) + 1.0
+
+
+# ---------------------------------------------------------------- box + point (Seg-Zero's answer)
+
+Point = tuple[float, float]  # (x, y)
+
+
+def _as_point(values: object) -> Point | None:
+    """Two finite numbers (not bools, not strings) as a float tuple; None otherwise."""
+    if not isinstance(values, list) or len(values) != 2 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    try:
+        x, y = (float(v) for v in values)
+    except OverflowError:  # an int literal too large for a float
+        return None
+    return (x, y) if math.isfinite(x) and math.isfinite(y) else None
+
+
+def parse_box_point(text: str) -> tuple[Box, Point] | None:
+    """Seg-Zero's answer `[{"bbox_2d": [x1, y1, x2, y2], "point_2d": [x, y]}]` as (box, point); None otherwise.
+
+    Accepted (the whole text, optionally in a ``` fence): a JSON list holding exactly one object with both keys,
+    or that object alone; other keys are ignored. The box must be valid (`_as_box`: x2 > x1, y2 > y1, numbers
+    only) and the point two finite numbers; several objects, missing keys, broken JSON and texts over
+    `_MAX_PARSE_CHARS` give None.
+    """
+    text = _unfenced(text)
+    if text is None:
+        return None
+    if not text.startswith(("{", "[")):
+        return None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(obj, list) and len(obj) == 1:
+        obj = obj[0]
+    if not isinstance(obj, dict):
+        return None
+    values = obj.get("bbox_2d")
+    box = _as_box(values) if isinstance(values, list) and all(
+        isinstance(v, (int, float)) for v in values) else None
+    point = _as_point(obj.get("point_2d"))
+    return None if box is None or point is None else (box, point)
+
+
+def box_point_format_reward(completion: str) -> float:
+    """1.0 if the completion has the `format_reward` shape and its answer is Seg-Zero's JSON (`parse_box_point`),
+    else 0.0; range {0, 1}."""
+    if format_reward(completion) == 0.0:
+        return 0.0
+    answer = extract_answer(completion)
+    return 0.0 if answer is None or parse_box_point(answer) is None else 1.0
+
+
+def point_inside(point: Sequence[float], mask: object = None, box: Sequence[float] | None = None) -> bool:
+    """Whether the point (x, y), in pixels, lies on the mask, or inside `box` when there is no mask.
+
+    `mask`: a compressed COCO RLE (`{"size": [h, w], "counts": bytes or str}`) or a 2-D array indexed
+    [y, x]; the point is on pixel (floor(x), floor(y)), and a point outside the image is not inside.
+    `box` (x1, y1, x2, y2): x1 <= x < x2 and y1 <= y < y2 (x2 and y2 are the far pixel edges).
+    """
+    x, y = float(point[0]), float(point[1])
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return False
+    if mask is None:
+        return box is not None and box[0] <= x < box[2] and box[1] <= y < box[3]
+    import numpy as np  # here, not at the top: the math child process loads this file and needs neither
+
+    column, row = math.floor(x), math.floor(y)
+    if isinstance(mask, dict):
+        from pycocotools import mask as mask_utils
+
+        height, width = (int(v) for v in mask["size"])
+        if not (0 <= column < width and 0 <= row < height):
+            return False
+        counts = mask["counts"]
+        rle = {"size": [height, width], "counts": counts.encode() if isinstance(counts, str) else counts}
+        pixel = mask_utils.frPyObjects(np.array([[column, row, 1, 1]], dtype=np.float64), height, width)[0]
+        return int(mask_utils.area(mask_utils.merge([rle, pixel], intersect=True))) > 0
+    array = np.asarray(mask)
+    return 0 <= row < array.shape[0] and 0 <= column < array.shape[1] and bool(array[row, column])
+
+
+def point_in_mask_reward(completion: str, mask: object = None, box: Sequence[float] | None = None) -> float:
+    """1.0 if the point of the answer (`parse_box_point`) lies on the ground-truth `mask`, or inside the
+    ground-truth `box` when there is no mask (`point_inside`), else 0.0; range {0, 1}; 0.0 with no valid answer."""
+    answer = extract_answer(completion)
+    parsed = None if answer is None else parse_box_point(answer)
+    return 0.0 if parsed is None else float(point_inside(parsed[1], mask, box))

@@ -17,9 +17,20 @@ Splits: `validation` (or `val`) and `test` load the Hub copies `Ricky06662/Reaso
 `Ricky06662/ReasonSeg_test` (both publish their rows as their split "test"); ReasonSeg train (239 images) has
 no published Hub copy, so `train` needs `data.path=`. With `data.path=` every split comes from there.
 
-Boxes: `uses_boxes` is set, so the model adapter rewrites a completion's boxes from the model's frame into
-original pixels before the rewards see it; rewards and targets here are in original pixels.
-Rewards: `accuracy` (IoU of the answer's box with the target box, or GIoU + 1 with `reward="giou"`) and `format`.
+Boxes: `uses_boxes` is set, so the model adapter rewrites a completion's boxes (and Seg-Zero points) from the
+model's frame into original pixels before the rewards see it; rewards and targets here are in original pixels.
+
+Answers (option `answer`):
+- "box" (the paper's): the Visual-RFT prompt, `<answer>(x1,y1),(x2,y2)</answer>`; rewards `accuracy` (IoU of
+  the answer's box with the target box, or GIoU + 1 with `reward="giou"`) and `format` (think/answer tags);
+- "box_points" (Seg-Zero's): `<answer>[{"bbox_2d": [x1,y1,x2,y2], "point_2d": [x,y]}]</answer>`; rewards
+  `accuracy` (as above, on bbox_2d), `point` (1 when point_2d lies on the ground-truth mask) and `format` (the
+  tags and that JSON).
+
+Metrics: the reward means; `miou`, the box mIoU over rows with a target box; and, when a segmenter is set
+(`segmenter=` of scripts/eval.py, see gpg_vl/segment.py), `mask_giou` and `mask_ciou` over every row, ReasonSeg's
+gIoU and cIoU of the segmenter's masks of the predicted boxes. Predicted boxes are clipped to the image for the
+metrics; a completion without a box has an empty mask.
 """
 
 from __future__ import annotations
@@ -33,7 +44,18 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 
 from gpg_vl.errors import BadRow, UserError
-from gpg_vl.rewards import Box, box_iou, extract_answer, format_reward, giou_reward, iou_reward, parse_box
+from gpg_vl.rewards import (
+    Box,
+    box_iou,
+    box_point_format_reward,
+    extract_answer,
+    format_reward,
+    giou_reward,
+    iou_reward,
+    parse_box,
+    point_in_mask_reward,
+)
+from gpg_vl.segment import Segmenter, clip_box, intersection_union, mask_metrics
 from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
 from gpg_vl.tasks import Task, image_question, register_task, require_text, row_name
 
@@ -52,6 +74,14 @@ PROMPT = (
     'in <think> </think> and your grounding box. Following "<think> thinking process </think>\n'
     '<answer>(x1,y1),(x2,y2)</answer>" format.'
 )
+# Seg-Zero's answer: one box and one point inside the object, as JSON (its prompt, reworded).
+POINTS_PROMPT = (
+    "Please find \"{query}\" with a bbox and a point. Compare the difference between objects and find the most "
+    "closely matched one. Output the thinking process in <think> </think> and the final answer in <answer> "
+    "</answer> tags. Output the one bbox and one point inside the object in JSON format, i.e., "
+    '<think> thinking process here </think><answer>[{{"bbox_2d": [10,100,200,210], "point_2d": [30,110]}}]</answer>'
+)
+PROMPTS = {"box": PROMPT, "box_points": POINTS_PROMPT}
 
 
 def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> dict:
@@ -75,7 +105,11 @@ def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> 
         counts = mask["counts"]
         if isinstance(counts, (str, bytes)):
             return {"size": [h, w], "counts": counts.encode() if isinstance(counts, str) else counts}
-        return mask_utils.frPyObjects({"size": [h, w], "counts": [int(c) for c in counts]}, h, w)
+        counts = [int(c) for c in counts]
+        if min(counts, default=0) < 0 or sum(counts) != h * w:  # pycocotools would hang or overrun on these
+            raise UserError(f"an uncompressed RLE mask's run lengths add up to {sum(counts)}, not its "
+                            f"{h} x {w} = {h * w} pixels (or one is negative); check the mask column.")
+        return mask_utils.frPyObjects({"size": [h, w], "counts": counts}, h, w)
     try:
         array = np.asarray(mask)
     except ValueError:  # ragged nested lists: polygons of different lengths
@@ -129,29 +163,30 @@ def _number(value: float) -> str:
 
 
 class LisaRows(RowView):
-    """ReasonSeg rows without their `mask` (heavy: a full-size array), plus `id`, `query` and `box`.
+    """ReasonSeg rows without their `mask` column (heavy: a full-size array), plus `id`, `query`, `box` and
+    `mask_rle` (the ground-truth mask as a compressed COCO RLE, a few KB).
 
-    Each row's box is computed from its mask once and cached; later reads skip the mask column.
+    Each row's mask is read once and cached as its RLE; later reads skip the mask column.
     """
 
     def __init__(self, rows: Any) -> None:
         present = [c for c in MASK_COLUMNS if c in rows.column_names]
         self.masks = rows.select_columns(present)
-        self.boxes: dict[int, Box | None] = {}
-        self.mask_sizes: dict[int, tuple[int, int]] = {}  # (height, width) of each row's mask
+        self.rles: dict[int, dict] = {}
         super().__init__(rows.remove_columns("mask"), self._complete)
 
     def _complete(self, index: int, row: dict) -> dict:
-        if index not in self.boxes:
+        if index not in self.rles:
             entry = self.masks[index]
-            rle = mask_rle(entry["mask"], _size(entry.get("img_height")), _size(entry.get("img_width")))
-            self.boxes[index], self.mask_sizes[index] = rle_box(rle), (int(rle["size"][0]), int(rle["size"][1]))
+            self.rles[index] = mask_rle(entry["mask"], _size(entry.get("img_height")), _size(entry.get("img_width")))
         if row.get("image_id") is not None and row.get("ann_id") is not None:
             row_id = f"{row['image_id']}:{row['ann_id']}"
         else:
             row_id = str(row["id"]) if row.get("id") is not None else str(index)
+        rle = self.rles[index]
         query = "" if row.get("text") is None else str(row["text"]).strip()
-        return {**row, "id": row_id, "query": query, "box": self.boxes[index], "mask_size": self.mask_sizes[index]}
+        return {**row, "id": row_id, "query": query, "box": rle_box(rle), "mask_rle": rle,
+                "mask_size": (int(rle["size"][0]), int(rle["size"][1]))}  # (height, width)
 
 
 def _size(value: Any) -> int | None:
@@ -160,27 +195,40 @@ def _size(value: Any) -> int | None:
 
 @register_task
 class Lisa(Task):
-    """ReasonSeg reasoning grounding: answer one box for a query; IoU (or GIoU + 1) + format rewards; box mIoU.
+    """ReasonSeg reasoning grounding: answer one box for a query; IoU (or GIoU + 1) + format rewards; box mIoU,
+    and mask gIoU / cIoU when a segmenter is set.
 
     Option `reward`: "iou" (IoU in [0, 1], the default) or "giou" (GIoU + 1 in [0, 2], the paper's option).
+    Option `answer`: "box" (the paper's prompt, the default) or "box_points" (Seg-Zero's box + point JSON, with
+    a point-in-mask reward).
+    `segmenter` (a gpg_vl.segment segmenter, None by default; scripts/eval.py sets it from `segmenter=`) turns
+    predicted boxes into masks for the mask metrics.
     """
 
     name = "lisa"
     eval_split = "test"
     uses_boxes = True
 
-    def __init__(self, reward: str = "iou") -> None:
+    def __init__(self, reward: str = "iou", answer: str = "box") -> None:
         super().__init__()
         if reward not in REWARDS:
             raise UserError(f"task lisa has no reward {reward!r}; set task.options.reward to one of "
                             f"{', '.join(REWARDS)}.")
-        self.reward_kind = reward
+        if answer not in PROMPTS:
+            raise UserError(f"task lisa has no answer {answer!r}; set task.options.answer to one of "
+                            f"{', '.join(PROMPTS)}.")
+        self.reward_kind, self.answer = reward, answer
+        self.segmenter: Segmenter | None = None
         box_reward = iou_reward if reward == "iou" else giou_reward
         self.reward_functions = {
             "accuracy": lambda completion, row: 0.0 if row["box"] is None else box_reward(completion, row["box"]),
             "format": lambda completion, row: format_reward(completion),
         }
-        self.reward_weights = {"accuracy": 1.0, "format": 1.0}
+        if answer == "box_points":
+            self.reward_functions["point"] = lambda completion, row: point_in_mask_reward(
+                completion, row.get("mask_rle"), row["box"])
+            self.reward_functions["format"] = lambda completion, row: box_point_format_reward(completion)
+        self.reward_weights = {name: 1.0 for name in self.reward_functions}
 
     def load(self, split: str) -> LisaRows:
         if self.data_path is not None:
@@ -197,27 +245,52 @@ class Lisa(Task):
         require_text(row, question="query")
         super().check_row(row)
 
+    def _image(self, row: dict):
+        return load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
+
     def messages(self, row: dict) -> list[dict]:
-        image = load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
+        image = self._image(row)
         if row.get("mask_size") is not None and tuple(row["mask_size"]) != (image.height, image.width):
             height, width = row["mask_size"]
             raise BadRow("mask size mismatch", f"{row_name(row)} has a {width}x{height} mask for a "
                                                f"{image.width}x{image.height} image; fix its mask or image.")
-        text = PROMPT.format(query=row["query"])
-        return image_question(image, text)
+        return image_question(image, PROMPTS[self.answer].format(query=row["query"]))
 
     def target(self, row: dict) -> str:
         box = row["box"]
         return "none" if box is None else "[" + ", ".join(_number(v) for v in box) + "]"
 
+    def predicted_box(self, completion: str, row: dict) -> Box | None:
+        """The completion's box clipped to the image (the size of the row's mask); None without one."""
+        height, width = row["mask_rle"]["size"]
+        return clip_box(answer_box(completion), width, height)
+
+    def prediction_fields(self, rows: Sequence[dict], completions: Sequence[str]) -> list[dict]:
+        """What evaluation adds to each (image-free) row before scoring: `pred_mask`, the segmenter's RLE mask of
+        the predicted box (nothing without a segmenter). `rows` still hold their images here."""
+        if self.segmenter is None:
+            return [{} for _ in rows]
+        images = [self._image(row) if self.segmenter.needs_images else None for row in rows]
+        masks = self.segmenter.segment(images, [tuple(row["mask_rle"]["size"]) for row in rows],
+                                       [self.predicted_box(c, row) for row, c in zip(rows, completions, strict=True)])
+        return [{"pred_mask": mask} for mask in masks]
+
     def metrics(self, rows: Sequence[dict], completions: Sequence[str]) -> dict[str, float]:
         """The default reward means, plus `miou`: the mean box IoU over rows with a target box (0 for a
-        completion without a parsable box)."""
+        completion without a parsable box), and with a segmenter `mask_giou` / `mask_ciou` over every row
+        (gpg_vl.segment.mask_metrics: ReasonSeg's gIoU and cIoU)."""
         result = super().metrics(rows, completions)
         ious = []
         for row, completion in zip(rows, completions, strict=True):
             if row["box"] is not None:
-                box = answer_box(completion)
+                box = self.predicted_box(completion, row)
                 ious.append(0.0 if box is None else box_iou(box, row["box"]))
         result["miou"] = sum(ious) / len(ious) if ious else 0.0
+        masks = [row.get("pred_mask") for row in rows]
+        if None in masks and self.segmenter is not None and not self.segmenter.needs_images:
+            masks = [fields["pred_mask"] for fields in self.prediction_fields(rows, completions)]
+        if rows and None not in masks:
+            pairs = zip(masks, rows, strict=True)
+            scores = mask_metrics([intersection_union(mask, row["mask_rle"]) for mask, row in pairs])
+            result["mask_giou"], result["mask_ciou"] = scores["giou"], scores["ciou"]
         return result

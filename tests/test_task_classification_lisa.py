@@ -242,14 +242,15 @@ def test_eval_on_the_tiny_model_writes_predictions_and_metrics(name, fixture, sp
     path = request.getfixturevalue(fixture)
     cfg = load_config("eval", [f"task={name}", "model=tiny", f"data.path={path}", "eval.limit=4",
                                "eval.batch_size=4", "eval.max_new_tokens=8", f"output_dir={tmp_path / 'out'}",
-                               f"eval.split={split}"])
+                               f"eval.split={split}", "segmenter=box"])
     metrics = eval_main(cfg)
     records = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
     assert len(records) == 4 and metric in json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert 0.0 <= metrics[metric] <= 1.0
     if name == "lisa":
         assert [r["target"] for r in records] == ["[10, 8, 30, 20]", "[0, 0, 16, 16]", "[40, 24, 64, 48]", "none"]
+        assert 0.0 <= metrics["mask_giou"] <= 1.0 and 0.0 <= metrics["mask_ciou"] <= 1.0  # segmenter=box
     rescored = eval_main(load_config("eval", [f"task={name}", f"data.path={path}", f"eval.split={split}",
                                               f"predictions={tmp_path / 'out' / 'predictions.jsonl'}",
-                                              f"output_dir={tmp_path / 'again'}"]))
+                                              f"output_dir={tmp_path / 'again'}", "segmenter=box"]))
     assert rescored == metrics  # row ids match, so saved completions re-score without a model

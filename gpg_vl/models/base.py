@@ -93,6 +93,7 @@ _BOX_PATTERNS = (
     re.compile(rf"\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]"),  # [x1, y1, x2, y2]
     re.compile(rf"\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)\s*,\s*\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)"),  # (x1,y1),(x2,y2)
 )
+_POINT_PATTERN = re.compile(rf'("point_2d"\s*:\s*)\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]')  # Seg-Zero's "point_2d": [x, y]
 
 
 def _format_number(value: float) -> str:
@@ -191,7 +192,8 @@ class QwenVLAdapter:
         return (box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy)
 
     def completion_to_original(self, text: str, sizes: list[tuple[int, int, int, int]]) -> str:
-        """Rewrite the boxes of a completion from the model's frame into original pixels of its first image."""
+        """Rewrite the boxes (and Seg-Zero `"point_2d": [x, y]` points) of a completion from the model's frame
+        into original pixels of its first image."""
         if not sizes or "," not in text:
             return text
 
@@ -200,9 +202,15 @@ class QwenVLAdapter:
             numbers = iter(_format_number(v) for v in box)
             return re.sub(_NUMBER, lambda _: next(numbers), match.group(0))
 
+        def rewrite_point(match: re.Match) -> str:
+            key, x, y = match.groups()
+            point = self.to_original_frame([float(x), float(y)] * 2, sizes[0])[:2]
+            numbers = iter(_format_number(v) for v in point)
+            return key + re.sub(_NUMBER, lambda _: next(numbers), match.group(0)[len(key):])
+
         for pattern in _BOX_PATTERNS:
             text = pattern.sub(rewrite, text)
-        return text
+        return _POINT_PATTERN.sub(rewrite_point, text)
 
     # ---- positions and log-probs ---------------------------------------------------------------
     def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor:
