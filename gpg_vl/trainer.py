@@ -27,7 +27,7 @@ from gpg_vl.data import PromptStream
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
 from gpg_vl.models.lora import save_model
-from gpg_vl.objective import group_advantages, policy_loss
+from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
 from gpg_vl.report import write_curves
 from gpg_vl.rollout import Rollout, generate, in_task_frame
 from gpg_vl.sampler import collect_valid_groups
@@ -50,6 +50,9 @@ class TrainerSettings:
     beta_th: float = 0.4
     max_attempts: int = 8
     std_normalize: bool = False
+    baseline: str = "group_mean"
+    age: bool = True
+    max_completions: int | None = None
     aggregation: str = "seq_mean_token_mean"
     gradient_checkpointing: bool = False
     share_vision: bool = True
@@ -58,6 +61,9 @@ class TrainerSettings:
     report_to: str = "none"
     eval_before: bool = True
     eval_after: bool = True
+
+    def __post_init__(self) -> None:
+        estimator_name(self.baseline, self.std_normalize)  # an unknown variant fails before any work
 
 
 @dataclass
@@ -98,7 +104,7 @@ class Attempt:
 # sample + score + advantage
 # ---------------------------------------------------------------------------------------------
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
-                   rollout: RolloutSettings, std_normalize: bool, warn) -> Attempt:
+                   rollout: RolloutSettings, std_normalize: bool, warn, baseline: str = "group_mean") -> Attempt:
     """Draw this process's share of `batch_size` prompts, roll out G completions each, score them."""
     drawn = stream.next_local(batch_size)
     rows = [row for _, row in drawn]
@@ -121,7 +127,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
     scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(texts)]
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
-    advantages, valid = group_advantages(rewards, std_normalize=std_normalize)  # [b, G], [b]
+    advantages, valid = ADVANTAGE_ESTIMATORS[estimator_name(baseline, std_normalize)](rewards)  # [b, G], [b]
     return Attempt(rows, prompts, result, rewards, components, advantages, valid)
 
 
@@ -145,7 +151,8 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int):
 # ---------------------------------------------------------------------------------------------
 def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
            settings: TrainerSettings, temperature: float) -> dict[str, float]:
-    """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE).
+    """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE), or with
+    `settings.age=False` their sum over the count of every sampled sequence of the attempts (alpha = 1).
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
     process's loss is multiplied by the number of processes because DDP averages gradients: the
@@ -153,12 +160,17 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     """
     device = accelerator.device
     chunks = list(update_chunks(attempts, settings.micro_batch_size))
-    local = torch.tensor([sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks)], device=device)
-    global_sequences, global_tokens = (int(x) for x in accelerator.reduce(local, "sum"))
+    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
+    local = torch.tensor([sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks),
+                          sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)], device=device)
+    global_sequences, global_tokens, sampled_sequences, sampled_tokens = (
+        int(x) for x in accelerator.reduce(local, "sum"))
     steps_needed = int(accelerator.reduce(torch.tensor(len(chunks), device=device), "max"))
     if global_sequences == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
-    normalizer = global_sequences if settings.aggregation == "seq_mean_token_mean" else global_tokens
+    counts = ((global_sequences, sampled_sequences) if settings.aggregation == "seq_mean_token_mean"
+              else (global_tokens, sampled_tokens))
+    normalizer = LOSS_NORMALIZERS[settings.age](*counts)
     chunks += [None] * (steps_needed - len(chunks))  # every process runs as many backward() calls
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
     for index, chunk in enumerate(chunks):
@@ -315,16 +327,19 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     metrics_file = output_dir / "metrics.jsonl"
     bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not main, desc="GPG", dynamic_ncols=True)
     reward_names = list(task.reward_functions)
+    step, completions_sampled = start_step, 0  # completions sampled by this run, resampling included
     for step in range(start_step + 1, trainer.max_steps + 1):
         started = time.perf_counter()
         # sample + score + advantage, resampling until enough groups carry signal
         collected = collect_valid_groups(
             lambda: sample_attempt(policy, task, stream, batch_size=trainer.batch_size,
                                    group_size=trainer.group_size, rollout=rollout,
-                                   std_normalize=trainer.std_normalize, warn=warn),
+                                   std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline),
             lambda attempt: _global_counts(attempt, accelerator),
-            beta_th=trainer.beta_th, batch_size=trainer.batch_size, max_attempts=trainer.max_attempts)
+            beta_th=trainer.beta_th, batch_size=trainer.batch_size,
+            max_attempts=_attempts_allowed(trainer, completions_sampled))
         rolled = time.perf_counter()
+        completions_sampled += collected.groups_sampled * trainer.group_size
         # loss + step, on valid groups only
         if collected.groups_valid > 0:
             result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts,
@@ -339,7 +354,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                    "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
                    "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
                    "groups_used": collected.groups_valid,
-                   "alpha": collected.groups_sampled / collected.groups_valid if collected.groups_valid else 0.0,
+                   "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
+                   "completions_sampled": completions_sampled,
                    **result, "lr": scheduler.get_last_lr()[0],
                    "rollout_s": rolled - started, "update_s": updated - rolled,
                    "step_s": time.perf_counter() - started}
@@ -356,16 +372,18 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         if trainer.save_every and step % trainer.save_every == 0:
             save_checkpoint(output_dir / f"checkpoint-{step}", policy, model, optimizer, scheduler, stream, step,
                             accelerator, keep=trainer.keep_checkpoints)
+        if trainer.max_completions and completions_sampled >= trainer.max_completions:
+            break  # a budget of sampled completions: equal-cost comparisons of G and variants
     bar.close()
 
-    save_checkpoint(output_dir / "final", policy, model, optimizer, scheduler, stream, trainer.max_steps,
-                    accelerator)
+    save_checkpoint(output_dir / "final", policy, model, optimizer, scheduler, stream, step, accelerator)
     if trainer.eval_after:
         after, _ = evaluate(policy, task, eval_rows, **eval_kwargs)
         summary["accuracy_after"] = after.get("accuracy")
         summary["eval_after"] = after
         accelerator.print(f"held-out after training:  {_format(after)}")
-    summary["steps"] = trainer.max_steps
+    summary["steps"] = step
+    summary["completions_sampled"] = completions_sampled
     summary["train_seconds"] = sum(m["step_s"] for m in history)
     if main:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -385,6 +403,14 @@ def _flat_scalars(config: dict, prefix: str = "") -> dict:
         elif value is None or isinstance(value, (int, float, str, bool)):
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:
+    """trainer.max_attempts, fewer when resampling would sample past trainer.max_completions (never < 1)."""
+    if not trainer.max_completions:
+        return trainer.max_attempts
+    left = math.ceil((trainer.max_completions - completions_sampled) / (trainer.batch_size * trainer.group_size))
+    return max(1, min(trainer.max_attempts, left))
 
 
 def _global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int]:
