@@ -111,10 +111,11 @@ def measure(args: argparse.Namespace) -> dict:
         for name in ESTIMATORS:
             grads = torch.stack(stacks[name])  # [K, P]
             mean = grads.double().mean(dim=0)  # [P]
+            distances = (grads.double() - mean).pow(2).sum(dim=1)  # [K]
             results[f"{name}/G={group_size}"] = {
                 "estimator": name, "group_size": group_size, "relative_variance": relative_variance(grads),
-                "mean_grad_norm": float(mean.norm()),
-                "mean_squared_distance": float((grads.double() - mean).pow(2).sum(dim=1).mean()),
+                "mean_grad_norm": float(mean.norm()), "mean_squared_distance": float(distances.mean()),
+                "largest_batch_share": float(distances.max() / distances.sum()) if distances.sum() > 0 else 0.0,
                 "valid_fraction": sum(s[f"valid_fraction/{name}"] for s in stats) / len(stats),
             }
         reward = sum(s["reward_mean"] for s in stats) / len(stats)
@@ -131,6 +132,11 @@ def table(results: dict, args: argparse.Namespace) -> str:
              "|---|" + "---|" * len(args.groups)]
     for name in ESTIMATORS:
         lines.append(f"| {name} | " + " | ".join(f"{results[f'{name}/G={g}']['relative_variance']:.2f}"
+                                                 for g in args.groups) + " |")
+    lines += ["", "Share of the spread (sum of squared distances to the mean) due to the single farthest batch", "",
+              *lines[2:4]]
+    for name in ESTIMATORS:
+        lines.append(f"| {name} | " + " | ".join(f"{results[f'{name}/G={g}']['largest_batch_share']:.2f}"
                                                  for g in args.groups) + " |")
     return "\n".join(lines) + "\n"
 
