@@ -2,6 +2,7 @@
 
     python scripts/ablate.py                      # the default grid (5 variants x G 2,4,8,16 x 3 seeds)
     python scripts/ablate.py --quick --out /tmp/a # machinery only (CI): tiny budget, 2 group sizes, 2 seeds
+    python scripts/ablate.py --from-json runs/ablation/ablation.json --target 0.55 --out /tmp/b  # re-summarise
 
 Every cell gets the same budget of sampled completions (`trainer.max_completions`; completions drawn by
 threshold resampling count too), so a larger G gets fewer steps and a resampling variant fewer updates.
@@ -59,7 +60,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-limit", type=int, help="held-out rows evaluated after training")
     parser.add_argument("--window", type=int, help="completions averaged by the running reward proxy")
     parser.add_argument("--target", type=float, help="running proxy accuracy that counts as reached")
+    parser.add_argument("--from-json", help="re-summarise the runs of an earlier ablation.json (no training); its "
+                        "grid settings are kept, --target and --window may change")
     args = parser.parse_args(argv)
+    if args.from_json:
+        stored = json.loads(Path(args.from_json).read_text())["settings"]
+        for key in ("groups", "seeds", "budget", "batch_size", "eval_limit", "workers"):
+            setattr(args, key, stored[key])
+        args.variants = list(stored["variants"])
+        args.window, args.target = args.window or stored["window"], args.target or stored["target"]
     for key, value in (QUICK if args.quick else DEFAULT).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -178,7 +187,20 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> list[dict]:
     return cells
 
 
-def tables(cells: list[dict], args: argparse.Namespace, accuracy_before: float) -> str:
+def paired_differences(runs: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Held-out accuracy of gpg minus each other variant, paired by (G, seed): mean and standard error."""
+    accuracy = {(r["variant"], r["group_size"], r["seed"]): r["accuracy_after"] for r in runs}
+    pairs = [(g, s) for g in args.groups for s in args.seeds]
+    result = []
+    for variant in (v for v in args.variants if v != "gpg" and "gpg" in args.variants):
+        diffs = [accuracy[("gpg", g, s)] - accuracy[(variant, g, s)] for g, s in pairs]
+        error = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+        result.append({"variant": variant, "gpg_minus_variant": statistics.fmean(diffs), "standard_error": error,
+                       "pairs": len(diffs)})
+    return result
+
+
+def tables(cells: list[dict], args: argparse.Namespace, accuracy_before: float, paired: list[dict]) -> str:
     """Two markdown tables (variants x G): held-out accuracy after training; completions to target."""
     header = "| variant | " + " | ".join(f"G={g}" for g in args.groups) + " |\n|---|" + "---|" * len(args.groups)
     by_key = {(c["variant"], c["group_size"]): c for c in cells}
@@ -195,7 +217,11 @@ def tables(cells: list[dict], args: argparse.Namespace, accuracy_before: float) 
         target.append(f"| {variant} | " + " | ".join(
             (f"{c['completions_to_target_mean']:.0f}" if c["reached"] else "not reached")
             + f" ({c['reached']}/{len(c['seeds'])})" for c in row) + " |")
-    return "\n".join(accuracy) + "\n\n" + "\n".join(target) + "\n"
+    versus = ["Held-out accuracy of gpg minus the variant, paired by (G, seed): mean ± standard error", "",
+              "| variant | gpg - variant | pairs |", "|---|---|---|"]
+    versus += [f"| {p['variant']} | {p['gpg_minus_variant']:+.3f} ± {p['standard_error']:.3f} | {p['pairs']} |"
+               for p in paired]
+    return "\n".join(accuracy) + "\n\n" + "\n".join(target) + "\n" + ("\n" + "\n".join(versus) + "\n" if paired else "")
 
 
 def plot(runs: list[dict], args: argparse.Namespace, path: Path) -> None:
@@ -232,10 +258,8 @@ def plot(runs: list[dict], args: argparse.Namespace, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def run_grid(args: argparse.Namespace, out: Path) -> dict:
+    """Every (variant, G, seed) run in `args.workers` processes, and the starting checkpoint's accuracy."""
     jobs = [(v, g, s) for v in args.variants for g in sorted(args.groups, reverse=True) for s in args.seeds]
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     started = time.perf_counter()
@@ -256,22 +280,33 @@ def main(argv: list[str] | None = None) -> int:
         accuracy_before = before.result()
     wall = time.perf_counter() - started
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, reaped when the pool closed
-    cpu = usage.ru_utime + usage.ru_stime
+    return {"runs": runs, "accuracy_before": accuracy_before, "wall_seconds": wall,
+            "worker_cpu_seconds": usage.ru_utime + usage.ru_stime}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    measured = json.loads(Path(args.from_json).read_text()) if args.from_json else run_grid(args, out)
+    runs, accuracy_before = measured["runs"], measured["accuracy_before"]
+    wall, cpu = measured["wall_seconds"], measured["worker_cpu_seconds"]
     cells = summarise(runs, args)
-    text = tables(cells, args, accuracy_before)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    paired = paired_differences(runs, args)
+    text = tables(cells, args, accuracy_before, paired)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "from_json")}
     settings["variants"] = {v: VARIANTS[v] for v in args.variants}
     settings["proxy"] = (f"accuracy reward of the training samples (temperature 1) averaged over the last "
                          f"{args.window} sampled completions; completions_to_target is the first point with a full "
                          f"window at or above {args.target}")
     report = {"settings": settings, "accuracy_before": accuracy_before, "wall_seconds": wall,
               "worker_cpu_seconds": cpu, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-              "cells": cells, "runs": runs}
+              "cells": cells, "paired_vs_gpg": paired, "runs": runs}
     (out / "ablation.json").write_text(json.dumps(report, indent=1))
     (out / "table.md").write_text(text)
     plot(runs, args, out / "ablation.png")
     print("\n" + text)
-    print(f"wall time {wall:.0f} s ({math.ceil(wall / 60)} min); CPU time of the workers {cpu:.0f} s "
+    print(f"wall time of the grid {wall:.0f} s ({math.ceil(wall / 60)} min); CPU time of the workers {cpu:.0f} s "
           f"({cpu / args.workers / 60:.1f} min per worker); wrote {out / 'ablation.json'}, {out / 'table.md'}, "
           f"{out / 'ablation.png'}")
     return 0

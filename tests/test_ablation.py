@@ -167,6 +167,15 @@ def test_quick_grid_writes_every_number_a_plot_and_spends_equal_budgets(tmp_path
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {v} |" in table for v in variants) and "G=2" in table and "G=4" in table
+    assert [p["variant"] for p in report["paired_vs_gpg"]] == [v for v in variants if v != "gpg"]
+    # the stored runs re-summarised for another target, without training again
+    again = subprocess.run([sys.executable, "scripts/ablate.py", "--from-json", str(tmp_path / "ablation.json"),
+                            "--target", "0.99", "--out", str(tmp_path / "again")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resummarised = json.loads((tmp_path / "again" / "ablation.json").read_text())
+    assert resummarised["runs"] == report["runs"] and resummarised["settings"]["target"] == 0.99
+    assert resummarised["settings"]["budget"] == settings["budget"]
 
 
 # ----------------------------------------------------------------------------- scripts/grad_variance.py
