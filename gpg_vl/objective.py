@@ -20,6 +20,20 @@ For each prompt we sample G completions o_1..o_G with scalar rewards r_i.
 * Micro-batching / multi-process: pass ``normalizer`` = the *global* denominator (number of
   sequences, or of unmasked tokens for "token_mean"); summing the per-micro-batch losses then
   equals the full-batch loss, and so do the summed gradients.
+
+Variants for ablations, each a swappable pure function picked from a registry by name:
+
+* ``ADVANTAGE_ESTIMATORS``: "group_mean" (GPG), "std_normalized" (GRPO-style) and "none" (plain
+  policy gradient: ``A_i = r_i``).  Each returns ``(advantages, valid)``, and *valid* always means
+  "some advantage of the group is nonzero", i.e. the group carries gradient.  For the group-mean
+  estimators that is "rewards differ"; without a baseline a group of equal NONZERO rewards does carry
+  gradient (every completion is pushed up), and only an all-zero group is invalid.  The trainer
+  forwards, counts in alpha and resamples on exactly these groups, so what resampling looks for is
+  what the estimator treats as signal.
+* ``LOSS_NORMALIZERS``: AGE on (the loss is the mean over the sequences of valid groups, i.e. alpha =
+  B / (B - M)) or off (the mean over every sampled sequence, invalid groups counted in the
+  denominator, i.e. alpha = 1).  Invalid groups add exactly zero to the sum either way, so they are
+  never forwarded: only the denominator changes.
 """
 
 from __future__ import annotations
@@ -28,6 +42,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from gpg_vl.errors import UserError
 
 GRPO_STD_EPS = 1e-4
 
@@ -113,6 +129,74 @@ def age_alpha(num_groups: int, num_valid: int) -> float:
 
     Returns 0.0 when ``num_valid == 0``: every advantage is zero and no update happens.
     """
+    return loss_alpha(True, num_groups, num_valid)
+
+
+# ----------------------------------------------------------------------------- variants (ablations)
+AdvantageEstimator = Callable[[Tensor], tuple[Tensor, Tensor]]  # rewards [B, G] -> (advantages [B, G], valid [B])
+Normalizer = Callable[[float, float], float]  # (count over valid groups, count over all sampled groups) -> denominator
+
+
+def group_mean_advantages(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """GPG: ``A_i = r_i - mean(r)``; valid when the rewards differ."""
+    return group_advantages(rewards)
+
+
+def std_normalized_advantages(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """GRPO-style: ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``; valid when the rewards differ."""
+    return group_advantages(rewards, std_normalize=True)
+
+
+def raw_reward_advantages(rewards: Tensor, *, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """No baseline: ``A_i = r_i``.  Valid when some |r_i| > eps and all rewards are finite.
+
+    Equal nonzero rewards still carry gradient here, so such a group is valid; an all-zero group is not.
+    """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # [B, G]
+    valid = torch.isfinite(rewards).all(dim=1) & (rewards.abs() > eps).any(dim=1)  # [B]
+    adv = torch.where(valid.unsqueeze(1), rewards, torch.zeros_like(rewards))  # [B, G]
+    return adv, valid
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "group_mean": group_mean_advantages,
+    "std_normalized": std_normalized_advantages,
+    "none": raw_reward_advantages,
+}
+# (trainer.baseline, trainer.std_normalize) -> estimator name
+_ESTIMATOR_NAMES = {("group_mean", False): "group_mean", ("group_mean", True): "std_normalized",
+                    ("none", False): "none"}
+
+
+def estimator_name(baseline: str, std_normalize: bool) -> str:
+    """The advantage estimator chosen by ``trainer.baseline`` and ``trainer.std_normalize``."""
+    baselines = sorted({b for b, _ in _ESTIMATOR_NAMES})
+    if baseline not in baselines:
+        raise UserError(f"unknown trainer.baseline {baseline!r}; valid options: {', '.join(baselines)}.")
+    if (baseline, bool(std_normalize)) not in _ESTIMATOR_NAMES:
+        raise UserError("trainer.std_normalize=true divides by the group's std around its mean, which needs the "
+                        "group baseline; set trainer.baseline=group_mean or trainer.std_normalize=false.")
+    return _ESTIMATOR_NAMES[(baseline, bool(std_normalize))]
+
+
+def age_normalizer(valid_count: float, sampled_count: float) -> float:
+    """AGE on: the mean over valid groups' sequences (or tokens), = alpha * the mean over all sampled."""
+    return valid_count
+
+
+def all_sampled_normalizer(valid_count: float, sampled_count: float) -> float:
+    """AGE off: the mean over every sampled sequence (or token), invalid groups included (alpha = 1)."""
+    return sampled_count
+
+
+LOSS_NORMALIZERS: dict[bool, Normalizer] = {True: age_normalizer, False: all_sampled_normalizer}  # key: trainer.age
+
+
+def loss_alpha(age: bool, num_groups: int, num_valid: int) -> float:
+    """The scale applied to the mean over all `num_groups` sampled groups: B / normaliser(B - M, B).
+
+    B / (B - M) with AGE, 1 without; 0.0 when no group is valid (no update happens).
+    """
     if not 0 <= num_valid <= num_groups:
         raise ValueError(f"need 0 <= num_valid <= num_groups, got {num_valid}, {num_groups}")
-    return num_groups / num_valid if num_valid else 0.0
+    return num_groups / LOSS_NORMALIZERS[age](num_valid, num_groups) if num_valid else 0.0

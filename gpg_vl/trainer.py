@@ -38,7 +38,7 @@ from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeho
 from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
-from gpg_vl.objective import group_advantages, policy_loss
+from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
 from gpg_vl.report import write_curves
 from gpg_vl.rollout import Rollout, generate, in_task_frame
 from gpg_vl.sampler import collect_valid_groups
@@ -62,6 +62,9 @@ class TrainerSettings:
     beta_th: float = 0.4
     max_attempts: int = 8
     std_normalize: bool = False
+    baseline: str = "group_mean"
+    age: bool = True
+    max_completions: int | None = None
     aggregation: str = "seq_mean_token_mean"
     gradient_checkpointing: bool = False
     share_vision: bool = True
@@ -73,6 +76,9 @@ class TrainerSettings:
     report_to: str = "none"
     eval_before: bool = True
     eval_after: bool = True
+
+    def __post_init__(self) -> None:
+        estimator_name(self.baseline, self.std_normalize)  # an unknown variant fails before any work
 
 
 @dataclass
@@ -115,7 +121,7 @@ class Attempt:
 # sample + score + advantage
 # ---------------------------------------------------------------------------------------------
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
-                   rollout: RolloutSettings, std_normalize: bool, warn) -> Attempt:
+                   rollout: RolloutSettings, std_normalize: bool, warn, baseline: str = "group_mean") -> Attempt:
     """Draw this process's share of `batch_size` prompts, roll out G completions each, score them."""
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
@@ -146,7 +152,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
     scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(texts)]
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
-    advantages, valid = group_advantages(rewards, std_normalize=std_normalize)  # [b, G], [b]
+    advantages, valid = ADVANTAGE_ESTIMATORS[estimator_name(baseline, std_normalize)](rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid)
 
@@ -212,7 +218,8 @@ def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], complet
 # ---------------------------------------------------------------------------------------------
 def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
            settings: TrainerSettings, temperature: float) -> dict[str, float]:
-    """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE).
+    """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE), or with
+    `settings.age=False` their sum over the count of every sampled sequence of the attempts (alpha = 1).
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
     process's loss is multiplied by the number of processes because gradients are then averaged over
@@ -226,17 +233,22 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     device = accelerator.device
     chunks = list(update_chunks(attempts, settings.micro_batch_size, settings.micro_batch_tokens,
                                 share_prompt=settings.share_prompt))
+    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
     local = torch.tensor([[sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks), len(chunks),
-                           sum("pixel_values" not in c[0].inputs for c in chunks)]], device=device)
+                           sum("pixel_values" not in c[0].inputs for c in chunks),
+                           sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=device)
     # Collective: train() calls update() on every process or on none (its test uses global counts), and
     # this gather runs first and unconditionally; every branch below depends only on its result.
-    counts = accelerator.gather(local)  # [processes, 4]
+    counts = accelerator.gather(local)  # [processes, 6]
     global_sequences, global_tokens = int(counts[:, 0].sum()), int(counts[:, 1].sum())
+    sampled_sequences, sampled_tokens = int(counts[:, 4].sum()), int(counts[:, 5].sum())
     steps_needed = int(counts[:, 2].max())
     require_images(int(counts[:, 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if global_sequences == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
-    normalizer = global_sequences if settings.aggregation == "seq_mean_token_mean" else global_tokens
+    normalizer = LOSS_NORMALIZERS[settings.age](*(
+        (global_sequences, sampled_sequences) if settings.aggregation == "seq_mean_token_mean"
+        else (global_tokens, sampled_tokens)))
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     real = len(chunks)
     if steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one below
@@ -411,7 +423,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     stream = PromptStream(train_rows, seed=seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
                           max_bad_fraction=max_bad_fraction, warn=warn, stop=stop)
     start_step = 0
-    counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0}
+    counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0,
+                "completions_sampled": 0}  # saved in checkpoints: a resumed run continues them
     if resume_from is not None:
         start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream,
                                         accelerator=accelerator, model=model, counters=counters)
@@ -452,6 +465,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     history: list[dict] = []
     bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not main, desc="GPG", dynamic_ncols=True)
     reward_names = list(task.reward_functions)
+    step = start_step
     for step in range(start_step + 1, trainer.max_steps + 1):
         started = time.perf_counter()
         errors_before = sum(getattr(task, "reward_errors", {}).values())
@@ -459,10 +473,12 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         collected = collect_valid_groups(
             lambda: sample_attempt(policy, task, stream, batch_size=trainer.batch_size,
                                    group_size=trainer.group_size, rollout=rollout,
-                                   std_normalize=trainer.std_normalize, warn=warn),
+                                   std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline),
             lambda attempt: _global_counts(attempt, accelerator),
-            beta_th=trainer.beta_th, batch_size=trainer.batch_size, max_attempts=trainer.max_attempts)
+            beta_th=trainer.beta_th, batch_size=trainer.batch_size,
+            max_attempts=_attempts_allowed(trainer, counters["completions_sampled"]))
         rolled = time.perf_counter()
+        counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
         # loss + step, on valid groups only
         if collected.groups_valid > 0:
             result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts,
@@ -487,7 +503,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                    "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
                    "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
                    "groups_used": collected.groups_valid,
-                   "alpha": collected.groups_sampled / collected.groups_valid if collected.groups_valid else 0.0,
+                   "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
+                   "completions_sampled": counters["completions_sampled"],
                    **result, "lr": scheduler.get_last_lr()[0], "nonfinite_steps": counters["nonfinite_steps"],
                    **stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position,
                    "rollout_s": rolled - started, "update_s": updated - rolled,
@@ -520,10 +537,12 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
             else:
                 save_checkpoint(output_dir / f"checkpoint-{step}", policy, model, optimizer, scheduler, stream, step,
                                 accelerator, keep=trainer.keep_checkpoints, counters=counters)
+        if trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions:
+            break  # a budget of sampled completions: equal-cost comparisons of G and variants
     bar.close()
 
-    save_checkpoint(output_dir / "final", policy, model, optimizer, scheduler, stream, trainer.max_steps,
-                    accelerator, counters=counters)
+    save_checkpoint(output_dir / "final", policy, model, optimizer, scheduler, stream, step, accelerator,
+                    counters=counters)
     if stream.bad.bad:
         accelerator.print(stream.bad.report("training rows"))
     if trainer.eval_after:
@@ -531,7 +550,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         summary["accuracy_after"] = after.get("accuracy")
         summary["eval_after"] = after
         accelerator.print(f"held-out after training:  {_format(after)}")
-    summary["steps"] = trainer.max_steps
+    summary["steps"] = step
     summary["train_seconds"] = sum(m["step_s"] for m in history)
     summary["data"] = stream.bad.summary()
     summary.update({key: value for key, value in counters.items() if key != "bad_steps_in_a_row"})
@@ -572,6 +591,14 @@ def _check_engine(accelerator: Accelerator) -> None:
         # accelerate sizes DeepSpeed's batch from a dataloader, and the trainer has none (it draws prompts
         # itself). The value is bookkeeping only: the update's micro-batches are the trainer's own.
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+
+
+def _attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:
+    """trainer.max_attempts, fewer when resampling would sample past trainer.max_completions (never < 1)."""
+    if not trainer.max_completions:
+        return trainer.max_attempts
+    left = math.ceil((trainer.max_completions - completions_sampled) / (trainer.batch_size * trainer.group_size))
+    return max(1, min(trainer.max_attempts, left))
 
 
 def _global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int]:
