@@ -30,9 +30,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
     PEFT injects its adapters into the base model's layers, so the base model runs them too.
     """
-    model = getattr(model, "module", model)
-    base = getattr(model, "get_base_model", None)
-    return base() if callable(base) else model
+    from gpg_vl.models.base import _unwrap
+
+    return _unwrap(model)
 
 
 def checkpointing(model: torch.nn.Module) -> bool:
