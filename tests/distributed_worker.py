@@ -1,6 +1,6 @@
 """Worker processes for tests/test_distributed.py, run as `python` (one process) or under `accelerate launch`.
 
-    python tests/distributed_worker.py update OUT [--engine fsdp] [--float64]  # fixed rollouts -> update() -> weights
+    python tests/distributed_worker.py update OUT [--engine fsdp|fsdp_offload] [--float64]  # fixed rollouts -> update()
     python tests/distributed_worker.py train OUT [--engine fsdp] -- key=value ...  # train(), then a resume
     python tests/distributed_worker.py record OUT -- scripts/train.py key=value ...  # a script, each rank observed
 
@@ -8,6 +8,8 @@ Each process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the fi
 `--engine fsdp` turns accelerate's FSDP2 on although the machine has no GPU: accelerate 1.15 enables FSDP
 only for GPU-like devices (AcceleratorState keeps MULTI_CPU otherwise), while torch's FSDP2 itself runs on
 CPU with gloo. The switch sets the state fields accelerate sets on a GPU machine (AcceleratorState.__init__).
+`--engine fsdp_offload` is FSDP2 with its CPU offload policy (parameters, gradients and the optimizer step on
+CPU): configs/accelerate/fsdp_offload.yaml.
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ def make_accelerator(engine: str):
 
     # A collective that never completes fails after 120 s instead of hanging the test run.
     accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=120))])
-    if engine == "fsdp" and accelerator.num_processes > 1:
+    if engine.startswith("fsdp") and accelerator.num_processes > 1:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT",
-            reshard_after_forward=True)
+            reshard_after_forward=True, cpu_offload=engine == "fsdp_offload")
+        if engine == "fsdp_offload":  # no CUDA here to pin host memory for; on GPUs accelerate pins it
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            accelerator.state.fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
         accelerator.state.distributed_type = DistributedType.FSDP
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ does
     return accelerator
@@ -124,6 +130,9 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
         scheduler = get_scheduler("constant", optimizer)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         policy = Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, policy.name_or_path)
+        results["offload"] = sorted({type(group.offload_policy).__name__ for module in model.modules()
+                                     if hasattr(module, "_get_fsdp_state")
+                                     for group in module._get_fsdp_state()._fsdp_param_groups})
         metrics = [update(policy, model, optimizer, scheduler, accelerator, attempts, settings=settings,
                           temperature=1.0) for _ in range(2)]
         weights = full_weights(accelerator, model)
@@ -210,7 +219,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     split = rest.index("--") if "--" in rest else len(rest)
     options, extra = rest[:split], rest[split + 1:]
-    engine = "fsdp" if "fsdp" in options else "default"
+    engine = options[options.index("--engine") + 1] if "--engine" in options else "default"
     if mode == "update":
         run_update(out, engine, "float64" if "--float64" in options else "float32")
     elif mode == "train":

@@ -93,7 +93,7 @@ def launch_environment(config: Path) -> dict[str, str]:
     return prepare_multi_gpu_env(arguments)
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload"])
 def test_accelerate_config_loads_into_its_plugin(name, monkeypatch):
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
@@ -103,10 +103,13 @@ def test_accelerate_config_loads_into_its_plugin(name, monkeypatch):
     assert environment["ACCELERATE_MIXED_PRECISION"] == "bf16"
     if name == "ddp":
         assert "ACCELERATE_USE_FSDP" not in environment and "ACCELERATE_USE_DEEPSPEED" not in environment
-    elif name == "fsdp":
+    elif name.startswith("fsdp"):
         plugin = FullyShardedDataParallelPlugin()
         assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
         assert plugin.state_dict_type.name == "FULL_STATE_DICT"
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == (name == "fsdp_offload")
     else:
         plugin = DeepSpeedPlugin()
         stage = int(name[4])
@@ -246,6 +249,15 @@ def test_fsdp_update_gives_the_one_process_weights(one_process_update, tmp_path)
     run every module (placeholder micro-batches), or this launch would hang."""
     launch(str(WORKER), "update", str(tmp_path), "--engine", "fsdp")
     assert_update_matches(one_process_update, tmp_path, "DistributedType.FSDP")
+    assert json.loads((tmp_path / "rank0.json").read_text())["offload"] == ["OffloadPolicy"]  # none
+
+
+@pytest.mark.slow
+def test_fsdp_with_cpu_offload_update_gives_the_one_process_weights(one_process_update, tmp_path):
+    """configs/accelerate/fsdp_offload.yaml: the sharded parameters, gradients and AdamW step on CPU."""
+    launch(str(WORKER), "update", str(tmp_path), "--engine", "fsdp_offload")
+    assert_update_matches(one_process_update, tmp_path, "DistributedType.FSDP")
+    assert json.loads((tmp_path / "rank0.json").read_text())["offload"] == ["CPUOffloadPolicy"]
 
 
 @pytest.mark.slow
