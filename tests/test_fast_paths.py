@@ -106,7 +106,7 @@ def test_one_update_gradient_with_every_fast_path_equals_the_plain_update(family
     assert_fast_paths_give_the_plain_gradient(family_policy, mixed_attempt(family_policy, shapes))
 
 
-def test_fast_paths_run_the_lora_adapters_and_give_their_plain_gradient(policy, shapes):
+def lora_policy(policy):
     from gpg_vl.models.base import Policy
     from gpg_vl.models.lora import apply_lora
 
@@ -114,8 +114,29 @@ def test_fast_paths_run_the_lora_adapters_and_give_their_plain_gradient(policy, 
     for name, parameter in lora.named_parameters():
         if "lora_B" in name:  # B starts at zero, which would make the base path's gradient the only one
             torch.nn.init.normal_(parameter, std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    wrapped = Policy(lora, policy.processor, policy.adapter, policy.name_or_path)
+    return Policy(lora, policy.processor, policy.adapter, policy.name_or_path)
+
+
+def test_fast_paths_run_the_lora_adapters_and_give_their_plain_gradient(policy, shapes):
+    wrapped = lora_policy(policy)
     assert_fast_paths_give_the_plain_gradient(wrapped, mixed_attempt(wrapped, shapes))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_sharded_engine_path_gives_the_fast_paths_gradient(policy, shapes, monkeypatch, lora):
+    """Under FSDP / ZeRO-3 (forward_is_collective) token_logps runs whole sequences through the wrapped
+    model, its images encoded inside that forward (a hook, on the LoRA tuner under PEFT): same gradient."""
+    import gpg_vl.distributed
+
+    subject = lora_policy(policy) if lora else policy
+    attempt = mixed_attempt(subject, shapes)
+    settings = TrainerSettings(max_grad_norm=1e9, group_size=3, micro_batch_tokens=110)
+    fast = one_update_gradient(subject, attempt, settings)
+    hooked = []
+    monkeypatch.setattr(gpg_vl.distributed, "forward_is_collective", lambda model: hooked.append(model) or True)
+    sharded = one_update_gradient(subject, attempt, settings)
+    assert hooked  # the sharded path ran
+    torch.testing.assert_close(sharded, fast, rtol=1e-4, atol=1e-5 * float(fast.abs().max()))
 
 
 def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes):

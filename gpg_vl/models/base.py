@@ -278,7 +278,7 @@ class QwenVLAdapter:
             full["image_grid_thw"] = sequences["image_grid_thw"]
         vision = {}
         if shared and wrapped:  # encoded inside the wrapped model's forward, see _encode_shared_vision_in_forward
-            _encode_shared_vision_in_forward(bare, self)
+            _encode_shared_vision_in_forward(model, self)
             vision[SHARED_VISION] = (prompts, prompt_index)
         elif shared:
             vision["mm_encoder_outputs"] = {"image": self.shared_image_features(bare, prompts, prompt_index)}
@@ -435,26 +435,33 @@ def load_policy(
 SHARED_VISION = "gpg_shared_vision"  # model(..., gpg_shared_vision=(prompts, prompt_index)): see below
 
 
-def _encode_shared_vision_in_forward(module: torch.nn.Module, adapter: QwenVLAdapter) -> None:
-    """Let `module(...)` take `gpg_shared_vision=(prompts, prompt_index)` and encode those images itself.
+def _encode_shared_vision_in_forward(model: torch.nn.Module, adapter: QwenVLAdapter) -> None:
+    """Let `model(...)` take `gpg_shared_vision=(prompts, prompt_index)` and encode those images itself.
 
     The shared vision features must be computed INSIDE the forward of whatever wraps the model
     (DDP, FSDP, DeepSpeed): FSDP all-gathers the root's parameters (the vision tower's patch embedding
     and merger among them) in its forward pre-hook, so encoding before calling the wrapper reads
     sharded weights; DDP prepares its gradient reducer in its forward. A forward pre-hook on the bare
     model runs inside the wrapper's forward and after FSDP's own pre-hook (FSDP prepends its hook).
-    Registered once per model; without the keyword the model behaves exactly as before.
+    Under PEFT the bare model may be reached through its `forward` (PeftModelForCausalLM -> LoRA tuner ->
+    `model.forward`), where no hook runs, or through its `__call__` (PeftModel): the hook goes on the tuner
+    and on the bare model, and whichever runs first takes the keyword. Registered once per module; without
+    the keyword the model behaves exactly as before.
     """
-    if getattr(module, "_gpg_shared_vision_hook", None) is not None:
-        return
+    bare, inner = _unwrap(model), getattr(model, "module", model)
+    modules = [bare]
+    if callable(getattr(inner, "get_base_model", None)):  # PEFT
+        modules.insert(0, inner.base_model)
 
-    def encode(model, args, kwargs):
+    def encode(_, args, kwargs):
         request = kwargs.pop(SHARED_VISION, None)
         if request is not None:
-            kwargs["mm_encoder_outputs"] = {"image": adapter.shared_image_features(model, *request)}
+            kwargs["mm_encoder_outputs"] = {"image": adapter.shared_image_features(bare, *request)}
         return args, kwargs
 
-    module._gpg_shared_vision_hook = module.register_forward_pre_hook(encode, with_kwargs=True)
+    for module in modules:
+        if getattr(module, "_gpg_shared_vision_hook", None) is None:
+            module._gpg_shared_vision_hook = module.register_forward_pre_hook(encode, with_kwargs=True)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
