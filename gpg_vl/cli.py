@@ -102,7 +102,19 @@ def train_main(cfg: DictConfig) -> dict:
     if accelerator.is_main_process and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"
               f"  ({cfg.output_dir}/summary.json)")
+    _close_process_group(accelerator)
     return summary
+
+
+def _close_process_group(accelerator) -> None:
+    """End the run's process group on every process (collective: after the last save and evaluation). Left
+    to interpreter exit, gloo's threads are torn down in no set order and a process can abort with
+    `terminate called without an active exception` after the run has finished."""
+    import torch
+
+    if accelerator.num_processes > 1 and torch.distributed.is_initialized():
+        accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
 
 
 def _cuda() -> bool:

@@ -72,10 +72,11 @@ def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _train(args: list[str], log: Path, prefix: list[str] | None = None) -> subprocess.Popen:
+def _train(args: list[str], log: Path, prefix: list[str] | None = None, threads: int = 1) -> subprocess.Popen:
     command = [sys.executable, *(prefix or []), str(ROOT / "scripts" / "train.py"), *args]
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with log.open("a") as handle:
-        return subprocess.Popen(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=environment)
 
 
 def _finish(process: subprocess.Popen, log: Path, what: str) -> None:
@@ -85,21 +86,22 @@ def _finish(process: subprocess.Popen, log: Path, what: str) -> None:
 
 
 def check(output_dir: Path, *, steps: int = 6, kill_after: int = 3, kill_when: str = "in-save",
-          overrides: list[str] = ()) -> dict:
+          overrides: list[str] = (), threads: int = 1) -> dict:
     """Run the three jobs in `output_dir` and compare them; returns what was measured."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     common = [*TINY, f"trainer.max_steps={steps}", *overrides]
     full, resumed = output_dir / "uninterrupted", output_dir / "resumed"
     log = output_dir / "train.log"
-    _finish(_train([*common, f"output_dir={full}"], log), log, "the uninterrupted run")
+    _finish(_train([*common, f"output_dir={full}"], log, threads=threads), log, "the uninterrupted run")
 
     if kill_when == "in-save":
-        killed = _train([*common, f"output_dir={resumed}"], log, ["-c", KILL_IN_SAVE, str(kill_after + 1)])
+        killed = _train([*common, f"output_dir={resumed}"], log, ["-c", KILL_IN_SAVE, str(kill_after + 1)],
+                        threads=threads)
         killed.wait()
         how = f"SIGKILL while writing checkpoint-{kill_after + 1}"
     else:
-        killed = _train([*common, f"output_dir={resumed}"], log)
+        killed = _train([*common, f"output_dir={resumed}"], log, threads=threads)
         marker = resumed / f"checkpoint-{kill_after}" / "checkpoint.json"
         while not marker.exists() and killed.poll() is None:
             time.sleep(0.05)
@@ -114,7 +116,8 @@ def check(output_dir: Path, *, steps: int = 6, kill_after: int = 3, kill_when: s
     start_hash = weights_sha256(start)[0] if start is not None else None
 
     before = log.read_text()
-    _finish(_train([*common, f"output_dir={resumed}", "resume=auto"], log), log, "the resumed run")
+    _finish(_train([*common, f"output_dir={resumed}", "resume=auto"], log, threads=threads), log,
+            "the resumed run")
     said = [line for line in log.read_text()[len(before):].splitlines() if line.startswith("resumed from")]
 
     hashes = {name: weights_sha256(folder / "final") for name, folder in (("uninterrupted", full),
@@ -144,12 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after", type=int, default=3)
     parser.add_argument("--kill-when", choices=("in-save", "between-steps"), default="in-save")
     parser.add_argument("--output-dir", default="outputs/check_resume")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads of each run (OMP_NUM_THREADS). Bitwise equality needs 1: with more, "
+                             "a multithreaded CPU kernel on the prompt-once update path can round differently "
+                             "from one run to the next (about 1e-8 relative), resumed or not")
     parser.add_argument("overrides", nargs="*", help="key=value settings for every training run")
     args = parser.parse_args(argv)
     if not 0 < args.kill_after < args.steps:
         parser.error("--kill-after must be between 1 and --steps - 1")
     result = check(Path(args.output_dir), steps=args.steps, kill_after=args.kill_after, kill_when=args.kill_when,
-                   overrides=args.overrides)
+                   overrides=args.overrides, threads=args.threads)
     print(f"uninterrupted: {args.steps} steps; final weights sha256 {result['sha256']['uninterrupted']}")
     print(f"killed:        {result['how']}; metrics.jsonl had steps {result['steps_logged_before_kill']}; "
           f"left {', '.join(result['left_after_kill'])}")

@@ -7,6 +7,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread: several tests compare two runs bit for bit (resume, equal weights), and with more threads a
+# multithreaded CPU kernel on the prompt-once update path can round differently from one run to the next.
+os.environ["OMP_NUM_THREADS"] = "1"  # for the training subprocesses the tests start
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
