@@ -110,11 +110,9 @@ def _close_process_group(accelerator) -> None:
     """End the run's process group on every process (collective: after the last save and evaluation). Left
     to interpreter exit, gloo's threads are torn down in no set order and a process can abort with
     `terminate called without an active exception` after the run has finished."""
-    import torch
-
-    if accelerator.num_processes > 1 and torch.distributed.is_initialized():
+    if accelerator.num_processes > 1:
         accelerator.wait_for_everyone()
-        torch.distributed.destroy_process_group()
+        accelerator.state.destroy_process_group()  # accelerate's own teardown (what end_training ends with)
 
 
 def _cuda() -> bool:

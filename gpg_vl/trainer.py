@@ -308,14 +308,18 @@ def _average_gradients(model, accelerator: Accelerator, bucket_elements: int = 1
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    filled: dict[torch.dtype, int] = {}  # elements in each dtype's last bucket
     for parameter in model.parameters():
         if parameter.requires_grad:
             if parameter.grad is None:  # same parameters, same order on every process: the buckets match
                 parameter.grad = torch.zeros_like(parameter)
-            lists = buckets.setdefault(parameter.grad.dtype, [[]])
-            if lists[-1] and sum(g.numel() for g in lists[-1]) + parameter.grad.numel() > bucket_elements:
+            dtype, size = parameter.grad.dtype, parameter.grad.numel()
+            lists = buckets.setdefault(dtype, [[]])
+            if lists[-1] and filled[dtype] + size > bucket_elements:
                 lists.append([])
+                filled[dtype] = 0
             lists[-1].append(parameter.grad)
+            filled[dtype] = filled.get(dtype, 0) + size
     for bucket in (bucket for lists in buckets.values() for bucket in lists):
         flat = _flatten_dense_tensors(bucket)
         torch.distributed.all_reduce(flat)
@@ -452,7 +456,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     eval_kwargs = {"batch_size": evaluation.batch_size,
                    "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
                    "rank": accelerator.process_index, "world_size": accelerator.num_processes,
-                   "gather": _gather_object}
+                   "gather": gather_object}
     summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir)}
     if eval_data is not None:
         summary["eval_data"] = eval_data.summary()
@@ -607,10 +611,6 @@ def _global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int
     counts = accelerator.reduce(torch.tensor([attempt.valid.numel(), int(attempt.valid.sum())],
                                              device=accelerator.device), "sum")
     return int(counts[0]), int(counts[1])
-
-
-def _gather_object(items: list) -> list:
-    return gather_object(items)
 
 
 def _format(metrics: dict[str, float]) -> str:
