@@ -3,10 +3,11 @@
 For each prompt we sample G completions o_1..o_G with scalar rewards r_i.
 
 * Advantage (F_norm = 1, the GPG default): ``A_i = r_i - mean(r)``.  With
-  ``std_normalize=True`` (GRPO-style variant): ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``.
-  ``std`` is the *population* std (``unbiased=False``), both here and in the validity test.
-* A group is *valid* when ``std(r) > eps``.  Invalid groups (all rewards equal, G == 1, or any
-  non-finite reward) get zero advantages, never NaN.
+  ``std_normalize=True`` (GRPO-style variant): ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``, where
+  ``std`` is torch's default, the Bessel-corrected *sample* std (``sum((r - mean)^2) / (G - 1)``, square
+  root), as TRL (``scale_rewards="group"``), verl, EasyR1 and the GPG authors' fork divide by.
+* A group is *valid* when its *population* std (``unbiased=False``) is ``> eps``.  Invalid groups
+  (all rewards equal, G == 1, or any non-finite reward) get zero advantages, never NaN.
 * Loss (no ratio, no clipping, no KL), "seq_mean_token_mean" (the paper's formula)::
 
       L = -1/N * sum_i 1/|o_i| * sum_t logp(o_i,t) * A_i
@@ -53,14 +54,15 @@ Aggregation = Callable[[Tensor, Tensor, float | None], Tensor]  # (per_token, ma
 def group_advantages(
     rewards: Tensor, *, std_normalize: bool = False, eps: float = 1e-5
 ) -> tuple[Tensor, Tensor]:
-    """rewards [B, G] -> (advantages [B, G], valid [B] bool).  Population std; see module doc."""
+    """rewards [B, G] -> (advantages [B, G], valid [B] bool).  Validity on the population std, the GRPO
+    scaling on the sample std; see module doc."""
     rewards = rewards if rewards.is_floating_point() else rewards.float()  # [B, G]
     mean = rewards.mean(dim=1, keepdim=True)  # [B, 1]
-    std = rewards.std(dim=1, unbiased=False, keepdim=True)  # [B, 1]
-    valid = torch.isfinite(rewards).all(dim=1) & (std.squeeze(1) > eps)  # [B]
+    spread = rewards.std(dim=1, unbiased=False)  # [B] population std: the validity test
+    valid = torch.isfinite(rewards).all(dim=1) & (spread > eps)  # [B]
     adv = rewards - mean  # [B, G] (NaN/inf rows are zeroed below)
-    if std_normalize:
-        adv = adv / (std + GRPO_STD_EPS)  # [B, G]
+    if std_normalize and rewards.shape[1] > 1:  # sample std (G - 1); with G == 1 every group is invalid
+        adv = adv / (rewards.std(dim=1, keepdim=True) + GRPO_STD_EPS)  # [B, G]
     adv = torch.where(valid.unsqueeze(1), adv, torch.zeros_like(adv))  # [B, G]
     return adv, valid
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
+import warnings
 
 import pytest
 import torch
@@ -23,13 +25,14 @@ def ref_group_advantages(rewards: list[list[float]], std_normalize: bool, eps: f
             valids.append(False)
             continue
         mean = sum(group) / g
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / g)  # population std
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / g)  # population std: the validity test
         valid = std > eps
         valids.append(valid)
         if not valid:
             advs.append([0.0] * g)
         elif std_normalize:
-            advs.append([(r - mean) / (std + 1e-4) for r in group])
+            sample_std = math.sqrt(sum((r - mean) ** 2 for r in group) / (g - 1))  # Bessel-corrected
+            advs.append([(r - mean) / (sample_std + 1e-4) for r in group])
         else:
             advs.append([r - mean for r in group])
     return advs, valids
@@ -71,10 +74,45 @@ def test_hand_worked_advantages():
     adv, valid = group_advantages(torch.tensor([[1.0, 0, 0, 1], [1, 1, 1, 1]], dtype=F64))
     assert adv.tolist() == [[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0]]
     assert valid.tolist() == [True, False]
-    # GRPO variant: 0.5 / (0.5 + 1e-4)
-    adv, _ = group_advantages(torch.tensor([[1.0, 0, 0, 1]], dtype=F64), std_normalize=True)
-    a = 0.5 / 0.5001
-    assert torch.allclose(adv, torch.tensor([[a, -a, -a, a]], dtype=F64), rtol=0, atol=1e-12)
+    # GRPO variant, the sample std: squared deviations 4 * 0.25 = 1, / (G - 1) = 3 -> std sqrt(1/3)
+    adv, valid = group_advantages(torch.tensor([[1.0, 0, 0, 1], [1, 1, 1, 1]], dtype=F64), std_normalize=True)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)  # 0.86588...
+    assert torch.allclose(adv, torch.tensor([[a, -a, -a, a], [0, 0, 0, 0]], dtype=F64), rtol=0, atol=1e-12)
+    assert a == pytest.approx(0.8658754, abs=1e-7)
+    assert valid.tolist() == [True, False]  # the validity test is the same with and without the scaling
+
+
+def trl_group_scaled(rewards: list[list[float]]) -> list[list[float]]:
+    """TRL's `scale_rewards="group"` advantages, written out: per group, (r - mean) / (stdev + 1e-4), where
+    stdev is `statistics.stdev` (the sample std, torch's default `Tensor.std()`, which TRL calls)."""
+    return [[(r - statistics.fmean(g)) / (statistics.stdev(g) + 1e-4) for r in g] for g in rewards]
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 4, 8, 16])
+def test_std_normalized_equals_trl_group_scaling(group_size: int):
+    gen = torch.Generator().manual_seed(group_size)
+    rewards = torch.randint(0, 5, (6, group_size), generator=gen).to(F64) / 2  # accuracy + format style sums
+    rewards[0] = torch.tensor([1.0, 0.0] * (group_size // 2) + [1.0] * (group_size % 2))  # differ
+    rewards[1] = 2.0  # all equal
+    rows = rewards.tolist()
+    adv, valid = group_advantages(rewards, std_normalize=True)
+    expected = trl_group_scaled(rows)
+    for b, group in enumerate(rows):
+        if len(set(group)) > 1:
+            assert valid[b]
+            assert adv[b].tolist() == pytest.approx(expected[b], abs=1e-12)
+        else:  # TRL gives 0 / 1e-4 = 0 here too; the group is invalid and carries no gradient
+            assert not valid[b] and adv[b].tolist() == [0.0] * group_size
+    # G = 2 by hand: rewards (1, 0): mean 0.5, sample std sqrt(0.5) (population std 0.5)
+    adv, _ = group_advantages(torch.tensor([[1.0, 0.0]], dtype=F64), std_normalize=True)
+    assert adv[0, 0].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4), abs=1e-12)
+
+
+def test_std_normalized_single_completion_groups_are_invalid_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on a sample std with G - 1 = 0 degrees of freedom
+        adv, valid = group_advantages(torch.tensor([[3.0], [-1.0]], dtype=F64), std_normalize=True)
+    assert adv.tolist() == [[0.0], [0.0]] and valid.tolist() == [False, False]
 
 
 def _hand_batch():

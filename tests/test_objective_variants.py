@@ -76,9 +76,9 @@ def test_hand_worked_raw_reward_advantages():
     adv, valid = ADVANTAGE_ESTIMATORS["group_mean"](rewards)
     assert adv.tolist() == [[0, -1, 1, 0], [0] * 4, [0] * 4, [0] * 4]
     assert valid.tolist() == [True, False, False, False]
-    # std-normalised: population std of (1, 0, 2, 1) is sqrt(0.5)
+    # std-normalised: the sample std of (1, 0, 2, 1) is sqrt((0 + 1 + 1 + 0) / 3) = sqrt(2/3)
     adv, valid = ADVANTAGE_ESTIMATORS["std_normalized"](rewards)
-    a = 1 / (math.sqrt(0.5) + 1e-4)
+    a = 1 / (math.sqrt(2 / 3) + 1e-4)
     assert torch.allclose(adv[0], torch.tensor([0, -a, a, 0], dtype=F64), rtol=0, atol=1e-12)
     assert valid.tolist() == [True, False, False, False]
 
