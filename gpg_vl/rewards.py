@@ -167,6 +167,22 @@ def choice_reward(completion: str, choices: Sequence[str], answer: str) -> float
 
 # '140°', '140^\circ', '140^{\circ}', '140\degree' all mean 140.
 _DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree|°")
+# Root and pi signs as GeoQA writes them, rewritten into LaTeX that math_verify reads: '2√{3}' and '2√3' ->
+# '2\sqrt{3}', '√(3)' -> '\sqrt{3}', 'π' and the word 'pi' -> '\pi' (math_verify reads '2√{3}' as 2, '4pi' as 4ip).
+_ROOT = re.compile(r"√\s*(?:(\{)|\(([^()]*)\)|(\d+(?:\.\d+)?|[A-Za-z])|)")  # √{ , √(x) , √3 , √x , √
+_PI = re.compile(r"π|(?<![\\A-Za-z])pi(?![A-Za-z])")
+# Units after a value (strip_units=True): length, area, time and angle words in English and Chinese, longest first
+# (so '5mm' loses 'mm', not one 'm'), with an optional power ('cm²', 'cm^2', 'cm^{2}', GeoQA's 'cm^2^'), bare or
+# in \text{} / \mathrm{}. Only at the very end, after a digit, '}', ')' or pi, so no variable inside is touched.
+_UNIT_NAMES = ("平方厘米", "平方分米", "平方千米", "平方公里", "平方米", "立方厘米", "立方米", "厘米", "毫米", "分米",
+               "千米", "公里", "海里", "米", "小时", "分钟", "秒", "度", "km", "dm", "cm", "mm", "m")
+_POWER = r"(?:\^\s*\{\s*\d\s*\}|\^\s*\d\^?|[²³])"
+_UNIT = rf"(?:{'|'.join(_UNIT_NAMES)})\s*{_POWER}?"
+_UNIT_SUFFIX = re.compile(
+    rf"(.*?(?:\d|\}}|\)|π|\\pi))(?:\s|\\[,;:! ]|~)*"
+    rf"(?:\\(?:text|mathrm|rm|mbox)\s*\{{\s*{_UNIT}\s*\}}\s*{_POWER}?|{_UNIT})\s*",
+    re.DOTALL,
+)
 # Exact integers math_verify may build (sympy evaluates 9^{9^9} exactly) are capped at this many digits, so
 # that the check does not spend its whole time budget (and memory) on one giant big-int operation.
 _MAX_DIGITS = 100_000
@@ -329,15 +345,39 @@ def _log10_bound(node: object) -> float:
     return bound if bound <= _MAX_DIGITS else math.inf
 
 
-def _math_text(text: str) -> str:
-    """Degree marks removed, then surrounding whitespace and `$` stripped: '$140^\\circ$' -> '140'."""
-    return _DEGREES.sub("", text).strip().strip("$").strip()
+def math_text(text: str, *, strip_units: bool = False) -> str:
+    """An answer text as LaTeX that math_verify reads as written (both sides of `math_reward` go through it).
+
+    Surrounding whitespace and `$` are stripped and degree marks removed ('$140^\\circ$' -> '140'); roots and pi
+    become LaTeX ('2√{3}', '2√3' -> '2\\sqrt{3}'; '\\frac{4}{3}π', '4pi' -> '\\frac{4}{3}\\pi', '4\\pi'; '²' -> '^{2}');
+    with `strip_units`, a unit at the end ('cm', 'm', 'mm', '米', '厘米', '海里', '平方米', '秒', '小时', 'cm²',
+    'cm^{2}', 'cm^2^', '\\text{cm}', ...; see `_UNIT_NAMES`) is removed: '4πcm^{2}' -> '4\\pi'.
+    """
+    text = _DEGREES.sub("", text).strip().strip("$").strip()
+    if len(text) > _MAX_PARSE_CHARS:  # never parsed: only a plain comparison can decide (keeps this linear)
+        return text
+    if strip_units:
+        bare = _UNIT_SUFFIX.fullmatch(text)
+        text = bare.group(1).strip() if bare else text
+    text = _ROOT.sub(_root_latex, text)
+    text = _PI.sub(lambda m: "\\pi ", text).replace("²", "^{2}").replace("³", "^{3}")
+    return text.strip()
 
 
-def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0) -> float:
+def _root_latex(match: re.Match) -> str:
+    """'√{' -> '\\sqrt{' (its own brace closes it), '√(x)' / '√3' / '√x' -> '\\sqrt{x}', a bare '√' -> '\\sqrt'."""
+    brace, inner, atom = match.groups()
+    if brace:
+        return "\\sqrt{"
+    argument = inner if inner is not None else atom
+    return "\\sqrt" if argument is None else "\\sqrt{" + argument.strip() + "}"
+
+
+def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0, strip_units: bool = False) -> float:
     """1.0 if the answer is mathematically equal to `ground_truth` (math_verify), else 0.0; range {0, 1}.
 
-    Identical answers (ignoring whitespace) score 1 without parsing. Otherwise both sides are parsed with
+    Both sides first go through `math_text` (degree marks, √ and π as LaTeX; units at the end removed with
+    `strip_units`). Identical answers (ignoring whitespace) then score 1 without parsing. Otherwise both sides are parsed with
     `math_verify.parse` and compared with `math_verify.verify` in a child process, which is killed if it has
     not answered within `timeout_s` seconds (the call returns by then, from any thread; the first call in a
     process also spends about a second of it starting the child). Empty answers, answers over
@@ -347,7 +387,7 @@ def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0) -
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    pred, gold = _math_text(answer), _math_text(ground_truth)
+    pred, gold = math_text(answer, strip_units=strip_units), math_text(ground_truth, strip_units=strip_units)
     if not pred or not gold:
         return 0.0
     if "".join(pred.split()) == "".join(gold.split()):

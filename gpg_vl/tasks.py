@@ -17,12 +17,15 @@ load from `module:ClassName` or `path/to/file.py:ClassName`; loading a file runs
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
+import re
 import sys
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +35,8 @@ from gpg_vl.rewards import _as_box, extract_answer
 
 RewardFn = Callable[[str, dict], float]
 
+_NON_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", re.IGNORECASE)  # how str() writes a NaN or infinite float
+SCORING_MEMO_ROWS = 8  # rows whose scoring form `Task.scoring_row` keeps (a published ReasonSeg row holds its mask)
 _REGISTRY: dict[str, type[Task]] = {}
 _BUILTINS_LOADED = False
 
@@ -73,24 +78,55 @@ class Task:
         """Raise `BadRow` when `row` cannot be trained on or scored; training then skips and counts it.
 
         Called on every row before `messages` (which raises `BadRow` itself for a broken image, through
-        `load_image`). The default checks the target box of a task with `uses_boxes` (`row["box"]`, in
-        original pixels; None means no target); tasks add their columns' checks, e.g. with `require_text`.
+        `load_image`). The default checks the row's targets (`prepare_targets`) and the target box of a task with
+        `uses_boxes` (`box`, in original pixels; None means no target); tasks add their columns' checks, e.g. with
+        `require_text`.
         """
+        row = self.scoring_row(row)  # raises BadRow when the row has no usable target
         if self.uses_boxes and row.get("box") is not None:
             check_box(row["box"], row)
 
+    def prepare_targets(self, row: dict) -> dict:
+        """What the rewards read that the published columns do not hold as such (a label taken out of its
+        `<answer>` tag, the box around a mask, ...), derived from `row`; `{}` (the default) when the rewards read
+        the published columns themselves. Raises `BadRow` when the row has no usable target.
+
+        The one place a task turns a row into its targets: loaders add the result to every row they prepare, and
+        `scoring_row` adds it to a row given straight from the dataset, so both score alike. It must accept a row
+        its loader prepared too (giving the same targets).
+        """
+        return {}
+
+    def scoring_row(self, row: dict) -> dict:
+        """`row` with its targets (`prepare_targets`), as the reward functions read it: the dataset's published
+        row and the row the loader prepared give the same scores. Kept for the last few row objects (by
+        identity), so scoring the G completions of one row prepares it once; treat scored rows as read-only."""
+        memo = vars(self).setdefault("_scoring_memo", OrderedDict())
+        found = memo.pop(id(row), None)  # pop and insert (no move_to_end): each step is atomic across threads
+        if found is None or found[0] is not row:  # the row itself is held, so its id is not reused meanwhile
+            targets = self.prepare_targets(row)
+            found = (row, {**row, **targets} if targets else row)
+        memo[id(row)] = found
+        while len(memo) > SCORING_MEMO_ROWS:
+            with contextlib.suppress(KeyError):
+                memo.popitem(last=False)
+        return found[1]
+
     def target(self, row: dict) -> str:
         """The reference answer of a row, as shown in predictions files."""
-        return str(row.get("answer", ""))
+        return str(self.scoring_row(row).get("answer", ""))
 
     def reward_components(self, completion: str, row: dict) -> dict[str, float]:
-        """Each reward function's raw score for one completion.
+        """Each reward function's raw score for one completion of `row` (the dataset's published row, or the
+        row the loader prepared: see `scoring_row`).
 
         A reward function that raises gives this completion 0 for that reward: the error is counted in
         `reward_errors[name]` and its first traceback is printed once. A NaN or infinite score is kept (the
         trainer leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`.
+        A row without a usable target raises `BadRow` (see `prepare_targets`).
         """
         errors, nonfinite = vars(self).setdefault("reward_errors", {}), vars(self).setdefault("reward_nonfinite", {})
+        row = self.scoring_row(row)
         scores = {}
         for name, fn in self.reward_functions.items():
             try:
@@ -135,14 +171,31 @@ def row_name(row: dict) -> str:
 
 
 def require_text(row: dict, **roles: str) -> None:
-    """`BadRow` unless each column holds non-blank text: `require_text(row, question="problem", answer="solution")`
-    raises "missing column" for an absent or null column and "empty question" / "empty answer" for blank text."""
+    """`BadRow` unless each column holds text: `require_text(row, question="problem", answer="solution")`; see
+    `column_text` for the reasons."""
     for role, column in roles.items():
-        value = row.get(column)
-        if value is None:
-            raise BadRow("missing column", f"{row_name(row)} has no {column!r} ({role}); check the data's columns.")
-        if not str(value).strip():
-            raise BadRow(f"empty {role}", f"{row_name(row)} has an empty {role} ({column!r}); fix or drop the row.")
+        column_text(row, column, role)
+
+
+def column_text(row: dict, column: str, role: str = "answer") -> str:
+    """The text of `row[column]`, stripped. `BadRow` "missing column" for an absent or null column, then as
+    `checked_text`: a NaN or infinite value ("non-finite answer") or blank text ("empty answer")."""
+    value = row.get(column)
+    if value is None:
+        raise BadRow("missing column", f"{row_name(row)} has no {column!r} ({role}); check the data's columns.")
+    return checked_text(str(value), row, role, f"{column!r}")
+
+
+def checked_text(text: str, row: dict, role: str, where: str) -> str:
+    """`text` stripped; `BadRow` "non-finite <role>" when it reads as a NaN or infinite number ('nan', 'inf', a
+    float NaN written out: a reward would match the answer 'nan' to it), "empty <role>" when it is blank."""
+    text = text.strip()
+    if not text:
+        raise BadRow(f"empty {role}", f"{row_name(row)} has an empty {role} ({where}); fix or drop the row.")
+    if _NON_FINITE.fullmatch(text):
+        raise BadRow(f"non-finite {role}", f"{row_name(row)} has the {role} {text!r} ({where}), NaN or infinite: "
+                                           "not a usable value; fix or drop the row.")
+    return text
 
 
 def check_box(box, row: dict) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, label_reward, normalize_text
 from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
-from gpg_vl.tasks import Task, image_question, register_task, require_text
+from gpg_vl.tasks import Task, checked_text, column_text, image_question, register_task, require_text
 
 # option value -> (Hub id, object named in the prompt, what to identify)
 DATASETS = {
@@ -81,18 +81,22 @@ class Classification(Task):
         return RowView(rows, self._prepare)
 
     def _prepare(self, index: int, row: dict) -> dict:
-        """Adds `id` (the row's own, else its index), `answer` (the label) and `labels` (label + synonyms)."""
-        label = solution_label(row["solution"])
+        """Adds `id` (the row's own, else its index) and the targets (`prepare_targets`)."""
+        row["id"] = str(row["id"]) if row.get("id") is not None else str(index)
+        return {**row, **self.prepare_targets(row)}
+
+    def prepare_targets(self, row: dict) -> dict:
+        """`answer`, the label (`solution_label` of `solution`), and `labels`: the label and its synonyms (the
+        row's own `synonyms` column, then the `synonyms` option's). A missing or blank label raises `BadRow`."""
+        label = checked_text(solution_label(column_text(row, "solution")), row, "answer", "'solution'")
         own = row.get("synonyms") or []
         extra = [own] if isinstance(own, str) else [str(s) for s in own]
         extra += self.synonyms.get(normalize_text(label), [])
-        row["id"] = str(row["id"]) if row.get("id") is not None else str(index)
-        return {**row, "answer": label, "labels": [label, *extra]}
+        return {"answer": label, "labels": [label, *extra]}
 
     def check_row(self, row: dict) -> None:
         """A solution whose label is not blank (and a problem text when the prompt is each row's own)."""
-        require_text(row, answer="solution")
-        require_text(row, answer="answer")
+        super().check_row(row)
         if self.prompt == "problem":
             require_text(row, question="problem")
 

@@ -72,10 +72,15 @@ class CVBench(Task):
 
     def _sat_row(self, index: int, row: dict) -> dict:
         image = load_image(row["image_bytes"][0], image_root=self.image_root, row=index)
-        return {
-            **row, "id": f"sat-{index}", "image": image, "choices": list(row["answers"] or []),
-            "answer": row["correct_answer"], "prompt": sat_prompt(row["question"], row["answers"] or []),
-        }
+        prompt = sat_prompt(row["question"], row["answers"] or [])
+        return {**row, "id": f"sat-{index}", "image": image, "prompt": prompt, **self.prepare_targets(row)}
+
+    def prepare_targets(self, row: dict) -> dict:
+        """SAT rows (`answers`, `correct_answer`) as CV-Bench's columns: `choices` (the options) and `answer` (the
+        right option's text); CV-Bench rows already hold `choices` and `answer` ("(A)")."""
+        if "answers" in row and "correct_answer" in row:
+            return {"choices": list(row["answers"] or []), "answer": row["correct_answer"]}
+        return {}
 
     def check_row(self, row: dict) -> None:
         """A question (SAT's `question`, CV-Bench's `prompt`), options and an answer."""
@@ -87,6 +92,7 @@ class CVBench(Task):
         return image_question(row["image"], f"{row['prompt']}\n{INSTRUCTION}")
 
     def target(self, row: dict) -> str:
+        row = self.scoring_row(row)
         letter = choice_letter(row["answer"], row["choices"])
         if letter is None:
             return str(row["answer"])
@@ -96,7 +102,8 @@ class CVBench(Task):
         """The default metrics, accuracy per CV-Bench task, type and source (per question type on SAT rows),
         `total` (mean of the per-task accuracies) and `official` (((ADE20K + COCO) / 2 + Omni3D) / 2)."""
         # One pass over the rows (each access decodes an image), keeping only what scoring and grouping read.
-        rows = [{key: row.get(key) for key in ("choices", "answer", *GROUP_COLUMNS)} for row in rows]
+        rows = [{key: scored.get(key) for key in ("choices", "answer", *GROUP_COLUMNS)}
+                for scored in map(self.scoring_row, rows)]
         result = super().metrics(rows, completions)
         groups: dict[str, list[float]] = {}
         for row, completion in zip(rows, completions, strict=True):

@@ -4,7 +4,8 @@ Train rows come from `leonardPKU/GEOQA_R1V_Train_8K` (`image`, `problem`, `solut
 The GeoQA test set (754 items) has no Hub copy: it is a jsonl of `{"image_path": "./Geo170K/images/test/N.png",
 "question", "ground_truth"}` given as data.path, its image paths resolving against data.image_root (by default the
 jsonl's folder). A data.path serves whichever split is asked, so rows of either layout are read by their columns.
-The accuracy reward is mathematical equality with the answer ("140°" and "140" agree).
+The accuracy reward is mathematical equality with the answer, read as GeoQA writes it (`math_reward` with
+`strip_units`: "140°" and "140" agree, "2√{3}" and "2\\sqrt{3}", "4πcm" and "4\\pi", "27cm^{2}" and "27").
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, math_reward
 from gpg_vl.sources import RowView, load_image, load_rows
-from gpg_vl.tasks import Task, image_question, register_task, require_text
+from gpg_vl.tasks import Task, checked_text, column_text, image_question, register_task, require_text
 
 HUB_ID = "leonardPKU/GEOQA_R1V_Train_8K"
 TRAIN_COLUMNS = ("image", "problem", "solution")  # the Hub's train layout
@@ -31,7 +32,7 @@ class GeoQA(Task):
     def __init__(self) -> None:
         super().__init__()
         self.reward_functions = {
-            "accuracy": lambda completion, row: math_reward(completion, row["answer"]),
+            "accuracy": lambda completion, row: math_reward(completion, row["answer"], strip_units=True),
             "format": lambda completion, row: format_reward(completion),
         }
         self.reward_weights = {"accuracy": 1.0, "format": 1.0}
@@ -64,25 +65,30 @@ class GeoQA(Task):
         return path if path.is_dir() else path.parent
 
     def _test_row(self, index: int, row: dict) -> dict:
+        row["id"] = row["image_path"]
+        targets = self.prepare_targets(row)  # before the image: a row without a target is not decoded
         image = load_image(row["image_path"], image_root=self._image_root(), row=index)
-        return {**row, "id": row["image_path"], "image": image, "answer": str(row["ground_truth"])}
+        return {**row, "image": image, **targets}
 
     def _train_row(self, row: dict, index: int, split: str) -> dict:
+        row["id"] = f"geoqa-{split}-{index}"
+        targets = self.prepare_targets(row)
         image = load_image(row["image"], image_root=self._image_root(), row=index)
-        solution = str(row["solution"])
+        return {**row, "image": image, "question": row["problem"], **targets}
+
+    def prepare_targets(self, row: dict) -> dict:
+        """`answer`: the test layout's `ground_truth`, or the content of the train layout's `solution` tag (the
+        whole solution when it has none). A missing, null, blank, NaN or infinite target raises `BadRow`."""
+        if "ground_truth" in row:
+            return {"answer": column_text(row, "ground_truth")}
+        solution = column_text(row, "solution")
         answer = extract_answer(solution)
-        return {
-            **row, "id": f"geoqa-{split}-{index}", "image": image, "question": row["problem"],
-            "answer": solution.strip() if answer is None else answer,
-        }
+        return {"answer": solution if answer is None else checked_text(answer, row, "answer", "'solution' tag")}
 
     def check_row(self, row: dict) -> None:
-        """A question and an answer, in the columns of either layout (the answer is checked again once read)."""
-        if "ground_truth" in row:
-            require_text(row, question="question", answer="ground_truth")
-        else:
-            require_text(row, question="problem", answer="solution")
-        require_text(row, answer="answer")
+        """A question and an answer, in the columns of either layout."""
+        require_text(row, question="question" if "ground_truth" in row else "problem")
+        super().check_row(row)
 
     def messages(self, row: dict) -> list[dict]:
         return image_question(row["image"], row["question"] + INSTRUCTION)

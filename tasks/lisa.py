@@ -162,31 +162,38 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-class LisaRows(RowView):
-    """ReasonSeg rows without their `mask` column (heavy: a full-size array), plus `id`, `query`, `box` and
-    `mask_rle` (the ground-truth mask as a compressed COCO RLE, a few KB).
+def mask_targets(row: dict) -> dict:
+    """A row's targets from its mask: `mask_rle` (the ground-truth mask as a compressed COCO RLE, a few KB), `box`
+    (`rle_box`: None for an empty mask) and `mask_size` (height, width). Reads the published `mask` (with
+    `img_height` / `img_width` for polygons), or the `mask_rle` of a row already prepared (by `LisaRows` or
+    `Task.scoring_row`), which is read in its place."""
+    mask = row["mask_rle"] if row.get("mask_rle") is not None else row.get("mask")
+    rle = mask_rle(mask, _size(row.get("img_height")), _size(row.get("img_width")))
+    return {"box": rle_box(rle), "mask_rle": rle, "mask_size": (int(rle["size"][0]), int(rle["size"][1]))}
 
-    Each row's mask is read once and cached as its RLE; later reads skip the mask column.
+
+class LisaRows(RowView):
+    """ReasonSeg rows without their `mask` column (heavy: a full-size array), plus `id`, `query` and the targets
+    of `mask_targets` (`box`, `mask_rle`, `mask_size`).
+
+    Each row's mask is read once and its targets cached; later reads skip the mask column.
     """
 
     def __init__(self, rows: Any) -> None:
         present = [c for c in MASK_COLUMNS if c in rows.column_names]
         self.masks = rows.select_columns(present)
-        self.rles: dict[int, dict] = {}
+        self.targets: dict[int, dict] = {}
         super().__init__(rows.remove_columns("mask"), self._complete)
 
     def _complete(self, index: int, row: dict) -> dict:
-        if index not in self.rles:
-            entry = self.masks[index]
-            self.rles[index] = mask_rle(entry["mask"], _size(entry.get("img_height")), _size(entry.get("img_width")))
+        if index not in self.targets:
+            self.targets[index] = mask_targets(self.masks[index])
         if row.get("image_id") is not None and row.get("ann_id") is not None:
             row_id = f"{row['image_id']}:{row['ann_id']}"
         else:
             row_id = str(row["id"]) if row.get("id") is not None else str(index)
-        rle = self.rles[index]
         query = "" if row.get("text") is None else str(row["text"]).strip()
-        return {**row, "id": row_id, "query": query, "box": rle_box(rle), "mask_rle": rle,
-                "mask_size": (int(rle["size"][0]), int(rle["size"][1]))}  # (height, width)
+        return {**row, "id": row_id, "query": query, **self.targets[index]}
 
 
 def _size(value: Any) -> int | None:
@@ -241,8 +248,13 @@ class Lisa(Task):
                             f"(a copy with columns {', '.join(COLUMNS)}; Hub splits: {', '.join(HUB_SPLITS)}).")
         return LisaRows(rows)
 
+    def prepare_targets(self, row: dict) -> dict:
+        """`box`, `mask_rle` and `mask_size` from the row's mask (`mask_targets`); a published row's mask is
+        decoded once however many completions are scored (`scoring_row`)."""
+        return mask_targets(row)
+
     def check_row(self, row: dict) -> None:
-        require_text(row, question="query")
+        require_text(row, question="query" if "query" in row else "text")
         super().check_row(row)
 
     def _image(self, row: dict):
@@ -257,12 +269,12 @@ class Lisa(Task):
         return image_question(image, PROMPTS[self.answer].format(query=row["query"]))
 
     def target(self, row: dict) -> str:
-        box = row["box"]
+        box = self.scoring_row(row)["box"]
         return "none" if box is None else "[" + ", ".join(_number(v) for v in box) + "]"
 
     def predicted_box(self, completion: str, row: dict) -> Box | None:
         """The completion's box clipped to the image (the size of the row's mask); None without one."""
-        height, width = row["mask_rle"]["size"]
+        height, width = self.scoring_row(row)["mask_rle"]["size"]
         return clip_box(answer_box(completion), width, height)
 
     def prediction_fields(self, rows: Sequence[dict], completions: Sequence[str]) -> list[dict]:
@@ -271,7 +283,7 @@ class Lisa(Task):
         if self.segmenter is None:
             return [{} for _ in rows]
         images = [self._image(row) if self.segmenter.needs_images else None for row in rows]
-        masks = self.segmenter.segment(images, [tuple(row["mask_rle"]["size"]) for row in rows],
+        masks = self.segmenter.segment(images, [tuple(self.scoring_row(row)["mask_rle"]["size"]) for row in rows],
                                        [self.predicted_box(c, row) for row, c in zip(rows, completions, strict=True)])
         return [{"pred_mask": mask} for mask in masks]
 
@@ -279,6 +291,7 @@ class Lisa(Task):
         """The default reward means, plus `miou`: the mean box IoU over rows with a target box (0 for a
         completion without a parsable box), and with a segmenter `mask_giou` / `mask_ciou` over every row
         (gpg_vl.segment.mask_metrics: ReasonSeg's gIoU and cIoU)."""
+        rows = [self.scoring_row(row) for row in rows]  # each row's mask read once
         result = super().metrics(rows, completions)
         ious = []
         for row, completion in zip(rows, completions, strict=True):
