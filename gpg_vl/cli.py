@@ -61,7 +61,8 @@ def _plain(value):
 def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
     options = OmegaConf.to_container(task_cfg.options, resolve=True) if task_cfg.options is not None else {}
     data_cfg = data_cfg or {}
-    return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"), **options)
+    return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"),
+                    allow_outside_paths=bool(data_cfg.get("allow_outside_paths", False)), **options)
 
 
 def train_main(cfg: DictConfig) -> dict:

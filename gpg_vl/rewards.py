@@ -377,8 +377,8 @@ def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0, s
     """1.0 if the answer is mathematically equal to `ground_truth` (math_verify), else 0.0; range {0, 1}.
 
     Both sides first go through `math_text` (degree marks, √ and π as LaTeX; units at the end removed with
-    `strip_units`). Identical answers (ignoring whitespace) then score 1 without parsing. Otherwise both sides are parsed with
-    `math_verify.parse` and compared with `math_verify.verify` in a child process, which is killed if it has
+    `strip_units`). Identical answers (ignoring whitespace) then score 1 without parsing. Otherwise both sides are
+    parsed with `math_verify.parse` and compared with `math_verify.verify` in a child process, which is killed if it has
     not answered within `timeout_s` seconds (the call returns by then, from any thread; the first call in a
     process also spends about a second of it starting the child). Empty answers, answers over
     `_MAX_PARSE_CHARS`, expressions whose exact value would exceed `_MAX_DIGITS` digits, parse failures, errors

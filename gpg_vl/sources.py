@@ -43,6 +43,9 @@ def load_rows(
         rows, where = _load_hub(hub_id, split, config_name), f"dataset {hub_id!r}"
     else:
         raise UserError("no data source was given; pass data.path=/path/to/local/copy or a Hub dataset id.")
+    if len(rows) == 0:
+        raise UserError(f"split {split!r} of {where} has no rows; point data.path= at a copy that holds the split's "
+                        "rows.")
     missing = [column for column in required_columns if column not in rows.column_names]
     if missing:
         raise UserError(
@@ -101,8 +104,28 @@ def _is_saved(path: Path) -> bool:
 
 
 def _read_files(suffix: str, files: list[Path], where: Path) -> datasets.Dataset:
-    data_files = [str(file) for file in files]
+    full = [file for file in files if not _is_empty(file)]  # `datasets` fails on empty ones ("StopIteration")
+    if len(files) == 1 and not full:
+        raise UserError(f"data file {str(files[0])!r} is empty (no rows); write its rows, or point data.path= at "
+                        "the data.")
+    if not full:
+        raise UserError(f"all {len(files)} data files of the split under {str(where)!r} are empty (no rows), e.g. "
+                        f"{files[0].name!r}; write their rows, or point data.path= at the data.")
+    data_files = [str(file) for file in full]
     return _read(where, lambda: datasets.load_dataset(BUILDERS[suffix], data_files=data_files, split="train"))
+
+
+def _is_empty(file: Path) -> bool:
+    """Zero bytes, or (text formats) nothing but whitespace: the first non-blank byte is read, not the file."""
+    if file.stat().st_size == 0:
+        return True
+    if BUILDERS.get(file.suffix.lower()) not in ("json", "csv"):
+        return False
+    with file.open("rb") as handle:
+        while chunk := handle.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _read(where: Path, load: Callable[[], Any]) -> Any:
@@ -129,13 +152,17 @@ def _reason(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: Any = None) -> Image.Image:
+def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: Any = None,
+               allow_outside: bool = False) -> Image.Image:
     """An RGB image, fully decoded, from a PIL image, a `datasets` image dict, bytes or a path.
 
-    Relative paths resolve against `image_root`. `row` only names the row in error messages. A value that
-    is no usable image raises `BadRow` (a UserError) whose `reason` says why: "missing image" (None),
-    "not an image", "missing image file", "zero-size image", "image too large" (a decompression bomb,
-    over `PIL.Image.MAX_IMAGE_PIXELS`) or "corrupt image" (truncated or undecodable bytes).
+    Relative paths resolve against `image_root`, and a path must stay inside it (compared after resolving
+    '..', not symlinks: a link the user put under the root is theirs) unless `allow_outside`
+    (`data.allow_outside_paths=true`); without an `image_root` paths are not checked. `row` only names the row in
+    error messages. A value that is no usable image raises `BadRow` (a UserError) whose `reason` says why:
+    "missing image" (None), "not an image", "image path outside the image root" ('../../etc/passwd', an absolute
+    path elsewhere), "missing image file", "zero-size image", "image too large" (a decompression bomb, over
+    `PIL.Image.MAX_IMAGE_PIXELS`) or "corrupt image" (truncated or undecodable bytes).
     """
     where = "image bytes" + (f" of row {row}" if row is not None else "")
     if isinstance(value, dict):
@@ -147,6 +174,11 @@ def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: 
         file = Path(value).expanduser()
         if not file.is_absolute() and image_root is not None:
             file = Path(image_root).expanduser() / file
+        if image_root is not None and not allow_outside and not _inside(file, image_root):
+            raise BadRow("image path outside the image root",
+                         f"image path {str(value)!r} resolves to {os.path.abspath(file)!r}, outside the image root "
+                         f"{os.path.abspath(Path(image_root).expanduser())!r}; fix the path or data.image_root=, or "
+                         "set data.allow_outside_paths=true if you trust the data's paths.")
         if not file.is_file():
             raise BadRow("missing image file",
                          f"image file {str(file)!r} does not exist; check data.image_root= (now "
@@ -185,6 +217,11 @@ def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: 
             "corrupt image",
             f"could not decode {where} ({_reason(exc)}); check that it is a complete image file and data.image_root=."
         ) from exc
+
+
+def _inside(file: Path, root: str | os.PathLike) -> bool:
+    """Whether `file` lies under `root`, both made absolute and their '..' resolved (symlinks are not followed)."""
+    return Path(os.path.abspath(file)).is_relative_to(os.path.abspath(Path(root).expanduser()))
 
 
 def _pixels(exc: Exception) -> str:

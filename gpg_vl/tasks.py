@@ -63,6 +63,7 @@ class Task:
         self.reward_weights: dict[str, float] = {}
         self.data_path: str | None = None  # data.path: a local copy that replaces the hub dataset
         self.image_root: str | None = None  # data.image_root: where relative image paths resolve
+        self.allow_outside_paths = False  # data.allow_outside_paths: image paths may leave the image root
         self.reward_errors: dict[str, int] = {}  # reward name -> completions on which it raised (scored 0)
         self.reward_nonfinite: dict[str, int] = {}  # reward name -> NaN or infinite scores
 
@@ -85,6 +86,15 @@ class Task:
         row = self.scoring_row(row)  # raises BadRow when the row has no usable target
         if self.uses_boxes and row.get("box") is not None:
             check_box(row["box"], row)
+
+    def open_image(self, value, row=None):
+        """`load_image` of a row's image value (a PIL image, bytes, a `datasets` image dict or a path): a path
+        resolves against data.image_root, else the data file's folder, and must stay inside it unless
+        data.allow_outside_paths=true. `row` names the row in messages."""
+        from gpg_vl.sources import data_image_root, load_image  # here: `datasets` is slow to import
+
+        return load_image(value, image_root=data_image_root(self.image_root, self.data_path), row=row,
+                          allow_outside=getattr(self, "allow_outside_paths", False))
 
     def prepare_targets(self, row: dict) -> dict:
         """What the rewards read that the published columns do not hold as such (a label taken out of its
@@ -259,10 +269,12 @@ def _load_from_reference(reference: str) -> type[Task]:
     return task_class
 
 
-def get_task(name: str, *, data_path: str | None = None, image_root: str | None = None, **options: Any) -> Task:
+def get_task(name: str, *, data_path: str | None = None, image_root: str | None = None,
+             allow_outside_paths: bool = False, **options: Any) -> Task:
     """Build the task called `name` (a registered name, `module:Name` or `file.py:Name`).
 
-    `options` go to the task's constructor; `data_path` / `image_root` point it at a local copy of its data.
+    `options` go to the task's constructor; `data_path` / `image_root` point it at a local copy of its data, and
+    `allow_outside_paths` lets the data's image paths leave the image root (`Task.open_image`).
     """
     if ":" in name:
         task_class = _load_from_reference(name)
@@ -288,4 +300,5 @@ def get_task(name: str, *, data_path: str | None = None, image_root: str | None 
         task.data_path = str(data_path)
     if image_root is not None:
         task.image_root = str(image_root)
+    task.allow_outside_paths = bool(allow_outside_paths)
     return task

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, label_reward, normalize_text
-from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
+from gpg_vl.sources import RowView, load_rows
 from gpg_vl.tasks import Task, checked_text, column_text, image_question, register_task, require_text
 
 # option value -> (Hub id, object named in the prompt, what to identify)
@@ -101,6 +101,6 @@ class Classification(Task):
             require_text(row, question="problem")
 
     def messages(self, row: dict) -> list[dict]:
-        image = load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
+        image = self.open_image(row["image"], row=row["id"])
         text = evaluation_prompt(self.dataset) if self.prompt == "evaluation" else str(row["problem"])
         return image_question(image, text)

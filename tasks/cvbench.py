@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 
 from gpg_vl.errors import BadRow
 from gpg_vl.rewards import choice_letter, choice_reward, format_reward
-from gpg_vl.sources import RowView, load_image, load_rows
+from gpg_vl.sources import RowView, load_rows
 from gpg_vl.tasks import Task, image_question, register_task, require_text, row_name
 
 SAT_HUB_ID = "array/SAT"
@@ -67,11 +67,11 @@ class CVBench(Task):
         return RowView(single, self._sat_row)
 
     def _cv_bench_row(self, index: int, row: dict) -> dict:
-        image = load_image(row["image"], image_root=self.image_root, row=index)
+        image = self.open_image(row["image"], row=index)
         return {**row, "id": f"cvbench-{row.get('idx', index)}", "image": image}
 
     def _sat_row(self, index: int, row: dict) -> dict:
-        image = load_image(row["image_bytes"][0], image_root=self.image_root, row=index)
+        image = self.open_image(row["image_bytes"][0], row=index)
         prompt = sat_prompt(row["question"], row["answers"] or [])
         return {**row, "id": f"sat-{index}", "image": image, "prompt": prompt, **self.prepare_targets(row)}
 

@@ -10,11 +10,9 @@ The accuracy reward is mathematical equality with the answer, read as GeoQA writ
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from gpg_vl.errors import UserError
 from gpg_vl.rewards import extract_answer, format_reward, math_reward
-from gpg_vl.sources import RowView, load_image, load_rows
+from gpg_vl.sources import RowView, load_rows
 from gpg_vl.tasks import Task, checked_text, column_text, image_question, register_task, require_text
 
 HUB_ID = "leonardPKU/GEOQA_R1V_Train_8K"
@@ -55,25 +53,16 @@ class GeoQA(Task):
             f"{list(TRAIN_COLUMNS)} (the Hub's train set) or {list(TEST_COLUMNS)} (the GeoQA test jsonl)."
         )
 
-    def _image_root(self) -> Path | None:
-        """data.image_root, else the folder of data.path (the folder itself when data.path is one)."""
-        if self.image_root is not None:
-            return Path(self.image_root)
-        if self.data_path is None:
-            return None
-        path = Path(self.data_path).expanduser()
-        return path if path.is_dir() else path.parent
-
     def _test_row(self, index: int, row: dict) -> dict:
         row["id"] = row["image_path"]
         targets = self.prepare_targets(row)  # before the image: a row without a target is not decoded
-        image = load_image(row["image_path"], image_root=self._image_root(), row=index)
+        image = self.open_image(row["image_path"], row=index)
         return {**row, "image": image, **targets}
 
     def _train_row(self, row: dict, index: int, split: str) -> dict:
         row["id"] = f"geoqa-{split}-{index}"
         targets = self.prepare_targets(row)
-        image = load_image(row["image"], image_root=self._image_root(), row=index)
+        image = self.open_image(row["image"], row=index)
         return {**row, "image": image, "question": row["problem"], **targets}
 
     def prepare_targets(self, row: dict) -> dict:

@@ -56,7 +56,7 @@ from gpg_vl.rewards import (
     point_in_mask_reward,
 )
 from gpg_vl.segment import Segmenter, clip_box, intersection_union, mask_metrics
-from gpg_vl.sources import RowView, data_image_root, load_image, load_rows
+from gpg_vl.sources import RowView, load_rows
 from gpg_vl.tasks import Task, image_question, register_task, require_text, row_name
 
 # split -> (Hub id, the split name there)
@@ -89,14 +89,14 @@ def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> 
 
     A 2-D array is told from polygons by its dtype (bool), by holding only 0/1, or by its shape matching
     (height, width); anything else 2-D, 1-D or ragged is read as polygons (which need height and width).
-    A mask that cannot be read raises `BadRow` ("bad mask"; "missing column" for a null mask), as do polygon
-    coordinates that are not finite or lie far outside the image (pycocotools would rasterise them without
-    bound: a NaN coordinate exhausts memory).
+    A mask that cannot be read raises `BadRow` ("bad mask"; "missing column" for a null mask), as do an array
+    with NaN or infinite values, and polygon coordinates that are not finite or lie far outside the image
+    (pycocotools would rasterise them without bound: a NaN coordinate exhausts memory).
     """
     if mask is None:
         raise BadRow("missing column", "a row has no mask (null); check the mask column.")
     if isinstance(mask, Image.Image):
-        mask = np.asarray(mask.convert("L")) > 0
+        mask = np.asarray(mask) if mask.mode == "F" else np.asarray(mask.convert("L")) > 0  # "F": checked below
     if isinstance(mask, dict):
         if "size" not in mask or "counts" not in mask:
             raise BadRow("bad mask", f"an RLE mask needs 'size' and 'counts' (it has {sorted(mask)}); check the mask "
@@ -114,6 +114,9 @@ def mask_rle(mask: Any, height: int | None = None, width: int | None = None) -> 
         array = np.asarray(mask)
     except ValueError:  # ragged nested lists: polygons of different lengths
         array = None
+    if array is not None and array.dtype.kind in "fc" and not np.isfinite(array).all():
+        # NaN != 0 would make every NaN pixel part of the object (a whole-image box for NaN outside it)
+        raise BadRow("bad mask", "a mask holds values that are not finite (NaN or infinite); fix the mask column.")
     if array is not None and array.dtype != object and array.ndim == 2 and (
         array.dtype == bool or array.shape == (height, width) or np.isin(array, (0, 1)).all()
     ):
@@ -258,7 +261,7 @@ class Lisa(Task):
         super().check_row(row)
 
     def _image(self, row: dict):
-        return load_image(row["image"], image_root=data_image_root(self.image_root, self.data_path), row=row["id"])
+        return self.open_image(row["image"], row=row["id"])
 
     def messages(self, row: dict) -> list[dict]:
         image = self._image(row)

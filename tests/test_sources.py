@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gpg_vl.errors import UserError
+from gpg_vl.errors import BadRow, UserError
 from gpg_vl.sources import load_image, load_rows, to_rgb
 
 FEATURES = datasets.Features(
@@ -91,7 +91,12 @@ def test_jsonl_rows_with_relative_image_paths_resolve_against_image_root(tmp_pat
     assert first.mode == "RGB" and first.getpixel((1, 1)) == (0, 0, 255)
     assert second.mode == "RGB" and second.size == (3, 5)
     assert load_image({"bytes": None, "path": "images/a.png"}, image_root=tmp_path).size == (4, 4)
-    assert load_image(str(tmp_path / "images" / "a.png"), image_root="/elsewhere").size == (4, 4)
+    assert load_image(str(tmp_path / "images" / "a.png"), image_root=tmp_path).size == (4, 4)  # absolute, inside
+    # outside the root: refused before the file is opened, unless the data's paths are trusted
+    with pytest.raises(BadRow, match="outside the image root '/elsewhere'") as refused:
+        load_image(str(tmp_path / "images" / "a.png"), image_root="/elsewhere")
+    assert refused.value.reason == "image path outside the image root"
+    assert load_image(str(tmp_path / "images" / "a.png"), image_root="/elsewhere", allow_outside=True).size == (4, 4)
 
 
 def test_a_missing_required_column_is_named_with_the_columns_present(tmp_path):
