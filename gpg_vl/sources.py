@@ -132,6 +132,8 @@ def _read(where: Path, load: Callable[[], Any]) -> Any:
     try:
         return load()
     except Exception as exc:  # corrupt parquet, malformed json lines, incomplete save_to_disk folders
+        if "corresponds to no data" in str(exc):  # `datasets` on files with a schema but no rows
+            raise UserError(f"{str(where)!r} holds no rows; write its rows, or point data.path= at the data.") from exc
         raise UserError(f"could not read {str(where)!r} ({_reason(exc)}); check that it is {ACCEPTED}.") from exc
 
 

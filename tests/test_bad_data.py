@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import datasets
+import gpg_vl_tasks.lisa
 import numpy as np
 import pytest
 import torch
@@ -337,3 +338,118 @@ def test_an_infinite_gradient_skips_the_step_without_touching_the_weights(tmp_pa
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("nonfinite") for m in lines] == [1.0, 1.0] and not math.isfinite(lines[0]["grad_norm"])
     assert all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
+
+
+# ---------------------------------------------------------------- bad data that used to pass
+
+def said(answer):
+    return f"<think> t </think><answer>{answer}</answer>"
+
+
+def test_a_missing_null_or_nan_geoqa_target_is_a_bad_row_not_the_answer_nan(tmp_path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    lines = ['{"image_path": "a.png", "question": "q", "ground_truth": "140°"}',
+             '{"image_path": "a.png", "question": "q", "ground_truth": NaN}',  # json's NaN: read as null
+             '{"image_path": "a.png", "question": "q", "ground_truth": "nan"}',  # a float NaN written out
+             '{"image_path": "a.png", "question": "q", "ground_truth": "-inf"}',
+             '{"image_path": "a.png", "question": "q", "ground_truth": null}',
+             '{"image_path": "a.png", "question": "q"}']  # no target at all
+    (tmp_path / "test.jsonl").write_text("\n".join(lines) + "\n")
+    task = geoqa(tmp_path / "test.jsonl")
+    rows = task.load("test")
+    assert reasons(task, rows) == {1: "missing column", 2: "non-finite answer", 3: "non-finite answer",
+                                   4: "missing column", 5: "missing column"}
+    # a float column (a pandas-made parquet) with NaN, and a train row whose answer tag holds nan
+    (tmp_path / "floats").mkdir()
+    floats = {"image_path": ["a.png"] * 2, "question": ["q"] * 2, "ground_truth": [140.0, math.nan]}
+    datasets.Dataset.from_dict(floats).to_parquet(str(tmp_path / "floats" / "test.parquet"))
+    task = get_task("geoqa", data_path=str(tmp_path / "floats"), image_root=str(tmp_path))
+    assert reasons(task, task.load("test")) == {1: "non-finite answer"}
+    datasets.Dataset.from_dict({"image": ["a.png"] * 2, "problem": ["q"] * 2,
+                                "solution": ["<answer>5</answer>", "<answer>nan</answer>"]}).to_parquet(
+        str(tmp_path / "train.parquet"))
+    task = get_task("geoqa", data_path=str(tmp_path / "train.parquet"))
+    assert reasons(task, task.load("train")) == {1: "non-finite answer"}
+    # through the API, `<answer>nan</answer>` on a NaN row is refused, not scored 1 (the reward hack)
+    with pytest.raises(BadRow, match="NaN or infinite") as refused:
+        task.reward(said("nan"), {"image_path": "a.png", "question": "q", "ground_truth": "nan"})
+    assert refused.value.reason == "non-finite answer"
+    assert task.reward(said("nan"), {"image_path": "a.png", "question": "q", "ground_truth": "5"}) == 1.0  # format
+
+
+def test_a_reasonseg_mask_with_nan_outside_the_object_is_a_bad_row_not_a_whole_image_box(tmp_path):
+    Image.new("RGB", LISA_SIZE, (0, 90, 0)).save(tmp_path / "scene.png")
+    width, height = LISA_SIZE
+    good = np.zeros((height, width))
+    good[1:4, 1:5] = 1.0
+    outside_nan = np.where(good > 0, 1.0, math.nan)  # was read as the object everywhere: box (0, 0, 8, 6)
+    with_inf = good.copy()
+    with_inf[0, 0] = math.inf
+    masks = [good.tolist(), outside_nan.tolist(), with_inf.tolist()]
+    datasets.Dataset.from_dict({"image": ["scene.png"] * 3, "text": ["the green part"] * 3, "mask": masks,
+                                "img_height": [height] * 3, "img_width": [width] * 3}).to_parquet(
+        str(tmp_path / "train.parquet"))
+    task = get_task("lisa", data_path=str(tmp_path))
+    rows = task.load("train")
+    assert reasons(task, rows) == {1: "bad mask", 2: "bad mask"}
+    assert prepare_prompt(task, rows, 0).row["box"] == (1.0, 1.0, 5.0, 4.0)
+    with pytest.raises(BadRow, match="not finite"):  # a published row through the API
+        task.reward(said("(1,1),(5,4)"), {"image": "scene.png", "text": "the green part", "mask": outside_nan})
+    with pytest.raises(BadRow, match="not finite"):  # a float ("F") PIL image mask too
+        gpg_vl_tasks.lisa.mask_rle(Image.fromarray(outside_nan.astype(np.float32), mode="F"))
+
+
+def test_image_paths_outside_the_image_root_are_bad_rows_unless_allowed(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (8, 8)).save(data / "in.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "outside.png")  # exists, beside the data folder
+    (data / "linked").symlink_to(tmp_path, target_is_directory=True)  # a link the user made under the root
+    paths = ["in.png", "../outside.png", "../../../../../../etc/passwd", str(tmp_path / "outside.png"), "/etc/hostname",
+             "linked/outside.png", "~/x.png"]
+    (data / "test.jsonl").write_text("".join(json.dumps({"image_path": path, "question": "q", "ground_truth": "1"})
+                                             + "\n" for path in paths))
+    outside = "image path outside the image root"
+    task = geoqa(data / "test.jsonl")  # no data.image_root: the data file's folder is the root
+    assert reasons(task, task.load("test")) == {1: outside, 2: outside, 3: outside, 4: outside, 6: outside}
+    task = get_task("geoqa", data_path=str(data / "test.jsonl"), image_root=str(tmp_path))  # a wider root
+    assert reasons(task, task.load("test")) == {0: "missing image file", 1: outside, 2: outside, 4: outside,
+                                                5: "missing image file", 6: outside}
+    trusted = get_task("geoqa", data_path=str(data / "test.jsonl"), allow_outside_paths=True)
+    found = reasons(trusted, trusted.load("test"))
+    assert outside not in found.values() and 1 not in found and 3 not in found  # the outside image loads
+    # the config key, through scripts/validate_data.py
+    args = ["task=geoqa", f"data.path={data / 'test.jsonl'}", "split=test", "data.max_bad_fraction=1"]
+    assert validate_data.main(args) == 0
+    assert any(line.split() == [*outside.split(), "5"] for line in capsys.readouterr().out.splitlines())
+    assert validate_data.main([*args, "data.allow_outside_paths=true"]) == 0
+    assert outside not in capsys.readouterr().out
+
+
+def test_an_empty_jsonl_fails_saying_which_file_is_empty(tmp_path, capsys):
+    (tmp_path / "test.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"data file '.*test\.jsonl' is empty \(no rows\)") as empty:
+        geoqa(tmp_path / "test.jsonl").load("test")
+    assert "StopIteration" not in str(empty.value)
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    with pytest.raises(UserError, match=r"blank\.jsonl' is empty"):
+        geoqa(tmp_path / "blank.jsonl").load("test")
+    assert validate_data.main(["task=geoqa", f"data.path={tmp_path / 'test.jsonl'}", "split=test"]) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith("error: data file ") and "test.jsonl' is empty" in message
+    # a split of several files: the empty ones are left out; all of them empty fails naming the folder
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "test-00000-of-00002.jsonl").write_text("")
+    (shards / "test-00001-of-00002.jsonl").write_text("")
+    with pytest.raises(UserError, match=r"all 2 data files of the split under .*shards' are empty"):
+        geoqa(shards).load("test")
+    Image.new("RGB", (8, 8)).save(shards / "a.png")
+    row = {"image_path": "a.png", "question": "q", "ground_truth": "1"}
+    (shards / "test-00001-of-00002.jsonl").write_text(json.dumps(row) + "\n")
+    assert len(geoqa(shards).load("test")) == 1
+    # a parquet file with the columns but no rows
+    datasets.Dataset.from_dict({"image_path": [], "question": [], "ground_truth": []}).to_parquet(
+        str(tmp_path / "none.parquet"))
+    with pytest.raises(UserError, match=r"none\.parquet' holds no rows"):
+        geoqa(tmp_path / "none.parquet").load("test")
