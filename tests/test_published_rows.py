@@ -100,44 +100,8 @@ def test_virft_row_scores_as_prepared(tmp_path, prompt):
     assert task.reward_components(said("evening primrose"), published)["accuracy"] == 1.0  # the option's synonym
 
 
-# ---------------------------------------------------------------- cvbench
-
-def test_sat_row_scores_as_prepared(tmp_path):
-    features = datasets.Features({
-        "image_bytes": datasets.List(datasets.Image()), "question": datasets.Value("string"),
-        "answers": datasets.List(datasets.Value("string")), "question_type": datasets.Value("string"),
-        "correct_answer": datasets.Value("string"),
-    })
-    rows = {"image_bytes": [[picture()]], "question": ["Which object is closer?"],
-            "answers": [["lamp", "sofa", "door"]], "question_type": ["obj_depth"], "correct_answer": ["sofa"]}
-    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(tmp_path / "train.parquet"))
-    task = get_task("cvbench", data_path=tmp_path)
-    (published,), (prepared,) = published_and_prepared(task, tmp_path, "train")
-    assert set(published) == set(features)
-    assert_scores_alike(task, published, prepared, said("B"), said("lamp"))
-    assert task.reward_components(said("sofa"), published)["accuracy"] == 1.0
-    assert task.target(published) == "(B) sofa"
-
-
-def test_cv_bench_row_scores_as_prepared(tmp_path):
-    features = datasets.Features({
-        "idx": datasets.Value("int32"), "type": datasets.Value("string"), "task": datasets.Value("string"),
-        "image": datasets.Image(), "question": datasets.Value("string"),
-        "choices": datasets.List(datasets.Value("string")), "answer": datasets.Value("string"),
-        "prompt": datasets.Value("string"), "filename": datasets.Value("string"), "source": datasets.Value("string"),
-        "source_dataset": datasets.Value("string"), "source_filename": datasets.Value("string"),
-        "target_class": datasets.Value("string"), "target_size": datasets.Value("int64"),
-        "bbox": datasets.List(datasets.List(datasets.Value("float64"))),
-    })
-    datasets.Dataset.from_dict({
-        "idx": [0], "type": ["2D"], "task": ["Count"], "image": [picture()], "question": ["How many chairs?"],
-        "choices": [["3", "2", "1"]], "answer": ["(B)"], "prompt": ["How many chairs? Select ...\n(A) 3\n(B) 2\n(C) 1"],
-        "filename": ["img/count/0.png"], "source": ["ADE20K"], "source_dataset": ["ADE20K set"],
-        "source_filename": ["0.jpg"], "target_class": [None], "target_size": [None], "bbox": [None],
-    }, features=features).save_to_disk(str(tmp_path / "test"))
-    task = get_task("cvbench", data_path=tmp_path)
-    (published,), (prepared,) = published_and_prepared(task, tmp_path, "test")
-    assert_scores_alike(task, published, prepared, said("(B) 2"), said("A"))
+# ---------------------------------------------------------------- cvbench: SAT and CV-Bench rows are tested with the
+# task's own fixtures, in test_task_cvbench_geoqa.py (test_published_sat_and_cv_bench_rows_score_as_prepared)
 
 
 # ---------------------------------------------------------------- lisa (ReasonSeg)

@@ -16,6 +16,7 @@ from gpg_vl import get_task
 from gpg_vl.cli import eval_main
 from gpg_vl.config import load_config
 from gpg_vl.errors import UserError
+from gpg_vl.sources import load_rows
 
 COLOURS = [(200, 40, 40), (40, 160, 60), (40, 70, 220), (230, 190, 30), (120, 40, 160), (30, 170, 170)]
 
@@ -165,6 +166,25 @@ def test_cv_bench_rows_messages_rewards_and_the_papers_metrics(cvbench_data):
 
     # Without Omni3D rows the official score is the 2D half alone: (1 + 1/3) / 2.
     assert task.metrics(rows[:5], completions[:5])["official"] == pytest.approx(2 / 3)
+
+
+def test_published_sat_and_cv_bench_rows_score_as_prepared(cvbench_data):
+    """`reward(completion, row)` on a row as `datasets` yields it (SAT: `answers`, `correct_answer`; CV-Bench:
+    `choices`, `answer`) scores as on the row the loader prepared, right and wrong answers alike."""
+    task = get_task("cvbench", data_path=cvbench_data)
+    sat = [row for row in load_rows(None, "train", path=cvbench_data) if len(row["image_bytes"]) == 1]
+    cv_bench = list(load_rows(None, "test", path=cvbench_data))
+    for published, prepared in [*zip(sat, task.load("train"), strict=True),
+                                *zip(cv_bench, task.load("test"), strict=True)]:
+        assert "choices" not in published or "correct_answer" not in published
+        right = task.target(published)  # "(B) sofa": the letter and the option's text
+        assert right == task.target(prepared)
+        wrong = next(f"({letter})" for letter in "ABCD" if not right.startswith(f"({letter})"))
+        for completion, accuracy in ((think(right), 1.0), (think(right[1]), 1.0), (think(wrong), 0.0)):
+            scores = task.reward_components(completion, published)
+            assert scores == task.reward_components(completion, prepared) and scores["accuracy"] == accuracy
+        assert task.metrics([published], [think(right)]) == task.metrics([prepared], [think(right)])
+    assert not task.reward_errors
 
 
 def test_cvbench_config_is_the_papers_and_composes_for_eval_too():
