@@ -22,6 +22,7 @@ import importlib.util
 import inspect
 import math
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from gpg_vl.rewards import _as_box, extract_answer
 RewardFn = Callable[[str, dict], float]
 
 _REGISTRY: dict[str, type[Task]] = {}
+_COUNTING = threading.Lock()  # guards the reward error counts of every task
 _BUILTINS_LOADED = False
 
 
@@ -90,20 +92,25 @@ class Task:
         `reward_errors[name]` and its first traceback is printed once. A NaN or infinite score is kept (the
         trainer leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`.
         """
-        errors, nonfinite = vars(self).setdefault("reward_errors", {}), vars(self).setdefault("reward_nonfinite", {})
+        with _COUNTING:  # completions are scored on several threads (gpg_vl/reward_pool.py)
+            errors = vars(self).setdefault("reward_errors", {})
+            nonfinite = vars(self).setdefault("reward_nonfinite", {})
         scores = {}
         for name, fn in self.reward_functions.items():
             try:
                 score = float(fn(completion, row))
             except Exception:  # a reward (often a user's own) that fails on odd output must not end the run
-                errors[name] = errors.get(name, 0) + 1
-                if errors[name] == 1:
+                with _COUNTING:
+                    errors[name] = errors.get(name, 0) + 1
+                    first = errors[name] == 1
+                if first:
                     print(f"warning: reward {name!r} of task {self.name!r} raised on a completion; it scores 0 "
                           f"(counted as reward_errors in metrics.jsonl; this traceback is shown once):\n"
                           f"{traceback.format_exc().rstrip()}", file=sys.stderr)
                 score = 0.0
             if not math.isfinite(score):
-                nonfinite[name] = nonfinite.get(name, 0) + 1
+                with _COUNTING:
+                    nonfinite[name] = nonfinite.get(name, 0) + 1
             scores[name] = score
         return scores
 
