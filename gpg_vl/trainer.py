@@ -504,10 +504,10 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
         # sample + score + advantage, resampling until enough groups carry signal
         collected = collect_valid_groups(
-            lambda budget=budget: sample_attempt(policy, task, stream, batch_size=trainer.batch_size,
-                                   group_size=trainer.group_size, rollout=rollout,
-                                   std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline,
-                                   reward_workers=trainer.reward_workers, reward_budget=budget),
+            lambda budget=budget: sample_attempt(
+                policy, task, stream, batch_size=trainer.batch_size, group_size=trainer.group_size, rollout=rollout,
+                std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline,
+                reward_workers=trainer.reward_workers, reward_budget=budget),
             lambda attempt: _global_counts(attempt, accelerator),
             beta_th=trainer.beta_th, batch_size=trainer.batch_size,
             max_attempts=_attempts_allowed(trainer, counters["completions_sampled"]))

@@ -101,6 +101,26 @@ def test_the_lock_is_held_for_the_whole_run_and_released_at_its_end(tmp_path, mo
         pass
 
 
+def test_without_flock_a_lock_is_judged_by_its_holders_pid(tmp_path, monkeypatch):
+    monkeypatch.setattr(outdir, "fcntl", None)  # a file system (or OS) without flock
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        holder = {"pid": sleeper.pid, "host": socket.gethostname()}
+        (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
+        with pytest.raises(UserError, match=f"in use by another run \\(pid {sleeper.pid} on host"):
+            claim_output_dir(tmp_path).__enter__()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    warnings = []
+    with claim_output_dir(tmp_path, warn=warnings.append):  # the same pid, no longer running: taken over
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"from pid {sleeper.pid} on host" in warnings[0] and "ended without releasing it" in warnings[0]
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "another-host"}))
+    with pytest.raises(UserError, match="pid 1 on host another-host"):  # cannot be checked from here: kept
+        claim_output_dir(tmp_path).__enter__()
+
+
 def test_a_new_run_refuses_a_folder_holding_a_previous_run_and_overwrite_moves_it_aside(tmp_path, no_model):
     (tmp_path / "checkpoint-7").mkdir()
     (tmp_path / "checkpoint-7" / "model.safetensors").write_bytes(b"old weights")
