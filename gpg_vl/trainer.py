@@ -448,7 +448,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         """End the run with one sentence (too many bad rows or bad steps); summary.json says why."""
         bar.close()
         if main:
-            summary.update({"stopped": message, "data": stream.bad.summary(), **counters})
+            summary.update({"stopped": message, "data": stream.bad.summary(), **counters, **record})
             (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         raise UserError(message)
 
