@@ -7,16 +7,22 @@ A checkpoint folder (`checkpoint-<step>/`, or `final/`) holds
   torch, CUDA; one set per process), the data position and the run's counters. It holds only tensors,
   numbers, strings, lists and dicts, and is read with `torch.load(weights_only=True)`: loading a
   checkpoint never unpickles code;
-- `checkpoint.json`, written last: `{"step": N}`, the mark of a complete checkpoint.
+- `checkpoint.json`, written last, the mark of a complete checkpoint: `{"step": N, "files": {name: {"size",
+  "sha256"}}, "config": {...}}`, every other file's size and sha256 (`verify_checkpoint` checks them before a
+  resume reads anything) and the settings the run was made with (a resume compares them: `compare_settings`).
 
 Writes are atomic: everything goes into `<name>.partial/`, each file is fsynced, then the folder is renamed
 into place (and its parent fsynced). A kill at any moment, even in the middle of a save, leaves at most a
 `.partial` folder, which `latest_checkpoint` ignores and `remove_partials` deletes; the newest complete
-checkpoint stays usable. Only the last `keep` `checkpoint-<step>/` folders are kept.
+checkpoint stays usable. Only the last `keep` `checkpoint-<step>/` folders are kept. A save that fails for
+lack of space (or any other write error) removes its `.partial` folder and stops the run with one sentence
+naming the newest intact checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
@@ -71,10 +77,13 @@ def set_rng_state(state: dict) -> None:
 # save
 # ---------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, step: int, accelerator, *,
-                    keep: int = 0, counters: dict | None = None) -> None:
+                    keep: int = 0, counters: dict | None = None, config: dict | None = None,
+                    record: dict | None = None) -> None:
     """Write a complete checkpoint to `path` atomically (see the module doc); every process calls it.
 
     The main process writes the files; the RNG states of every process are gathered into the trainer state.
+    `counters` (numbers) and `record` (the run's summary so far: its pre-training evaluation, its training
+    time) go into the trainer state, `config` into checkpoint.json.
     `keep > 0` deletes all but the newest `keep` `checkpoint-<step>/` folders next to `path`. Every process
     calls it at the same step (save_every and the final save depend on the step only), so each reaches every
     collective below.
@@ -90,18 +99,27 @@ def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, ste
     rng = gather_object([rng_state()])  # collective: one entry per process, in rank order
     if accelerator.is_main_process:
         partial = path.with_name(path.name + PARTIAL)
-        shutil.rmtree(partial, ignore_errors=True)
-        if weights is None:
-            save_model(accelerator.unwrap_model(model), partial, getattr(policy, "save_format", "full"))
-        else:  # the weights gathered above (FSDP / DeepSpeed), saved in full
-            accelerator.unwrap_model(model).save_pretrained(partial, state_dict=weights, safe_serialization=True)
-        policy.processor.save_pretrained(partial)
-        _write_trainer_state(partial, {
-            "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "data": stream.state_dict(), "rng": rng, "counters": counters or {}})
-        (partial / MARKER_FILE).write_text(json.dumps({"step": step}))
-        _fsync_tree(partial)
-        _replace(partial, path)
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            if weights is None:
+                save_model(accelerator.unwrap_model(model), partial, getattr(policy, "save_format", "full"))
+            else:  # the weights gathered above (FSDP / DeepSpeed), saved in full
+                accelerator.unwrap_model(model).save_pretrained(partial, state_dict=weights, safe_serialization=True)
+            policy.processor.save_pretrained(partial)
+            _write_trainer_state(partial, {
+                "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                "data": stream.state_dict(), "rng": rng, "counters": counters or {}, "record": record or {}})
+            (partial / MARKER_FILE).write_text(json.dumps({"step": step, "files": _manifest(partial),
+                                                           "config": config or {}}, default=str))
+            _fsync_tree(partial)
+            _replace(partial, path)
+        except OSError as error:
+            shutil.rmtree(partial, ignore_errors=True)  # frees the space the failed save took
+            intact = latest_checkpoint(path.parent)
+            full = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "it could not be written"
+            raise UserError(f"could not save {path.name} in {str(path.parent)!r}: {full} ({error.strerror or error}); "
+                            f"the newest intact checkpoint is {intact or 'none (none was written)'}: free space or "
+                            "fix the folder, then continue with resume=auto.") from None
         if keep > 0:
             for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
                 remove_checkpoint(stale)
@@ -125,6 +143,20 @@ def _full_optimizer_state(accelerator, model, optimizer) -> dict | None:
 
 def _write_trainer_state(folder: Path, state: dict) -> None:
     torch.save(state, folder / STATE_FILE)
+
+
+def _manifest(folder: Path) -> dict[str, dict]:
+    """Size and sha256 of every file under `folder` (its marker aside), by relative path."""
+    return {file.relative_to(folder).as_posix(): {"size": file.stat().st_size, "sha256": _sha256(file)}
+            for file in sorted(folder.rglob("*")) if file.is_file() and file.name != MARKER_FILE}
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _replace(partial: Path, path: Path) -> None:
@@ -191,17 +223,40 @@ def _checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return found
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in `output_dir` (`checkpoint-<step>/`, or `final/` when it is further on);
-    `.partial` folders and folders without their marker are never chosen."""
+def _newest_first(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints in `output_dir`, newest first (`final/` before a numbered one of its step)."""
     output_dir = Path(output_dir)
     candidates = _checkpoints(output_dir) if output_dir.is_dir() else []
     final = output_dir / "final"
     if checkpoint_step(final) is not None:
         candidates.append((checkpoint_step(final), final))
-    if not candidates:
-        return None
-    return max(candidates, key=lambda item: (item[0], item[1].name != "final"))[1]
+    return [path for _, path in sorted(candidates, key=lambda item: (item[0], item[1].name != "final"), reverse=True)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `output_dir` (`checkpoint-<step>/`, or `final/` when it is further on);
+    `.partial` folders and folders without their marker are never chosen."""
+    found = _newest_first(output_dir)
+    return found[0] if found else None
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files against the sizes and sha256 its checkpoint.json
+    records (None: nothing; a checkpoint from before those records is taken as it is)."""
+    try:
+        files = json.loads((Path(path) / MARKER_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return f"its {MARKER_FILE} cannot be read"
+    for name, expected in (files or {}).items():
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != expected.get("size"):
+            return f"{name} has {size} bytes, {expected.get('size')} were written"
+        if _sha256(file) != expected.get("sha256"):
+            return f"{name} does not match the sha256 it was written with"
+    return None
 
 
 def later_checkpoints(output_dir: str | os.PathLike, step: int) -> list[Path]:
@@ -225,32 +280,117 @@ def remove_partials(output_dir: str | os.PathLike) -> list[Path]:
     return leftovers
 
 
-def resolve_resume(resume, output_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint that `resume=` names: None (start afresh), `auto` (the newest complete checkpoint in
-    `output_dir`, None when there is none) or a checkpoint folder, which must be complete."""
+def resolve_resume(resume, output_dir: str | os.PathLike, warn=print) -> Path | None:
+    """The checkpoint that `resume=` names: None (start afresh), `auto` (the newest checkpoint in `output_dir`
+    that is complete and intact, None when there is none; each damaged newer one is named in a warning) or a
+    checkpoint folder, which must be complete and intact."""
     if resume is None or str(resume) in ("", "null", "none", "None"):
         return None
     if str(resume) == "auto":
-        return latest_checkpoint(output_dir)
+        for path in _newest_first(output_dir):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            warn(f"warning: resume=auto skips {path}, which is damaged ({problem}); it falls back to an older one.")
+        return None
     path = Path(str(resume)).expanduser()
     if checkpoint_step(path) is None:
         raise UserError(f"resume={str(resume)!r} is not a complete checkpoint (a folder with {MARKER_FILE} and "
                         f"{STATE_FILE}, e.g. {Path(output_dir) / 'checkpoint-100'}); pass one, or resume=auto to "
                         "continue from the newest one in output_dir.")
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        raise UserError(f"resume={str(resume)!r} is damaged ({problem}); pass an intact checkpoint, or resume=auto "
+                        "to continue from the newest intact one in output_dir.")
     return path
 
 
+# Settings a checkpoint cannot be resumed under when they change: the weights, optimizer state or data order it
+# holds would no longer mean what they meant (a different model or family, other LoRA or frozen parameters,
+# other group or batch sizes, another task or seed). Any other change is reported and applies from then on.
+FIXED_SETTINGS = ("task.name", "seed", "model.name_or_path", "model.family", "model.freeze_vision",
+                  "model.lora.r", "model.lora.alpha", "model.lora.dropout", "model.lora.target_modules",
+                  "model.lora.include_vision", "trainer.group_size", "trainer.batch_size")
+_NOT_SETTINGS = ("output_dir", "resume", "overwrite")  # where and how this run starts, not what it trains
+
+
+def compare_settings(path: Path, config: dict) -> list[str]:
+    """Compare `config` (the resumed run's, resolved) with the one checkpoint `path` was made with: one sentence
+    naming the key and both values for a change of a `FIXED_SETTINGS` key; else the other changes, as
+    'key: old -> new' (empty for a checkpoint that records no settings)."""
+    try:
+        recorded = json.loads((Path(path) / MARKER_FILE).read_text()).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+    if not recorded:
+        return []
+    before, after = _flatten(recorded), _flatten(config)
+    for key in ("model.family",):  # `auto` means the checkpoint's own model_type
+        before[key], after[key] = (_family(before.get(key), path), _family(after.get(key), path))
+    for key in ("model.name_or_path",):  # the same local folder, however it is written
+        before[key], after[key] = _where(before.get(key)), _where(after.get(key))
+    changed = [key for key in sorted(set(before) | set(after))
+               if before.get(key) != after.get(key) and not key.startswith(_NOT_SETTINGS)]
+    for key in changed:
+        if key in FIXED_SETTINGS:
+            raise UserError(f"{path} was made with {key}={before.get(key)!r}, this run sets {key}={after.get(key)!r}; "
+                            f"a resume keeps it (set {key}={before.get(key)!r}), or start a new run in another "
+                            "output_dir from the checkpoint's weights (model.name_or_path=<checkpoint>).")
+    return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in changed]
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _family(value, checkpoint: Path):
+    if value not in (None, "auto"):
+        return value
+    try:
+        return json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type", value)
+    except (OSError, ValueError, AttributeError):
+        return value
+
+
+def _where(value):
+    path = Path(str(value)).expanduser()
+    return str(path.resolve()) if value is not None and path.exists() else value
+
+
+_STATE_KEYS = ("step", "optimizer", "scheduler", "data", "rng")
+
+
 def load_trainer_state(path: Path, optimizer, scheduler, stream, *, accelerator=None, model=None,
-                       counters: dict | None = None) -> int:
+                       counters: dict | None = None, record: dict | None = None) -> int:
     """Restore optimizer, scheduler, data position and this process's RNG states from a checkpoint; returns
-    its step. `counters`, when given, is updated with the run's saved counters. Every process calls it (under
-    FSDP it is collective: each process loads its shard of the optimizer state)."""
+    its step. `counters` and `record`, when given, are updated with the run's saved ones. Every process calls
+    it (under FSDP it is collective: each process loads its shard of the optimizer state)."""
     file = Path(path) / STATE_FILE
     try:
         state = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as error:  # unpickling refused (an old or foreign file), truncated file
         raise UserError(f"cannot read the trainer state {str(file)!r} ({str(error).splitlines()[0][:160]}); "
                         "resume from a checkpoint written by this version of gpg-vl.") from None
+    missing = [key for key in _STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise UserError(f"the trainer state {str(file)!r} lacks {', '.join(missing)}; it was not written by "
+                        "gpg-vl's save_checkpoint (or was edited): resume from another checkpoint.")
+    try:
+        return _restore(state, path, optimizer, scheduler, stream, accelerator, model, counters, record)
+    except (KeyError, TypeError, ValueError, IndexError) as error:  # a foreign or edited state, other parameters
+        raise UserError(f"the trainer state {str(file)!r} does not fit this run ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0][:160] if str(error) else 'no detail'}); resume with the "
+                        "settings it was made with, or from another checkpoint.") from None
+
+
+def _restore(state, path, optimizer, scheduler, stream, accelerator, model, counters, record) -> int:
+    """`load_trainer_state` once the state's keys are checked."""
     if accelerator is not None and accelerator.is_fsdp2:  # collective: every process loads its shard
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -267,6 +407,8 @@ def load_trainer_state(path: Path, optimizer, scheduler, stream, *, accelerator=
     set_rng_state(rng[process_index] if process_index < len(rng) else rng[0])
     if counters is not None:
         counters.update(state.get("counters", {}))
+    if record is not None:
+        record.update(state.get("record", {}))
     return int(state["step"])
 
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from gpg_vl.checkpoint import resolve_resume
+from gpg_vl.checkpoint import compare_settings, resolve_resume
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import RAW_TEMPLATE, load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
+from gpg_vl.outdir import check_output_dir, claim_output_dir
 from gpg_vl.tasks import get_task
 from gpg_vl.trainer import EvalSettings, RolloutSettings, TrainerSettings, train
+from gpg_vl.validate import check_model_folder
 
 
 def build_policy(model_cfg: DictConfig, device):
@@ -85,26 +88,57 @@ def train_main(cfg: DictConfig) -> dict:
 
         cfg.output_dir = broadcast_object_list([str(cfg.output_dir)])[0]
     model_cfg = cfg.model
-    resume = resolve_resume(cfg.resume, cfg.output_dir)  # resume=auto: the newest complete checkpoint, if any
-    if str(cfg.resume) == "auto" and resume is None and accelerator.is_main_process:
-        print(f"resume=auto: no complete checkpoint in {cfg.output_dir}; starting at step 0")
-    if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
-        model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
-    policy = build_policy(model_cfg, accelerator.device)
     container = OmegaConf.to_container(cfg, resolve=True)
-    summary = train(
-        policy, task,
-        trainer=TrainerSettings(**container["trainer"]),
-        rollout=RolloutSettings(**container["rollout"]),
-        evaluation=EvalSettings(**container["eval"]),
-        output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, accelerator=accelerator,
-        config=container, max_bad_fraction=cfg.data.max_bad_fraction,
-    )
+    with contextlib.ExitStack() as held:  # the output folder is this run's until it ends (gpg_vl/outdir.py)
+        resume = _on_main(accelerator, lambda: _claim(held, cfg, container))
+        if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
+            model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
+        check_model_folder(model_cfg)  # before the weights load
+        policy = build_policy(model_cfg, accelerator.device)
+        summary = train(
+            policy, task,
+            trainer=TrainerSettings(**container["trainer"]),
+            rollout=RolloutSettings(**container["rollout"]),
+            evaluation=EvalSettings(**container["eval"]),
+            output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, accelerator=accelerator,
+            config=container, max_bad_fraction=cfg.data.max_bad_fraction,
+        )
     if accelerator.is_main_process and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"
               f"  ({cfg.output_dir}/summary.json)")
     _close_process_group(accelerator)
     return summary
+
+
+def _claim(held: contextlib.ExitStack, cfg: DictConfig, container: dict) -> Path | None:
+    """Lock and check the output folder (held until `held` closes), then pick the checkpoint to resume from,
+    intact and made with compatible settings (printing the legitimate changes); None: start afresh."""
+    held.enter_context(claim_output_dir(cfg.output_dir, resume=cfg.resume, overwrite=bool(cfg.get("overwrite"))))
+    resume = resolve_resume(cfg.resume, cfg.output_dir)  # resume=auto: the newest intact checkpoint, if any
+    if str(cfg.resume) == "auto" and resume is None:
+        print(f"resume=auto: no complete checkpoint in {cfg.output_dir}; starting at step 0")
+    changes = compare_settings(resume, container) if resume is not None else []
+    if changes:
+        print(f"resuming {resume} with changed settings: {'; '.join(changes)}")
+    return resume
+
+
+def _on_main(accelerator, action):
+    """`action()` on the main process alone, its result given to every process; a UserError it raises is
+    raised on every process (collective when there are several: each reaches it once, at the same point)."""
+    result, problem = None, None
+    if accelerator.is_main_process:
+        try:
+            result = action()
+        except UserError as error:
+            problem = str(error)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        result, problem = broadcast_object_list([result, problem])
+    if problem is not None:
+        raise UserError(problem)
+    return result
 
 
 def _close_process_group(accelerator) -> None:
@@ -134,6 +168,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     split = cfg.eval.split or task.eval_split
     rows = task.load(split)
     output_dir = Path(cfg.output_dir)
+    check_output_dir(output_dir)  # before the model loads: the results are written at the end
     if cfg.predictions:
         source = Path(cfg.predictions)
         if not source.is_file():
@@ -152,6 +187,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         torch.manual_seed(cfg.seed)
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
         _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
+        check_model_folder(cfg.model)
         policy = build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
                                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)

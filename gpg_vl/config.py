@@ -14,6 +14,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from gpg_vl.errors import UserError
+from gpg_vl.validate import check_values
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ("task", "model")
@@ -84,6 +85,7 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
             cfg = compose(config_name=config_name, overrides=overrides)
     except HydraException as error:
         raise UserError(f"bad command line: {str(error).splitlines()[0]}") from None
+    check_values(cfg)  # every value's type and range, before anything loads
     return cfg
 
 

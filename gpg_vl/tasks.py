@@ -24,6 +24,7 @@ import inspect
 import math
 import re
 import sys
+import threading
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ RewardFn = Callable[[str, dict], float]
 _NON_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", re.IGNORECASE)  # how str() writes a NaN or infinite float
 SCORING_MEMO_ROWS = 8  # rows whose scoring form `Task.scoring_row` keeps (a published ReasonSeg row holds its mask)
 _REGISTRY: dict[str, type[Task]] = {}
+_COUNTING = threading.Lock()  # guards the reward error counts of every task
 _BUILTINS_LOADED = False
 
 
@@ -135,21 +137,26 @@ class Task:
         trainer leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`.
         A row without a usable target raises `BadRow` (see `prepare_targets`).
         """
-        errors, nonfinite = vars(self).setdefault("reward_errors", {}), vars(self).setdefault("reward_nonfinite", {})
-        row = self.scoring_row(row)
+        with _COUNTING:  # completions are scored on several threads (gpg_vl/reward_pool.py): a row is prepared once
+            errors = vars(self).setdefault("reward_errors", {})
+            nonfinite = vars(self).setdefault("reward_nonfinite", {})
+            row = self.scoring_row(row)
         scores = {}
         for name, fn in self.reward_functions.items():
             try:
                 score = float(fn(completion, row))
             except Exception:  # a reward (often a user's own) that fails on odd output must not end the run
-                errors[name] = errors.get(name, 0) + 1
-                if errors[name] == 1:
+                with _COUNTING:
+                    errors[name] = errors.get(name, 0) + 1
+                    first = errors[name] == 1
+                if first:
                     print(f"warning: reward {name!r} of task {self.name!r} raised on a completion; it scores 0 "
                           f"(counted as reward_errors in metrics.jsonl; this traceback is shown once):\n"
                           f"{traceback.format_exc().rstrip()}", file=sys.stderr)
                 score = 0.0
             if not math.isfinite(score):
-                nonfinite[name] = nonfinite.get(name, 0) + 1
+                with _COUNTING:
+                    nonfinite[name] = nonfinite.get(name, 0) + 1
             scores[name] = score
         return scores
 

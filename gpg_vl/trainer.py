@@ -9,6 +9,7 @@ written by the main process only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -39,7 +40,9 @@ from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy, PromptBatch
 from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
+from gpg_vl.outdir import claim_output_dir
 from gpg_vl.report import write_curves
+from gpg_vl.reward_pool import RewardBudget, score_completions
 from gpg_vl.rollout import Rollout, generate, in_task_frame
 from gpg_vl.sampler import collect_valid_groups
 
@@ -73,6 +76,8 @@ class TrainerSettings:
     save_every: int = 0
     keep_checkpoints: int = 2
     max_bad_steps: int = 10
+    reward_workers: int = 4
+    reward_budget_s: float = 60.0
     report_to: str = "none"
     eval_before: bool = True
     eval_after: bool = True
@@ -115,14 +120,17 @@ class Attempt:
     components: dict[str, torch.Tensor]  # name -> [b, G]
     advantages: torch.Tensor  # [b, G]
     valid: torch.Tensor  # [b] bool
+    reward_timeouts: int = 0  # completions not scored within the step's reward budget (scored 0)
 
 
 # ---------------------------------------------------------------------------------------------
 # sample + score + advantage
 # ---------------------------------------------------------------------------------------------
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
-                   rollout: RolloutSettings, std_normalize: bool, warn, baseline: str = "group_mean") -> Attempt:
-    """Draw this process's share of `batch_size` prompts, roll out G completions each, score them."""
+                   rollout: RolloutSettings, std_normalize: bool, warn, baseline: str = "group_mean",
+                   reward_workers: int = 1, reward_budget: RewardBudget | None = None) -> Attempt:
+    """Draw this process's share of `batch_size` prompts, roll out G completions each, score them (on
+    `reward_workers` threads, within what is left of the step's `reward_budget`)."""
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
     prompts = policy.adapter.encode([p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
@@ -149,12 +157,13 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
                       temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos,
                       prefill_once=rollout.prefill_once, static_cache=rollout.static_cache)
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
-    scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(texts)]
+    scores, timeouts = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
+                                         workers=reward_workers, budget=reward_budget)
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
     advantages, valid = ADVANTAGE_ESTIMATORS[estimator_name(baseline, std_normalize)](rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
-    return Attempt(rows, prompts, result, rewards, components, advantages, valid)
+    return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts)
 
 
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
@@ -336,10 +345,12 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
     """Global reward statistics over every completion sampled in this step (collective: one all-reduce, called
     once per step by every process; a process without prompts adds zeros). Completions with a NaN or
     infinite reward are counted (`rewards_nonfinite`), not averaged; `reward_errors` (this process's count of
-    reward function calls that raised) is summed over processes."""
+    reward function calls that raised) and the completions not scored within the reward budget
+    (`reward_timeouts`) are summed over processes."""
     # one row per attempt: completions, finite rewards, their sum and sum of squares, completion tokens,
-    # reward errors, each component's sum over the finite rewards; plus a row for this process's errors
-    rows = [torch.zeros(6 + len(reward_names), dtype=torch.float64)]
+    # reward errors, reward timeouts, each component's sum over the finite rewards; plus a row for this
+    # process's errors
+    rows = [torch.zeros(7 + len(reward_names), dtype=torch.float64)]
     rows[0][5] = reward_errors
     for attempt in collected.attempts:
         lengths = attempt.rollout.completion_mask.sum(dim=1).float() if attempt.rollout else torch.zeros(0)
@@ -347,22 +358,39 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
         finite = torch.isfinite(r)
         rows.append(torch.stack([
             torch.tensor(float(r.numel())), finite.sum().float(), r[finite].sum(), (r[finite] ** 2).sum(),
-            lengths.sum(), torch.tensor(0.0),
+            lengths.sum(), torch.tensor(0.0), torch.tensor(float(attempt.reward_timeouts)),
             *[attempt.components[n].flatten()[finite].sum() for n in reward_names]]).double())
     totals = accelerator.reduce(torch.stack(rows).sum(0).to(accelerator.device), "sum").cpu().tolist()
-    completions, scored, total, squares, tokens, errors = totals[:6]
+    completions, scored, total, squares, tokens, errors, timeouts = totals[:7]
     mean = total / max(scored, 1.0)
     metrics = {"reward_mean": mean, "reward_std": math.sqrt(max(squares / max(scored, 1.0) - mean * mean, 0.0))}
-    metrics.update({f"reward/{n}": totals[6 + i] / max(scored, 1.0) for i, n in enumerate(reward_names)})
+    metrics.update({f"reward/{n}": totals[7 + i] / max(scored, 1.0) for i, n in enumerate(reward_names)})
     metrics["completion_tokens_mean"] = tokens / max(completions, 1.0)
     metrics["rewards_nonfinite"] = int(completions - scored)
     metrics["reward_errors"] = int(errors)
+    metrics["reward_timeouts"] = int(timeouts)
     return metrics
 
 
 # ---------------------------------------------------------------------------------------------
 # the loop
 # ---------------------------------------------------------------------------------------------
+def _holding_output_dir(train_fn):
+    """`train` holds its output_dir for the whole run (gpg_vl/outdir.py: one run per folder); the main
+    process takes the lock. A no-op where the caller (the CLI's train_main) already holds it."""
+    @functools.wraps(train_fn)
+    def holding(policy, task, **kwargs):
+        from accelerate import PartialState
+
+        accelerator = kwargs.get("accelerator")
+        if not (accelerator.is_main_process if accelerator is not None else PartialState().is_main_process):
+            return train_fn(policy, task, **kwargs)
+        with claim_output_dir(kwargs["output_dir"], resume=kwargs.get("resume_from")):
+            return train_fn(policy, task, **kwargs)
+    return holding
+
+
+@_holding_output_dir
 def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSettings, evaluation: EvalSettings,
           output_dir: str | Path, seed: int = 0, resume_from: str | Path | None = None,
           accelerator: Accelerator | None = None, config: dict | None = None, max_bad_fraction: float = 0.05) -> dict:
@@ -420,7 +448,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         """End the run with one sentence (too many bad rows or bad steps); summary.json says why."""
         bar.close()
         if main:
-            summary.update({"stopped": message, "data": stream.bad.summary(), **counters})
+            summary.update({"stopped": message, "data": stream.bad.summary(), **counters, **record})
             (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         raise UserError(message)
 
@@ -428,10 +456,11 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                           max_bad_fraction=max_bad_fraction, warn=warn, stop=stop)
     start_step = 0
     counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0,
-                "completions_sampled": 0}  # saved in checkpoints: a resumed run continues them
+                "completions_sampled": 0, "reward_timeouts": 0}  # saved in checkpoints: a resumed run continues them
+    record: dict = {"train_seconds": 0.0}  # the summary's part that spans continuations, saved in checkpoints too
     if resume_from is not None:
-        start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream,
-                                        accelerator=accelerator, model=model, counters=counters)
+        start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream, accelerator=accelerator,
+                                        model=model, counters=counters, record=record)
         accelerator.print(f"resumed from {resume_from} at step {start_step}")
     metrics_file = output_dir / "metrics.jsonl"
     if main:  # what an interrupted save or an earlier continuation of this run left behind
@@ -457,27 +486,28 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                    "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
                    "rank": accelerator.process_index, "world_size": accelerator.num_processes,
                    "gather": gather_object}
-    summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir)}
+    summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir), **record}
     if eval_data is not None:
         summary["eval_data"] = eval_data.summary()
     if trainer.eval_before and start_step == 0:
         before, _ = evaluate(policy, task, eval_rows, **eval_kwargs)
-        summary["accuracy_before"] = before.get("accuracy")
-        summary["eval_before"] = before
+        record.update({"accuracy_before": before.get("accuracy"), "eval_before": before})
+        summary.update(record)
         accelerator.print(f"held-out before training: {_format(before)}")
 
-    history: list[dict] = []
     bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not main, desc="GPG", dynamic_ncols=True)
     reward_names = list(task.reward_functions)
     step = start_step
     for step in range(start_step + 1, trainer.max_steps + 1):
         started = time.perf_counter()
         errors_before = sum(getattr(task, "reward_errors", {}).values())
+        budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
         # sample + score + advantage, resampling until enough groups carry signal
         collected = collect_valid_groups(
-            lambda: sample_attempt(policy, task, stream, batch_size=trainer.batch_size,
-                                   group_size=trainer.group_size, rollout=rollout,
-                                   std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline),
+            lambda budget=budget: sample_attempt(
+                policy, task, stream, batch_size=trainer.batch_size, group_size=trainer.group_size, rollout=rollout,
+                std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline,
+                reward_workers=trainer.reward_workers, reward_budget=budget),
             lambda attempt: _global_counts(attempt, accelerator),
             beta_th=trainer.beta_th, batch_size=trainer.batch_size,
             max_attempts=_attempts_allowed(trainer, counters["completions_sampled"]))
@@ -514,12 +544,17 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                    "rollout_s": rolled - started, "update_s": updated - rolled,
                    "step_s": time.perf_counter() - started}
         counters["reward_errors"] += metrics["reward_errors"]
+        record["train_seconds"] += metrics["step_s"]
         counters["rewards_nonfinite"] += metrics["rewards_nonfinite"]
+        counters["reward_timeouts"] += metrics["reward_timeouts"]
+        if metrics["reward_timeouts"]:
+            warn(f"some completions were not scored within trainer.reward_budget_s={trainer.reward_budget_s} s of "
+                 "reward time per step; they scored 0 and are counted per step as reward_timeouts in metrics.jsonl "
+                 "(raise the budget or trainer.reward_workers, or make the task's rewards faster).")
         if metrics["rewards_nonfinite"]:
             names = sorted(getattr(task, "reward_nonfinite", {})) or ["on another process"]
             warn(f"some completions got a NaN or infinite reward (reward {', '.join(names)}); their groups are left "
                  "out of the update and counted per step as rewards_nonfinite in metrics.jsonl.")
-        history.append(metrics)
         if main:
             with metrics_file.open("a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
@@ -540,13 +575,14 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                 warn(f"step {step}: no checkpoint written: the weights or the last step are not finite.")
             else:
                 save_checkpoint(output_dir / f"checkpoint-{step}", policy, model, optimizer, scheduler, stream, step,
-                                accelerator, keep=trainer.keep_checkpoints, counters=counters)
+                                accelerator, keep=trainer.keep_checkpoints, counters=counters, config=config,
+                                record=record)
         if trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions:
             break  # a budget of sampled completions: equal-cost comparisons of G and variants
     bar.close()
 
     save_checkpoint(output_dir / "final", policy, model, optimizer, scheduler, stream, step, accelerator,
-                    counters=counters)
+                    counters=counters, config=config, record=record)
     if stream.bad.bad:
         accelerator.print(stream.bad.report("training rows"))
     if trainer.eval_after:
@@ -555,13 +591,13 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         summary["eval_after"] = after
         accelerator.print(f"held-out after training:  {_format(after)}")
     summary["steps"] = step
-    summary["train_seconds"] = sum(m["step_s"] for m in history)
+    summary["train_seconds"] = record["train_seconds"]  # every continuation's steps, up to this one
     summary["data"] = stream.bad.summary()
     summary.update({key: value for key, value in counters.items() if key != "bad_steps_in_a_row"})
     if main:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if history:
-            write_curves(output_dir / "metrics.jsonl", output_dir / "curves.png")
+        if metrics_file.is_file() and metrics_file.stat().st_size:  # a resumed run's too, even with no step left
+            write_curves(metrics_file, output_dir / "curves.png")
     if trainer.report_to != "none":
         accelerator.end_training()
     return summary

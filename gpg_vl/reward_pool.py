@@ -1,0 +1,82 @@
+"""Scoring a step's completions: several at once, within the step's reward-time budget.
+
+A math check may take its whole time limit (`rewards.math_reward`, 5 s, in a child process that is killed at
+the limit), so B * G pathological answers scored one after another would stall a step for minutes.
+`score_completions` runs `task.reward_components` on up to `workers` threads (each math check waits on its own
+child process, so they overlap), and stops waiting when the step's `RewardBudget` is spent: a completion not
+scored by then scores 0 for every reward and is counted as a reward timeout. Rewards are pure functions of a
+completion and its row, so the scores do not depend on the order or the thread they are computed in.
+
+The threads are daemons, never joined: a reward that never returns cannot keep the step, or the process at
+exit, waiting. With `workers=1` everything runs in the calling thread (for a reward function that needs the
+main thread, e.g. one relying on signal.alarm); the budget is then checked before each completion.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+
+class RewardBudget:
+    """The reward time one training step may still spend, in seconds (`seconds <= 0`: no limit)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.left = float(seconds) if seconds > 0 else math.inf
+
+    def spend(self, seconds: float) -> None:
+        self.left -= seconds
+
+
+def score_completions(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int = 1,
+                      budget: RewardBudget | None = None) -> tuple[list[dict[str, float]], int]:
+    """`task.reward_components(completion, row)` for each pair, in order, and how many were not scored within
+    `budget` (those score 0 for every reward)."""
+    budget = budget or RewardBudget(0)
+    started = time.monotonic()
+    if workers <= 1:
+        scores = _in_this_thread(task, completions, rows, started + budget.left)
+    else:
+        scores = _in_threads(task, completions, rows, workers, budget.left)
+    budget.spend(time.monotonic() - started)
+    zero = dict.fromkeys(task.reward_functions, 0.0)
+    return [dict(zero) if s is None else s for s in scores], sum(s is None for s in scores)
+
+
+def _in_this_thread(task, completions, rows, deadline: float) -> list[dict | None]:
+    return [task.reward_components(c, r) if time.monotonic() < deadline else None
+            for c, r in zip(completions, rows, strict=True)]
+
+
+def _in_threads(task, completions, rows, workers: int, seconds: float) -> list[dict | None]:
+    count = len(completions)
+    results: list[dict | None] = [None] * count
+    jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for index in range(count):
+        jobs.put(index)
+    lock, done, stop, left = threading.Lock(), threading.Event(), threading.Event(), [count]
+
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                index = jobs.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[index] = task.reward_components(completions[index], rows[index])
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+    if count:
+        for _ in range(min(workers, count)):
+            threading.Thread(target=work, name="gpg_vl reward", daemon=True).start()
+        done.wait(None if math.isinf(seconds) else max(seconds, 0.0))
+    stop.set()  # a worker still inside a reward finishes it, but takes no further completion
+    with lock:
+        return list(results)  # a score that arrives after this is not used

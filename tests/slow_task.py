@@ -1,0 +1,26 @@
+"""A test task whose reward never returns for the completions of one row until the test releases it: a reward
+that overruns any budget, so the tests can count the completions the trainer stops waiting for."""
+
+import threading
+
+from vowel_task import Vowels, vowel_share
+
+from gpg_vl.tasks import register_task
+
+RELEASE = threading.Event()  # set by the test when it is done: the blocked reward calls then return
+SLOW_ROW = "0"
+
+
+@register_task
+class SlowVowels(Vowels):
+    name = "slow_vowels"
+
+    def __init__(self, size: int = 4) -> None:
+        super().__init__(size=size)
+        self.reward_functions = {"vowels": slow_vowels}
+
+
+def slow_vowels(completion: str, row: dict) -> float:
+    if row["id"] == SLOW_ROW:
+        RELEASE.wait()
+    return vowel_share(completion)
