@@ -132,8 +132,7 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
             f"<div><span class='badge {valid}'>{valid}</span><span class='badge {origin}'>"
             f"{'rollout 1' if origin == 'first' else 'resampled, rollout ' + str(group['attempt'] + 1)}</span></div>"
             f"<div class='fields'>{esc(group['id'])}; target <b>{esc(group['target'])}</b>"
-            + (f" {esc(_box_text(group['target_box']))}" if group.get("target_box") else "")
-            + f"</div><div class='prompt'>{esc(group['prompt'] + prompt_more)}</div></div>"
+            f"</div><div class='prompt'>{esc(group['prompt'] + prompt_more)}</div></div>"
             f"<div class='completions'>{''.join(cards)}</div></article>")
 
 
@@ -293,7 +292,7 @@ def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tup
     return (f"<article class='card item' data-tags='{esc(tags)}'><div class='side'>{picture}"
             f"<div class='prompt'>{esc(record.get('prompt', ''))}</div></div><div class='body'>"
             f"<div><span class='badge {verdict}'>{verdict}</span> <b>{esc(record['id'])}</b> {esc(group_text)}</div>"
-            f"<div class='fields'>answer <b>{esc(record.get('answer'))}</b>; target <b>{esc(record.get('target'))}</b>"
+            f"<div class='fields'>answer <b>{esc(record.get('answer'))}</b>; target <b>{esc(task.target(row))}</b>"
             f"<br>{rewards}" + ("; mask by the segmenter" if record.get("pred_mask") else "") + "</div>"
             f"<pre data-box='p{record['index']}'>{esc(record['completion'])}</pre></div></article>")
 

@@ -14,7 +14,7 @@ window.onerror = function (message, source, line) {
   var counter = document.getElementById("shown");
 
   function currentSections() {
-    var sections = Array.prototype.slice.call(document.querySelectorAll("section.step"));
+    var sections = Array.prototype.slice.call(document.querySelectorAll(step ? "section.step" : "section"));
     if (!step) { return sections; }
     sections.forEach(function (s) { s.hidden = s.getAttribute("data-step") !== step.value; });
     return sections.filter(function (s) { return !s.hidden; });
@@ -42,6 +42,15 @@ window.onerror = function (message, source, line) {
     if (next >= 0 && next < step.options.length) { step.selectedIndex = next; apply(); }
   }
 
+  // page.html#step=3&state=invalid (or #verdict=wrong&group=type%3D2D): choices set from the address
+  location.hash.replace(/^#/, "").split("&").forEach(function (pair) {
+    var parts = pair.split("="), select = document.getElementById(decodeURIComponent(parts[0]));
+    var value = decodeURIComponent(parts.slice(1).join("="));
+    if (select && select.tagName === "SELECT" &&
+        Array.prototype.some.call(select.options, function (o) { return o.value === value; })) {
+      select.value = value;
+    }
+  });
   if (step) {
     step.addEventListener("change", apply);
     document.getElementById("prev").addEventListener("click", function () { move(-1); });
