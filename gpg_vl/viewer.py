@@ -57,6 +57,8 @@ def write_rollouts_html(output_dir: str | Path) -> Path:
         raise UserError(f"{str(output_dir)!r} has no rollouts/step-<N>.json; train with trainer.log_rollouts_every=N "
                         "(N > 0, the default is 10) and view that run's output_dir.")
     metrics = read_metrics(output_dir / "metrics.jsonl")
+    if metrics:  # a run resumed from an earlier step: files past its last metrics line are from the abandoned part
+        steps = [s for s in steps if s["step"] <= metrics[-1]["step"]] or steps
     summary = _read_json(output_dir / "summary.json")
     images = output_dir / "rollouts" / "images"
     body = [
