@@ -33,6 +33,7 @@ from PIL import Image, ImageDraw
 from gpg_vl.evaluate import _prompt_text
 from gpg_vl.rewards import extract_answer, parse_box
 from gpg_vl.rollout import in_task_frame
+from gpg_vl.sources import load_image
 
 MAX_EDGE = 256  # thumbnail side, pixels
 MAX_THUMB_BYTES = 64 * 1024  # one thumbnail's JPEG
@@ -80,8 +81,6 @@ def store_image(image: Image.Image, folder: Path) -> str:
 
 def message_images(messages: list[dict]) -> list[Image.Image]:
     """The PIL images of chat messages, in order (Qwen-VL format: `{"type": "image", "image": ...}`)."""
-    from gpg_vl.sources import load_image
-
     images = []
     for message in messages:
         content = message["content"]

@@ -256,6 +256,17 @@ def test_completion_text_is_escaped_on_the_page(tmp_path):
     assert "&lt;img src=x onerror=alert(1)&gt;" in page and "<img src=x" not in page
 
 
+def test_a_resumed_run_shows_no_step_past_its_last_metrics_line(tmp_path):
+    policy = SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2]))
+    for step in (1, 10, 20):  # step 20 was logged by a continuation that a resume from step 10 abandoned
+        log_rollouts(step, [fake_attempt(["a", "b"], 1, 2)], policy=policy, task=NoiseTask(size=32, images=1),
+                     output_dir=tmp_path, every=10, groups=8)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.5, "valid_fraction": 1.0,
+                                                                "alpha": 1.0}) + "\n" for s in range(1, 13)))
+    page = write_rollouts_html(tmp_path).read_text()
+    assert re.findall(r"<section class='step' data-step='(\d+)'>", page) == ["1", "10"]
+
+
 def test_view_script_names_a_folder_without_rollouts_in_one_sentence(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "view.py"), str(tmp_path)], capture_output=True,
                             text=True)
