@@ -4,9 +4,9 @@ the pages without a console error and shows their images."""
 
 import json
 import re
+import runpy
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -267,11 +267,14 @@ def test_a_resumed_run_shows_no_step_past_its_last_metrics_line(tmp_path):
     assert re.findall(r"<section class='step' data-step='(\d+)'>", page) == ["1", "10"]
 
 
-def test_view_script_names_a_folder_without_rollouts_in_one_sentence(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "view.py"), str(tmp_path)], capture_output=True,
-                            text=True)
-    assert result.returncode == 2 and result.stderr.startswith("error: ") and "log_rollouts_every" in result.stderr
-    assert result.stderr.count("\n") == 1
+def test_view_script_writes_the_page_or_names_a_folder_without_rollouts_in_one_sentence(tmp_path, capsys):
+    view = runpy.run_path(str(ROOT / "scripts" / "view.py"))["main"]  # the script's own entry point, in-process
+    assert view([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "log_rollouts_every" in err and err.count("\n") == 1
+    log_rollouts(1, [fake_attempt(["a", "b"], 1, 2)], policy=SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2])),
+                 task=NoiseTask(size=32, images=1), output_dir=tmp_path, every=10, groups=8)
+    assert view([str(tmp_path)]) == 0 and (tmp_path / "rollouts.html").is_file()
 
 
 # ---------------------------------------------------------------- grounding: boxes in original pixels
