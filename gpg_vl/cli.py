@@ -163,6 +163,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
 
     from gpg_vl.errors import UserError
     from gpg_vl.evaluate import evaluate, prediction_records, rescore
+    from gpg_vl.viewer import write_predictions_html
 
     task = build_task(cfg.task, cfg.data)
     split = cfg.eval.split or task.eval_split
@@ -197,10 +198,11 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         for record in records:
             handle.write(json.dumps(record) + "\n")
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_predictions_html(output_dir / "predictions.html", task, records, rows, metrics, split=split)
     width = max(len(name) for name in metrics)
     segmenter = getattr(task, "segmenter", None)
     masks = f", masks by segmenter {segmenter.name}" if segmenter is not None else ""
-    print(f"{task.name} / {split}: {len(records)} rows{masks}  ({output_dir})")
+    print(f"{task.name} / {split}: {len(records)} rows{masks}  ({output_dir}; open predictions.html to look)")
     for name, value in metrics.items():
         print(f"  {name:<{width}}  {value:.4f}")
     return metrics

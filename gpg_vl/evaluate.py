@@ -73,7 +73,7 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dic
     return [{
         "index": d.index, "id": str(d.row.get("id", d.index)), "split": split, "prompt": d.prompt,
         "completion": d.completion, "answer": extract_answer(d.completion), "target": task.target(d.row),
-        "rewards": task.reward_components(d.completion, d.row),
+        "rewards": task.reward_components(d.completion, d.row), **_saved_fields(d.row),
     } for d in decoded]
 
 
@@ -93,8 +93,9 @@ def rescore(task, records: Sequence[dict], rows: Sequence[dict]) -> tuple[dict[s
                                 "split and data.path that produced the file.")
             chunk.append(row)
         matched += _scoring_rows(task, chunk, completions[start:start + len(chunk)])
-    refreshed = [{**record, "answer": extract_answer(record["completion"]),
-                  "rewards": task.reward_components(record["completion"], row)}
+    refreshed = [{**{key: value for key, value in record.items() if key != "pred_mask"},  # the segmenter's anew
+                  "answer": extract_answer(record["completion"]),
+                  "rewards": task.reward_components(record["completion"], row), **_saved_fields(row)}
                  for record, row in zip(records, matched, strict=True)]
     return task.metrics(matched, completions), refreshed
 
@@ -105,6 +106,17 @@ def _scoring_rows(task, rows: Sequence[dict], completions: Sequence[str]) -> lis
     fields = getattr(task, "prediction_fields", None)
     extra = fields(rows, completions) if fields is not None else [{} for _ in rows]
     return [{**_without_images(row), **more} for row, more in zip(rows, extra, strict=True)]
+
+
+def _saved_fields(row: dict) -> dict:
+    """What a scoring row adds to its prediction record: the segmenter's mask (`pred_mask`, a COCO RLE whose
+    counts are saved as text), when one ran."""
+    mask = row.get("pred_mask")
+    if mask is None:
+        return {}
+    counts = mask["counts"]
+    return {"pred_mask": {"size": [int(v) for v in mask["size"]],
+                          "counts": counts.decode() if isinstance(counts, bytes) else counts}}
 
 
 def _without_images(row: dict) -> dict:

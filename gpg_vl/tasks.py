@@ -55,6 +55,7 @@ class Task:
     train_split: ClassVar[str] = "train"
     eval_split: ClassVar[str] = "test"
     uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model adapter maps them to original pixels
+    group_columns: ClassVar[tuple[str, ...]] = ()  # row columns whose values evaluation breaks accuracy down by
 
     def __init__(self, **options: Any) -> None:
         if options:

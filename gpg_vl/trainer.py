@@ -44,6 +44,7 @@ from gpg_vl.outdir import claim_output_dir
 from gpg_vl.report import write_curves
 from gpg_vl.reward_pool import RewardBudget, score_completions
 from gpg_vl.rollout import Rollout, generate, in_task_frame
+from gpg_vl.rollout_log import log_rollouts
 from gpg_vl.sampler import collect_valid_groups
 
 
@@ -79,6 +80,8 @@ class TrainerSettings:
     reward_workers: int = 4
     reward_budget_s: float = 60.0
     report_to: str = "none"
+    log_rollouts_every: int = 10
+    log_rollouts_groups: int = 8
     eval_before: bool = True
     eval_after: bool = True
 
@@ -563,6 +566,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
             bar.update(1)
         if trainer.report_to != "none":
             accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
+        log_rollouts(step, collected.attempts, policy=policy, task=task, output_dir=output_dir,
+                     every=trainer.log_rollouts_every, groups=trainer.log_rollouts_groups, accelerator=accelerator)
         if trainer.max_bad_steps and counters["bad_steps_in_a_row"] >= trainer.max_bad_steps:
             last = latest_checkpoint(output_dir) if main else None
             stop(f"stopped at step {step}: the last {counters['bad_steps_in_a_row']} steps had a NaN or infinite loss "

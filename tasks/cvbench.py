@@ -42,6 +42,7 @@ class CVBench(Task):
     """SAT -> CV-Bench spatial multiple choice; accuracy (letter or option text) + format rewards."""
 
     name = "cvbench"
+    group_columns = GROUP_COLUMNS
 
     def __init__(self, train_limit: int | None = 15_000) -> None:
         super().__init__()

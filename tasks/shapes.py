@@ -101,6 +101,7 @@ class Shapes(Task):
     """Coloured shapes: color, shape, count and left/right questions; accuracy + format rewards."""
 
     name = "shapes"
+    group_columns = ("question_type",)
 
     def __init__(self, train_size: int = 20_000, test_size: int = 300, image_size: int = 112) -> None:
         super().__init__()

@@ -175,7 +175,10 @@ def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(t
     assert [m["step"] for m in lines] == [1, 2]  # one line per step: only the main process writes
     for m in lines:  # counts over both processes: B prompts per attempt, not B / 2
         assert m["groups_sampled"] == 4 * m["attempts"] and len(m["valid_fractions"]) == m["attempts"]
-    assert {p.name for p in first.iterdir() if p.is_dir()} == {"checkpoint-1", "checkpoint-2", "final"}
+    assert {p.name for p in first.iterdir() if p.is_dir()} == {"checkpoint-1", "checkpoint-2", "final", "rollouts"}
+    logged = json.loads((first / "rollouts" / "step-1.json").read_text())  # step 1 (then every 10): the main
+    assert sorted(p.name for p in (first / "rollouts").glob("*.json")) == ["step-1.json"]  # process's own share
+    assert logged["groups_per_attempt"] == [2] * lines[0]["attempts"]
 
     # Resume from step 1, each process observed: what it computed, and whether it saved. Launched with
     # the FSDP config, which accelerate 1.15 turns on for GPUs only: on CPU it keeps data parallelism.
