@@ -23,7 +23,7 @@ if not OmegaConf.has_resolver("now"):
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml") if not path.stem.startswith("_"))
 
 
 def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:

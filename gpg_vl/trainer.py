@@ -37,7 +37,8 @@ from gpg_vl.data import PromptStream, Subset, scan_rows
 from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
-from gpg_vl.models.base import Policy, PromptBatch
+from gpg_vl.models.base import Policy
+from gpg_vl.models.family import PromptBatch, ScoringPath, choose_scoring_path
 from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
 from gpg_vl.report import write_curves
 from gpg_vl.rollout import Rollout, generate, in_task_frame
@@ -144,7 +145,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         empty = torch.zeros(0, group_size)
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
-    require_images("pixel_values" in prompts.inputs, stream.world_size, "a batch of training prompts")
+    require_images(prompts.has_images, stream.world_size, "a batch of training prompts")
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
                       temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos,
                       prefill_once=rollout.prefill_once, static_cache=rollout.static_cache)
@@ -217,7 +218,7 @@ def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], complet
 # loss + step
 # ---------------------------------------------------------------------------------------------
 def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
-           settings: TrainerSettings, temperature: float) -> dict[str, float]:
+           settings: TrainerSettings, temperature: float, path: ScoringPath | None = None) -> dict[str, float]:
     """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE), or with
     `settings.age=False` their sum over the count of every sampled sequence of the attempts (alpha = 1).
 
@@ -229,13 +230,18 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     FSDP and DeepSpeed every process runs the same number of forward/backward calls, each through the
     vision tower (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted
     placeholders. A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
+    `path` is the run's scoring path (`choose_scoring_path`, chosen once in `train`): the forward and the
+    micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
     """
     device = accelerator.device
+    if path is None:
+        path = choose_scoring_path(policy.adapter, model, share_prompt=settings.share_prompt,
+                                   share_vision=settings.share_vision)
     chunks = list(update_chunks(attempts, settings.micro_batch_size, settings.micro_batch_tokens,
-                                share_prompt=settings.share_prompt))
+                                share_prompt=path.prompt_once))
     sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
     local = torch.tensor([[sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks), len(chunks),
-                           sum("pixel_values" not in c[0].inputs for c in chunks),
+                           sum(not c[0].has_images for c in chunks),
                            sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=device)
     # Collective: train() calls update() on every process or on none (its test uses global counts), and
     # this gather runs first and unconditionally; every branch below depends only on its result.
@@ -265,8 +271,7 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
-                                                   temperature=temperature, share_vision=settings.share_vision,
-                                                   share_prompt=settings.share_prompt,
+                                                   temperature=temperature, path=path,
                                                    logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
@@ -388,6 +393,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                         "processes, so some would get no prompt; set trainer.batch_size to at least "
                         f"{accelerator.num_processes} (prompts per step, over all processes).")
 
+    policy.adapter.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
     train_rows = task.load(task.train_split)
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
@@ -424,8 +430,13 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
             (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         raise UserError(message)
 
+    # The scoring path, once for the run: the update's forward and its micro-batch cost both read it.
+    path = choose_scoring_path(policy.adapter, model, share_prompt=trainer.share_prompt,
+                               share_vision=trainer.share_vision, warn=warn)
+    accelerator.print(f"model: {policy.adapter.describe(model)}; the update scores {path.describe()}")
     stream = PromptStream(train_rows, seed=seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                          max_bad_fraction=max_bad_fraction, warn=warn, stop=stop)
+                          max_bad_fraction=max_bad_fraction, warn=warn, stop=stop,
+                          max_aspect_ratio=policy.adapter.max_aspect_ratio)
     start_step = 0
     counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0,
                 "completions_sampled": 0}  # saved in checkpoints: a resumed run continues them
@@ -447,7 +458,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
     eval_data = None
     if (trainer.eval_before and start_step == 0) or trainer.eval_after:  # held-out rows are checked once, here
-        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=max_bad_fraction)
+        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=max_bad_fraction,
+                                    max_aspect_ratio=policy.adapter.max_aspect_ratio)
         if eval_data.bad:
             warn(f"{eval_data.bad} held-out rows are bad and left out of evaluation:\n{eval_data.report()}")
         if eval_data.over_limit():
@@ -486,7 +498,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         # loss + step, on valid groups only
         if collected.groups_valid > 0:
             result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts,
-                            settings=trainer, temperature=rollout.temperature)
+                            settings=trainer, temperature=rollout.temperature, path=path)
         else:
             result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
             warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "

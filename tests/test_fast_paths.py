@@ -23,7 +23,7 @@ from gpg_vl.rollout import Rollout, generate
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
 def family_policy(request, tmp_path_factory):
     """A float32 tiny model of each family: the embedded Qwen2.5-VL, random Qwen2-VL and Qwen3-VL built here."""
     from gpg_vl.models.base import load_policy
@@ -110,7 +110,7 @@ def lora_policy(policy):
     from gpg_vl.models.base import Policy
     from gpg_vl.models.lora import apply_lora
 
-    lora = apply_lora(policy.model, r=4, alpha=8.0)
+    lora = apply_lora(policy.model, r=4, alpha=8.0, vision_modules=policy.adapter.vision_modules(policy.model))
     for name, parameter in lora.named_parameters():
         if "lora_B" in name:  # B starts at zero, which would make the base path's gradient the only one
             torch.nn.init.normal_(parameter, std=0.05, generator=torch.Generator().manual_seed(len(name)))
