@@ -55,7 +55,7 @@ def generate(
     adapter.reset_positions(model)  # rotary offsets an earlier generate cached for its own batch
     collective = forward_is_collective(model)
     expand, forked = group_size, None
-    if prefill_once and group_size > 1 and not collective:
+    if prefill_once and group_size > 1 and not collective and adapter.prefill_once_unsupported(model) is None:
         with eval_mode(model):
             forked = prefix.prefill_once(adapter, model, inputs, group_size=group_size, max_new_tokens=max_new_tokens,
                                          static_cache=static_cache)

@@ -376,6 +376,10 @@ class Family:
         """Why this model cannot run prompt-once exactly (None when it can)."""
         return None
 
+    def prefill_once_unsupported(self, model: torch.nn.Module) -> str | None:
+        """Why the rollout cannot prefill each prompt once and fork its cache exactly here (None when it can)."""
+        return self.prompt_once_unsupported(model)
+
     def fork_cache(self, model, cache, index: Tensor):
         """The cache with row `index[n]` of the prompts' cache as row n (key/value layers and linear-attention
         conv + recurrent states alike), out of place, so the gradient reaches the prompt through it."""
@@ -409,7 +413,9 @@ class Family:
                  ("input_ids", "attention_mask", self.pixel_keys[0])}
         encoded = encoder(pixels, **extra, return_dict=True)
         order = image_order(prompts, prompt_index)
-        encoded.pooler_output = [encoded.pooler_output[i] for i in order]
+        pooled = encoded.pooler_output  # per image: a list, or a tensor whose first dimension is the image
+        encoded.pooler_output = pooled[torch.tensor(order, device=pooled.device)] if isinstance(pooled, Tensor) \
+            else [pooled[i] for i in order]
         return encoded
 
     # ---- log-probs -------------------------------------------------------------------------------
@@ -487,9 +493,10 @@ class Family:
     def describe(self, model: torch.nn.Module) -> str:
         """One line: the family, its box frame, and which throughput paths it can take on this model."""
         bare = unwrap(model)
-        once = self.prompt_once_unsupported(bare)
-        return (f"{self.name} family ({type(bare).__name__}): box frame {self.box_frame}; prompt-once "
-                f"{'yes' if once is None else 'no (' + once + ')'}; shared vision "
+        once, prefill = self.prompt_once_unsupported(bare), self.prefill_once_unsupported(bare)
+        return (f"{self.name} family ({type(bare).__name__}): box frame {self.box_frame}; prompt-once update "
+                f"{'yes' if once is None else 'no (' + once + ')'}; prefill-once rollout "
+                f"{'yes' if prefill is None else 'no (' + prefill + ')'}; shared vision "
                 f"{'yes' if self.shares_vision(bare) else 'no'}")
 
 

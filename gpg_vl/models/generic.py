@@ -68,6 +68,14 @@ class GenericFamily(Family):
             return "its rotary positions need the whole multimodal sequence"
         return None
 
+    def prefill_once_unsupported(self, model: torch.nn.Module) -> str | None:
+        # Measured on tiny Gemma 3 (tests/test_fast_paths.py): with prompts longer than the sliding window,
+        # generate's continuation of a forked sliding-window cache gives other greedy tokens than its own prefill.
+        text = getattr(unwrap(model).config, "text_config", unwrap(model).config)
+        if "sliding_attention" in (getattr(text, "layer_types", None) or []):
+            return "its sliding-window layers do not continue a forked prefill exactly in generate"
+        return self.prompt_once_unsupported(model)
+
 
 def _multimodal_rope(model: torch.nn.Module) -> bool:
     return hasattr(getattr(unwrap(model), "model", None), "get_rope_index")
