@@ -43,66 +43,7 @@ from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_n
 from gpg_vl.report import write_curves
 from gpg_vl.rollout import Rollout, generate, in_task_frame
 from gpg_vl.sampler import collect_valid_groups
-
-
-@dataclass
-class TrainerSettings:
-    """`trainer.*` config keys (see configs/train.yaml for each one's meaning)."""
-
-    max_steps: int = 100
-    epochs: float | None = None
-    group_size: int = 8
-    batch_size: int = 8
-    micro_batch_size: int = 16
-    micro_batch_tokens: int = 8192
-    lr: float = 1e-6
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    beta_th: float = 0.4
-    max_attempts: int = 8
-    std_normalize: bool = False
-    baseline: str = "group_mean"
-    age: bool = True
-    max_completions: int | None = None
-    aggregation: str = "seq_mean_token_mean"
-    gradient_checkpointing: bool = False
-    share_vision: bool = True
-    share_prompt: bool = True
-    logits_chunk_tokens: int = 1024
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    max_bad_steps: int = 10
-    report_to: str = "none"
-    eval_before: bool = True
-    eval_after: bool = True
-
-    def __post_init__(self) -> None:
-        estimator_name(self.baseline, self.std_normalize)  # an unknown variant fails before any work
-
-
-@dataclass
-class RolloutSettings:
-    """`rollout.*` config keys."""
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    max_prompt_tokens: int = 4096
-    prefill_once: bool = True
-    static_cache: bool = False
-
-
-@dataclass
-class EvalSettings:
-    """`eval.*` config keys used during training."""
-
-    split: str | None = None
-    limit: int | None = None
-    batch_size: int = 32
-    max_new_tokens: int | None = None
+from gpg_vl.settings import EvalSettings, RolloutSettings, TrainerSettings  # noqa: F401  (declared once there)
 
 
 @dataclass
