@@ -297,3 +297,30 @@ def test_two_processes_update_as_one_process_on_all_their_sequences(tmp_path, sh
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert torch.equal(ranks[0], ranks[1])
     torch.testing.assert_close(ranks[0], single, rtol=1e-5, atol=1e-6 * float(single.abs().max()))
+
+
+@pytest.mark.parametrize("engine", ["gradient_checkpointing", "sharded"])
+def test_the_scoring_path_is_chosen_once_and_micro_batches_keep_the_token_budget_of_the_path_taken(policy, shapes,
+                                                                                                   monkeypatch, engine):
+    """Where prompt-once steps aside (gradient checkpointing, FSDP / ZeRO-3), the forward runs whole sequences,
+    and the micro-batches are cut by the cost of whole sequences: none holds more than trainer.micro_batch_tokens."""
+    import gpg_vl.distributed
+    from gpg_vl.models.family import choose_scoring_path
+
+    if engine == "gradient_checkpointing":
+        policy.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        monkeypatch.setattr(gpg_vl.distributed, "forward_is_collective", lambda model: True)
+    path = choose_scoring_path(policy.adapter, policy.model, share_prompt=True, share_vision=True)
+    assert not path.prompt_once and path.shared_vision and path.wrapped == (engine == "sharded")
+    attempt = mixed_attempt(policy, shapes)
+    prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()
+    budget = int(max(prompt_lengths)) + 8
+    chunks = list(update_chunks([attempt], 0, budget, share_prompt=path.prompt_once))
+    for _prompts, prompt_index, _ids, mask, _adv in chunks:
+        whole = micro_batch_cost([prompt_lengths[p] for p in prompt_index], prompt_index, mask.sum(dim=1).tolist(),
+                                 share_prompt=False)
+        assert whole <= budget or len(prompt_index) == 1
+    # counted as prompt-once, the same budget would have packed a group's sequences together, over the budget
+    packed = list(update_chunks([attempt], 0, budget, share_prompt=True))
+    assert len(packed) < len(chunks)

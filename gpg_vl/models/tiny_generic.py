@@ -76,7 +76,7 @@ def build_llava_onevision(path: Path, seed: int = 0):
                                         chat_template=chat_template("<image>"))
     config = LlavaOnevisionConfig(
         text_config=dict(TINY_TEXT, model_type="qwen2", **_ids(tokenizer)),
-        vision_config=dict(TINY_SIGLIP, model_type="siglip_vision_model"),
+        vision_config=dict(TINY_SIGLIP, model_type="siglip_vision_model", vision_use_head=False),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         video_token_id=tokenizer.convert_tokens_to_ids("<video>"),
         image_grid_pinpoints=[[32, 32]], vision_feature_select_strategy="full", vision_feature_layer=-1,
@@ -94,7 +94,7 @@ def build_gemma3(path: Path, seed: int = 0):
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
                                 chat_template=chat_template("<start_of_image>", "<start_of_turn>", "<end_of_turn>"))
     text = dict(TINY_TEXT, **_ids(tokenizer), sliding_window=16, layer_types=["sliding_attention", "full_attention"])
-    config = Gemma3Config(text_config=text, vision_config=dict(TINY_SIGLIP), mm_tokens_per_image=4,
+    config = Gemma3Config(text_config=text, vision_config=dict(TINY_SIGLIP, vision_use_head=False), mm_tokens_per_image=4,
                           boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
                           image_token_index=tokenizer.image_token_id, tie_word_embeddings=True)
     torch.manual_seed(seed)
