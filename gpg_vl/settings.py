@@ -18,7 +18,7 @@ TRAINER_RANGES = {
     "max_steps": (1, None), "group_size": (1, None), "batch_size": (1, None), "micro_batch_size": (1, None),
     "micro_batch_tokens": (0, None), "lr": (0.0, None), "warmup_steps": (0, None), "weight_decay": (0.0, None),
     "max_grad_norm": (0.0, None), "beta_th": (0.0, 1.0), "max_attempts": (1, None), "logits_chunk_tokens": (0, None),
-    "save_every": (0, None), "keep_checkpoints": (1, None), "max_bad_steps": (0, None),
+    "save_every": (0, None), "keep_checkpoints": (0, None), "max_bad_steps": (0, None),
 }
 ROLLOUT_RANGES = {"max_new_tokens": (1, None), "temperature": (0.0, None), "top_p": (0.0, 1.0),
                   "max_prompt_tokens": (1, None)}

@@ -214,11 +214,14 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
                                                    temperature=temperature, path=path,
                                                    logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
+                router = policy.adapter.router_aux_loss(model)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
                     loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
                                              normalizer=normalizer)
+                    if router is not None:  # averaged over the micro-batches, weighted by their sequences
+                        loss = loss + router * (len(adv) / global_sequences)
                     total_loss += float(loss.detach())
                     logp_sum += info["logp_mean"] * info["num_tokens"]
                     token_count += int(info["num_tokens"])

@@ -150,3 +150,30 @@ def test_moe_expert_weights_are_selectable_as_lora_targets(tmp_path, monkeypatch
     policy = build_policy(cfg.model, "cpu")
     trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     assert any("experts" in n and "lora" in n for n in trainable)
+
+
+def test_moe_router_aux_loss_when_on_is_the_models_own_and_reaches_the_router(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPG_VL_CACHE", str(tmp_path))
+    cfg = load_config("train", ["model=tiny-qwen3.5-moe", "model.router_aux_loss_coef=0.5"])
+    policy = build_policy(cfg.model, "cpu")
+    question = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 48))},
+                                             {"type": "text", "text": "Which colour?"}]}]
+    prompts = policy.adapter.encode([question])
+    completion = torch.randint(20, 300, (1, 4), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(completion, dtype=torch.bool)
+    with torch.no_grad():  # sampling-like forwards are not recorded
+        policy.adapter.token_logps(policy.model, prompts, [0], completion, mask, share_vision=False)
+    assert policy.adapter.router_aux_loss(policy.model) is None
+    policy.adapter.token_logps(policy.model, prompts, [0], completion, mask, share_vision=False, share_prompt=False)
+    ours = policy.adapter.router_aux_loss(policy.model)
+    full = {**prompts.inputs, "input_ids": torch.cat([prompts.inputs["input_ids"], completion], 1),
+            "attention_mask": torch.cat([prompts.inputs["attention_mask"], mask.long()], 1),
+            "mm_token_type_ids": torch.cat([prompts.inputs["mm_token_type_ids"], torch.zeros_like(completion)], 1)}
+    reference = policy.model(**full).aux_loss  # transformers' own load-balancing loss on the same tokens
+    torch.testing.assert_close(ours, 0.5 * reference)
+    ours.backward()
+    routers = [p.grad for n, p in policy.model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert routers and all(g is not None and g.abs().sum() > 0 for g in routers)
+    again = policy.adapter.router_aux_loss(policy.model)  # the reference forward was recorded too: same tokens
+    torch.testing.assert_close(again, ours)
+    assert policy.adapter.router_aux_loss(policy.model) is None  # each forward's logits are used once

@@ -490,6 +490,30 @@ class Family:
         logps = torch.log_softmax(logits, dim=-1)  # [N, C, V]
         return logps.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [N, C]
 
+    # ---- mixture of experts -----------------------------------------------------------------------
+    def router_aux_loss(self, model) -> Tensor | None:
+        """The router's load-balancing loss (times `router_aux_loss_coef`) over the forwards since the last call,
+        or None when the coefficient is 0 (the default, as TRL's GPG trainer) or the model has no router.
+
+        The router logits are recorded by forward hooks on the model's router modules (the ones transformers
+        itself records as `router_logits`), over every token the forwards computed, and the loss is the
+        model's own `load_balancing_loss_func` (forwards under no_grad, sampling, are not recorded)."""
+        bare = unwrap(model)
+        text = getattr(bare.config, "text_config", bare.config)
+        coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+        if coef <= 0 or not getattr(text, "output_router_logits", False):
+            return None
+        recorded = _router_recorder(bare)
+        if recorded is None or not recorded:
+            return None
+        import sys
+
+        balance = sys.modules[type(bare).__module__].load_balancing_loss_func
+        experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+        loss = balance(tuple(recorded), experts, getattr(text, "num_experts_per_tok", 2), None)
+        recorded.clear()
+        return coef * loss
+
     def describe(self, model: torch.nn.Module) -> str:
         """One line: the family, its box frame, and which throughput paths it can take on this model."""
         bare = unwrap(model)
@@ -498,6 +522,33 @@ class Family:
                 f"{'yes' if once is None else 'no (' + once + ')'}; prefill-once rollout "
                 f"{'yes' if prefill is None else 'no (' + prefill + ')'}; shared vision "
                 f"{'yes' if self.shares_vision(bare) else 'no'}")
+
+
+def _router_recorder(bare: torch.nn.Module) -> list | None:
+    """The list the router hooks of `bare` append their logits to (hooks registered on first use)."""
+    recorded = getattr(bare, "_gpg_router_logits", None)
+    if recorded is not None:
+        return recorded
+    target, index = None, 0
+    for module in bare.modules():
+        recorder = getattr(type(module), "_can_record_outputs", None) or {}
+        spec = recorder.get("router_logits")
+        if spec is not None:
+            target, index = getattr(spec, "target_class", spec), getattr(spec, "index", 0)
+            break
+    if target is None:
+        return None
+    recorded = []
+
+    def record(_module, _inputs, output):
+        if torch.is_grad_enabled():  # training forwards only, not sampling
+            recorded.append(output[index] if isinstance(output, tuple) else output)
+
+    for module in bare.modules():
+        if isinstance(module, target):
+            module.register_forward_hook(record)
+    bare._gpg_router_logits = recorded
+    return recorded
 
 
 # ---------------------------------------------------------------------------------------------
