@@ -118,4 +118,31 @@ def build_smolvlm(path: Path, seed: int = 0):
     return _save(path, Idefics3ForConditionalGeneration(config), processor, tokenizer)
 
 
-GENERIC_BUILDERS = {"llava_onevision": build_llava_onevision, "gemma3": build_gemma3, "smolvlm": build_smolvlm}
+def build_internvl(path: Path, seed: int = 0):
+    from transformers import (
+        GotOcr2ImageProcessor,
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+    )
+
+    extra = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+             "video_token": "<video>"}
+    tokenizer = tokenizer_with(list(extra.values()), extra)
+    size = {"height": 32, "width": 32}
+    image_processor = GotOcr2ImageProcessor(size=size, crop_to_patches=False)
+    processor = InternVLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                  video_processor=InternVLVideoProcessor(size=size), image_seq_length=4,
+                                  chat_template=chat_template("<IMG_CONTEXT>"))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[32, 32],
+                  patch_size=[8, 8], use_mean_pooling=False)
+    config = InternVLConfig(vision_config=vision, text_config=dict(TINY_TEXT, model_type="qwen2", **_ids(tokenizer)),
+                            image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4,
+                            downsample_ratio=0.5, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return _save(path, InternVLForConditionalGeneration(config), processor, tokenizer)
+
+
+GENERIC_BUILDERS = {"llava_onevision": build_llava_onevision, "gemma3": build_gemma3, "smolvlm": build_smolvlm,
+                    "internvl": build_internvl}
