@@ -24,10 +24,12 @@ VOWELS = "task=vowel_task:Vowels"
 QUICK = ["trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=5", "trainer.eval_before=false",
          "trainer.beta_th=0", "eval.limit=2", "eval.max_new_tokens=4", "trainer.lr=1e-2"]
 ALIASES = {"llava_onevision": "tiny-llava-onevision", "gemma3": "tiny-gemma3", "smolvlm": "tiny-smolvlm",
-           "qwen3_5": "tiny-qwen3.5"}
+           "qwen3_5": "tiny-qwen3.5", "internvl": "tiny-internvl", "glm4v": "tiny-glm4v"}
 CLASSES = {"llava_onevision": "LlavaOnevisionForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
-           "smolvlm": "Idefics3ForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
-FRAMES = {"llava_onevision": "relative-1", "gemma3": "none", "smolvlm": "none", "qwen3_5": "relative-1000"}
+           "smolvlm": "Idefics3ForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+           "internvl": "InternVLForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration"}
+FRAMES = {"llava_onevision": "relative-1", "gemma3": "none", "smolvlm": "none", "qwen3_5": "relative-1000",
+          "internvl": "relative-1000", "glm4v": "relative-1000"}
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, u
 
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
-            "llava_onevision", "gemma3", "smolvlm"]  # generic-family classes
+            "llava_onevision", "gemma3", "smolvlm", "internvl", "glm4v"]  # generic-family classes
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

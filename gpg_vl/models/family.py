@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -384,6 +384,10 @@ class Family:
         """The cache with row `index[n]` of the prompts' cache as row n (key/value layers and linear-attention
         conv + recurrent states alike), out of place, so the gradient reaches the prompt through it."""
         cache.reorder_cache(index)
+        base = getattr(unwrap(model), "model", None)  # the rotary offsets generate continues from, forked alike
+        deltas = getattr(base, "rope_deltas", None)
+        if isinstance(deltas, Tensor) and deltas.shape[0] != index.numel():
+            base.rope_deltas = deltas[index.to(deltas.device)]  # [B * G, 1]
         return cache
 
     def static_copy(self, model, cache, *, max_cache_len: int):
@@ -412,8 +416,13 @@ class Family:
         extra = {key: value for key, value in subset.inputs.items() if key in accepted and key not in
                  ("input_ids", "attention_mask", self.pixel_keys[0])}
         encoded = encoder(pixels, **extra, return_dict=True)
-        order = image_order(prompts, prompt_index)
-        pooled = encoded.pooler_output  # per image: a list, or a tensor whose first dimension is the image
+        pooled = encoded.pooler_output  # per image (or per tile): a list, or a tensor with that first dimension
+        rows = prompts.rows.get(self.pixel_keys[0])
+        if rows is not None and len(pooled) == sum(rows[i] for i in sorted(set(prompt_index))) != sum(
+                prompts.images_per_prompt[i] for i in sorted(set(prompt_index))):
+            order = image_order(replace(prompts, images_per_prompt=rows), prompt_index)  # one entry per tile
+        else:
+            order = image_order(prompts, prompt_index)
         encoded.pooler_output = pooled[torch.tensor(order, device=pooled.device)] if isinstance(pooled, Tensor) \
             else [pooled[i] for i in order]
         return encoded

@@ -3,13 +3,14 @@
 It follows transformers' multimodal conventions only: the processor's chat template renders the prompt,
 the processor turns texts and images into tensors, the model's forward takes `input_ids`, `attention_mask`,
 the pixel tensors, and, where it can (`mm_encoder_outputs`), image features computed beforehand, which is
-how a group shares one encoding of its images. Prompt-once runs where the cache can be forked and
-positions continue from the attention mask (a model whose rotary positions need the whole multimodal
-sequence, `get_rope_index`, runs whole sequences instead). `describe` says in one line which paths a model
-takes. The box frame is the model's published convention where one is known (`BOX_FRAME_OF`), else none.
+how a group shares one encoding of its images. Prompt-once runs on the forked cache with positions from
+the attention mask, or, for a model with multimodal rotary positions (`get_rope_index`, GLM-4.1V), from
+the model's own rule on the whole sequence. `describe` says in one line which paths a model takes. The box frame is the model's published convention where one is known (`BOX_FRAME_OF`), else none.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor
@@ -54,18 +55,26 @@ class GenericFamily(Family):
                                      **self.processor_kwargs))
         sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
         return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes,
-                           _row_layout(inputs, images_per_prompt), texts)
+                           _row_layout(inputs, images_per_prompt, self._image_token_id()), texts)
+
+    def _image_token_id(self) -> int | None:
+        token_id = getattr(self.processor, "image_token_id", None)
+        if token_id is None and getattr(self.processor, "image_token", None):
+            token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        return token_id if isinstance(token_id, int) else None
 
     def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor | None:
-        """Positions from the attention mask ([N, L]), or None where the model computes multimodal ones."""
+        """Positions [N, L] from the attention mask, or the model's own multimodal rotary positions [3, N, L]
+        (`get_rope_index`, given whichever of the batch's inputs it takes: GLM-4.1V's rule)."""
         self.reset_positions(model)
-        if _multimodal_rope(model):
-            return None
-        return super().position_ids(model, inputs)
+        if not _multimodal_rope(model):
+            return super().position_ids(model, inputs)
+        rope_index = unwrap(model).model.get_rope_index
+        accepted = inspect.signature(rope_index).parameters
+        positions, _ = rope_index(**{key: value for key, value in inputs.items() if key in accepted})
+        return positions
 
     def prompt_once_unsupported(self, model: torch.nn.Module) -> str | None:
-        if _multimodal_rope(model):
-            return "its rotary positions need the whole multimodal sequence"
         return None
 
     def prefill_once_unsupported(self, model: torch.nn.Module) -> str | None:
@@ -74,19 +83,21 @@ class GenericFamily(Family):
         text = getattr(unwrap(model).config, "text_config", unwrap(model).config)
         if "sliding_attention" in (getattr(text, "layer_types", None) or []):
             return "its sliding-window layers do not continue a forked prefill exactly in generate"
-        return self.prompt_once_unsupported(model)
+        return None
 
 
 def _multimodal_rope(model: torch.nn.Module) -> bool:
     return hasattr(getattr(unwrap(model), "model", None), "get_rope_index")
 
 
-def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int]) -> dict[str, list[int]]:
+def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],
+                image_token_id: int | None = None) -> dict[str, list[int]]:
     """How many rows of each processor output belong to each prompt (see `PromptBatch.rows`).
 
     A tensor with one row per prompt needs no entry; one row per image gets the prompts' image counts;
     flattened patches (with an `image_grid_thw`) get each prompt's patch count; tiles (with a per-image
-    tile count, `num_patches`) each prompt's tile count.
+    tile count, `num_patches`) each prompt's tile count. Otherwise (InternVL's tiles), rows in proportion to
+    each prompt's image tokens, when every row stands for the same number of them.
     """
     batch, images = inputs["input_ids"].shape[0], sum(images_per_prompt)
 
@@ -114,4 +125,9 @@ def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int]) -> dict
             if layout in layouts and first == sum(layouts[layout]):
                 rows[key] = layouts[layout]
                 break
+        else:
+            if image_token_id is not None and first > 0:
+                tokens = (inputs["input_ids"] == image_token_id).sum(dim=1).tolist()  # [B]
+                if sum(tokens) % first == 0 and all(t % (sum(tokens) // first) == 0 for t in tokens):
+                    rows[key] = [t // (sum(tokens) // first) for t in tokens]
     return rows

@@ -92,14 +92,6 @@ class QwenVLAdapter(Family):
         )
         return positions  # [3, N, L]
 
-    def fork_cache(self, model, cache, index: Tensor):
-        """Fork every layer's cache, and the rotary offsets `generate` continues from."""
-        cache = super().fork_cache(model, cache, index)
-        base = unwrap(model).model
-        if getattr(base, "rope_deltas", None) is not None and base.rope_deltas.shape[0] != index.numel():
-            base.rope_deltas = base.rope_deltas[index.to(base.rope_deltas.device)]  # [B * G, 1]
-        return cache
-
     def shares_vision(self, model: torch.nn.Module) -> bool:
         return True
 

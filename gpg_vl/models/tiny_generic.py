@@ -144,5 +144,39 @@ def build_internvl(path: Path, seed: int = 0):
     return _save(path, InternVLForConditionalGeneration(config), processor, tokenizer)
 
 
-GENERIC_BUILDERS = {"llava_onevision": build_llava_onevision, "gemma3": build_gemma3, "smolvlm": build_smolvlm,
+def build_glm4v(path: Path, seed: int = 0):
+    from transformers import (
+        Glm4vConfig,
+        Glm4vForConditionalGeneration,
+        Glm4vImageProcessor,
+        Glm4vProcessor,
+        Glm4vVideoProcessor,
+    )
+
+    specials = ["<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+                "<|end_of_video|>", "<|user|>", "<|assistant|>"]
+    tokenizer = tokenizer_with(specials, {"image_token": "<|image|>", "video_token": "<|video|>"}, eos="<|user|>")
+    pixels = dict(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}, patch_size=14, temporal_patch_size=2,
+                  merge_size=2)
+    template = ("{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['content'] is string %}"
+                "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+                "{% if content['type'] == 'image' or 'image' in content %}<|begin_of_image|><|image|><|end_of_image|>"
+                "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+                "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels), tokenizer=tokenizer,
+                               video_processor=Glm4vVideoProcessor(**pixels), chat_template=template)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
+    text = dict(TINY_TEXT, **_ids(tokenizer), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, image_size=112, patch_size=14,
+                  out_hidden_size=64, spatial_merge_size=2, temporal_patch_size=2)
+    config = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+                         video_token_id=ids["<|video|>"], image_start_token_id=ids["<|begin_of_image|>"],
+                         image_end_token_id=ids["<|end_of_image|>"], video_start_token_id=ids["<|begin_of_video|>"],
+                         video_end_token_id=ids["<|end_of_video|>"], tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return _save(path, Glm4vForConditionalGeneration(config), processor, tokenizer)
+
+
+GENERIC_BUILDERS = {"glm4v": build_glm4v, "llava_onevision": build_llava_onevision, "gemma3": build_gemma3, "smolvlm": build_smolvlm,
                     "internvl": build_internvl}
