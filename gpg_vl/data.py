@@ -36,8 +36,9 @@ def prepare_prompt(task, rows: Sequence, index: int, max_aspect_ratio: float = M
     """Row `index` of `rows` as chat messages; raises `BadRow` (with its reason) when the row cannot be used.
 
     Reading the row, the task's `check_row` and `messages` may each find a problem; images in the messages
-    must have pixels and an aspect ratio within `max_aspect_ratio` (the model family's processor limit). Any other exception from the task's
-    code is a bad row too (reason "error"; `KeyError` is "missing column"), so one odd row never ends a run.
+    must have pixels and an aspect ratio within `max_aspect_ratio` (the model family's processor limit).
+    Any other exception from the task's code is a bad row too (reason "error"; `KeyError` is "missing
+    column"), so one odd row never ends a run.
     """
     try:
         row = rows[index]

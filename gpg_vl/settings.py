@@ -9,7 +9,7 @@ out of range fail when the settings are built, before any model is loaded.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
+from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
 from gpg_vl.errors import UserError
 
@@ -38,30 +38,42 @@ class TrainerSettings:
     """`trainer.*`: the optimisation, the GPG objective, the update's throughput paths, checkpoints."""
 
     max_steps: int = 100                        # optimizer steps
-    epochs: Optional[float] = None              # if set, passes over the train split (at B prompts per step) replace max_steps
+    # if set, passes over the train split (at B prompts per step) replace max_steps
+    epochs: float | None = None
     group_size: int = 8                         # G: completions sampled per prompt
     batch_size: int = 8                         # B: prompts per step, over all processes
     micro_batch_size: int = 16                  # sequences per forward/backward (gradient accumulation over the rest)
-    micro_batch_tokens: int = 8192              # micro-batches by forward tokens, padding counted, instead (0 = by micro_batch_size)
+    # micro-batches by forward tokens, padding counted, instead (0 = by micro_batch_size)
+    micro_batch_tokens: int = 8192
     lr: float = 1e-06                           # AdamW learning rate (the paper's multimodal runs)
-    lr_schedule: str = 'constant'               # any transformers scheduler name: constant, constant_with_warmup, cosine, linear
+    # any transformers scheduler name: constant, constant_with_warmup, cosine, linear
+    lr_schedule: str = 'constant'
     warmup_steps: int = 0                       # warm-up steps for *_with_warmup, cosine and linear schedules
     weight_decay: float = 0.0                   # AdamW weight decay
     max_grad_norm: float = 1.0                  # gradient clipping
-    beta_th: float = 0.4                        # resample until this fraction of B groups has differing rewards (0 = never)
+    # resample until this fraction of B groups has differing rewards (0 = never)
+    beta_th: float = 0.4
     max_attempts: int = 8                       # most rollouts per step while resampling
-    max_completions: Optional[int] = None       # stop after this many sampled completions, resampled ones included (ablations)
+    # stop after this many sampled completions, resampled ones included (ablations)
+    max_completions: int | None = None
     std_normalize: bool = False                 # true = GRPO-style advantage (r - mean) / (std + 1e-4), for ablations
-    baseline: str = 'group_mean'                # group_mean: advantage r - mean(r) (GPG); none: the raw reward r (plain PG)
-    age: bool = True                            # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
+    # group_mean: advantage r - mean(r) (GPG); none: the raw reward r (plain PG)
+    baseline: str = 'group_mean'
+    # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
+    age: bool = True
     aggregation: str = 'seq_mean_token_mean'    # or token_mean (mean over all tokens of the batch)
     gradient_checkpointing: bool = False        # trade compute for memory on large models
-    share_vision: bool = True                   # encode each prompt's images once per group in the update (false = once per sequence)
-    share_prompt: bool = True                   # run each prompt once per group in the update, completions on its cache (false = per sequence; off under gradient_checkpointing, FSDP and ZeRO-3)
-    logits_chunk_tokens: int = 1024             # score completions through the output layer this many tokens at a time (0 = all at once)
+    # encode each prompt's images once per group in the update (false = once per sequence)
+    share_vision: bool = True
+    # run each prompt once per group in the update, completions on its cache (false = per sequence; off under
+    # gradient_checkpointing, FSDP and ZeRO-3)
+    share_prompt: bool = True
+    # score completions through the output layer this many tokens at a time (0 = all at once)
+    logits_chunk_tokens: int = 1024
     save_every: int = 0                         # write checkpoint-<step>/ every N steps (0 = only final/)
     keep_checkpoints: int = 2                   # how many checkpoint-<step>/ folders to keep
-    max_bad_steps: int = 10                     # stop after this many steps in a row with a NaN/inf loss or gradient (0 = never)
+    # stop after this many steps in a row with a NaN/inf loss or gradient (0 = never)
+    max_bad_steps: int = 10
     report_to: str = 'none'                     # none, tensorboard or wandb (through accelerate's trackers)
     eval_before: bool = True                    # evaluate the held-out split before training
     eval_after: bool = True                     # and after
@@ -82,8 +94,10 @@ class RolloutSettings:
     top_p: float = 1.0                          # nucleus sampling
     ignore_eos: bool = False                    # always generate max_new_tokens (benchmarks)
     max_prompt_tokens: int = 4096               # longer prompts are skipped with a warning, never truncated
-    prefill_once: bool = True                   # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
-    static_cache: bool = False                  # preallocate the decoding cache (faster on CPU, where growing it reallocates each token)
+    # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
+    prefill_once: bool = True
+    # preallocate the decoding cache (faster on CPU, where growing it reallocates each token)
+    static_cache: bool = False
 
     def __post_init__(self) -> None:
         _check_ranges("rollout", self, ROLLOUT_RANGES)
@@ -93,10 +107,10 @@ class RolloutSettings:
 class EvalSettings:
     """`eval.*`: greedy evaluation of the held-out split during training."""
 
-    split: Optional[str] = None                 # held-out split (null = the task's eval split)
-    limit: Optional[int] = None                 # evaluate only the first N rows
+    split: str | None = None                 # held-out split (null = the task's eval split)
+    limit: int | None = None                 # evaluate only the first N rows
     batch_size: int = 32                        # prompts per greedy decoding batch
-    max_new_tokens: Optional[int] = None        # null = rollout.max_new_tokens
+    max_new_tokens: int | None = None        # null = rollout.max_new_tokens
 
 @dataclass
 class TrainSchema:
@@ -105,7 +119,7 @@ class TrainSchema:
 
     output_dir: str = "outputs"
     seed: int = 0
-    resume: Optional[str] = None
+    resume: str | None = None
     model: Any = None
     task: Any = None
     data: Any = None

@@ -382,7 +382,8 @@ def main() -> None:
     import trl
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"model {args.family}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, {args.cache} cache, "
+          f"model {args.family}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
+          f"{args.cache} cache, "
           f"{psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
     summaries = []
     for image_size in [int(x) for x in args.image_sizes.split(",")]:

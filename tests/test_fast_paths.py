@@ -22,7 +22,6 @@ from gpg_vl.models.prefix import completion_logps
 from gpg_vl.rollout import Rollout, generate
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
 
-
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
             "llava_onevision", "gemma3", "smolvlm", "internvl", "glm4v"]  # generic-family classes
 

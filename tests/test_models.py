@@ -12,7 +12,7 @@ from transformers import AutoModelForImageTextToText
 from gpg_vl.cli import build_policy, train_main
 from gpg_vl.config import load_config
 from gpg_vl.errors import UserError
-from gpg_vl.models.base import FAMILIES, Qwen3VLAdapter, load_policy, unwrap
+from gpg_vl.models.base import FAMILIES, Qwen3VLAdapter, load_policy
 from gpg_vl.models.lora import LANGUAGE_LINEARS, apply_lora
 from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
 from gpg_vl.rollout import generate

@@ -5,7 +5,8 @@ the processor turns texts and images into tensors, the model's forward takes `in
 the pixel tensors, and, where it can (`mm_encoder_outputs`), image features computed beforehand, which is
 how a group shares one encoding of its images. Prompt-once runs on the forked cache with positions from
 the attention mask, or, for a model with multimodal rotary positions (`get_rope_index`, GLM-4.1V), from
-the model's own rule on the whole sequence. `describe` says in one line which paths a model takes. The box frame is the model's published convention where one is known (`BOX_FRAME_OF`), else none.
+the model's own rule on the whole sequence. `describe` says in one line which paths a model takes.
+The box frame is the model's published convention where one is known (`BOX_FRAME_OF`), else none.
 """
 
 from __future__ import annotations

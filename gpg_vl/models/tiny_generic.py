@@ -94,7 +94,8 @@ def build_gemma3(path: Path, seed: int = 0):
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
                                 chat_template=chat_template("<start_of_image>", "<start_of_turn>", "<end_of_turn>"))
     text = dict(TINY_TEXT, **_ids(tokenizer), sliding_window=16, layer_types=["sliding_attention", "full_attention"])
-    config = Gemma3Config(text_config=text, vision_config=dict(TINY_SIGLIP, vision_use_head=False), mm_tokens_per_image=4,
+    config = Gemma3Config(text_config=text, vision_config=dict(TINY_SIGLIP, vision_use_head=False),
+                          mm_tokens_per_image=4,
                           boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
                           image_token_index=tokenizer.image_token_id, tie_word_embeddings=True)
     torch.manual_seed(seed)
@@ -166,8 +167,8 @@ def build_glm4v(path: Path, seed: int = 0):
     processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels), tokenizer=tokenizer,
                                video_processor=Glm4vVideoProcessor(**pixels), chat_template=template)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
-    text = dict(TINY_TEXT, **_ids(tokenizer), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5})
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
+    text = dict(TINY_TEXT, **_ids(tokenizer), rope_parameters=rope)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, image_size=112, patch_size=14,
                   out_hidden_size=64, spatial_merge_size=2, temporal_patch_size=2)
     config = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
@@ -178,5 +179,6 @@ def build_glm4v(path: Path, seed: int = 0):
     return _save(path, Glm4vForConditionalGeneration(config), processor, tokenizer)
 
 
-GENERIC_BUILDERS = {"glm4v": build_glm4v, "llava_onevision": build_llava_onevision, "gemma3": build_gemma3, "smolvlm": build_smolvlm,
+GENERIC_BUILDERS = {"glm4v": build_glm4v, "llava_onevision": build_llava_onevision, "gemma3": build_gemma3,
+                    "smolvlm": build_smolvlm,
                     "internvl": build_internvl}
