@@ -1,5 +1,6 @@
 """The families beyond Qwen-VL 2/2.5/3 through the command line: the generic family's classes (LLaVA-OneVision,
-Gemma 3, SmolVLM / Idefics3) and Qwen3.5 (hybrid attention, thinking mode). Each: two training steps in which
+Gemma 3, SmolVLM / Idefics3, InternVL, GLM-4.1V), Qwen3.5 dense and MoE (hybrid attention, thinking mode) and
+Qwen3-VL MoE. Each: two training steps in which
 every trainable parameter changes, a greedy evaluation, `final/` reloaded by transformers alone, freeze_vision
 and LoRA (the vision tower found by the family), a declared box frame, and an exact resume."""
 
@@ -24,12 +25,15 @@ VOWELS = "task=vowel_task:Vowels"
 QUICK = ["trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=5", "trainer.eval_before=false",
          "trainer.beta_th=0", "eval.limit=2", "eval.max_new_tokens=4", "trainer.lr=1e-2"]
 ALIASES = {"llava_onevision": "tiny-llava-onevision", "gemma3": "tiny-gemma3", "smolvlm": "tiny-smolvlm",
-           "qwen3_5": "tiny-qwen3.5", "internvl": "tiny-internvl", "glm4v": "tiny-glm4v"}
+           "qwen3_5": "tiny-qwen3.5", "internvl": "tiny-internvl", "glm4v": "tiny-glm4v",
+           "qwen3_5_moe": "tiny-qwen3.5-moe", "qwen3_vl_moe": "tiny-qwen3-vl-moe"}
 CLASSES = {"llava_onevision": "LlavaOnevisionForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
            "smolvlm": "Idefics3ForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-           "internvl": "InternVLForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration"}
+           "internvl": "InternVLForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
+           "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 FRAMES = {"llava_onevision": "relative-1", "gemma3": "none", "smolvlm": "none", "qwen3_5": "relative-1000",
-          "internvl": "relative-1000", "glm4v": "relative-1000"}
+          "internvl": "relative-1000", "glm4v": "relative-1000", "qwen3_5_moe": "relative-1000",
+          "qwen3_vl_moe": "relative-1000"}
 
 
 @pytest.fixture(scope="session")
