@@ -42,7 +42,11 @@ def build_policy(model_cfg: DictConfig, device):
         attn_implementation=model_cfg.attn_implementation, device=device,
         prompt_style=model_cfg.get("prompt_style") or "chat",
         raw_template=model_cfg.get("raw_template") or RAW_TEMPLATE,
+        enable_thinking=bool(model_cfg.get("enable_thinking", True)),
+        router_aux_loss_coef=float(model_cfg.get("router_aux_loss_coef") or 0.0),
     )
+    if model_cfg.get("box_frame"):
+        policy.adapter.box_frame = _box_frame(model_cfg.box_frame)
     model = policy.model
     if adapter is not None:
         model = load_adapter(model, adapter, trainable=training_lora)
@@ -50,10 +54,20 @@ def build_policy(model_cfg: DictConfig, device):
             model = model.merge_and_unload()
     elif training_lora:
         model = apply_lora(model, r=int(lora.r), alpha=float(lora.alpha), dropout=float(lora.dropout),
-                           target_modules=_plain(lora.target_modules), include_vision=bool(lora.include_vision))
+                           target_modules=_plain(lora.target_modules), include_vision=bool(lora.include_vision),
+                           vision_modules=policy.adapter.vision_modules(model),
+                           target_parameters=_plain(lora.get("target_parameters")) or None)
     if model_cfg.get("freeze_vision"):
-        freeze_vision(model)
+        freeze_vision(model, policy.adapter.vision_modules(model))
     return replace(policy, model=model, save_format=str(lora.save) if training_lora else "full")
+
+
+def _box_frame(frame: str) -> str:
+    from gpg_vl.models.family import BOX_FRAMES
+
+    if frame not in BOX_FRAMES:
+        raise UserError(f"unknown model.box_frame {frame!r}; use one of {', '.join(BOX_FRAMES)} (null = the family's).")
+    return frame
 
 
 def _plain(value):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -14,6 +15,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from gpg_vl.errors import UserError
+from gpg_vl.settings import register_schema
 from gpg_vl.validate import check_values
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -24,7 +26,7 @@ if not OmegaConf.has_resolver("now"):
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml"))
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml") if not path.stem.startswith("_"))
 
 
 def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -77,6 +79,7 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     if plugin:
         overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
     group_overrides = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+    register_schema()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             base = compose(config_name=config_name, overrides=group_overrides)
@@ -84,9 +87,29 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
                 _check_override(base, override)
             cfg = compose(config_name=config_name, overrides=overrides)
     except HydraException as error:
-        raise UserError(f"bad command line: {str(error).splitlines()[0]}") from None
-    check_values(cfg)  # every value's type and range, before anything loads
+        raise UserError(_type_error(error) or f"bad command line: {str(error).splitlines()[0]}") from None
+    check_values(cfg)  # every value's range (types: the schema, gpg_vl/settings.py), before anything loads
     return cfg
+
+
+def _type_error(error: Exception) -> str | None:
+    """One sentence for a value of the wrong type (OmegaConf's ValidationError under Hydra's exception)."""
+    from omegaconf.errors import ValidationError
+
+    cause = error
+    while cause is not None and not isinstance(cause, ValidationError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    key, value = getattr(cause, "full_key", None), getattr(cause, "value", None)
+    wanted = re.search(r"converted to (\w+)|is not a valid (\w+)", str(cause))
+    if not key or wanted is None:
+        return None
+    name = wanted.group(1) or wanted.group(2)
+    kind = {"Float": "a number", "Integer": "a whole number", "Boolean": "true or false", "bool": "true or false",
+            "String": "a string"}.get(name, name)
+    return (f"{key}={value} has the wrong type: {key} takes {kind} (see `python scripts/train.py --cfg job` for "
+            "every setting and its default).")
 
 
 def parse_argv(argv: list[str]) -> tuple[list[str], bool]:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image
-from qwen_vl_utils.vision_process import MAX_RATIO
 
 from gpg_vl.errors import BadRow, UserError
 
+MAX_ASPECT_RATIO = 200.0  # the most elongated image any processor is given (a family may allow fewer)
 MIN_ROWS_JUDGED = 100  # the bad fraction is taken over at least this many rows (or the whole split if smaller)
 FIRST_KEPT = 5  # bad rows remembered by position, to name them when the run stops
 
@@ -32,12 +32,13 @@ class Prompt:
     messages: list[dict]
 
 
-def prepare_prompt(task, rows: Sequence, index: int) -> Prompt:
+def prepare_prompt(task, rows: Sequence, index: int, max_aspect_ratio: float = MAX_ASPECT_RATIO) -> Prompt:
     """Row `index` of `rows` as chat messages; raises `BadRow` (with its reason) when the row cannot be used.
 
     Reading the row, the task's `check_row` and `messages` may each find a problem; images in the messages
-    must have pixels and an aspect ratio the Qwen-VL processors accept. Any other exception from the task's
-    code is a bad row too (reason "error"; `KeyError` is "missing column"), so one odd row never ends a run.
+    must have pixels and an aspect ratio within `max_aspect_ratio` (the model family's processor limit).
+    Any other exception from the task's code is a bad row too (reason "error"; `KeyError` is "missing
+    column"), so one odd row never ends a run.
     """
     try:
         row = rows[index]
@@ -57,9 +58,10 @@ def prepare_prompt(task, rows: Sequence, index: int) -> Prompt:
                 width, height = image.size
                 if min(width, height) == 0:
                     raise BadRow("zero-size image", f"row {index} has an image of {width}x{height} pixels.")
-                if max(width, height) / min(width, height) > MAX_RATIO:
+                if max(width, height) / min(width, height) > max_aspect_ratio:
                     raise BadRow("extreme aspect ratio", f"row {index} has a {width}x{height} image, over the "
-                                                         f"{MAX_RATIO}:1 aspect ratio Qwen-VL processors accept.")
+                                                         f"{max_aspect_ratio:g}:1 aspect ratio the model's processor "
+                                                         "accepts.")
     return Prompt(index, row, messages)
 
 
@@ -143,14 +145,15 @@ class BadRowLog:
 
 
 def scan_rows(task, rows: Sequence, *, max_bad_fraction: float = 1.0, kept: int | None = FIRST_KEPT,
-              progress: Callable[[int], None] | None = None) -> tuple[list[int], BadRowLog]:
+              progress: Callable[[int], None] | None = None,
+              max_aspect_ratio: float = MAX_ASPECT_RATIO) -> tuple[list[int], BadRowLog]:
     """Check every row of `rows` as training would; returns the good positions and the log (which keeps the
     first `kept` bad rows with their messages, or all of them with `kept=None`)."""
     log = BadRowLog(max_bad_fraction, total=len(rows), kept=kept)
     good = []
     for index in range(len(rows)):
         try:
-            prepare_prompt(task, rows, index)
+            prepare_prompt(task, rows, index, max_aspect_ratio)
             log.good()
             good.append(index)
         except BadRow as error:
@@ -185,7 +188,7 @@ class PromptStream:
 
     def __init__(self, rows: Sequence, *, seed: int, rank: int = 0, world_size: int = 1,
                  max_bad_fraction: float = 1.0, warn: Callable[[str], None] | None = None,
-                 stop: Callable[[str], None] | None = None) -> None:
+                 stop: Callable[[str], None] | None = None, max_aspect_ratio: float = MAX_ASPECT_RATIO) -> None:
         if len(rows) == 0:
             raise ValueError("the training split has no rows")
         self.rows, self.seed, self.rank, self.world_size = rows, seed, rank, world_size
@@ -193,6 +196,7 @@ class PromptStream:
         self._order = self._permutation(0)
         self.bad = BadRowLog(max_bad_fraction, total=len(rows))
         self.warn = warn or (lambda message: print(f"warning: {message}"))
+        self.max_aspect_ratio = max_aspect_ratio
         self.stop = stop  # called with the stop sentence before the UserError is raised (e.g. to write a summary)
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -224,7 +228,7 @@ class PromptStream:
         while len(good) < global_count:
             for index in self.next_indices(global_count - len(good)):
                 try:
-                    good.append(prepare_prompt(task, self.rows, index))
+                    good.append(prepare_prompt(task, self.rows, index, self.max_aspect_ratio))
                     self.bad.good()
                 except BadRow as error:
                     note = self.bad.record(index, error)

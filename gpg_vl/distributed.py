@@ -19,13 +19,15 @@ vision tower while another runs it deadlocks both). The trainer keeps to that ru
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
-from PIL import Image
 
 from gpg_vl.errors import UserError
-from gpg_vl.models.base import Policy, PromptBatch
-from gpg_vl.tasks import image_question
+
+if TYPE_CHECKING:  # annotations only: the models package imports this module, never the other way round
+    from gpg_vl.models.base import Policy
+    from gpg_vl.models.family import PromptBatch
 
 
 def forward_is_collective(model: torch.nn.Module) -> bool:
@@ -43,8 +45,8 @@ def forward_is_collective(model: torch.nn.Module) -> bool:
 
 def placeholder_prompts(policy: Policy) -> PromptBatch:
     """One prompt holding a blank image: what a process without data feeds the model so that it still runs
-    the same modules (the vision tower included) as the processes that have data."""
-    return policy.adapter.encode([image_question(Image.new("RGB", (28, 28)), "")], ids=["placeholder"])
+    the same modules (the vision tower included) as the processes that have data (the family builds it)."""
+    return policy.adapter.placeholder_prompts()
 
 
 def placeholder_chunk(policy: Policy, attempts: list, device: torch.device):

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from gpg_vl.distributed import forward_is_collective, gathered_for_generation
 from gpg_vl.models import prefix
-from gpg_vl.models.base import Policy, PromptBatch, eval_mode
+from gpg_vl.models.base import Policy
+from gpg_vl.models.family import PromptBatch, eval_mode
 
 
 @dataclass
@@ -51,12 +52,12 @@ def generate(
     """
     adapter, model = policy.adapter, policy.model
     inputs = prompts.to(model.device).inputs
-    adapter.position_ids(model, {"attention_mask": inputs["attention_mask"]})  # resets cached rope deltas
+    adapter.reset_positions(model)  # rotary offsets an earlier generate cached for its own batch
     collective = forward_is_collective(model)
     expand, forked = group_size, None
-    if prefill_once and group_size > 1 and not collective:
+    if prefill_once and group_size > 1 and not collective and adapter.prefill_once_unsupported(model) is None:
         with eval_mode(model):
-            forked = prefix.prefill_once(model, inputs, group_size=group_size, max_new_tokens=max_new_tokens,
+            forked = prefix.prefill_once(adapter, model, inputs, group_size=group_size, max_new_tokens=max_new_tokens,
                                          static_cache=static_cache)
     if forked is not None:
         inputs, expand = forked, 1
@@ -84,7 +85,11 @@ def generate(
 
 
 def in_task_frame(policy: Policy, task, texts: list[str], prompts: PromptBatch, group_size: int) -> list[str]:
-    """Completions as the task scores them: boxes moved from the model's frame into original pixels."""
+    """Completions as the task scores them: with what the chat template opened in the prompt for them (a
+    think block), and boxes moved from the model's frame into original pixels."""
+    prefixes = [policy.adapter.completion_prefix(text) for text in prompts.texts] if prompts.texts else []
+    if prefixes:
+        texts = [prefixes[i // group_size] + text for i, text in enumerate(texts)]
     if not getattr(task, "uses_boxes", False) or not prompts.image_sizes:
         return texts
     return [policy.adapter.completion_to_original(text, prompts.image_sizes[i // group_size])

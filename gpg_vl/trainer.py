@@ -38,7 +38,8 @@ from gpg_vl.data import PromptStream, Subset, scan_rows
 from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
-from gpg_vl.models.base import Policy, PromptBatch
+from gpg_vl.models.base import Policy
+from gpg_vl.models.family import PromptBatch, ScoringPath, choose_scoring_path
 from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
 from gpg_vl.outdir import claim_output_dir
 from gpg_vl.report import write_curves
@@ -46,70 +47,7 @@ from gpg_vl.reward_pool import RewardBudget, score_completions
 from gpg_vl.rollout import Rollout, generate, in_task_frame
 from gpg_vl.rollout_log import log_rollouts
 from gpg_vl.sampler import collect_valid_groups
-
-
-@dataclass
-class TrainerSettings:
-    """`trainer.*` config keys (see configs/train.yaml for each one's meaning)."""
-
-    max_steps: int = 100
-    epochs: float | None = None
-    group_size: int = 8
-    batch_size: int = 8
-    micro_batch_size: int = 16
-    micro_batch_tokens: int = 8192
-    lr: float = 1e-6
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    beta_th: float = 0.4
-    max_attempts: int = 8
-    std_normalize: bool = False
-    baseline: str = "group_mean"
-    age: bool = True
-    max_completions: int | None = None
-    aggregation: str = "seq_mean_token_mean"
-    gradient_checkpointing: bool = False
-    share_vision: bool = True
-    share_prompt: bool = True
-    logits_chunk_tokens: int = 1024
-    save_every: int = 0
-    keep_checkpoints: int = 2
-    max_bad_steps: int = 10
-    reward_workers: int = 4
-    reward_budget_s: float = 60.0
-    report_to: str = "none"
-    log_rollouts_every: int = 10
-    log_rollouts_groups: int = 8
-    eval_before: bool = True
-    eval_after: bool = True
-
-    def __post_init__(self) -> None:
-        estimator_name(self.baseline, self.std_normalize)  # an unknown variant fails before any work
-
-
-@dataclass
-class RolloutSettings:
-    """`rollout.*` config keys."""
-
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    max_prompt_tokens: int = 4096
-    prefill_once: bool = True
-    static_cache: bool = False
-
-
-@dataclass
-class EvalSettings:
-    """`eval.*` config keys used during training."""
-
-    split: str | None = None
-    limit: int | None = None
-    batch_size: int = 32
-    max_new_tokens: int | None = None
+from gpg_vl.settings import EvalSettings, RolloutSettings, TrainerSettings  # noqa: F401  (declared once there)
 
 
 @dataclass
@@ -155,7 +93,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         empty = torch.zeros(0, group_size)
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
-    require_images("pixel_values" in prompts.inputs, stream.world_size, "a batch of training prompts")
+    require_images(prompts.has_images, stream.world_size, "a batch of training prompts")
     result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
                       temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos,
                       prefill_once=rollout.prefill_once, static_cache=rollout.static_cache)
@@ -229,7 +167,7 @@ def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], complet
 # loss + step
 # ---------------------------------------------------------------------------------------------
 def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
-           settings: TrainerSettings, temperature: float) -> dict[str, float]:
+           settings: TrainerSettings, temperature: float, path: ScoringPath | None = None) -> dict[str, float]:
     """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE), or with
     `settings.age=False` their sum over the count of every sampled sequence of the attempts (alpha = 1).
 
@@ -241,13 +179,18 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     FSDP and DeepSpeed every process runs the same number of forward/backward calls, each through the
     vision tower (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted
     placeholders. A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
+    `path` is the run's scoring path (`choose_scoring_path`, chosen once in `train`): the forward and the
+    micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
     """
     device = accelerator.device
+    if path is None:
+        path = choose_scoring_path(policy.adapter, model, share_prompt=settings.share_prompt,
+                                   share_vision=settings.share_vision)
     chunks = list(update_chunks(attempts, settings.micro_batch_size, settings.micro_batch_tokens,
-                                share_prompt=settings.share_prompt))
+                                share_prompt=path.prompt_once))
     sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
     local = torch.tensor([[sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks), len(chunks),
-                           sum("pixel_values" not in c[0].inputs for c in chunks),
+                           sum(not c[0].has_images for c in chunks),
                            sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=device)
     # Collective: train() calls update() on every process or on none (its test uses global counts), and
     # this gather runs first and unconditionally; every branch below depends only on its result.
@@ -277,14 +220,16 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
-                                                   temperature=temperature, share_vision=settings.share_vision,
-                                                   share_prompt=settings.share_prompt,
+                                                   temperature=temperature, path=path,
                                                    logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
+                router = policy.adapter.router_aux_loss(model)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
                     loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
                                              normalizer=normalizer)
+                    if router is not None:  # averaged over the micro-batches, weighted by their sequences
+                        loss = loss + router * (len(adv) / global_sequences)
                     total_loss += float(loss.detach())
                     logp_sum += info["logp_mean"] * info["num_tokens"]
                     token_count += int(info["num_tokens"])
@@ -419,6 +364,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                         "processes, so some would get no prompt; set trainer.batch_size to at least "
                         f"{accelerator.num_processes} (prompts per step, over all processes).")
 
+    policy.adapter.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
     train_rows = task.load(task.train_split)
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
@@ -455,8 +401,13 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
             (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         raise UserError(message)
 
+    # The scoring path, once for the run: the update's forward and its micro-batch cost both read it.
+    path = choose_scoring_path(policy.adapter, model, share_prompt=trainer.share_prompt,
+                               share_vision=trainer.share_vision, warn=warn)
+    accelerator.print(f"model: {policy.adapter.describe(model)}; the update scores {path.describe()}")
     stream = PromptStream(train_rows, seed=seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                          max_bad_fraction=max_bad_fraction, warn=warn, stop=stop)
+                          max_bad_fraction=max_bad_fraction, warn=warn, stop=stop,
+                          max_aspect_ratio=policy.adapter.max_aspect_ratio)
     start_step = 0
     counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0,
                 "completions_sampled": 0, "reward_timeouts": 0}  # saved in checkpoints: a resumed run continues them
@@ -479,7 +430,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
     eval_data = None
     if (trainer.eval_before and start_step == 0) or trainer.eval_after:  # held-out rows are checked once, here
-        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=max_bad_fraction)
+        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=max_bad_fraction,
+                                    max_aspect_ratio=policy.adapter.max_aspect_ratio)
         if eval_data.bad:
             warn(f"{eval_data.bad} held-out rows are bad and left out of evaluation:\n{eval_data.report()}")
         if eval_data.over_limit():
@@ -519,7 +471,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         # loss + step, on valid groups only
         if collected.groups_valid > 0:
             result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts,
-                            settings=trainer, temperature=rollout.temperature)
+                            settings=trainer, temperature=rollout.temperature, path=path)
         else:
             result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
             warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "

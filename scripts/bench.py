@@ -4,9 +4,12 @@
     python scripts/bench.py --steps 5 --gpg-variants default,plain                 # the README's headline
     python scripts/bench.py --group-sizes 2,4,8,16 --image-sizes 224,448 --steps 2  # the scaling table
     python scripts/bench.py --steps 3 --gpg-variants default,no-share_prompt       # where gpg-vl's time goes
+    python scripts/bench.py --family qwen3_5 --steps 3 --gpg-variants default,plain # Qwen3.5 (hybrid attention)
 
 The model is a random-weight Qwen2_5_VLForConditionalGeneration (text hidden 512 x 6 layers, vision
-hidden 256 x depth 6, about 26M parameters) with the embedded tiny model's tokenizer and processor.
+hidden 256 x depth 6, about 26M parameters) with the embedded tiny model's tokenizer and processor; with
+`--family qwen3_5`, a Qwen3_5ForConditionalGeneration of the same sizes (Gated DeltaNet in layers 1-3 and
+5-6, full attention in layer 4; 16-px patches) with the tiny Qwen3.5's processor and thinking template.
 Both trainers get the same B prompts per step (same template, same image size, so the same token
 counts), G completions each of exactly --new-tokens tokens (EOS cannot be sampled: gpg-vl's
 rollout.ignore_eos, TRL's min_new_tokens), the same optimizer (AdamW) and learning rate, and one
@@ -42,7 +45,7 @@ import torch
 from PIL import Image
 
 from gpg_vl.data import PromptStream
-from gpg_vl.models.base import Policy, QwenVLAdapter, resolve_path
+from gpg_vl.models.base import FAMILIES, Policy, resolve_path
 from gpg_vl.sampler import collect_valid_groups
 from gpg_vl.tasks import Task, image_question
 from gpg_vl.trainer import RolloutSettings, TrainerSettings, sample_attempt, update
@@ -67,10 +70,13 @@ VARIANTS = {
 # ---------------------------------------------------------------------------------------------
 # the shared model, prompts and reward
 # ---------------------------------------------------------------------------------------------
-def build_model(image_size: int, seed: int, dtype: torch.dtype, device: str):
-    """A random-weight Qwen2.5-VL of about 26M parameters and a processor that keeps images at image_size."""
+def build_model(image_size: int, seed: int, dtype: torch.dtype, device: str, family: str = "qwen2_5_vl"):
+    """A random-weight Qwen2.5-VL (or Qwen3.5) of about 26M parameters and a processor that keeps images at
+    image_size."""
     from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    if family == "qwen3_5":
+        return build_qwen3_5(image_size, seed, dtype, device)
     path = resolve_path("embedded:tiny-qwen2.5-vl")
     processor = AutoProcessor.from_pretrained(path)
     processor.image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": image_size * image_size}
@@ -84,6 +90,31 @@ def build_model(image_size: int, seed: int, dtype: torch.dtype, device: str):
         tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).to(device=device, dtype=dtype)
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    return model, processor
+
+
+def build_qwen3_5(image_size: int, seed: int, dtype: torch.dtype, device: str):
+    """A random-weight Qwen3.5 with the bench model's sizes: text hidden 512 x 6 layers (the 3:1 Gated DeltaNet /
+    full attention pattern), vision hidden 256 x depth 6."""
+    from transformers import AutoProcessor, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    path = resolve_path("tiny:qwen3_5")
+    processor = AutoProcessor.from_pretrained(path)
+    processor.image_processor.size = {"shortest_edge": 64 * 64, "longest_edge": image_size * image_size}
+    tiny = Qwen3_5Config.from_pretrained(path)
+    text = {**tiny.text_config.to_dict(), "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [4, 6, 6]}  # rotary dim 32 of 64
+    vision = {**tiny.vision_config.to_dict(), "hidden_size": 256, "intermediate_size": 1024, "depth": 6,
+              "num_heads": 4, "out_hidden_size": 512}
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=tiny.image_token_id,
+                           video_token_id=tiny.video_token_id, vision_start_token_id=tiny.vision_start_token_id,
+                           vision_end_token_id=tiny.vision_end_token_id, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(config).to(device=device, dtype=dtype)
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     return model, processor
 
@@ -181,8 +212,9 @@ class GpgRunner:
         from transformers import get_scheduler
 
         trainer_overrides, rollout_overrides = VARIANTS[variant]
-        model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device)
-        adapter = QwenVLAdapter(processor, model.config, min_pixels=56 * 56, max_pixels=image_size * image_size)
+        model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device, args.family)
+        adapter = FAMILIES[args.family](processor, model.config, min_pixels=56 * 56,
+                                        max_pixels=image_size * image_size)
         self.task = BenchTask(rows)
         self.settings = replace(TrainerSettings(), group_size=group_size, batch_size=args.prompts, lr=args.lr,
                                 beta_th=0.0, max_attempts=1, **trainer_overrides)
@@ -220,7 +252,7 @@ def trl_trainer(args, rows: list[dict], group_size: int, image_size: int, steps:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device)
+    model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device, args.family)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": row["question"]}], "image": row["image"]}
                                  for row in rows])
 
@@ -331,6 +363,8 @@ def main() -> None:
                         help=f"gpg-vl configurations run beside TRL, comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
                         help="decoding cache of both trainers' generate (transformers' default is dynamic)")
+    parser.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_5"],
+                        help="the bench model's family (same sizes)")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both trainers)")
@@ -348,7 +382,8 @@ def main() -> None:
     import trl
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
-          f"device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, {args.cache} cache, "
+          f"model {args.family}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
+          f"{args.cache} cache, "
           f"{psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
     summaries = []
     for image_size in [int(x) for x in args.image_sizes.split(",")]:

@@ -77,3 +77,48 @@ def test_model_can_be_a_local_directory_whose_family_is_read_from_its_config(tmp
     assert _family_of(cfg.model.name_or_path) == "qwen2_5_vl"
     with pytest.raises(UserError, match="model.family="):
         _family_of(str(tmp_path))
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("trainer.lr=abc", ["trainer.lr=abc", "wrong type", "a number"]),
+    ("trainer.group_size=2.5", ["trainer.group_size=2.5", "a whole number"]),
+    ("rollout.ignore_eos=maybe", ["rollout.ignore_eos=maybe", "true or false"]),
+    ("trainer.group_size=0", ["trainer.group_size=0", "allowed", "an integer >= 1"]),
+    ("trainer.beta_th=2", ["trainer.beta_th=2", ">= 0 and <= 1"]),
+])
+def test_wrong_types_and_ranges_fail_in_one_sentence_naming_the_key(override, words):
+    with pytest.raises(UserError) as error:
+        load_config("train", [override])
+    message = str(error.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_the_settings_are_declared_once_and_train_yaml_uses_them():
+    from dataclasses import asdict
+
+    from gpg_vl.settings import EvalSettings, RolloutSettings, TrainerSettings
+
+    raw = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())
+    assert "train_schema" in raw["defaults"] and not {"trainer", "rollout", "eval"} & set(raw)  # no second copy
+    cfg = load_config("train", [])
+    task = yaml.safe_load((ROOT / "configs" / "task" / "shapes.yaml").read_text())  # the default task's own values
+    for section, declared in (("trainer", TrainerSettings()), ("rollout", RolloutSettings()),
+                              ("eval", EvalSettings())):
+        expected = {**asdict(declared), **(task.get(section) or {})}
+        assert OmegaConf.to_container(cfg[section]) == expected
+    assert isinstance(OmegaConf.to_object(cfg.trainer), TrainerSettings)
+
+
+def test_every_model_alias_resolves_and_is_a_short_diff_over_the_family_base():
+    from gpg_vl.config import group_options
+
+    for alias in group_options("model"):
+        if alias == "local":
+            continue
+        raw = yaml.safe_load((ROOT / "configs" / "model" / f"{alias}.yaml").read_text())
+        assert raw["defaults"][0] in ("_base", "_tiny") and len(raw) <= 5, alias
+        model = load_config("train", [f"model={alias}"]).model
+        assert model.name_or_path and model.family and model.dtype in ("auto", "float32"), alias
+    printed = subprocess.run([sys.executable, "scripts/train.py", "model=qwen3.5-35b-a3b", "--cfg", "job"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert "name_or_path: Qwen/Qwen3.5-35B-A3B" in printed.stdout and "family: qwen3_5" in printed.stdout

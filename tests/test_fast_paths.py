@@ -22,10 +22,13 @@ from gpg_vl.models.prefix import completion_logps
 from gpg_vl.rollout import Rollout, generate
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
 
+FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
+            "llava_onevision", "gemma3", "smolvlm", "internvl", "glm4v"]  # generic-family classes
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_policy(request, tmp_path_factory):
-    """A float32 tiny model of each family: the embedded Qwen2.5-VL, random Qwen2-VL and Qwen3-VL built here."""
+    """A float32 tiny model of each family: the embedded Qwen2.5-VL, the random others built here."""
     from gpg_vl.models.base import load_policy
     from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
 
@@ -34,7 +37,7 @@ def family_policy(request, tmp_path_factory):
         path = tmp_path_factory.mktemp("tiny") / request.param
         build_tiny_family(path, request.param)
     torch.manual_seed(0)
-    return load_policy(str(path), family=request.param, dtype="float32", min_pixels=3136, max_pixels=50176)
+    return load_policy(str(path), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)
 
 
 def mixed_prompts(policy, shapes) -> PromptBatch:
@@ -91,9 +94,10 @@ def assert_fast_paths_give_the_plain_gradient(policy, attempt: Attempt) -> None:
     common = {"max_grad_norm": 1e9, "group_size": attempt.rollout.group_size}
     plain = TrainerSettings(**common, share_vision=False, share_prompt=False, logits_chunk_tokens=0,
                             micro_batch_tokens=0, micro_batch_size=100)
+    budget = int(attempt.prompts.inputs["attention_mask"].sum(dim=1).max()) + 14  # a prompt and two completions
     fast = TrainerSettings(**common, share_vision=True, share_prompt=True, logits_chunk_tokens=3,
-                           micro_batch_tokens=110)  # several micro-batches, some splitting a group
-    assert len(list(update_chunks([attempt], 0, 110, share_prompt=True))) > 2
+                           micro_batch_tokens=budget)  # several micro-batches, some splitting a group
+    assert len(list(update_chunks([attempt], 0, budget, share_prompt=True))) > 2
     reference = one_update_gradient(policy, attempt, plain)
     scale = float(reference.abs().max())
     assert scale > 0
@@ -110,7 +114,7 @@ def lora_policy(policy):
     from gpg_vl.models.base import Policy
     from gpg_vl.models.lora import apply_lora
 
-    lora = apply_lora(policy.model, r=4, alpha=8.0)
+    lora = apply_lora(policy.model, r=4, alpha=8.0, vision_modules=policy.adapter.vision_modules(policy.model))
     for name, parameter in lora.named_parameters():
         if "lora_B" in name:  # B starts at zero, which would make the base path's gradient the only one
             torch.nn.init.normal_(parameter, std=0.05, generator=torch.Generator().manual_seed(len(name)))
@@ -143,6 +147,11 @@ def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes)
     policy = family_policy
     prompts = mixed_prompts(policy, shapes)
     group_size = 2
+    declined = policy.adapter.prefill_once_unsupported(policy.model)
+    if declined is not None:  # the family steps aside (said once, in its one-line description)
+        assert type(policy.model).__name__ == "Gemma3ForConditionalGeneration" and "sliding-window" in declined
+        assert declined in policy.adapter.describe(policy.model)
+        return
     every_row = generate(policy, prompts.select([i // group_size for i in range(3 * group_size)]), group_size=1,
                          max_new_tokens=12, do_sample=False)
     for static_cache in (False, True):
@@ -150,7 +159,7 @@ def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes)
                         prefill_once=True, static_cache=static_cache)
         assert torch.equal(once.completion_ids, every_row.completion_ids)
         assert torch.equal(once.completion_mask, every_row.completion_mask)
-    assert policy.adapter.position_ids(policy.model, prompts.inputs).shape[1] == 3  # stale rope deltas are reset
+    assert policy.adapter.position_ids(policy.model, prompts.inputs).shape[-2] == 3  # stale rope deltas are reset
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -287,3 +296,30 @@ def test_two_processes_update_as_one_process_on_all_their_sequences(tmp_path, sh
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert torch.equal(ranks[0], ranks[1])
     torch.testing.assert_close(ranks[0], single, rtol=1e-5, atol=1e-6 * float(single.abs().max()))
+
+
+@pytest.mark.parametrize("engine", ["gradient_checkpointing", "sharded"])
+def test_the_scoring_path_is_chosen_once_and_micro_batches_keep_the_token_budget_of_the_path_taken(policy, shapes,
+                                                                                                   monkeypatch, engine):
+    """Where prompt-once steps aside (gradient checkpointing, FSDP / ZeRO-3), the forward runs whole sequences,
+    and the micro-batches are cut by the cost of whole sequences: none holds more than trainer.micro_batch_tokens."""
+    import gpg_vl.distributed
+    from gpg_vl.models.family import choose_scoring_path
+
+    if engine == "gradient_checkpointing":
+        policy.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        monkeypatch.setattr(gpg_vl.distributed, "forward_is_collective", lambda model: True)
+    path = choose_scoring_path(policy.adapter, policy.model, share_prompt=True, share_vision=True)
+    assert not path.prompt_once and path.shared_vision and path.wrapped == (engine == "sharded")
+    attempt = mixed_attempt(policy, shapes)
+    prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()
+    budget = int(max(prompt_lengths)) + 8
+    chunks = list(update_chunks([attempt], 0, budget, share_prompt=path.prompt_once))
+    for _prompts, prompt_index, _ids, mask, _adv in chunks:
+        whole = micro_batch_cost([prompt_lengths[p] for p in prompt_index], prompt_index, mask.sum(dim=1).tolist(),
+                                 share_prompt=False)
+        assert whole <= budget or len(prompt_index) == 1
+    # counted as prompt-once, the same budget would have packed a group's sequences together, over the budget
+    packed = list(update_chunks([attempt], 0, budget, share_prompt=True))
+    assert len(packed) < len(chunks)

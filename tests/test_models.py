@@ -19,17 +19,22 @@ from gpg_vl.rollout import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 VOWELS = "task=vowel_task:Vowels"  # tests/ is on sys.path: one import, one registration
-ALIASES = {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl"}
+ALIASES = {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl",
+           "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe"}
+QWEN = sorted(ALIASES)  # the Qwen families' tiny models (the generic ones are tested in test_generic.py)
+CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+           "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 QUICK = ["trainer.batch_size=2", "trainer.group_size=4", "rollout.max_new_tokens=6", "trainer.eval_before=false",
          "trainer.eval_after=false", "trainer.beta_th=0"]
 
 
 @pytest.fixture(scope="session")
 def tiny_paths(tmp_path_factory):
-    """Each family's tiny model directory: the embedded Qwen2.5-VL, and random Qwen2-VL / Qwen3-VL built here."""
+    """Each family's tiny model directory: the embedded Qwen2.5-VL, and the random others built here."""
     root = tmp_path_factory.mktemp("tiny-models")
     paths = {"qwen2_5_vl": EMBEDDED_TINY}
-    for family in ("qwen2_vl", "qwen3_vl"):
+    for family in [f for f in QWEN if f != "qwen2_5_vl"]:
         build_tiny_family(root / family, family)
         paths[family] = root / family
     return paths
@@ -58,14 +63,12 @@ def tiny_model(family, tiny_paths):
 
 
 # ---- the families ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", QWEN)
 def test_each_family_generates_and_its_images_reach_the_language_model(tiny_paths, family):
     policy = load(tiny_paths, family)
-    assert type(policy.model).__name__ == {"qwen2_vl": "Qwen2VLForConditionalGeneration",
-                                           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                                           "qwen3_vl": "Qwen3VLForConditionalGeneration"}[family]
+    assert type(policy.model).__name__ == CLASSES[family]
     prompts = policy.adapter.encode([question(picture(0)), question(picture(1))])
-    patch = 16 if family == "qwen3_vl" else 14
+    patch = 16 if family.startswith("qwen3") else 14
     assert policy.adapter.image_patch_size == patch
     width, height = prompts.image_sizes[0][0][2:]
     assert width % (2 * patch) == 0 and height % (2 * patch) == 0  # resized to whole merged patches
@@ -84,7 +87,7 @@ def test_each_family_generates_and_its_images_reach_the_language_model(tiny_path
     assert not torch.allclose(shared, swapped)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", QWEN)
 def test_each_family_trains_two_steps_through_the_trainer_and_every_parameter_changes(tmp_path, tiny_paths, family):
     before = {n: p.detach().clone() for n, p in
               AutoModelForImageTextToText.from_pretrained(tiny_paths[family]).named_parameters()}
@@ -97,7 +100,7 @@ def test_each_family_trains_two_steps_through_the_trainer_and_every_parameter_ch
     assert unchanged == []
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", QWEN)
 def test_boxes_round_trip_between_original_pixels_and_the_model_frame(tiny_paths, family):
     policy = load(tiny_paths, family)
     prompts = policy.adapter.encode([question(picture(0, (333, 217)))])
@@ -178,7 +181,8 @@ def test_tiny_aliases_build_their_model_once_into_the_cache(tmp_path, monkeypatc
 # ---- memory options ---------------------------------------------------------------------------------
 def test_lora_targets_the_language_model_only_unless_the_vision_tower_is_asked_for(tiny_paths):
     # Qwen2.5-VL's vision MLP also has gate/up/down_proj layers: the default must still leave it alone
-    model = apply_lora(load(tiny_paths, "qwen2_5_vl").model, r=4, alpha=8)
+    loaded = load(tiny_paths, "qwen2_5_vl")
+    model = apply_lora(loaded.model, r=4, alpha=8, vision_modules=loaded.adapter.vision_modules(loaded.model))
     adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in model.named_parameters() if ".lora_A." in name}
     assert adapted and not [n for n in adapted if ".visual." in n]
     assert {n.rsplit(".", 1)[1] for n in adapted} == set(LANGUAGE_LINEARS)
@@ -275,7 +279,7 @@ def test_frozen_vision_tower_is_not_trained_nor_in_the_optimizer(tmp_path, tiny_
     assert len(state["optimizer"]["param_groups"][0]["params"]) == len(trained) - len(vision)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", QWEN)
 def test_gradient_checkpointing_gives_the_same_gradient(tiny_paths, family):
     policy = load(tiny_paths, family)
     prompts = policy.adapter.encode([question(picture(0)), question(picture(1))])

@@ -1,7 +1,9 @@
 """Memory options of the policy model: LoRA adapters through PEFT, a frozen vision tower, and saving either.
 
-- `apply_lora` wraps the model in a `peft.PeftModel` with LoRA on the language model's linear layers;
-  the vision tower is excluded unless asked for, and every base weight is frozen.
+- `apply_lora` wraps the model in a `peft.PeftModel` with LoRA on the language model's linear layers (and,
+  with `target_parameters`, on parameter tensors such as a mixture-of-experts layer's fused expert
+  weights); the vision tower (the modules its family names, `Family.vision_modules`) is excluded unless
+  asked for, and every base weight is frozen.
 - `freeze_vision` stops the vision tower's parameters from training (they then stay out of the optimizer).
 - `save_model` writes a checkpoint's weights: the full model, the LoRA adapter alone (`adapter`), or the
   merged weights in Hugging Face format with the adapter beside them in `adapter/` (`merged`), so that a
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -19,22 +22,32 @@ import torch
 from gpg_vl.errors import UserError
 
 LANGUAGE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VISION_MODULES = r"(.*\.)?visual\..*"  # every module of the vision tower (model.visual.*) in all three families
 SAVE_FORMATS = ("full", "adapter", "merged")
 ADAPTER_SUBFOLDER = "adapter"  # where a merged checkpoint keeps its adapter, for resuming
 
 
+def vision_pattern(vision_modules: list[str]) -> str | None:
+    """One regular expression matching every module inside the given vision-tower roots (None: no roots)."""
+    if not vision_modules:
+        return None
+    return rf"({'|'.join(re.escape(name) for name in vision_modules)})(\..*)?"
+
+
 def apply_lora(model: torch.nn.Module, *, r: int, alpha: float, dropout: float = 0.0,
-               target_modules: str | list[str] = LANGUAGE_LINEARS, include_vision: bool = False):
+               target_modules: str | list[str] = LANGUAGE_LINEARS, include_vision: bool = False,
+               vision_modules: list[str] = (), target_parameters: list[str] | None = None):
     """`model` wrapped in a trainable LoRA `PeftModel`: rank `r`, scale `alpha / r`, on `target_modules`
-    (module names, or one regular expression matched against full module names)."""
+    (module names, or one regular expression matched against full module names) and `target_parameters`
+    (parameter names, e.g. `mlp.experts.gate_up_proj`); modules under `vision_modules` are left alone
+    unless `include_vision`."""
     from peft import LoraConfig, get_peft_model
 
     if r <= 0:
         raise UserError(f"model.lora.r={r} is not a LoRA rank; give a positive rank (e.g. 16), or 0 to disable.")
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                        exclude_modules=None if include_vision else VISION_MODULES, bias="none")
+                        target_parameters=list(target_parameters) if target_parameters else None,
+                        exclude_modules=None if include_vision else vision_pattern(list(vision_modules)), bias="none")
     try:
         return get_peft_model(model, config)
     except ValueError as error:  # PEFT's "Target modules ... not found in the base model"
@@ -43,15 +56,16 @@ def apply_lora(model: torch.nn.Module, *, r: int, alpha: float, dropout: float =
                         f"{', '.join(LANGUAGE_LINEARS)}.") from None
 
 
-def freeze_vision(model: torch.nn.Module) -> int:
-    """Set requires_grad=False on every vision-tower parameter; returns how many tensors were frozen."""
+def freeze_vision(model: torch.nn.Module, vision_modules: list[str]) -> int:
+    """Set requires_grad=False on every parameter under the vision-tower roots `vision_modules` (as the
+    family names them); returns how many tensors were frozen."""
     frozen = 0
-    for name, parameter in model.named_parameters():
-        if ".visual." in f".{name}":
+    for module in {model.get_submodule(name) for name in vision_modules}:
+        for parameter in module.parameters():
             parameter.requires_grad_(False)
             frozen += 1
     if frozen == 0:
-        raise UserError("model.freeze_vision=true but the model has no vision tower parameters (model.visual.*); "
+        raise UserError("model.freeze_vision=true but the model family finds no vision tower in this model; "
                         "set model.freeze_vision=false.")
     return frozen
 

@@ -31,8 +31,6 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
@@ -161,26 +159,33 @@ TINY_QWEN3_TEXT = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 8, 8],
                      "mrope_interleaved": True},
 )
-TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Qwen3.5: three Gated DeltaNet layers and one full-attention layer (its published 3:1 pattern), small heads.
+TINY_QWEN3_5_TEXT = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=2048, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                     "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+)
+TINY_QWEN3_5_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# Qwen3.5's chat template at the generation prompt: a think block opened (the default), or, with
+# enable_thinking=false, an empty closed one; the rest is Qwen's template.
+QWEN3_5_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 EMBEDDED_TINY = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
 CACHE_ENV = "GPG_VL_CACHE"
 
 
-def build_tiny_family(path: str | Path, family: str, seed: int = 0):
-    """Write a random-weight tiny model of `family` (its real model, config and processor classes) to `path`.
+def _qwen_tiny(family: str, tokenizer, ids: dict, special: dict, vision_ids: dict, pixels: dict):
+    """(model class, config, processor) of a tiny random Qwen model of `family`."""
+    import transformers as tf
 
-    The tokenizer is the embedded tiny model's, so every tiny family reads the same vocabulary.
-    """
-    if family not in ("qwen2_vl", "qwen3_vl"):
-        raise ValueError(f"no tiny builder for family {family!r}; the qwen2_5_vl one is embedded (model=tiny).")
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_TINY)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    vision_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-                      vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    patch = 16 if family == "qwen3_vl" else 14
-    pixels = dict(min_pixels=TINY_PIXELS["min_pixels"], max_pixels=TINY_PIXELS["max_pixels"], patch_size=patch,
-                  temporal_patch_size=2, merge_size=2)
     image_processor = Qwen2VLImageProcessor(**pixels)
     if family == "qwen2_vl":
         text = {key: value for key, value in TINY_TEXT.items() if key != "rope_scaling"}
@@ -189,15 +194,48 @@ def build_tiny_family(path: str | Path, family: str, seed: int = 0):
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "mrope_section": [8, 8, 8]}),
             vision_config=TINY_QWEN2_VISION, tie_word_embeddings=True, **vision_ids)
-        model_class = Qwen2VLForConditionalGeneration
         processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                      video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=CHAT_TEMPLATE)
+        return Qwen2VLForConditionalGeneration, config, processor
+    template = QWEN3_5_CHAT_TEMPLATE if family.startswith("qwen3_5") else CHAT_TEMPLATE
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 video_processor=Qwen3VLVideoProcessor(**pixels), chat_template=template)
+    moe = TINY_MOE if family.endswith("_moe") else {}
+    if family.startswith("qwen3_vl"):
+        text, vision = dict(TINY_QWEN3_TEXT, **moe), TINY_QWEN3_VISION
     else:
-        config = Qwen3VLConfig(text_config=dict(TINY_QWEN3_TEXT, vocab_size=len(tokenizer), **special),
-                               vision_config=TINY_QWEN3_VISION, tie_word_embeddings=True, **vision_ids)
-        model_class = Qwen3VLForConditionalGeneration
-        processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                     video_processor=Qwen3VLVideoProcessor(**pixels), chat_template=CHAT_TEMPLATE)
+        text, vision = dict(TINY_QWEN3_5_TEXT, **moe), TINY_QWEN3_5_VISION
+        if moe:
+            text.update(shared_expert_intermediate_size=32)
+            text.pop("intermediate_size")
+    name = {"qwen3_vl": "Qwen3VL", "qwen3_vl_moe": "Qwen3VLMoe", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[
+        family]
+    config = getattr(tf, f"{name}Config")(text_config=dict(text, vocab_size=len(tokenizer), **special),
+                                          vision_config=vision, tie_word_embeddings=True, **vision_ids)
+    return getattr(tf, f"{name}ForConditionalGeneration"), config, processor
+
+
+def build_tiny_family(path: str | Path, family: str, seed: int = 0):
+    """Write a random-weight tiny model of `family` (its real model, config and processor classes) to `path`.
+
+    The Qwen families share the embedded model's tokenizer, so every tiny Qwen reads the same vocabulary;
+    the generic families (gpg_vl/models/tiny_generic.py) each get a tokenizer with their own special tokens.
+    """
+    if family not in TINY_FAMILIES or family == "qwen2_5_vl":
+        from gpg_vl.models.tiny_generic import GENERIC_BUILDERS
+
+        if family not in GENERIC_BUILDERS:
+            raise ValueError(f"no tiny builder for family {family!r}; the qwen2_5_vl one is embedded (model=tiny).")
+        return GENERIC_BUILDERS[family](Path(path), seed)
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_TINY)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    special = dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    vision_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                      vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    patch = 14 if family == "qwen2_vl" else 16
+    pixels = dict(min_pixels=TINY_PIXELS["min_pixels"], max_pixels=TINY_PIXELS["max_pixels"], patch_size=patch,
+                  temporal_patch_size=2, merge_size=2)
+    model_class, config, processor = _qwen_tiny(family, tokenizer, ids, special, vision_ids, pixels)
     torch.manual_seed(seed)
     model = model_class(config)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
@@ -208,6 +246,13 @@ def build_tiny_family(path: str | Path, family: str, seed: int = 0):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model
+
+
+def tiny_names() -> tuple[str, ...]:
+    """Every tiny model that `tiny:<name>` can build: the Qwen families and the generic family's classes."""
+    from gpg_vl.models.tiny_generic import GENERIC_BUILDERS
+
+    return TINY_FAMILIES + tuple(GENERIC_BUILDERS)
 
 
 def tiny_model_path(family: str) -> Path:

@@ -1,0 +1,621 @@
+"""The family protocol: everything the trainer needs from a vision-language model family, in one class.
+
+A `Family` turns chat messages into a `PromptBatch` (left-padded processor outputs plus the layout of their
+image rows), and answers every model-specific question the trainer, the rollout and the collectives ask:
+
+- `encode` / `PromptBatch.select`: prompts, selected or repeated together with their images;
+- `position_ids`: the positions of a full (prompt + completion) batch, or None where the model computes
+  its own from the attention mask alone;
+- `image_features`: the vision tower's outputs for the distinct prompts of a batch, in a form the model's
+  forward accepts back (`mm_encoder_outputs`), so a group of G sequences encodes its images once;
+- `fork_cache`: a prompt's cache (key/value layers, and the conv + recurrent states of linear-attention
+  layers) repeated or indexed out to its G sequences, still in the autograd graph;
+- `box_frame`: the frame of the boxes in the model's answers (`BOX_FRAMES`), and both conversions;
+- `suppressed_ids`: token ids never sampled nor scored (vision placeholders);
+- `vision_modules`: the qualified names of the vision tower's modules (freeze_vision, LoRA exclusion);
+- `placeholder_prompts`: a one-image prompt that a process without data feeds the model in collectives;
+- `completion_prefix`: text the chat template put at the end of the prompt that the task reads as part
+  of the completion (an opened `<think>` block).
+
+Families register by name (`register_family`); `family_for` picks the one of a model type, with the
+generic family (models/generic.py) for any other `AutoModelForImageTextToText` model. `choose_scoring_path`
+decides once per run how the update scores sequences (prompt-once, shared vision, or plain), and
+everything that depends on that choice (the forward, the micro-batch cost) reads the same `ScoringPath`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from gpg_vl import distributed
+from gpg_vl.errors import UserError
+
+PROMPT_STYLES = ("chat", "raw")
+# The raw-text prompt of the paper's CV-Bench run with the base Qwen2-VL-2B (R1-V's), minus its forced
+# "Let me solve this step by step.\n<think>" prefix, so that a completion holds its own <think> tag.
+RAW_TEMPLATE = ("A conversation between User and Assistant. The user asks a question about the image, and the "
+                "Assistant solves it. The assistant first thinks about the reasoning process in the mind and then "
+                "provides the user with the answer.\nUser: {prompt}\nAssistant:")
+# The frames a family's boxes can be in: (x, y) factors from original pixels (W, H, resized w, h) to the frame.
+BOX_FRAMES = {
+    "relative-1000": lambda W, H, w, h: (1000.0 / W, 1000.0 / H),  # 0-1000, relative to the image
+    "resized-pixels": lambda W, H, w, h: (w / W, h / H),  # absolute pixels of the resized image
+    "relative-1": lambda W, H, w, h: (1.0 / W, 1.0 / H),  # 0-1, relative to the image
+    "none": None,  # the model has no box convention
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# prompts
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PromptBatch:
+    """Left-padded prompts and their images, as the processor returns them.
+
+    `rows[key][i]` says how many rows (first-dimension entries) of `inputs[key]` belong to prompt i: Qwen's
+    flattened patches, one entry per image, one per prompt; a key not in `rows` has one row per prompt.
+    So any subset of prompts can be selected or repeated (`select`) without knowing the family.
+    """
+
+    inputs: dict[str, Tensor]  # input_ids [B, P], attention_mask [B, P], pixel tensors, ...
+    images_per_prompt: list[int]
+    ids: list[str] = field(default_factory=list)
+    image_sizes: list[list[tuple[int, int, int, int]]] = field(default_factory=list)  # (W, H, w, h) per image
+    rows: dict[str, list[int]] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)  # the rendered prompts
+
+    def __len__(self) -> int:
+        return self.inputs["input_ids"].shape[0]
+
+    @property
+    def has_images(self) -> bool:
+        return sum(self.images_per_prompt) > 0
+
+    def select(self, indices: list[int], *, drop: tuple[str, ...] = ()) -> PromptBatch:
+        """The prompts at `indices` (repeats allowed), with their images, in that order; `drop` leaves keys out."""
+        selected = {}
+        for key, value in self.inputs.items():
+            if key in drop:
+                continue
+            counts = self.rows.get(key)
+            if counts is None:
+                selected[key] = value[torch.tensor(indices, dtype=torch.long, device=value.device)]
+                continue
+            starts = [0]
+            for count in counts:
+                starts.append(starts[-1] + count)
+            picked = [r for i in indices for r in range(starts[i], starts[i + 1])]
+            selected[key] = value[torch.tensor(picked, dtype=torch.long, device=value.device)]
+        return PromptBatch(
+            selected, [self.images_per_prompt[i] for i in indices], [self.ids[i] for i in indices] if self.ids else [],
+            [self.image_sizes[i] for i in indices] if self.image_sizes else [],
+            {key: [counts[i] for i in indices] for key, counts in self.rows.items() if key not in drop},
+            [self.texts[i] for i in indices] if self.texts else [])
+
+    def to(self, device: torch.device) -> PromptBatch:
+        return PromptBatch({k: v.to(device) for k, v in self.inputs.items()}, self.images_per_prompt, self.ids,
+                           self.image_sizes, self.rows, self.texts)
+
+
+def per_token_keys(inputs: dict[str, Tensor]) -> list[str]:
+    """The inputs that hold one value per prompt token ([B, P], like input_ids)."""
+    shape = inputs["input_ids"].shape
+    return [key for key, value in inputs.items() if isinstance(value, Tensor) and value.shape == shape]
+
+
+def trim_left_padding(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop the leading columns that are padding in every row (a subset of a padded batch keeps them)."""
+    used = inputs["attention_mask"].any(dim=0).nonzero()  # [P] columns with a real token
+    start = int(used[0]) if used.numel() else 0
+    if start == 0:
+        return inputs
+    return {**inputs, **{key: inputs[key][:, start:] for key in per_token_keys(inputs)}}
+
+
+def extend_per_token(inputs: dict[str, Tensor], completion: Tensor, completion_mask: Tensor) -> dict[str, Tensor]:
+    """Prompt inputs [B, P] followed by completions [B, C]: ids and mask appended, other per-token keys
+    (token types) extended with zeros (text), per-image keys kept."""
+    full = dict(inputs)
+    for key in per_token_keys(inputs):
+        tail = {"input_ids": completion, "attention_mask": completion_mask.to(inputs["attention_mask"].dtype)}.get(
+            key, torch.zeros_like(completion, dtype=inputs[key].dtype))
+        full[key] = torch.cat([inputs[key], tail], dim=1)  # [B, P + C]
+    return full
+
+
+def image_order(prompts: PromptBatch, prompt_index: list[int]) -> list[int]:
+    """Indices into the images of `prompts.select(sorted(set(prompt_index)))`, listed per sequence."""
+    first_image, count = {}, 0
+    for prompt in sorted(set(prompt_index)):
+        first_image[prompt] = count
+        count += prompts.images_per_prompt[prompt]
+    return [first_image[prompt] + k for prompt in prompt_index for k in range(prompts.images_per_prompt[prompt])]
+
+
+def message_images(messages: list[dict]) -> list:
+    """The images of a prompt's messages, in order."""
+    return [part["image"] for message in messages if isinstance(message.get("content"), list)
+            for part in message["content"] if isinstance(part, dict) and part.get("image") is not None]
+
+
+_NUMBER = r"(-?\d+(?:\.\d+)?)"
+_BOX_PATTERNS = (
+    re.compile(rf"\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]"),  # [x1, y1, x2, y2]
+    re.compile(rf"\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)\s*,\s*\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)"),  # (x1,y1),(x2,y2)
+)
+_POINT_PATTERN = re.compile(rf'("point_2d"\s*:\s*)\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]')  # Seg-Zero's "point_2d": [x, y]
+
+
+def _format_number(value: float) -> str:
+    """Two decimals at most, none when they are zero: 50.0 -> '50', 12.345 -> '12.35'."""
+    text = f"{value:.2f}".rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare Hugging Face model under a DistributedDataParallel (or similar) wrapper and a PEFT wrapper.
+
+    PEFT injects its adapters into the base model's layers, so the base model runs them too."""
+    model = getattr(model, "module", model)
+    get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel
+    return get_base_model() if get_base_model is not None else model
+
+
+# ---------------------------------------------------------------------------------------------
+# the scoring path, chosen once per run
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScoringPath:
+    """How the update scores sequences. `prompt_once`: each distinct prompt runs once, its G completions on
+    its forked cache; `shared_vision`: every sequence runs whole, its images encoded once per group;
+    `wrapped`: the forward goes through the wrapper (FSDP / ZeRO-3 gather weights there), whole sequences."""
+
+    prompt_once: bool = False
+    shared_vision: bool = False
+    wrapped: bool = False
+
+    def describe(self) -> str:
+        if self.prompt_once:
+            return "prompt-once (each prompt runs once per group, completions on its forked cache)"
+        how = "through the wrapped model" if self.wrapped else "on the bare model"
+        vision = "images encoded once per group" if self.shared_vision else "images encoded per sequence"
+        return f"whole sequences {how}, {vision}"
+
+
+def checkpointing(model: torch.nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on: it drops the key/value cache in training forwards."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers >= 5.x name first
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
+
+
+def choose_scoring_path(family: Family, model: torch.nn.Module, *, share_prompt: bool, share_vision: bool,
+                        warn=None) -> ScoringPath:
+    """The scoring path of a run: the fastest the settings allow that is exact for this family and engine.
+
+    Prompt-once needs a cache in the training forward (no gradient checkpointing), the bare model's parts
+    (not FSDP / ZeRO-3) and a family that forks its cache exactly; otherwise it steps aside, with one
+    warning when the family is the reason. Shared vision needs a family whose model takes image features back.
+    """
+    wrapped = distributed.forward_is_collective(model)
+    bare = unwrap(model)
+    prompt_once = share_prompt and not wrapped and not checkpointing(bare)
+    if prompt_once and family.prompt_once_unsupported(bare):
+        if warn is not None:
+            warn(f"trainer.share_prompt=true steps aside for this model: {family.prompt_once_unsupported(bare)}; "
+                 "each sequence runs whole (same result, more compute).")
+        prompt_once = False
+    shared = share_vision and family.shares_vision(bare)
+    return ScoringPath(prompt_once=prompt_once, shared_vision=shared, wrapped=wrapped)
+
+
+SHARED_VISION = "gpg_shared_vision"  # model(..., gpg_shared_vision=(prompts, prompt_index)): see below
+
+
+# ---------------------------------------------------------------------------------------------
+# the protocol, with what most families share
+# ---------------------------------------------------------------------------------------------
+class Family:
+    """One model family. Subclasses set the class attributes and implement `encode` (and what differs).
+
+    `box_frame`: a key of BOX_FRAMES. `pixel_keys`: the inputs that carry pixels (left out when image
+    features are shared). `vision_tokens`: special tokens never sampled nor scored. `image_placeholder`:
+    what stands for an image in a raw-text prompt. `thinking`: whether the chat template opens a think block
+    at the generation prompt (Qwen3.5), which `enable_thinking=False` closes where the template allows.
+    """
+
+    name = "family"
+    model_types: tuple[str, ...] = ()
+    box_frame = "none"
+    pixel_keys: tuple[str, ...] = ("pixel_values",)
+    vision_tokens: tuple[str, ...] = ()
+    image_placeholder = "<image>"
+    eos_tokens: tuple[str, ...] = ()
+    max_aspect_ratio = 200.0  # images more elongated than this are bad rows
+    placeholder_size = (32, 32)  # the blank image of `placeholder_prompts`
+    processor_kwargs: dict = {}  # extra keywords of the processor call
+
+    def __init__(self, processor, config, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                 prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE, enable_thinking: bool = True) -> None:
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.config = config
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        if prompt_style not in PROMPT_STYLES:
+            raise UserError(f"unknown model.prompt_style {prompt_style!r}; use one of {', '.join(PROMPT_STYLES)}.")
+        if prompt_style == "chat" and not getattr(processor, "chat_template", None):
+            raise UserError("the model's processor has no chat template; set model.prompt_style=raw "
+                            "(a base model) or use a model directory that ships chat_template.jinja.")
+        if "{prompt}" not in raw_template:
+            raise UserError(f"model.raw_template {raw_template!r} has no {{prompt}} placeholder; add one where "
+                            "the question (with its images) goes.")
+        self.prompt_style, self.raw_template, self.enable_thinking = prompt_style, raw_template, enable_thinking
+        vocab = self.tokenizer.get_vocab()
+        self.suppressed_ids = sorted({vocab[t] for t in self.vision_tokens if t in vocab})
+        eos = [self.tokenizer.convert_tokens_to_ids(t) for t in self.eos_tokens if t in vocab]
+        eos.append(self.tokenizer.eos_token_id)
+        self.eos_ids = sorted({i for i in eos if isinstance(i, int) and i >= 0})
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text: the chat template (instruct models), or `raw_template` around the messages' text
+        with each image's placeholder where it stands (base models, as the paper's CV-Bench run)."""
+        if self.prompt_style == "chat":
+            extra = {} if self.enable_thinking else {"enable_thinking": False}
+            return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        parts = []
+        for message in messages:
+            for part in message["content"] if isinstance(message["content"], list) else [message["content"]]:
+                if isinstance(part, str):
+                    parts.append(part)
+                elif part.get("type") == "image" or "image" in part:
+                    parts.append(self.image_placeholder)
+                elif "text" in part:
+                    parts.append(part["text"])
+        return self.raw_template.replace("{prompt}", "".join(parts))
+
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
+        """Chat messages -> a left-padded PromptBatch (images resized within the family's pixel limits)."""
+        raise NotImplementedError
+
+    def completion_prefix(self, prompt_text: str) -> str:
+        """The part of a completion that the chat template wrote into the prompt: an opened `<think>` block
+        (Qwen3.5 in thinking mode) belongs to the answer the task scores. Empty for most families."""
+        stripped = prompt_text.rstrip()
+        if stripped.endswith("<think>"):
+            return "<think>" + prompt_text[len(stripped):]
+        return ""
+
+    def placeholder_prompts(self) -> PromptBatch:
+        """One prompt holding a blank image: what a process without data feeds the model so that it still runs
+        the same modules (the vision tower included) as the processes that have data."""
+        from PIL import Image
+
+        from gpg_vl.tasks import image_question
+
+        return self.encode([image_question(Image.new("RGB", self.placeholder_size), "")], ids=["placeholder"])
+
+    # ---- boxes: tasks work in original-image pixels, the model in its own frame ----------------------
+    def box_scale(self, size: tuple[int, int, int, int]) -> tuple[float, float]:
+        """(x, y) factors from original pixels (W, H) to the model's frame (`box_frame`)."""
+        scale = BOX_FRAMES[self.box_frame]
+        if scale is None:
+            raise UserError(f"the {self.name} family declares no box frame, so a grounding task cannot read its "
+                            "boxes; train a grounding task on a family with one (the Qwen-VL families).")
+        return scale(*size)
+
+    def require_box_frame(self, task) -> None:
+        """A task that reads boxes on a family without a box frame fails in one sentence, before any work."""
+        if getattr(task, "uses_boxes", False) and BOX_FRAMES[self.box_frame] is None:
+            raise UserError(f"task {task.name!r} reads boxes, but the {self.name} model family declares no box "
+                            "frame (0-1000, resized pixels or 0-1); choose a model family with one, such as Qwen-VL.")
+
+    def to_model_frame(self, box, size: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
+        sx, sy = self.box_scale(size)
+        return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+    def to_original_frame(self, box, size: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
+        sx, sy = self.box_scale(size)
+        return (box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy)
+
+    def completion_to_original(self, text: str, sizes: list[tuple[int, int, int, int]]) -> str:
+        """Rewrite the boxes (and Seg-Zero `"point_2d": [x, y]` points) of a completion from the model's frame
+        into original pixels of its first image."""
+        if not sizes or "," not in text or BOX_FRAMES[self.box_frame] is None:
+            return text
+
+        def rewrite(match: re.Match) -> str:
+            box = self.to_original_frame([float(v) for v in match.groups()], sizes[0])
+            numbers = iter(_format_number(v) for v in box)
+            return re.sub(_NUMBER, lambda _: next(numbers), match.group(0))
+
+        def rewrite_point(match: re.Match) -> str:
+            key, x, y = match.groups()
+            point = self.to_original_frame([float(x), float(y)] * 2, sizes[0])[:2]
+            numbers = iter(_format_number(v) for v in point)
+            return key + re.sub(_NUMBER, lambda _: next(numbers), match.group(0)[len(key):])
+
+        for pattern in _BOX_PATTERNS:
+            text = pattern.sub(rewrite, text)
+        return _POINT_PATTERN.sub(rewrite_point, text)
+
+    # ---- modules -------------------------------------------------------------------------------
+    def vision_modules(self, model: torch.nn.Module) -> list[str]:
+        """Qualified names of the modules of the vision tower and its projector, as `model` names them."""
+        bare = unwrap(model)
+        encoder = bare.get_encoder(modality="image") if hasattr(bare, "get_encoder") else None
+        targets = [] if encoder is None or encoder is bare else [encoder]
+        for name in ("multi_modal_projector", "mm_projector", "connector", "embed_vision"):
+            for holder in (bare, getattr(bare, "model", None)):
+                if holder is not None and isinstance(getattr(holder, name, None), torch.nn.Module):
+                    targets.append(getattr(holder, name))
+        ids = {id(m) for m in targets}
+        return [name for name, module in model.named_modules() if id(module) in ids and name]
+
+    # ---- positions, caches, image features -------------------------------------------------------
+    def reset_positions(self, model: torch.nn.Module) -> None:
+        """Forget rotary offsets (`rope_deltas`) that `generate` cached on the model for its own batch."""
+        base = getattr(unwrap(model), "model", None)
+        if base is not None and hasattr(base, "rope_deltas"):
+            base.rope_deltas = None
+
+    def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor | None:
+        """Positions [N, L] of a full left-padded batch, as `generate` gives them (the attention mask's count)."""
+        self.reset_positions(model)
+        return (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
+
+    def prompt_once_unsupported(self, model: torch.nn.Module) -> str | None:
+        """Why this model cannot run prompt-once exactly (None when it can)."""
+        return None
+
+    def prefill_once_unsupported(self, model: torch.nn.Module) -> str | None:
+        """Why the rollout cannot prefill each prompt once and fork its cache exactly here (None when it can)."""
+        return self.prompt_once_unsupported(model)
+
+    def fork_cache(self, model, cache, index: Tensor):
+        """The cache with row `index[n]` of the prompts' cache as row n (key/value layers and linear-attention
+        conv + recurrent states alike), out of place, so the gradient reaches the prompt through it."""
+        cache.reorder_cache(index)
+        base = getattr(unwrap(model), "model", None)  # the rotary offsets generate continues from, forked alike
+        deltas = getattr(base, "rope_deltas", None)
+        if isinstance(deltas, Tensor) and deltas.shape[0] != index.numel():
+            base.rope_deltas = deltas[index.to(deltas.device)]  # [B * G, 1]
+        return cache
+
+    def static_copy(self, model, cache, *, max_cache_len: int):
+        """The forked cache copied into a preallocated `StaticCache` (no reallocation per decoded token), where
+        every layer is a plain key/value layer; otherwise the dynamic cache as it is."""
+        from transformers import DynamicLayer, StaticCache
+
+        if not all(type(layer) is DynamicLayer for layer in cache.layers):
+            return cache
+        static = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        for source, target in zip(cache.layers, static.layers, strict=True):
+            target.update(source.keys, source.values)  # [B * G, heads, P - 1, d]
+        return static
+
+    def shares_vision(self, model: torch.nn.Module) -> bool:
+        """Whether the model's forward takes image features back (`mm_encoder_outputs`)."""
+        return "mm_encoder_outputs" in inspect.signature(unwrap(model).model.forward).parameters
+
+    def image_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
+        """Vision-tower outputs computed once per distinct prompt, listed per sequence (no copy)."""
+        bare = unwrap(model)
+        subset = prompts.select(sorted(set(prompt_index)))
+        encoder = bare.model.get_image_features
+        accepted = inspect.signature(encoder).parameters
+        pixels = subset.inputs[self.pixel_keys[0]]
+        extra = {key: value for key, value in subset.inputs.items() if key in accepted and key not in
+                 ("input_ids", "attention_mask", self.pixel_keys[0])}
+        encoded = encoder(pixels, **extra, return_dict=True)
+        pooled = encoded.pooler_output  # per image (or per tile): a list, or a tensor with that first dimension
+        rows = prompts.rows.get(self.pixel_keys[0])
+        if rows is not None and len(pooled) == sum(rows[i] for i in sorted(set(prompt_index))) != sum(
+                prompts.images_per_prompt[i] for i in sorted(set(prompt_index))):
+            order = image_order(replace(prompts, images_per_prompt=rows), prompt_index)  # one entry per tile
+        else:
+            order = image_order(prompts, prompt_index)
+        encoded.pooler_output = pooled[torch.tensor(order, device=pooled.device)] if isinstance(pooled, Tensor) \
+            else [pooled[i] for i in order]
+        return encoded
+
+    # ---- log-probs -------------------------------------------------------------------------------
+    def token_logps(
+        self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+        completion_mask: Tensor, *, temperature: float = 1.0, share_vision: bool = True, share_prompt: bool = False,
+        logits_chunk_tokens: int = 0, path: ScoringPath | None = None,
+    ) -> Tensor:
+        """Log-probs [N, C] of `completion_ids` [N, C]; sequence n continues prompt `prompt_index[n]`.
+
+        `path` (chosen once per run by `choose_scoring_path`, or here from `share_vision` / `share_prompt`)
+        says how: prompt-once runs each distinct prompt once, with gradient, its G sequences' completions on
+        its forked cache (`models/prefix.py`); otherwise every sequence runs prompt + completion, and with
+        shared vision each distinct prompt's images go through the vision tower once (with gradient), the G
+        sequences reusing those features. Logits are computed for completion positions only; with
+        `logits_chunk_tokens` > 0 that many tokens at a time, forward and backward. Suppressed tokens get
+        -inf before the softmax, exactly as in sampling. The fast paths call the bare model's parts (the
+        trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs whole sequences
+        (images still encoded once per group, inside its forward) and full completion logits are computed.
+        """
+        from gpg_vl.models import prefix
+
+        if path is None:
+            path = choose_scoring_path(self, model, share_prompt=share_prompt, share_vision=share_vision)
+        bare = unwrap(model)
+        chunked = logits_chunk_tokens > 0 and not path.wrapped
+        if path.prompt_once:
+            hidden = prefix.prompt_once_hidden(self, model, prompts, prompt_index, completion_ids,
+                                               completion_mask)  # [N, C, H]
+            return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                                      chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
+        shared = path.shared_vision and prompts.has_images
+        sequences = trim_left_padding(prompts.select(prompt_index, drop=self.pixel_keys if shared else ()).inputs)
+        full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, P + C] per-token keys
+        if shared and path.wrapped:  # encoded inside the wrapped model's forward, see _encode_shared_vision_in_forward
+            _encode_shared_vision_in_forward(model, self)
+            full[SHARED_VISION] = (prompts, prompt_index)
+        elif shared:
+            full["mm_encoder_outputs"] = {"image": self.image_features(bare, prompts, prompt_index)}
+        positions = self.position_ids(bare, full)
+        if positions is not None:
+            full["position_ids"] = positions
+        completion_length = completion_ids.shape[1]
+        if chunked:  # hidden states only; the output layer runs chunk by chunk
+            hidden = bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
+            return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                                      chunk_tokens=logits_chunk_tokens)
+        outputs = (model if path.wrapped else bare)(**full, use_cache=False, logits_to_keep=completion_length + 1)
+        logits = outputs.logits[:, :-1].float()  # [N, C, V]
+        return self.logps_from_logits(logits, completion_ids, temperature=temperature)
+
+    def _hidden_logps(self, bare, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
+                      temperature: float, chunk_tokens: int) -> Tensor:
+        """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks."""
+        from gpg_vl.models.prefix import completion_logps
+
+        return completion_logps(hidden, bare.get_output_embeddings().weight, completion_ids,
+                                completion_mask.bool(), suppressed_ids=self.suppressed_ids,
+                                temperature=temperature, chunk_tokens=chunk_tokens, softcap=self.logit_softcap(bare))
+
+    def logit_softcap(self, model) -> float | None:
+        """The soft cap the model applies to its logits after the output layer (some Gemma models), or None."""
+        text = getattr(model.config, "text_config", model.config)
+        return getattr(text, "final_logit_softcapping", None) or None
+
+    def logps_from_logits(self, logits: Tensor, token_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
+        """Log-softmax over the sampling distribution (suppressed ids removed), gathered at token_ids."""
+        if self.suppressed_ids:
+            logits = logits.index_fill(-1, torch.tensor(self.suppressed_ids, device=logits.device), float("-inf"))
+        if temperature != 1.0:
+            logits = logits / temperature
+        logps = torch.log_softmax(logits, dim=-1)  # [N, C, V]
+        return logps.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [N, C]
+
+    # ---- mixture of experts -----------------------------------------------------------------------
+    def router_aux_loss(self, model) -> Tensor | None:
+        """The router's load-balancing loss (times `router_aux_loss_coef`) over the forwards since the last call,
+        or None when the coefficient is 0 (the default, as TRL's GPG trainer) or the model has no router.
+
+        The router logits are recorded by forward hooks on the model's router modules (the ones transformers
+        itself records as `router_logits`), over every token the forwards computed, and the loss is the
+        model's own `load_balancing_loss_func` (forwards under no_grad, sampling, are not recorded)."""
+        bare = unwrap(model)
+        text = getattr(bare.config, "text_config", bare.config)
+        coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+        if coef <= 0 or not getattr(text, "output_router_logits", False):
+            return None
+        recorded = _router_recorder(bare)
+        if recorded is None or not recorded:
+            return None
+        import sys
+
+        balance = sys.modules[type(bare).__module__].load_balancing_loss_func
+        experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+        loss = balance(tuple(recorded), experts, getattr(text, "num_experts_per_tok", 2), None)
+        recorded.clear()
+        return coef * loss
+
+    def describe(self, model: torch.nn.Module) -> str:
+        """One line: the family, its box frame, and which throughput paths it can take on this model."""
+        bare = unwrap(model)
+        once, prefill = self.prompt_once_unsupported(bare), self.prefill_once_unsupported(bare)
+        return (f"{self.name} family ({type(bare).__name__}): box frame {self.box_frame}; prompt-once update "
+                f"{'yes' if once is None else 'no (' + once + ')'}; prefill-once rollout "
+                f"{'yes' if prefill is None else 'no (' + prefill + ')'}; shared vision "
+                f"{'yes' if self.shares_vision(bare) else 'no'}")
+
+
+def _router_recorder(bare: torch.nn.Module) -> list | None:
+    """The list the router hooks of `bare` append their logits to (hooks registered on first use)."""
+    recorded = getattr(bare, "_gpg_router_logits", None)
+    if recorded is not None:
+        return recorded
+    target, index = None, 0
+    for module in bare.modules():
+        recorder = getattr(type(module), "_can_record_outputs", None) or {}
+        spec = recorder.get("router_logits")
+        if spec is not None:
+            target, index = getattr(spec, "target_class", spec), getattr(spec, "index", 0)
+            break
+    if target is None:
+        return None
+    recorded = []
+
+    def record(_module, _inputs, output):
+        if torch.is_grad_enabled():  # training forwards only, not sampling
+            recorded.append(output[index] if isinstance(output, tuple) else output)
+
+    for module in bare.modules():
+        if isinstance(module, target):
+            module.register_forward_hook(record)
+    bare._gpg_router_logits = recorded
+    return recorded
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry
+# ---------------------------------------------------------------------------------------------
+FAMILIES: dict[str, type[Family]] = {}
+MODEL_TYPES: dict[str, str] = {}  # config.json model_type -> family name
+GENERIC = "generic"
+
+
+def register_family(family: type[Family]) -> type[Family]:
+    """Register a Family subclass under its `name` and its `model_types`; usable as a class decorator."""
+    FAMILIES[family.name] = family
+    for model_type in family.model_types:
+        MODEL_TYPES[model_type] = family.name
+    return family
+
+
+def family_for(model_type: str) -> str:
+    """The family of a model type: its own where one is registered, else the generic family."""
+    return MODEL_TYPES.get(model_type, GENERIC)
+
+
+def _encode_shared_vision_in_forward(model: torch.nn.Module, family: Family) -> None:
+    """Let `model(...)` take `gpg_shared_vision=(prompts, prompt_index)` and encode those images itself.
+
+    The shared vision features must be computed INSIDE the forward of whatever wraps the model
+    (DDP, FSDP, DeepSpeed): FSDP all-gathers the root's parameters (the vision tower's patch embedding
+    and merger among them) in its forward pre-hook, so encoding before calling the wrapper reads
+    sharded weights; DDP prepares its gradient reducer in its forward. A forward pre-hook on the bare
+    model runs inside the wrapper's forward and after FSDP's own pre-hook (FSDP prepends its hook).
+    Under PEFT the bare model may be reached through its `forward` (PeftModelForCausalLM -> LoRA tuner ->
+    `model.forward`), where no hook runs, or through its `__call__` (PeftModel): the hook goes on the tuner
+    and on the bare model, and whichever runs first takes the keyword. Registered once per module; without
+    the keyword the model behaves exactly as before.
+    """
+    bare, inner = unwrap(model), getattr(model, "module", model)
+    modules = [bare]
+    if callable(getattr(inner, "get_base_model", None)):  # PEFT
+        modules.insert(0, inner.base_model)
+
+    def encode(_, args, kwargs):
+        request = kwargs.pop(SHARED_VISION, None)
+        if request is not None:
+            kwargs["mm_encoder_outputs"] = {"image": family.image_features(bare, *request)}
+        return args, kwargs
+
+    for module in modules:
+        if getattr(module, "_gpg_shared_vision_hook", None) is None:
+            module._gpg_shared_vision_hook = module.register_forward_pre_hook(encode, with_kwargs=True)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Switch to eval mode (no dropout) for sampling, and back."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

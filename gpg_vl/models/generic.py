@@ -1,0 +1,134 @@
+"""The generic family: any `AutoModelForImageTextToText` model whose `AutoProcessor` has a chat template.
+
+It follows transformers' multimodal conventions only: the processor's chat template renders the prompt,
+the processor turns texts and images into tensors, the model's forward takes `input_ids`, `attention_mask`,
+the pixel tensors, and, where it can (`mm_encoder_outputs`), image features computed beforehand, which is
+how a group shares one encoding of its images. Prompt-once runs on the forked cache with positions from
+the attention mask, or, for a model with multimodal rotary positions (`get_rope_index`, GLM-4.1V), from
+the model's own rule on the whole sequence. `describe` says in one line which paths a model takes.
+The box frame is the model's published convention where one is known (`BOX_FRAME_OF`), else none.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from gpg_vl.models.family import Family, PromptBatch, message_images, register_family, unwrap
+
+# Published box conventions of some model types (their model cards); others declare none.
+BOX_FRAME_OF = {"glm4v": "relative-1000", "glm4v_moe": "relative-1000", "glm46v": "relative-1000",
+                "internvl": "relative-1000", "llava_onevision": "relative-1"}
+# Special tokens of image placeholders, suppressed in sampling and scoring where the vocabulary has them.
+VISION_TOKENS = ("<image>", "<image_soft_token>", "<start_of_image>", "<end_of_image>", "<IMG_CONTEXT>", "<img>",
+                 "</img>", "<fake_token_around_image>", "<global-img>", "<|image|>", "<|begin_of_image|>",
+                 "<|end_of_image|>", "<video>", "<|video|>", "<|image_pad|>", "<|vision_start|>",
+                 "<|vision_end|>", "<|image_soft_token|>", "<|image>", "<image|>")
+EOS_TOKENS = ("<end_of_turn>", "<|im_end|>", "<end_of_utterance>", "<|endoftext|>", "<|user|>", "<eos>",
+              "<turn|>")
+
+
+@register_family
+class GenericFamily(Family):
+    name = "generic"
+    vision_tokens = VISION_TOKENS
+    eos_tokens = EOS_TOKENS
+
+    def __init__(self, processor, config, **kwargs) -> None:
+        super().__init__(processor, config, **kwargs)
+        self.box_frame = BOX_FRAME_OF.get(getattr(config, "model_type", ""), "none")
+        self.image_placeholder = getattr(processor, "image_token", None) or "<image>"
+        image_processor = getattr(processor, "image_processor", None)
+        size = getattr(image_processor, "size", None) or {}
+        side = size.get("height") or size.get("shortest_edge") or size.get("longest_edge") or 32
+        self.placeholder_size = (int(side), int(side))
+
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
+        """Chat messages -> left-padded processor inputs, images as the processor resizes them."""
+        texts = [self.render(messages) for messages in messages_batch]
+        images = [message_images(messages) for messages in messages_batch]
+        images_per_prompt = [len(prompt_images) for prompt_images in images]
+        self.tokenizer.padding_side = "left"
+        kwargs = {"images": images} if sum(images_per_prompt) else {}
+        inputs = dict(self.processor(text=texts, padding=True, return_tensors="pt", **kwargs,
+                                     **self.processor_kwargs))
+        sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
+        return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes,
+                           _row_layout(inputs, images_per_prompt, self._image_token_id()), texts)
+
+    def _image_token_id(self) -> int | None:
+        token_id = getattr(self.processor, "image_token_id", None)
+        if token_id is None and getattr(self.processor, "image_token", None):
+            token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        return token_id if isinstance(token_id, int) else None
+
+    def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor | None:
+        """Positions [N, L] from the attention mask, or the model's own multimodal rotary positions [3, N, L]
+        (`get_rope_index`, given whichever of the batch's inputs it takes: GLM-4.1V's rule)."""
+        self.reset_positions(model)
+        if not _multimodal_rope(model):
+            return super().position_ids(model, inputs)
+        rope_index = unwrap(model).model.get_rope_index
+        accepted = inspect.signature(rope_index).parameters
+        positions, _ = rope_index(**{key: value for key, value in inputs.items() if key in accepted})
+        return positions
+
+    def prompt_once_unsupported(self, model: torch.nn.Module) -> str | None:
+        return None
+
+    def prefill_once_unsupported(self, model: torch.nn.Module) -> str | None:
+        # Measured on tiny Gemma 3 (tests/test_fast_paths.py): with prompts longer than the sliding window,
+        # generate's continuation of a forked sliding-window cache gives other greedy tokens than its own prefill.
+        text = getattr(unwrap(model).config, "text_config", unwrap(model).config)
+        if "sliding_attention" in (getattr(text, "layer_types", None) or []):
+            return "its sliding-window layers do not continue a forked prefill exactly in generate"
+        return None
+
+
+def _multimodal_rope(model: torch.nn.Module) -> bool:
+    return hasattr(getattr(unwrap(model), "model", None), "get_rope_index")
+
+
+def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],
+                image_token_id: int | None = None) -> dict[str, list[int]]:
+    """How many rows of each processor output belong to each prompt (see `PromptBatch.rows`).
+
+    A tensor with one row per prompt needs no entry; one row per image gets the prompts' image counts;
+    flattened patches (with an `image_grid_thw`) get each prompt's patch count; tiles (with a per-image
+    tile count, `num_patches`) each prompt's tile count. Otherwise (InternVL's tiles), rows in proportion to
+    each prompt's image tokens, when every row stands for the same number of them.
+    """
+    batch, images = inputs["input_ids"].shape[0], sum(images_per_prompt)
+
+    def per_prompt(per_image: list[int]) -> list[int]:
+        out, start = [], 0
+        for count in images_per_prompt:
+            out.append(int(sum(per_image[start:start + count])))
+            start += count
+        return out
+
+    layouts = {"image": list(images_per_prompt)}
+    if isinstance(inputs.get("image_grid_thw"), Tensor):
+        layouts["patches"] = per_prompt(inputs["image_grid_thw"].prod(dim=1).tolist())
+    for key in ("num_patches", "image_num_patches"):
+        if isinstance(inputs.get(key), Tensor):
+            layouts["tiles"] = per_prompt(inputs[key].tolist())
+    rows = {}
+    for key, value in inputs.items():
+        if not isinstance(value, Tensor) or value.ndim == 0:
+            continue
+        first = value.shape[0]
+        if first == batch and (images == batch and images_per_prompt == [1] * batch or images != batch):
+            continue  # one row per prompt
+        for layout in ("patches", "tiles", "image"):
+            if layout in layouts and first == sum(layouts[layout]):
+                rows[key] = layouts[layout]
+                break
+        else:
+            if image_token_id is not None and first > 0:
+                tokens = (inputs["input_ids"] == image_token_id).sum(dim=1).tolist()  # [B]
+                if sum(tokens) % first == 0 and all(t % (sum(tokens) // first) == 0 for t in tokens):
+                    rows[key] = [t // (sum(tokens) // first) for t in tokens]
+    return rows

@@ -1,0 +1,178 @@
+"""The Qwen-VL families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), Qwen3.5 / Qwen3.6 (dense and MoE).
+
+They share the processor call (images resized by qwen-vl-utils to whole merged patches, flattened into
+patch rows with one `image_grid_thw` row per image), 3-D multimodal rotary positions from the model's own
+`get_rope_index`, and the vision special tokens. They differ in the box frame (Qwen2.5-VL: pixels of the
+resized image; the others: 0-1000 relative), the patch size, DeepStack features (Qwen3-VL), and, for
+Qwen3.5, a hybrid cache (Gated DeltaNet conv + recurrent states in three of every four layers) and a chat
+template that opens a think block by default.
+"""
+
+from __future__ import annotations
+
+import torch
+from qwen_vl_utils import process_vision_info
+from qwen_vl_utils.vision_process import MAX_RATIO
+from torch import Tensor
+
+from gpg_vl.models.family import Family, PromptBatch, image_order, register_family, unwrap
+
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+
+
+@register_family
+class QwenVLAdapter(Family):
+    """Qwen2.5-VL (and the base of the other Qwen families): boxes in absolute pixels of the RESIZED image."""
+
+    name = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+    box_frame = "resized-pixels"
+    pixel_keys = ("pixel_values",)
+    vision_tokens = VISION_TOKENS
+    image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"  # the processor expands the pad per image
+    eos_tokens = ("<|im_end|>", "<|endoftext|>")
+    max_aspect_ratio = MAX_RATIO  # qwen-vl-utils refuses more elongated images
+    placeholder_size = (28, 28)
+
+    def __init__(self, processor, config, **kwargs) -> None:
+        super().__init__(processor, config, **kwargs)
+        # qwen_vl_utils resizes images to multiples of patch x merge size: 28 for Qwen2/2.5-VL, 32 for Qwen3-VL
+        self.image_patch_size = getattr(processor.image_processor, "patch_size", 14)
+        self.placeholder_size = (2 * self.image_patch_size, 2 * self.image_patch_size)
+
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
+        """Chat messages -> left-padded processor inputs. Images are resized within min/max pixels."""
+        for messages in messages_batch:
+            for message in messages:
+                for part in message["content"] if isinstance(message["content"], list) else []:
+                    if part.get("type") == "image" or "image" in part:
+                        if self.min_pixels is not None:
+                            part.setdefault("min_pixels", self.min_pixels)
+                        if self.max_pixels is not None:
+                            part.setdefault("max_pixels", self.max_pixels)
+        texts = [self.render(messages) for messages in messages_batch]
+        images_per_prompt, images, image_sizes = [], [], []
+        for messages in messages_batch:
+            originals = [part["image"].size for message in messages if isinstance(message["content"], list)
+                         for part in message["content"] if hasattr(part.get("image"), "size")]
+            prompt_images, _ = process_vision_info(messages, image_patch_size=self.image_patch_size)
+            prompt_images = prompt_images or []
+            images_per_prompt.append(len(prompt_images))
+            images.extend(prompt_images)
+            if len(originals) != len(prompt_images):  # images given by path: their sizes are unknown here
+                originals = []
+            image_sizes.append([(*original, *resized.size) for original, resized in zip(originals, prompt_images)])  # noqa: B905
+        self.tokenizer.padding_side = "left"
+        inputs = dict(self.processor(text=texts, images=images or None, padding=True, return_tensors="pt",
+                                     **self.processor_kwargs))
+        rows = {}
+        if "image_grid_thw" in inputs:  # flattened patches: grid t * h * w rows per image
+            patches = inputs["image_grid_thw"].prod(dim=1).tolist()
+            per_prompt, start = [], 0
+            for count in images_per_prompt:
+                per_prompt.append(int(sum(patches[start:start + count])))
+                start += count
+            rows = {"pixel_values": per_prompt, "image_grid_thw": list(images_per_prompt)}
+        return PromptBatch(inputs, images_per_prompt, list(ids or []), image_sizes, rows, texts)
+
+    def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor:
+        """Explicit 3-D rotary positions [3, N, L] for a full (prompt + completion) batch.
+
+        Passing them avoids Qwen-VL's `rope_deltas`, which `generate()` caches on the model for its
+        own batch and which would otherwise leak into a training forward of another batch size.
+        """
+        self.reset_positions(model)
+        if "image_grid_thw" not in inputs:
+            mask = inputs["attention_mask"]
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
+            return positions.unsqueeze(0).expand(3, -1, -1)
+        positions, _ = unwrap(model).model.get_rope_index(
+            inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs["image_grid_thw"], attention_mask=inputs["attention_mask"],
+        )
+        return positions  # [3, N, L]
+
+    def shares_vision(self, model: torch.nn.Module) -> bool:
+        return True
+
+    def image_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
+        """Vision-tower outputs computed once per distinct prompt, listed per sequence (no copy)."""
+        subset = prompts.select(sorted(set(prompt_index)))
+        encoded = unwrap(model).model.get_image_features(
+            subset.inputs["pixel_values"], subset.inputs["image_grid_thw"], return_dict=True)
+        order = image_order(prompts, prompt_index)
+        encoded.pooler_output = [encoded.pooler_output[i] for i in order]
+        if getattr(encoded, "deepstack_features", None) is not None:  # Qwen3-VL: one map per DeepStack tap
+            encoded.deepstack_features = [[level[i] for i in order] for level in encoded.deepstack_features]
+        return encoded
+
+
+@register_family
+class Qwen2VLAdapter(QwenVLAdapter):
+    """Qwen2-VL answers boxes in a 0-1000 frame normalised to the image, whatever its size."""
+
+    name = "qwen2_vl"
+    model_types = ("qwen2_vl",)
+    box_frame = "relative-1000"
+
+
+@register_family
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Qwen3-VL (dense and MoE): boxes in the 0-1000 frame again (as Qwen2-VL), 16-pixel patches, and DeepStack.
+
+    Its processor would resize images a second time to its own pixel limits (at least 65,536 pixels by
+    default), so images keep the size qwen_vl_utils gave them (`do_resize=False`, as Qwen's cookbooks do).
+    The vision tower returns, besides the merged image tokens, one feature map per DeepStack tap that the
+    first decoder layers add at the image positions; shared vision features carry both, so one encoding
+    per prompt serves its G sequences exactly as per-sequence pixels would.
+    """
+
+    name = "qwen3_vl"
+    model_types = ("qwen3_vl", "qwen3_vl_moe")
+    processor_kwargs = {"do_resize": False}
+
+
+@register_family
+class Qwen3_5Adapter(Qwen3VLAdapter):
+    """Qwen3.5 / Qwen3.6 (dense and MoE): Qwen3-VL's processor and box frame, a hybrid cache, thinking mode.
+
+    Gated DeltaNet layers cache a conv state (the last kernel-size inputs) and a recurrent state instead of
+    keys and values; forking the prompt's cache forks both (out of place: `reorder_cache`), and the
+    completions' forward replaces them rather than writing into the forked tensors, which the backward
+    still needs, so the gradient reaches the prompt through them. The chat template opens `<think>` at the
+    generation prompt; `completion_prefix` hands that opening to the task's format reward, and
+    `enable_thinking=False` renders the template's closed, empty think block instead.
+    """
+
+    name = "qwen3_5"
+    model_types = ("qwen3_5", "qwen3_5_moe")
+
+    def fork_cache(self, model, cache, index: Tensor):
+        cache = super().fork_cache(model, cache, index)
+        for layer in cache.layers:
+            if hasattr(layer, "recurrent_states"):
+                _replace_states_in_place(layer)
+        return cache
+
+
+def _replace_states_in_place(layer) -> None:
+    """Make a linear-attention cache layer assign its new conv and recurrent states instead of copying them
+    into the forked tensors (`copy_` would overwrite tensors that the backward of the prompt still reads)."""
+    if getattr(layer, "_gpg_assigns_states", False):
+        return
+    update_conv = layer.update_conv_state
+
+    def update_conv_state(conv_states, state_idx: int = 0, **kwargs):
+        if not layer.has_previous_state[state_idx]:
+            return update_conv(conv_states, state_idx=state_idx, **kwargs)
+        full = torch.cat([layer.conv_states[state_idx], conv_states], dim=-1)
+        layer.conv_states[state_idx] = full[..., -layer.conv_kernel_size[state_idx]:]
+        return full
+
+    def update_recurrent_state(recurrent_states, state_idx: int = 0, **kwargs):
+        layer.recurrent_states[state_idx] = recurrent_states
+        layer.is_recurrent_states_initialized[state_idx] = True
+        return recurrent_states
+
+    layer.update_conv_state, layer.update_recurrent_state = update_conv_state, update_recurrent_state
+    layer._gpg_assigns_states = True

@@ -1,0 +1,119 @@
+"""The training settings, declared once: these dataclasses are both the trainer's settings and the schema
+that Hydra checks the composed config against (registered in its ConfigStore as `train_schema`, the first
+entry of configs/train.yaml's defaults list). configs/train.yaml holds no copy of these defaults; task
+configs may override them. A key that is not declared here, or a value of the wrong type, fails at
+composition with one sentence naming the key, the value and the expected type (gpg_vl/config.py); values
+out of range fail right after, in gpg_vl/validate.py's table, before any model is loaded.
+
+`python scripts/train.py --cfg job` prints every setting with its value.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
+
+
+@dataclass
+class TrainerSettings:
+    """`trainer.*`: the optimisation, the GPG objective, the update's throughput paths, checkpoints."""
+
+    max_steps: int = 100                        # optimizer steps
+    # if set, passes over the train split (at B prompts per step) replace max_steps
+    epochs: float | None = None
+    group_size: int = 8                         # G: completions sampled per prompt
+    batch_size: int = 8                         # B: prompts per step, over all processes
+    micro_batch_size: int = 16                  # sequences per forward/backward (gradient accumulation over the rest)
+    # micro-batches by forward tokens, padding counted, instead (0 = by micro_batch_size)
+    micro_batch_tokens: int = 8192
+    lr: float = 1e-06                           # AdamW learning rate (the paper's multimodal runs)
+    # any transformers scheduler name: constant, constant_with_warmup, cosine, linear
+    lr_schedule: str = 'constant'
+    warmup_steps: int = 0                       # warm-up steps for *_with_warmup, cosine and linear schedules
+    weight_decay: float = 0.0                   # AdamW weight decay
+    max_grad_norm: float = 1.0                  # gradient clipping
+    # resample until this fraction of B groups has differing rewards (0 = never)
+    beta_th: float = 0.4
+    max_attempts: int = 8                       # most rollouts per step while resampling
+    # stop after this many sampled completions, resampled ones included (ablations)
+    max_completions: int | None = None
+    std_normalize: bool = False                 # true = GRPO-style advantage (r - mean) / (std + 1e-4), for ablations
+    # group_mean: advantage r - mean(r) (GPG); none: the raw reward r (plain PG)
+    baseline: str = 'group_mean'
+    # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
+    age: bool = True
+    aggregation: str = 'seq_mean_token_mean'    # or token_mean (mean over all tokens of the batch)
+    gradient_checkpointing: bool = False        # trade compute for memory on large models
+    # encode each prompt's images once per group in the update (false = once per sequence)
+    share_vision: bool = True
+    # run each prompt once per group in the update, completions on its cache (false = per sequence; off under
+    # gradient_checkpointing, FSDP and ZeRO-3)
+    share_prompt: bool = True
+    # score completions through the output layer this many tokens at a time (0 = all at once)
+    logits_chunk_tokens: int = 1024
+    save_every: int = 0                         # write checkpoint-<step>/ every N steps (0 = only final/)
+    keep_checkpoints: int = 2                   # how many checkpoint-<step>/ folders to keep
+    # stop after this many steps in a row with a NaN/inf loss or gradient (0 = never)
+    max_bad_steps: int = 10
+    # completions of a step scored at once (threads; math checks run in child processes)
+    reward_workers: int = 4
+    # reward time per step; completions not scored by then score 0 (reward_timeouts; 0 = no budget)
+    reward_budget_s: float = 60.0
+    report_to: str = 'none'                     # none, tensorboard or wandb (through accelerate's trackers)
+    # write rollouts/step-<N>.json (and send them to the tracker) every N steps and at step 1 (0 = never)
+    log_rollouts_every: int = 10
+    # groups (prompt, images, G completions, rewards, advantages) recorded per logged step
+    log_rollouts_groups: int = 8
+    eval_before: bool = True                    # evaluate the held-out split before training
+    eval_after: bool = True                     # and after
+
+    def __post_init__(self) -> None:
+        from gpg_vl.objective import estimator_name
+
+        estimator_name(self.baseline, self.std_normalize)  # an unknown variant fails before any work
+
+
+@dataclass
+class RolloutSettings:
+    """`rollout.*`: sampling the G completions of each prompt."""
+
+    max_new_tokens: int = 256                   # completion length limit
+    temperature: float = 1.0                    # sampling temperature (the update's log-probs use the same)
+    top_p: float = 1.0                          # nucleus sampling
+    ignore_eos: bool = False                    # always generate max_new_tokens (benchmarks)
+    max_prompt_tokens: int = 4096               # longer prompts are skipped with a warning, never truncated
+    # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
+    prefill_once: bool = True
+    # preallocate the decoding cache (faster on CPU, where growing it reallocates each token)
+    static_cache: bool = False
+
+
+@dataclass
+class EvalSettings:
+    """`eval.*`: greedy evaluation of the held-out split during training."""
+
+    split: str | None = None                 # held-out split (null = the task's eval split)
+    limit: int | None = None                 # evaluate only the first N rows
+    batch_size: int = 32                        # prompts per greedy decoding batch
+    max_new_tokens: int | None = None        # null = rollout.max_new_tokens
+
+@dataclass
+class TrainSchema:
+    """configs/train.yaml as a whole: the typed sections above, and the untyped ones (a model alias, a task
+    and its constructor's options, the data paths) whose keys the model and task groups declare."""
+
+    output_dir: str = "outputs"
+    seed: int = 0
+    resume: str | None = None
+    overwrite: bool = False
+    model: Any = None
+    task: Any = None
+    data: Any = None
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+
+
+def register_schema() -> None:
+    """Register `TrainSchema` with Hydra's ConfigStore as `train_schema` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainSchema)
