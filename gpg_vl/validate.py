@@ -112,6 +112,12 @@ def _baselines() -> list[str]:
     return sorted({baseline for baseline, _ in _ESTIMATOR_NAMES})
 
 
+def _box_frames() -> list[str]:
+    from gpg_vl.models.family import BOX_FRAMES
+
+    return list(BOX_FRAMES)
+
+
 def _families() -> list[str]:
     from gpg_vl.models.base import FAMILIES
 
@@ -128,6 +134,11 @@ RULES: dict[str, Rule] = {
     "model.min_pixels": integer(1, optional=True),
     "model.max_pixels": integer(1, optional=True),
     "model.trust_remote_code": BOOL,
+    "model.enable_thinking": BOOL,
+    "model.box_frame": one_of(_box_frames, optional=True),
+    "model.router_aux_loss_coef": number(0),
+    "model.attn_implementation": one_of(("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
+                                        optional=True),
     "model.freeze_vision": BOOL,
     "model.lora.r": integer(0),
     "model.lora.alpha": number(above=0),
@@ -165,6 +176,8 @@ RULES: dict[str, Rule] = {
     "trainer.eval_after": BOOL,
     "trainer.reward_workers": integer(1),
     "trainer.reward_budget_s": number(0, note="0 = no budget"),
+    "trainer.log_rollouts_every": integer(0, note="0 = never"),
+    "trainer.log_rollouts_groups": integer(1),
     "rollout.max_new_tokens": integer(1),
     "rollout.temperature": number(above=0, note="sampling needs it; the update's log-probs divide by it"),
     "rollout.top_p": number(high=1, above=0),
