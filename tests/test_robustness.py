@@ -241,14 +241,14 @@ def test_a_trainer_state_lacking_keys_fails_in_one_sentence(tmp_path):
 # 3. values checked before anything loads
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, says", [
-    (["trainer.lr=abc"], "trainer.lr='abc', allowed: a number > 0"),
-    (["trainer.lr=-1"], "trainer.lr=-1, allowed: a number > 0"),
+    (["trainer.lr=abc"], "trainer.lr=abc has the wrong type: trainer.lr takes a number"),  # the schema's types
+    (["trainer.lr=-1"], "trainer.lr=-1.0, allowed: a number > 0"),
     (["trainer.group_size=0"], "trainer.group_size=0, allowed: an integer >= 1"),
-    (["trainer.group_size=2.5"], "trainer.group_size=2.5, allowed: an integer"),
+    (["trainer.group_size=2.5"], "trainer.group_size=2.5 has the wrong type: trainer.group_size takes a whole number"),
     (["trainer.group_size=1"], "trainer.group_size=1, allowed: an integer >= 2 with a group baseline"),
-    (["trainer.max_steps=abc"], "trainer.max_steps='abc', allowed: an integer >= 1"),
+    (["trainer.max_steps=abc"], "trainer.max_steps=abc has the wrong type: trainer.max_steps takes a whole number"),
     (["trainer.max_steps=-5"], "trainer.max_steps=-5, allowed: an integer >= 1"),
-    (["trainer.epochs=abc"], "trainer.epochs='abc', allowed: a number > 0 or null"),
+    (["trainer.epochs=abc"], "trainer.epochs=abc has the wrong type: trainer.epochs takes a number"),
     (["trainer.lr_schedule=bogus"], "trainer.lr_schedule='bogus', allowed: one of linear, cosine"),
     (["trainer.aggregation=bogus"], "trainer.aggregation='bogus', allowed: one of seq_mean_token_mean, token_mean"),
     (["trainer.micro_batch_size=0", "trainer.micro_batch_tokens=0"], "trainer.micro_batch_size=0 with "
@@ -257,13 +257,13 @@ def test_a_trainer_state_lacking_keys_fails_in_one_sentence(tmp_path):
     (["trainer.report_to=bogus"], "trainer.report_to='bogus', allowed: one of none, "),
     (["trainer.keep_checkpoints=-1"], "trainer.keep_checkpoints=-1, allowed: an integer >= 0"),
     (["trainer.save_every=-1"], "trainer.save_every=-1, allowed: an integer >= 0"),
-    (["trainer.reward_budget_s=-1"], "trainer.reward_budget_s=-1, allowed: a number >= 0"),
+    (["trainer.reward_budget_s=-1"], "trainer.reward_budget_s=-1.0, allowed: a number >= 0"),
     (["rollout.max_new_tokens=-1"], "rollout.max_new_tokens=-1, allowed: an integer >= 1"),
-    (["rollout.temperature=0"], "rollout.temperature=0, allowed: a number > 0"),
-    (["seed=abc"], "seed='abc', allowed: an integer >= 0"),
+    (["rollout.temperature=0"], "rollout.temperature=0.0, allowed: a number > 0"),
+    (["seed=abc"], "seed=abc has the wrong type: seed takes a whole number"),
     (["model.dtype=int8"], "model.dtype='int8', allowed: one of auto, float32, bfloat16, float16"),
     (["eval.batch_size=0"], "eval.batch_size=0, allowed: an integer >= 1"),
-    (["trainer.lr=abc", "eval.batch_size=0"], "values: trainer.lr='abc', allowed: a number > 0; eval.batch_size=0"),
+    (["trainer.lr=-1", "eval.batch_size=0"], "values: trainer.lr=-1.0, allowed: a number > 0; eval.batch_size=0"),
 ])
 def test_bad_values_fail_in_one_sentence_before_anything_loads(overrides, says, capsys):
     def main(cfg):
@@ -271,7 +271,7 @@ def test_bad_values_fail_in_one_sentence_before_anything_loads(overrides, says, 
 
     assert run_cli("train", main, overrides) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: bad config value") and says in err, err
+    assert err.count("\n") == 0 and err.startswith("error: ") and says in err, err
 
 
 def test_eval_checks_the_same_values():
