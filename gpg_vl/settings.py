@@ -18,7 +18,9 @@ TRAINER_RANGES = {
     "max_steps": (1, None), "group_size": (1, None), "batch_size": (1, None), "micro_batch_size": (1, None),
     "micro_batch_tokens": (0, None), "lr": (0.0, None), "warmup_steps": (0, None), "weight_decay": (0.0, None),
     "max_grad_norm": (0.0, None), "beta_th": (0.0, 1.0), "max_attempts": (1, None), "logits_chunk_tokens": (0, None),
-    "save_every": (0, None), "keep_checkpoints": (1, None), "max_bad_steps": (0, None),
+    "save_every": (0, None), "keep_checkpoints": (1, None), "max_bad_steps": (0, None), "ppo_epochs": (1, None),
+    "ppo_mini_batch": (0, None), "clip_low": (0.0, 1.0), "kl_coef": (0.0, None), "overlong_cache": (0, None),
+    "overlong_penalty": (0.0, None),
 }
 ROLLOUT_RANGES = {"max_new_tokens": (1, None), "temperature": (0.0, None), "top_p": (0.0, 1.0),
                   "max_prompt_tokens": (1, None)}
@@ -51,10 +53,19 @@ class TrainerSettings:
     beta_th: float = 0.4                        # resample until this fraction of B groups has differing rewards (0 = never)
     max_attempts: int = 8                       # most rollouts per step while resampling
     max_completions: Optional[int] = None       # stop after this many sampled completions, resampled ones included (ablations)
-    std_normalize: bool = False                 # true = GRPO-style advantage (r - mean) / (std + 1e-4), for ablations
-    baseline: str = 'group_mean'                # group_mean: advantage r - mean(r) (GPG); none: the raw reward r (plain PG)
+    advantage: str = 'group_mean'               # group_mean: r - mean(r) (GPG); std_normalized: (r - mean) / (sample std + 1e-4) (GRPO); none: r; or module:fn
+    loss: str = 'gpg'                           # policy loss: gpg, grpo, dr_grpo, dapo, or module:fn (gpg_vl/objective.py); the algorithm=<name> presets set it
+    ppo_epochs: int = 1                         # mu: passes over each rollout (losses with a ratio: grpo, dr_grpo, dapo)
+    ppo_mini_batch: int = 0                     # sequences per optimizer step, over all processes, a multiple of group_size (0 = the whole rollout)
+    clip_low: float = 0.2                       # ratio clipped below at 1 - clip_low
+    clip_high: Optional[float] = None           # ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)
+    kl_coef: float = 0.0                        # beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)
+    overlong_cache: int = 0                     # DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens (0 = off)
+    overlong_penalty: float = 1.0               # the penalty at the length limit (it grows linearly over overlong_cache tokens)
+    std_normalize: Optional[bool] = None        # deprecated: trainer.advantage=std_normalized (one warning)
+    baseline: Optional[str] = None              # deprecated: trainer.advantage=group_mean or none (one warning)
     age: bool = True                            # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
-    aggregation: str = 'seq_mean_token_mean'    # or token_mean (mean over all tokens of the batch)
+    aggregation: str = 'seq_mean_token_mean'    # or token_mean (mean over all tokens of the batch), seq_mean_token_sum (token sums over max_new_tokens: Dr. GRPO)
     gradient_checkpointing: bool = False        # trade compute for memory on large models
     share_vision: bool = True                   # encode each prompt's images once per group in the update (false = once per sequence)
     share_prompt: bool = True                   # run each prompt once per group in the update, completions on its cache (false = per sequence; off under gradient_checkpointing, FSDP and ZeRO-3)
@@ -68,9 +79,40 @@ class TrainerSettings:
 
     def __post_init__(self) -> None:
         _check_ranges("trainer", self, TRAINER_RANGES)
-        from gpg_vl.objective import estimator_name
+        if self.clip_high is not None and self.clip_high < 0:
+            raise UserError(f"trainer.clip_high={self.clip_high} is out of range; it must be at least 0 (or null).")
+        from gpg_vl.objective import (AGGREGATIONS, advantage_from_deprecated, get_advantage, get_policy_loss,
+                                      loss_aggregation, loss_needs)
 
-        estimator_name(self.baseline, self.std_normalize)  # an unknown variant fails before any work
+        # an unknown variant, or a contradiction between keys, fails before any work
+        self.advantage = advantage_from_deprecated(self.advantage, self.baseline, self.std_normalize)
+        self.baseline = self.std_normalize = None
+        get_advantage(self.advantage)
+        loss = get_policy_loss(self.loss)
+        if self.aggregation not in AGGREGATIONS:
+            raise UserError(f"unknown trainer.aggregation {self.aggregation!r}; valid options: "
+                            f"{', '.join(AGGREGATIONS)}.")
+        if loss_aggregation(loss, self.aggregation) != self.aggregation:
+            raise UserError(f"trainer.loss={self.loss} aggregates as {loss_aggregation(loss, self.aggregation)}; set "
+                            f"trainer.aggregation={loss_aggregation(loss, self.aggregation)} (algorithm={self.loss} "
+                            "sets both).")
+        if self.kl_coef > 0 and "ref" not in loss_needs(loss):
+            raise UserError(f"trainer.kl_coef={self.kl_coef} needs a loss with a KL term; trainer.loss={self.loss} "
+                            "has none: set trainer.loss=grpo or trainer.kl_coef=0.")
+        if self.ppo_mini_batch % self.group_size:
+            raise UserError(f"trainer.ppo_mini_batch={self.ppo_mini_batch} is not a multiple of trainer.group_size="
+                            f"{self.group_size}; mini-batches hold whole groups.")
+        if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in loss_needs(loss):
+            raise UserError(f"trainer.ppo_epochs / trainer.ppo_mini_batch take several optimizer steps per rollout, "
+                            f"which needs a loss with a ratio to the rollout policy; trainer.loss={self.loss} has "
+                            "none: set trainer.loss=grpo (or dr_grpo, dapo), or trainer.ppo_epochs=1 and "
+                            "trainer.ppo_mini_batch=0.")
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """mu x (B x G / mini-batch): the optimizer steps of a rollout whose groups are all valid."""
+        sequences = self.batch_size * self.group_size
+        return self.ppo_epochs * (-(-sequences // self.ppo_mini_batch) if self.ppo_mini_batch else 1)
 
 
 @dataclass
