@@ -9,7 +9,7 @@ out of range fail when the settings are built, before any model is loaded.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
+from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
 from gpg_vl.errors import UserError
 
@@ -40,7 +40,7 @@ class TrainerSettings:
     """`trainer.*`: the optimisation, the GPG objective, the update's throughput paths, checkpoints."""
 
     max_steps: int = 100                        # optimizer steps
-    epochs: Optional[float] = None              # if set, passes over the train split (at B prompts per step) replace max_steps
+    epochs: float | None = None              # if set, passes over the train split (at B prompts per step) replace max_steps
     group_size: int = 8                         # G: completions sampled per prompt
     batch_size: int = 8                         # B: prompts per step, over all processes
     micro_batch_size: int = 16                  # sequences per forward/backward (gradient accumulation over the rest)
@@ -52,18 +52,18 @@ class TrainerSettings:
     max_grad_norm: float = 1.0                  # gradient clipping
     beta_th: float = 0.4                        # resample until this fraction of B groups has differing rewards (0 = never)
     max_attempts: int = 8                       # most rollouts per step while resampling
-    max_completions: Optional[int] = None       # stop after this many sampled completions, resampled ones included (ablations)
+    max_completions: int | None = None       # stop after this many sampled completions, resampled ones included (ablations)
     advantage: str = 'group_mean'               # group_mean: r - mean(r) (GPG); std_normalized: (r - mean) / (sample std + 1e-4) (GRPO); none: r; or module:fn
     loss: str = 'gpg'                           # policy loss: gpg, grpo, dr_grpo, dapo, or module:fn (gpg_vl/objective.py); the algorithm=<name> presets set it
     ppo_epochs: int = 1                         # mu: passes over each rollout (losses with a ratio: grpo, dr_grpo, dapo)
     ppo_mini_batch: int = 0                     # sequences per optimizer step, over all processes, a multiple of group_size (0 = the whole rollout)
     clip_low: float = 0.2                       # ratio clipped below at 1 - clip_low
-    clip_high: Optional[float] = None           # ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)
+    clip_high: float | None = None           # ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)
     kl_coef: float = 0.0                        # beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)
     overlong_cache: int = 0                     # DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens (0 = off)
     overlong_penalty: float = 1.0               # the penalty at the length limit (it grows linearly over overlong_cache tokens)
-    std_normalize: Optional[bool] = None        # deprecated: trainer.advantage=std_normalized (one warning)
-    baseline: Optional[str] = None              # deprecated: trainer.advantage=group_mean or none (one warning)
+    std_normalize: bool | None = None        # deprecated: trainer.advantage=std_normalized (one warning)
+    baseline: str | None = None              # deprecated: trainer.advantage=group_mean or none (one warning)
     age: bool = True                            # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
     aggregation: str = 'seq_mean_token_mean'    # or token_mean (mean over all tokens of the batch), seq_mean_token_sum (token sums over max_new_tokens: Dr. GRPO)
     gradient_checkpointing: bool = False        # trade compute for memory on large models
@@ -81,8 +81,14 @@ class TrainerSettings:
         _check_ranges("trainer", self, TRAINER_RANGES)
         if self.clip_high is not None and self.clip_high < 0:
             raise UserError(f"trainer.clip_high={self.clip_high} is out of range; it must be at least 0 (or null).")
-        from gpg_vl.objective import (AGGREGATIONS, advantage_from_deprecated, get_advantage, get_policy_loss,
-                                      loss_aggregation, loss_needs)
+        from gpg_vl.objective import (
+            AGGREGATIONS,
+            advantage_from_deprecated,
+            get_advantage,
+            get_policy_loss,
+            loss_aggregation,
+            loss_needs,
+        )
 
         # an unknown variant, or a contradiction between keys, fails before any work
         self.advantage = advantage_from_deprecated(self.advantage, self.baseline, self.std_normalize)
@@ -135,10 +141,10 @@ class RolloutSettings:
 class EvalSettings:
     """`eval.*`: greedy evaluation of the held-out split during training."""
 
-    split: Optional[str] = None                 # held-out split (null = the task's eval split)
-    limit: Optional[int] = None                 # evaluate only the first N rows
+    split: str | None = None                 # held-out split (null = the task's eval split)
+    limit: int | None = None                 # evaluate only the first N rows
     batch_size: int = 32                        # prompts per greedy decoding batch
-    max_new_tokens: Optional[int] = None        # null = rollout.max_new_tokens
+    max_new_tokens: int | None = None        # null = rollout.max_new_tokens
 
 @dataclass
 class TrainSchema:
@@ -147,7 +153,7 @@ class TrainSchema:
 
     output_dir: str = "outputs"
     seed: int = 0
-    resume: Optional[str] = None
+    resume: str | None = None
     model: Any = None
     task: Any = None
     data: Any = None

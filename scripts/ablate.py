@@ -38,8 +38,8 @@ VARIANTS: dict[str, list[str]] = {
     "gpg": [],  # the default: group-mean advantage, AGE alpha, threshold resampling (beta_th 0.4)
     "no_resampling": ["trainer.beta_th=0"],
     "no_age": ["trainer.age=false"],
-    "std_normalized": ["trainer.std_normalize=true"],
-    "no_baseline": ["trainer.baseline=none"],
+    "std_normalized": ["trainer.advantage=std_normalized"],
+    "no_baseline": ["trainer.advantage=none"],
 }
 DEFAULT = {"groups": [2, 4, 8, 16], "seeds": [0, 1, 2], "budget": 1024, "batch_size": 8, "eval_limit": 200,
            "window": 256, "target": 0.6}
