@@ -15,7 +15,7 @@ from gpg_vl.models.base import RAW_TEMPLATE, load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
 from gpg_vl.outdir import check_output_dir, claim_output_dir
 from gpg_vl.tasks import get_task
-from gpg_vl.trainer import EvalSettings, RolloutSettings, TrainerSettings, train
+from gpg_vl.trainer import EvalSettings, RolloutSettings, TrainerSettings, needs_reference, train
 from gpg_vl.validate import check_model_folder
 
 
@@ -109,13 +109,19 @@ def train_main(cfg: DictConfig) -> dict:
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
         check_model_folder(model_cfg)  # before the weights load
         policy = build_policy(model_cfg, accelerator.device)
+        settings = TrainerSettings(**container["trainer"])
+        # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
+        # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
+        reference = None
+        if needs_reference(settings) and not int((cfg.model.get("lora") or {}).get("r") or 0):
+            reference = build_policy(cfg.model, accelerator.device).model
         summary = train(
             policy, task,
-            trainer=TrainerSettings(**container["trainer"]),
+            trainer=settings,
             rollout=RolloutSettings(**container["rollout"]),
             evaluation=EvalSettings(**container["eval"]),
             output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, accelerator=accelerator,
-            config=container, max_bad_fraction=cfg.data.max_bad_fraction,
+            config=container, max_bad_fraction=cfg.data.max_bad_fraction, reference=reference,
         )
     if accelerator.is_main_process and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"

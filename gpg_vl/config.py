@@ -19,7 +19,7 @@ from gpg_vl.settings import register_schema
 from gpg_vl.validate import check_values
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-GROUPS = ("task", "model")
+GROUPS = ("task", "model", "algorithm")
 
 if not OmegaConf.has_resolver("now"):
     OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
@@ -88,6 +88,11 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
             cfg = compose(config_name=config_name, overrides=overrides)
     except HydraException as error:
         raise UserError(_type_error(error) or f"bad command line: {str(error).splitlines()[0]}") from None
+    if config_name == "train":  # ranges (and variant names) of the typed settings, before any model is loaded
+        trainer = OmegaConf.to_object(cfg.trainer)  # deprecated keys resolved here, once (one warning)
+        cfg.trainer.advantage, cfg.trainer.baseline, cfg.trainer.std_normalize = trainer.advantage, None, None
+        for section in ("rollout", "eval"):
+            OmegaConf.to_object(cfg[section])
     check_values(cfg)  # every value's range (types: the schema, gpg_vl/settings.py), before anything loads
     return cfg
 

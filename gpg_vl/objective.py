@@ -2,12 +2,11 @@
 
 For each prompt we sample G completions o_1..o_G with scalar rewards r_i.
 
-* Advantage (F_norm = 1, the GPG default): ``A_i = r_i - mean(r)``.  With
-  ``std_normalize=True`` (GRPO-style variant): ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``, where
-  ``std`` is torch's default, the Bessel-corrected *sample* std (``sum((r - mean)^2) / (G - 1)``, square
-  root), as TRL (``scale_rewards="group"``), verl, EasyR1 and the GPG authors' fork divide by.
-* A group is *valid* when its *population* std (``unbiased=False``) is ``> eps``.  Invalid groups
-  (all rewards equal, G == 1, or any non-finite reward) get zero advantages, never NaN.
+* Advantage (F_norm = 1, the GPG default): ``A_i = r_i - mean(r)``.  GRPO's variant, registered as
+  "std_normalized": ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)`` with torch's default (Bessel-corrected)
+  sample std, as TRL, verl, EasyR1 and R1-V compute it.
+* A group is *valid* when its *population* std (``unbiased=False``) is ``> eps``.  Invalid groups (all
+  rewards equal, G == 1, or any non-finite reward) get zero advantages, never NaN.
 * Loss (no ratio, no clipping, no KL), "seq_mean_token_mean" (the paper's formula)::
 
       L = -1/N * sum_i 1/|o_i| * sum_t logp(o_i,t) * A_i
@@ -22,7 +21,19 @@ For each prompt we sample G completions o_1..o_G with scalar rewards r_i.
   sequences, or of unmasked tokens for "token_mean"); summing the per-micro-batch losses then
   equals the full-batch loss, and so do the summed gradients.
 
-Variants for ablations, each a swappable pure function picked from a registry by name:
+Variants, each a pure function registered by name (``register_advantage``, ``register_policy_loss``) and
+picked by ``trainer.advantage`` / ``trainer.loss``; ``module:fn`` or ``file.py:fn`` loads one defined
+outside the project.  The public contract::
+
+    get_advantage(name)    # -> fn(rewards [B, G]) -> (advantages [B, G], valid [B])
+    get_policy_loss(name)  # -> fn(token_logps, completion_mask, advantages, *, old_logps=None, ref_logps=None,
+                           #       aggregation="seq_mean_token_mean", normalizer=None, **options) -> (loss, metrics)
+
+A loss declares what it needs (``needs``: "old" = the rollout policy's log-probs, "ref" = the frozen
+reference model's) and may fix its aggregation; the trainer computes only what the chosen loss declares.
+``old_logps=None`` means on-policy: the old log-probs are the current ones, detached (ratio 1).  Losses:
+"gpg" (the objective above; needs nothing), "grpo" (ratio clipping + k3 KL to the reference), "dr_grpo"
+(clipped, token sums over a constant), "dapo" (clip-higher, token mean over the batch).
 
 * ``ADVANTAGE_ESTIMATORS``: "group_mean" (GPG), "std_normalized" (GRPO-style) and "none" (plain
   policy gradient: ``A_i = r_i``).  Each returns ``(advantages, valid)``, and *valid* always means
@@ -39,18 +50,93 @@ Variants for ablations, each a swappable pure function picked from a registry by
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
+from gpg_vl.plugins import load_reference
 
 GRPO_STD_EPS = 1e-4
+NEEDS = ("old", "ref")  # what a policy loss may declare: the rollout policy's and the reference's log-probs
 
-Aggregation = Callable[[Tensor, Tensor, float | None], Tensor]  # (per_token, mask, normalizer)
+Aggregation = Callable[..., Tensor]  # (per_token [N, L], mask [N, L], normalizer, max_tokens) -> loss []
+AdvantageEstimator = Callable[[Tensor], tuple[Tensor, Tensor]]  # rewards [B, G] -> (advantages [B, G], valid [B])
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
+Normalizer = Callable[[float, float], float]  # (count over valid groups, count over all sampled groups) -> denominator
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
+# ----------------------------------------------------------------------------- registries
+def _register(table: dict, kind: str, name: str, attributes: dict):
+    def decorator(function):
+        if name in table:
+            known = table[name]
+            raise UserError(f"{kind} {name!r} is already registered (by {known.__module__}.{known.__qualname__}); "
+                            "register yours under another name.")
+        for key, value in attributes.items():
+            setattr(function, key, value)
+        table[name] = function
+        return function
+    return decorator
+
+
+def _lookup(table: dict, kind: str, key: str, name: str):
+    if ":" in name:
+        function = load_reference(name, key)
+        if not callable(function):
+            raise UserError(f"{key}={name} is not a function; name a {kind} function after ':'.")
+        return function
+    if name not in table:
+        raise UserError(f"unknown {key} {name!r}; valid options: {', '.join(sorted(table))} "
+                        "(or module:function / path/to/file.py:function).")
+    return table[name]
+
+
+def register_advantage(name: str):
+    """Register ``fn(rewards [B, G]) -> (advantages [B, G], valid [B])`` as ``trainer.advantage=<name>``."""
+    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, {})
+
+
+def register_policy_loss(name: str, *, needs: tuple[str, ...] = (), aggregation: str | None = None):
+    """Register a policy loss as ``trainer.loss=<name>`` (signature in the module doc).
+
+    `needs` lists what the trainer must compute for it ("old", "ref"); `aggregation`, when set, is the only
+    aggregation the loss takes (the trainer normalises by that aggregation's count).
+    """
+    unknown = sorted(set(needs) - set(NEEDS))
+    if unknown:
+        raise UserError(f"policy loss {name!r} needs {', '.join(unknown)}; a loss can need: {', '.join(NEEDS)}.")
+    if aggregation is not None and aggregation not in AGGREGATIONS:
+        raise UserError(f"policy loss {name!r} fixes aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}.")
+    return _register(POLICY_LOSSES, "policy loss", name, {"needs": tuple(needs), "aggregation": aggregation})
+
+
+def get_advantage(name: str) -> AdvantageEstimator:
+    """The advantage estimator registered as `name`, or loaded from `module:fn` / `file.py:fn`."""
+    return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", "trainer.advantage", name)
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss registered as `name`, or loaded from `module:fn` / `file.py:fn` (an undecorated
+    function needs nothing and takes any aggregation)."""
+    return _lookup(POLICY_LOSSES, "policy loss", "trainer.loss", name)
+
+
+def loss_needs(loss: PolicyLoss) -> tuple[str, ...]:
+    return tuple(getattr(loss, "needs", ()))
+
+
+def loss_aggregation(loss: PolicyLoss, default: str) -> str:
+    """The aggregation a loss fixes, else `default` (trainer.aggregation)."""
+    return getattr(loss, "aggregation", None) or default
+
+
+# ----------------------------------------------------------------------------- advantages
 def group_advantages(
     rewards: Tensor, *, std_normalize: bool = False, eps: float = 1e-5
 ) -> tuple[Tensor, Tensor]:
@@ -67,88 +153,24 @@ def group_advantages(
     return adv, valid
 
 
-def _denominator(local_count: float, normalizer: float | None) -> float:
-    """Local count unless a global ``normalizer`` is given; clamped at 1 so empty batches give 0."""
-    return max(float(local_count if normalizer is None else normalizer), 1.0)
-
-
-def _seq_mean_token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None) -> Tensor:
-    """Token mean per sequence, then mean over sequences (empty rows count, contribute 0)."""
-    lengths = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)  # [N]
-    per_seq = per_token.sum(dim=1) / lengths  # [N]
-    return per_seq.sum() / _denominator(per_token.shape[0], normalizer)
-
-
-def _token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None) -> Tensor:
-    """Sum over all unmasked tokens divided by their total count."""
-    return per_token.sum() / _denominator(int(mask.sum()), normalizer)
-
-
-AGGREGATIONS: dict[str, Aggregation] = {
-    "seq_mean_token_mean": _seq_mean_token_mean,
-    "token_mean": _token_mean,
-}
-
-
-def policy_loss(
-    token_logps: Tensor,
-    completion_mask: Tensor,
-    advantages: Tensor,
-    *,
-    aggregation: str = "seq_mean_token_mean",
-    normalizer: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N].
-
-    Masked positions are selected out with ``torch.where`` (so even -inf/NaN padding log-probs
-    give neither NaN loss nor NaN gradient).  Returns (scalar loss, float metrics).
-    """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; valid options: {sorted(AGGREGATIONS)}")
-    mask = completion_mask.bool()  # [N, L]
-    adv = advantages.detach().to(token_logps.dtype)  # [N]
-    per_token = -token_logps * adv.unsqueeze(1)  # [N, L]
-    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))  # [N, L]
-    loss = AGGREGATIONS[aggregation](per_token, mask, normalizer)  # []
-
-    with torch.no_grad():
-        num_tokens = int(mask.sum())
-        logps = torch.where(mask, token_logps.detach(), torch.zeros_like(token_logps))  # [N, L]
-        n = adv.shape[0]
-        metrics = {
-            "loss": float(loss.detach()),
-            "advantage_mean": float(adv.mean()) if n else 0.0,
-            "advantage_abs_mean": float(adv.abs().mean()) if n else 0.0,
-            "num_sequences": float(n),
-            "num_tokens": float(num_tokens),
-            "logp_mean": float(logps.sum() / num_tokens) if num_tokens else 0.0,
-        }
-    return loss, metrics
-
-
-def age_alpha(num_groups: int, num_valid: int) -> float:
-    """AGE scale B / (B - M) = num_groups / num_valid (M = invalid groups).
-
-    Returns 0.0 when ``num_valid == 0``: every advantage is zero and no update happens.
-    """
-    return loss_alpha(True, num_groups, num_valid)
-
-
-# ----------------------------------------------------------------------------- variants (ablations)
-AdvantageEstimator = Callable[[Tensor], tuple[Tensor, Tensor]]  # rewards [B, G] -> (advantages [B, G], valid [B])
-Normalizer = Callable[[float, float], float]  # (count over valid groups, count over all sampled groups) -> denominator
-
-
+@register_advantage("group_mean")
 def group_mean_advantages(rewards: Tensor) -> tuple[Tensor, Tensor]:
-    """GPG: ``A_i = r_i - mean(r)``; valid when the rewards differ."""
+    """GPG (and Dr. GRPO): ``A_i = r_i - mean(r)``; valid when the rewards differ."""
     return group_advantages(rewards)
 
 
+@register_advantage("std_normalized")
 def std_normalized_advantages(rewards: Tensor) -> tuple[Tensor, Tensor]:
-    """GRPO-style: ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``; valid when the rewards differ."""
-    return group_advantages(rewards, std_normalize=True)
+    """GRPO: ``A_i = (r_i - mean(r)) / (std(r) + 1e-4)``, torch's default (sample) std; valid when the rewards
+    differ (population std > 1e-5)."""
+    adv, valid = group_advantages(rewards)  # [B, G], [B]
+    if rewards.shape[1] < 2:  # the sample std of one reward is undefined; such a group is invalid anyway
+        return adv, valid
+    std = torch.where(valid.unsqueeze(1), rewards.to(adv.dtype), torch.zeros_like(adv)).std(dim=1, keepdim=True)
+    return adv / (std + GRPO_STD_EPS), valid
 
 
+@register_advantage("none")
 def raw_reward_advantages(rewards: Tensor, *, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
     """No baseline: ``A_i = r_i``.  Valid when some |r_i| > eps and all rewards are finite.
 
@@ -160,27 +182,209 @@ def raw_reward_advantages(rewards: Tensor, *, eps: float = 1e-5) -> tuple[Tensor
     return adv, valid
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "group_mean": group_mean_advantages,
-    "std_normalized": std_normalized_advantages,
-    "none": raw_reward_advantages,
-}
-# (trainer.baseline, trainer.std_normalize) -> estimator name
+# (trainer.baseline, trainer.std_normalize), the deprecated pair of keys -> trainer.advantage
 _ESTIMATOR_NAMES = {("group_mean", False): "group_mean", ("group_mean", True): "std_normalized",
                     ("none", False): "none"}
 
 
 def estimator_name(baseline: str, std_normalize: bool) -> str:
-    """The advantage estimator chosen by ``trainer.baseline`` and ``trainer.std_normalize``."""
+    """The advantage estimator the deprecated keys ``trainer.baseline`` and ``trainer.std_normalize`` chose."""
     baselines = sorted({b for b, _ in _ESTIMATOR_NAMES})
     if baseline not in baselines:
-        raise UserError(f"unknown trainer.baseline {baseline!r}; valid options: {', '.join(baselines)}.")
+        raise UserError(f"unknown trainer.baseline {baseline!r}; valid options: {', '.join(baselines)} "
+                        "(trainer.baseline is deprecated: use trainer.advantage).")
     if (baseline, bool(std_normalize)) not in _ESTIMATOR_NAMES:
         raise UserError("trainer.std_normalize=true divides by the group's std around its mean, which needs the "
-                        "group baseline; set trainer.baseline=group_mean or trainer.std_normalize=false.")
+                        "group baseline; set trainer.advantage=std_normalized (these two keys are deprecated).")
     return _ESTIMATOR_NAMES[(baseline, bool(std_normalize))]
 
 
+def advantage_from_deprecated(advantage: str, baseline: str | None, std_normalize: bool | None) -> str:
+    """`trainer.advantage`, or what the deprecated `trainer.baseline` / `trainer.std_normalize` ask for (one
+    warning); a contradiction between them and `trainer.advantage` fails in one sentence."""
+    if baseline is None and std_normalize is None:
+        return advantage
+    chosen = estimator_name("group_mean" if baseline is None else baseline, bool(std_normalize))
+    if advantage not in ("group_mean", chosen):
+        raise UserError(f"trainer.advantage={advantage} contradicts the deprecated trainer.baseline / "
+                        f"trainer.std_normalize (which ask for {chosen}); drop the deprecated keys.")
+    print(f"warning: trainer.baseline and trainer.std_normalize are deprecated; use trainer.advantage={chosen}.",
+          file=sys.stderr)
+    return chosen
+
+
+# ----------------------------------------------------------------------------- aggregation
+def _denominator(local_count: float, normalizer: float | None) -> float:
+    """Local count unless a global ``normalizer`` is given; clamped at 1 so empty batches give 0."""
+    return max(float(local_count if normalizer is None else normalizer), 1.0)
+
+
+def _seq_mean_token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+    """Token mean per sequence, then mean over sequences (empty rows count, contribute 0)."""
+    lengths = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)  # [N]
+    per_seq = per_token.sum(dim=1) / lengths  # [N]
+    return per_seq.sum() / _denominator(per_token.shape[0], normalizer)
+
+
+def _token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+    """Sum over all unmasked tokens divided by their total count."""
+    return per_token.sum() / _denominator(int(mask.sum()), normalizer)
+
+
+def _seq_mean_token_sum(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+    """Dr. GRPO: each sequence's token SUM over a constant (`max_tokens`, the completion length limit), then
+    mean over sequences; i.e. the batch's token sum over (sequences x max_tokens)."""
+    if not max_tokens:
+        raise ValueError("aggregation seq_mean_token_sum needs max_tokens (the completion length limit)")
+    return per_token.sum() / (float(max_tokens) * _denominator(per_token.shape[0], normalizer))
+
+
+AGGREGATIONS: dict[str, Aggregation] = {
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "token_mean": _token_mean,
+    "seq_mean_token_sum": _seq_mean_token_sum,
+}
+TOKEN_NORMALISED = ("token_mean",)  # aggregations whose normalizer counts tokens; the others count sequences
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, aggregation: str, normalizer: float | None,
+               max_tokens: int | None) -> Tensor:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; valid options: {sorted(AGGREGATIONS)}")
+    return AGGREGATIONS[aggregation](per_token, mask, normalizer, max_tokens)
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> float:
+    count = int(mask.sum())
+    return float(torch.where(mask, values, torch.zeros_like(values)).sum() / count) if count else 0.0
+
+
+def _base_metrics(loss: Tensor, token_logps: Tensor, mask: Tensor, adv: Tensor) -> dict[str, float]:
+    n = adv.shape[0]
+    return {"loss": float(loss.detach()),
+            "advantage_mean": float(adv.mean()) if n else 0.0,
+            "advantage_abs_mean": float(adv.abs().mean()) if n else 0.0,
+            "num_sequences": float(n),
+            "num_tokens": float(int(mask.sum())),
+            "logp_mean": _masked_mean(token_logps.detach(), mask)}
+
+
+# ----------------------------------------------------------------------------- policy losses
+@register_policy_loss("gpg")
+def policy_loss(
+    token_logps: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    *,
+    old_logps: Tensor | None = None,
+    ref_logps: Tensor | None = None,
+    aggregation: str = "seq_mean_token_mean",
+    normalizer: float | None = None,
+    max_tokens: int | None = None,
+    **options,
+) -> tuple[Tensor, dict[str, float]]:
+    """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N].
+
+    No ratio, no clipping, no KL: `old_logps`, `ref_logps` and other options are not used.
+    Masked positions are selected out with ``torch.where`` (so even -inf/NaN padding log-probs
+    give neither NaN loss nor NaN gradient).  Returns (scalar loss, float metrics).
+    """
+    mask = completion_mask.bool()  # [N, L]
+    adv = advantages.detach().to(token_logps.dtype)  # [N]
+    per_token = -token_logps * adv.unsqueeze(1)  # [N, L]
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))  # [N, L]
+    loss = _aggregate(per_token, mask, aggregation, normalizer, max_tokens)  # []
+    with torch.no_grad():
+        metrics = _base_metrics(loss, token_logps, mask, adv)
+    return loss, metrics
+
+
+def clipped_surrogate(
+    token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, old_logps: Tensor | None = None,
+    ref_logps: Tensor | None = None, aggregation: str = "seq_mean_token_mean", normalizer: float | None = None,
+    max_tokens: int | None = None, clip_low: float = 0.2, clip_high: float | None = None, kl_coef: float = 0.0,
+    **options,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped surrogate, per token, plus ``kl_coef`` x the k3 KL estimate to the reference.
+
+    token_logps, old_logps, ref_logps, completion_mask [N, L]; advantages [N].  ratio = exp(logp - old)
+    (old = logp detached when `old_logps` is None: ratio 1, the gradient of a plain policy gradient);
+    per token ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3`` with
+    ``k3 = exp(ref - logp) - (ref - logp) - 1``.  Metrics: kl (token mean of k3), clip_fraction_low /
+    clip_fraction_high (tokens whose ratio is clipped below / above, where the clip takes the gradient away),
+    ratio_mean, ratio_max, logp_drift (token mean of logp - old).
+    """
+    mask = completion_mask.bool()  # [N, L]
+    zeros = torch.zeros_like(token_logps)
+    logps = torch.where(mask, token_logps, zeros)  # [N, L] padding (maybe -inf) out before any arithmetic
+    old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
+    adv = advantages.detach().to(logps.dtype).unsqueeze(1)  # [N, 1]
+    high = clip_low if clip_high is None else clip_high
+    ratio = torch.exp(logps - old)  # [N, L]
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + high)  # [N, L]
+    per_token = -torch.minimum(ratio * adv, clipped * adv)  # [N, L]
+    kl = zeros
+    if kl_coef:
+        if ref_logps is None:
+            raise ValueError("kl_coef > 0 needs ref_logps (the reference model's log-probs)")
+        delta = torch.where(mask, ref_logps.to(logps.dtype), zeros).detach() - logps  # [N, L]
+        kl = torch.exp(delta) - delta - 1.0  # [N, L] k3, >= 0
+        per_token = per_token + kl_coef * kl
+    per_token = torch.where(mask, per_token, zeros)  # [N, L]
+    loss = _aggregate(per_token, mask, aggregation, normalizer, max_tokens)  # []
+    with torch.no_grad():
+        metrics = _base_metrics(loss, token_logps, mask, adv.squeeze(1))
+        ratio = ratio.detach()
+        metrics.update({
+            "kl": _masked_mean(kl.detach(), mask),
+            "clip_fraction_low": _masked_mean(((ratio < 1.0 - clip_low) & (adv < 0)).to(logps.dtype), mask),
+            "clip_fraction_high": _masked_mean(((ratio > 1.0 + high) & (adv > 0)).to(logps.dtype), mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+            "ratio_max": float(torch.where(mask, ratio, zeros).max()) if mask.any() else 1.0,
+            "logp_drift": _masked_mean(logps.detach() - old, mask),
+        })
+    return loss, metrics
+
+
+@register_policy_loss("grpo", needs=("old", "ref"))
+def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, **kwargs):
+    """GRPO (DeepSeekMath, R1-V's trainer): clipped ratio (default eps 0.2), k3 KL to the reference with
+    `kl_coef`, and the aggregation given (per-sequence token mean, then mean, by default)."""
+    return clipped_surrogate(token_logps, completion_mask, advantages, **kwargs)
+
+
+@register_policy_loss("dr_grpo", needs=("old",), aggregation="seq_mean_token_sum")
+def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, **kwargs):
+    """Dr. GRPO: the clipped ratio, each sequence's token sum over the constant `max_tokens` (the trainer
+    passes rollout.max_new_tokens), no KL."""
+    return clipped_surrogate(token_logps, completion_mask, advantages, **{**kwargs, "kl_coef": 0.0})
+
+
+@register_policy_loss("dapo", needs=("old",), aggregation="token_mean")
+def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
+              clip_high: float | None = 0.28, **kwargs):
+    """DAPO: clip-higher (eps_low 0.2, eps_high 0.28 by default), the token mean over the batch, no KL."""
+    return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
+                             **{**kwargs, "kl_coef": 0.0})
+
+
+def overlong_penalty(lengths: Tensor, max_tokens: int, cache: int) -> Tensor:
+    """DAPO's soft overlong punishment. lengths [N] -> [N] in [-1, 0]: 0 up to ``max_tokens - cache`` tokens,
+    then linearly down to -1 at ``max_tokens`` (and -1 beyond)."""
+    if not 0 < cache <= max_tokens:
+        raise ValueError(f"need 0 < cache <= max_tokens, got cache={cache}, max_tokens={max_tokens}")
+    return ((max_tokens - cache - lengths.to(torch.float64)) / cache).clamp(min=-1.0, max=0.0)
+
+
+def age_alpha(num_groups: int, num_valid: int) -> float:
+    """AGE scale B / (B - M) = num_groups / num_valid (M = invalid groups).
+
+    Returns 0.0 when ``num_valid == 0``: every advantage is zero and no update happens.
+    """
+    return loss_alpha(True, num_groups, num_valid)
+
+
+# ----------------------------------------------------------------------------- loss normalisers (AGE)
 def age_normalizer(valid_count: float, sampled_count: float) -> float:
     """AGE on: the mean over valid groups' sequences (or tokens), = alpha * the mean over all sampled."""
     return valid_count

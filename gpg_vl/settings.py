@@ -11,6 +11,8 @@ out of range fail right after, in gpg_vl/validate.py's table, before any model i
 from dataclasses import dataclass, field
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
+from gpg_vl.errors import UserError
+
 
 @dataclass
 class TrainerSettings:
@@ -35,12 +37,29 @@ class TrainerSettings:
     max_attempts: int = 8                       # most rollouts per step while resampling
     # stop after this many sampled completions, resampled ones included (ablations)
     max_completions: int | None = None
-    std_normalize: bool = False                 # true = GRPO-style advantage (r - mean) / (std + 1e-4), for ablations
-    # group_mean: advantage r - mean(r) (GPG); none: the raw reward r (plain PG)
-    baseline: str = 'group_mean'
+    # group_mean: r - mean(r) (GPG); std_normalized: (r - mean) / (sample std + 1e-4) (GRPO); none: r; or module:fn
+    advantage: str = 'group_mean'
+    # policy loss: gpg, grpo, dr_grpo, dapo, or module:fn (gpg_vl/objective.py); the algorithm=<name> presets set it
+    loss: str = 'gpg'
+    # mu: passes over each rollout (losses with a ratio: grpo, dr_grpo, dapo)
+    ppo_epochs: int = 1
+    # sequences per optimizer step, over all processes, a multiple of group_size (0 = the whole rollout)
+    ppo_mini_batch: int = 0
+    clip_low: float = 0.2                       # ratio clipped below at 1 - clip_low
+    # ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)
+    clip_high: float | None = None
+    # beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)
+    kl_coef: float = 0.0
+    # DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens (0 = off)
+    overlong_cache: int = 0
+    # the penalty at the length limit (it grows linearly over overlong_cache tokens)
+    overlong_penalty: float = 1.0
+    std_normalize: bool | None = None        # deprecated: trainer.advantage=std_normalized (one warning)
+    baseline: str | None = None              # deprecated: trainer.advantage=group_mean or none (one warning)
     # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
     age: bool = True
-    aggregation: str = 'seq_mean_token_mean'    # or token_mean (mean over all tokens of the batch)
+    # or token_mean (mean over all tokens of the batch), seq_mean_token_sum (token sums over max_new_tokens: Dr. GRPO)
+    aggregation: str = 'seq_mean_token_mean'
     gradient_checkpointing: bool = False        # trade compute for memory on large models
     # encode each prompt's images once per group in the update (false = once per sequence)
     share_vision: bool = True
@@ -66,9 +85,44 @@ class TrainerSettings:
     eval_after: bool = True                     # and after
 
     def __post_init__(self) -> None:
-        from gpg_vl.objective import estimator_name
+        from gpg_vl.objective import (
+            AGGREGATIONS,
+            advantage_from_deprecated,
+            get_advantage,
+            get_policy_loss,
+            loss_aggregation,
+            loss_needs,
+        )
 
-        estimator_name(self.baseline, self.std_normalize)  # an unknown variant fails before any work
+        # an unknown variant, or a contradiction between keys, fails before any work
+        self.advantage = advantage_from_deprecated(self.advantage, self.baseline, self.std_normalize)
+        self.baseline = self.std_normalize = None
+        get_advantage(self.advantage)
+        loss = get_policy_loss(self.loss)
+        if self.aggregation not in AGGREGATIONS:
+            raise UserError(f"unknown trainer.aggregation {self.aggregation!r}; valid options: "
+                            f"{', '.join(AGGREGATIONS)}.")
+        if loss_aggregation(loss, self.aggregation) != self.aggregation:
+            raise UserError(f"trainer.loss={self.loss} aggregates as {loss_aggregation(loss, self.aggregation)}; set "
+                            f"trainer.aggregation={loss_aggregation(loss, self.aggregation)} (algorithm={self.loss} "
+                            "sets both).")
+        if self.kl_coef > 0 and "ref" not in loss_needs(loss):
+            raise UserError(f"trainer.kl_coef={self.kl_coef} needs a loss with a KL term; trainer.loss={self.loss} "
+                            "has none: set trainer.loss=grpo or trainer.kl_coef=0.")
+        if self.ppo_mini_batch % self.group_size:
+            raise UserError(f"trainer.ppo_mini_batch={self.ppo_mini_batch} is not a multiple of trainer.group_size="
+                            f"{self.group_size}; mini-batches hold whole groups.")
+        if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in loss_needs(loss):
+            raise UserError(f"trainer.ppo_epochs / trainer.ppo_mini_batch take several optimizer steps per rollout, "
+                            f"which needs a loss with a ratio to the rollout policy; trainer.loss={self.loss} has "
+                            "none: set trainer.loss=grpo (or dr_grpo, dapo), or trainer.ppo_epochs=1 and "
+                            "trainer.ppo_mini_batch=0.")
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """mu x (B x G / mini-batch): the optimizer steps of a rollout whose groups are all valid."""
+        sequences = self.batch_size * self.group_size
+        return self.ppo_epochs * (-(-sequences // self.ppo_mini_batch) if self.ppo_mini_batch else 1)
 
 
 @dataclass

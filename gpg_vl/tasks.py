@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import inspect
 import math
 import re
@@ -28,10 +27,10 @@ import threading
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 from gpg_vl.errors import BadRow, UserError
+from gpg_vl.plugins import load_reference
 from gpg_vl.rewards import _as_box, extract_answer
 
 RewardFn = Callable[[str, dict], float]
@@ -256,22 +255,7 @@ def list_tasks() -> list[str]:
 
 def _load_from_reference(reference: str) -> type[Task]:
     """Import `module:Name` or `path/to/file.py:Name` (this runs the file's code)."""
-    location, _, attribute = reference.rpartition(":")
-    if location.endswith(".py"):
-        path = Path(location).expanduser().resolve()
-        if not path.is_file():
-            raise UserError(f"task file {location!r} does not exist; give task.name=path/to/file.py:ClassName.")
-        module_name = f"gpg_vl_user_task_{abs(hash(str(path)))}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(location)
-        except ImportError as error:
-            raise UserError(f"cannot import task module {location!r} ({error}); check task.name.") from None
-    task_class = getattr(module, attribute, None)
+    task_class = load_reference(reference, "task.name")
     if not (isinstance(task_class, type) and issubclass(task_class, Task)):
         raise UserError(f"{reference!r} does not name a Task subclass; check the class name after ':'.")
     return task_class

@@ -1,5 +1,5 @@
-"""The GPG training loop, on accelerate. Read `train` top to bottom:
-sample -> score -> advantage -> loss -> step -> log -> save.
+"""The training loop, on accelerate. Read `train` top to bottom: setup -> (sample -> score -> advantage ->
+loss -> optimizer steps -> log -> save) per step -> finish. GPG by default; the GRPO family by trainer.loss.
 
 Nothing here assumes one process: prompts of a step are split across processes, every count that
 drives a decision (valid groups, resampling, the loss normaliser) is all-reduced, and checkpoints are
@@ -9,14 +9,16 @@ written by the main process only.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import math
 import os
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +42,16 @@ from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy
 from gpg_vl.models.family import PromptBatch, ScoringPath, choose_scoring_path
-from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
+from gpg_vl.objective import (
+    LOSS_NORMALIZERS,
+    TOKEN_NORMALISED,
+    get_advantage,
+    get_policy_loss,
+    loss_aggregation,
+    loss_alpha,
+    loss_needs,
+    overlong_penalty,
+)
 from gpg_vl.outdir import claim_output_dir
 from gpg_vl.report import write_curves
 from gpg_vl.reward_pool import RewardBudget, score_completions
@@ -68,10 +79,14 @@ class Attempt:
 # sample + score + advantage
 # ---------------------------------------------------------------------------------------------
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
-                   rollout: RolloutSettings, std_normalize: bool, warn, baseline: str = "group_mean",
-                   reward_workers: int = 1, reward_budget: RewardBudget | None = None) -> Attempt:
+                   rollout: RolloutSettings, warn, advantage: str = "group_mean", overlong_cache: int = 0,
+                   overlong_penalty_at_limit: float = 1.0, reward_workers: int = 1,
+                   reward_budget: RewardBudget | None = None) -> Attempt:
     """Draw this process's share of `batch_size` prompts, roll out G completions each, score them (on
-    `reward_workers` threads, within what is left of the step's `reward_budget`)."""
+    `reward_workers` threads, within what is left of the step's `reward_budget`).
+
+    `advantage` names the estimator (trainer.advantage); with `overlong_cache` > 0 the reward gets DAPO's
+    overlong component "overlong" (0 down to -overlong_penalty_at_limit over the last overlong_cache tokens)."""
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
     prompts = policy.adapter.encode([p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
@@ -91,6 +106,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         if forward_is_collective(policy.model):
             generate(policy, placeholder_prompts(policy), group_size=group_size, max_new_tokens=rollout.max_new_tokens)
         empty = torch.zeros(0, group_size)
+        names += ["overlong"] if overlong_cache else []
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
     require_images(prompts.has_images, stream.world_size, "a batch of training prompts")
@@ -102,14 +118,19 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
                                          workers=reward_workers, budget=reward_budget)
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
-    advantages, valid = ADVANTAGE_ESTIMATORS[estimator_name(baseline, std_normalize)](rewards)  # [b, G], [b]
+    if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
+        lengths = result.completion_mask.sum(dim=1)  # [b * G]
+        penalty = overlong_penalty_at_limit * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
+        components["overlong"] = penalty.view(len(rows), group_size).to(rewards.dtype)  # [b, G]
+        rewards = rewards + components["overlong"]
+    advantages, valid = get_advantage(advantage)(rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts)
 
 
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
                   share_prompt: bool = False):
-    """Sequences of valid groups only, as micro-batches (prompts, prompt index, ids [n, C], mask [n, C], adv [n]).
+    """Sequences of valid groups only, as `MicroBatch`es (prompts, prompt index, ids [n, C], mask [n, C], adv [n]).
 
     With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
     forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
@@ -130,9 +151,9 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
         for chosen in batches:
             mask = attempt.rollout.completion_mask[chosen]  # [n, C]
             width = max(int(mask.sum(dim=1).max()), 1)
-            yield (attempt.prompts, [s // group_size for s in chosen],
-                   attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
-                   attempt.advantages.flatten()[chosen])
+            yield MicroBatch(attempt.prompts, [s // group_size for s in chosen],
+                             attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
+                             attempt.advantages.flatten()[chosen])
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
@@ -166,10 +187,160 @@ def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], complet
 # ---------------------------------------------------------------------------------------------
 # loss + step
 # ---------------------------------------------------------------------------------------------
+class MicroBatch(NamedTuple):
+    """The sequences of one forward/backward: sequence n continues prompt `prompt_index[n]` of `prompts`."""
+
+    prompts: PromptBatch
+    prompt_index: list[int]
+    completion_ids: torch.Tensor  # [n, C]
+    completion_mask: torch.Tensor  # [n, C]
+    advantages: torch.Tensor  # [n]
+
+
+@dataclass
+class Reference:
+    """The frozen reference model (the initial weights) for a loss with a KL term: a copy of them, or with
+    LoRA (`model` None) the policy itself with its adapters disabled (PEFT's `disable_adapter()`)."""
+
+    model: torch.nn.Module | None
+
+    def scoring(self, policy_model):
+        """(the model to score, the context to score it in)."""
+        if self.model is not None:
+            return self.model, contextlib.nullcontext()
+        return policy_model, getattr(policy_model, "module", policy_model).disable_adapter()  # under DDP's wrapper
+
+
+LOSS_REPORTS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean")  # token means, when a loss has them
+
+
 def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
-           settings: TrainerSettings, temperature: float, path: ScoringPath | None = None) -> dict[str, float]:
-    """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE), or with
-    `settings.age=False` their sum over the count of every sampled sequence of the attempts (alpha = 1).
+           settings: TrainerSettings, temperature: float, path: ScoringPath | None = None,
+           reference: Reference | None = None, max_new_tokens: int | None = None) -> dict[str, float]:
+    """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
+    mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
+
+    GPG (the default) takes one step and needs nothing but the current log-probs. A loss that declares
+    "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
+    when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
+    (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
+    """
+    device = accelerator.device
+    if path is None:
+        path = choose_scoring_path(policy.adapter, model, share_prompt=settings.share_prompt,
+                                   share_vision=settings.share_vision)
+    loss_fn = get_policy_loss(settings.loss)
+    aggregation = loss_aggregation(loss_fn, settings.aggregation)
+    parts = 1
+    if settings.ppo_mini_batch:  # collective: every process takes the same number of optimizer steps
+        valid = accelerator.reduce(torch.tensor(sum(int(a.valid.sum()) for a in attempts), device=device), "sum")
+        parts = max(1, math.ceil(int(valid) * settings.group_size / settings.ppo_mini_batch))
+    plan = [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
+                               share_prompt=path.prompt_once)) for part in mini_batches(attempts, parts)]
+    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
+    local = torch.tensor([[*(value for chunks in plan for value in (
+        sum(len(c.advantages) for c in chunks), sum(int(c.completion_mask.sum()) for c in chunks), len(chunks),
+        sum(not c.prompts.has_images for c in chunks))),
+        sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=device)
+    # Collective: train() calls update() on every process or on none (its test uses global counts), and
+    # this gather runs first and unconditionally; every branch below depends only on its result.
+    counts = accelerator.gather(local)  # [processes, 4 * parts + 2]
+    per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
+    require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
+    if int(per_part[..., 0].sum()) == 0:
+        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
+    column = 1 if aggregation in TOKEN_NORMALISED else 0  # the normaliser counts tokens, or sequences
+    counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
+    needs = loss_needs(loss_fn)
+    steps = settings.ppo_epochs * parts
+    old = _score_plan(policy, model, plan, temperature, path, settings) if "old" in needs and steps > 1 else None
+    ref = None
+    if "ref" in needs and settings.kl_coef > 0:
+        if reference is None:
+            raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
+        ref_model, scope = reference.scoring(model)
+        with scope:
+            ref = _score_plan(policy, ref_model, plan, temperature, path, settings)
+    options = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "kl_coef": settings.kl_coef,
+               "max_tokens": max_new_tokens}
+    results, reports = [], []
+    for _epoch in range(settings.ppo_epochs):
+        for part, chunks in enumerate(plan):
+            valid_count = int(per_part[:, part, column].sum())
+            share = sampled_count if parts == 1 else sampled_count * valid_count / counted  # AGE off: pro rata
+            result, report = _optimizer_step(
+                policy, model, optimizer, scheduler, accelerator, attempts, chunks, loss_fn,
+                old=old[part] if old is not None else None, ref=ref[part] if ref is not None else None,
+                normalizer=LOSS_NORMALIZERS[settings.age](valid_count, share),
+                steps_needed=int(per_part[:, part, 2].max()), settings=settings, temperature=temperature,
+                path=path, aggregation=aggregation, options=options, later=bool(results),
+                sequences=int(per_part[:, part, 0].sum()))
+            results.append(result)
+            reports.append(report)
+            if result.get("nonfinite"):  # no weight changed in that step; the rollout's later steps are dropped
+                break
+        if results[-1].get("nonfinite"):
+            break
+    metrics = dict(results[0]) if len(results) == 1 else {
+        "loss": sum(r["loss"] for r in results) / len(results),
+        "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
+        "skipped": float(all(r["skipped"] for r in results)),
+        **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
+        **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {})}
+    metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
+    if needs:  # the same on every process (it depends on the loss only): the collective below matches
+        metrics.update(_loss_reports(reports, accelerator))
+    return metrics
+
+
+def mini_batches(attempts: list[Attempt], parts: int) -> list[list[Attempt]]:
+    """This process's valid groups in `parts` contiguous mini-batches of near-equal size, each the attempts
+    with their valid masks cut down to its groups (one part: the attempts as they are)."""
+    if parts == 1:
+        return [attempts]
+    groups = [(a, b) for a, attempt in enumerate(attempts) for b in attempt.valid.nonzero().flatten().tolist()]
+    result = []
+    for chosen in np.array_split(np.arange(len(groups)), parts):
+        masks = [torch.zeros_like(attempt.valid) for attempt in attempts]
+        for index in chosen.tolist():
+            masks[groups[index][0]][groups[index][1]] = True
+        result.append([replace(attempt, valid=mask) for attempt, mask in zip(attempts, masks, strict=True)])
+    return result
+
+
+@torch.no_grad()
+def _score_plan(policy: Policy, model, plan: list[list[MicroBatch]], temperature: float, path: ScoringPath,
+                settings: TrainerSettings) -> list[list[torch.Tensor]]:
+    """Log-probs [n, C] of every micro-batch of every mini-batch, without gradient (old or reference)."""
+    device = next(model.parameters()).device
+    return [[policy.adapter.token_logps(model, c.prompts.to(device), c.prompt_index, c.completion_ids.to(device),
+                                        c.completion_mask.to(device), temperature=temperature, path=path,
+                                        logits_chunk_tokens=settings.logits_chunk_tokens)
+             for c in chunks] for chunks in plan]
+
+
+def _loss_reports(reports: list[dict], accelerator: Accelerator) -> dict[str, float]:
+    """Token means over every optimizer step and process of the loss's own metrics (`LOSS_REPORTS`), the
+    largest ratio, and `logp_drift` (new minus old log-prob) over the steps after the first. Collective."""
+    keys = ("tokens", *LOSS_REPORTS, "later_tokens", "logp_drift")
+    local = torch.tensor([[sum(r.get(k, 0.0) for r in reports) for k in keys]
+                          + [max((r.get("ratio_max", 0.0) for r in reports), default=0.0)]],
+                         dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(local)  # [processes, len(keys) + 1]
+    totals = dict(zip(keys, gathered[:, :-1].sum(0).tolist(), strict=True))
+    result = {k: totals[k] / max(totals["tokens"], 1.0) for k in LOSS_REPORTS}
+    result["ratio_max"] = float(gathered[:, -1].max())
+    if totals["later_tokens"]:
+        result["logp_drift"] = totals["logp_drift"] / totals["later_tokens"]
+    return result
+
+
+def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt],
+                    chunks: list[MicroBatch], loss_fn, *, old, ref, normalizer: float, steps_needed: int,
+                    settings: TrainerSettings, temperature: float, path: ScoringPath, aggregation: str, options: dict,
+                    later: bool, sequences: int) -> tuple[dict[str, float], dict[str, float]]:
+    """One optimizer step on `chunks`, the loss their sum over the global `normalizer` (AGE: the valid
+    groups' count; without AGE every sampled sequence's, alpha = 1).
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
     process's loss is multiplied by the number of processes because gradients are then averaged over
@@ -179,36 +350,18 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     FSDP and DeepSpeed every process runs the same number of forward/backward calls, each through the
     vision tower (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted
     placeholders. A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
-    `path` is the run's scoring path (`choose_scoring_path`, chosen once in `train`): the forward and the
+    `sequences`: the step's valid sequences over all processes (the MoE router loss is averaged over them).
+    `path` is the run's scoring path (`choose_scoring_path`, chosen once in `setup`): the forward and the
     micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
+    Returns (metrics, this process's token-weighted sums of the loss's own metrics).
     """
     device = accelerator.device
-    if path is None:
-        path = choose_scoring_path(policy.adapter, model, share_prompt=settings.share_prompt,
-                                   share_vision=settings.share_vision)
-    chunks = list(update_chunks(attempts, settings.micro_batch_size, settings.micro_batch_tokens,
-                                share_prompt=path.prompt_once))
-    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
-    local = torch.tensor([[sum(len(c[4]) for c in chunks), sum(int(c[3].sum()) for c in chunks), len(chunks),
-                           sum(not c[0].has_images for c in chunks),
-                           sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=device)
-    # Collective: train() calls update() on every process or on none (its test uses global counts), and
-    # this gather runs first and unconditionally; every branch below depends only on its result.
-    counts = accelerator.gather(local)  # [processes, 6]
-    global_sequences, global_tokens = int(counts[:, 0].sum()), int(counts[:, 1].sum())
-    sampled_sequences, sampled_tokens = int(counts[:, 4].sum()), int(counts[:, 5].sum())
-    steps_needed = int(counts[:, 2].max())
-    require_images(int(counts[:, 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
-    if global_sequences == 0:
-        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
-    normalizer = LOSS_NORMALIZERS[settings.age](*(
-        (global_sequences, sampled_sequences) if settings.aggregation == "seq_mean_token_mean"
-        else (global_tokens, sampled_tokens)))
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     real = len(chunks)
     if steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one below
-        chunks += [placeholder_chunk(policy, attempts, device)] * (steps_needed - real)
+        chunks = chunks + [MicroBatch(*placeholder_chunk(policy, attempts, device))] * (steps_needed - real)
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
+    report: dict[str, float] = {}
     try:
         for index, (prompts, prompt_index, ids, mask, adv) in enumerate(chunks):
             # The same index on every process outside DDP (len(chunks) == steps_needed there); DeepSpeed
@@ -226,13 +379,16 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
-                    loss, info = policy_loss(logps, mask, adv.to(device), aggregation=settings.aggregation,
-                                             normalizer=normalizer)
+                    loss, info = loss_fn(logps, mask, adv.to(device),
+                                         old_logps=old[index] if old is not None else None,
+                                         ref_logps=ref[index] if ref is not None else None,
+                                         aggregation=aggregation, normalizer=normalizer, **options)
                     if router is not None:  # averaged over the micro-batches, weighted by their sequences
-                        loss = loss + router * (len(adv) / global_sequences)
+                        loss = loss + router * (len(adv) / sequences)
                     total_loss += float(loss.detach())
                     logp_sum += info["logp_mean"] * info["num_tokens"]
                     token_count += int(info["num_tokens"])
+                    _add_report(report, info, later=later and old is not None)
                 # Collective on the last micro-batch (ZeRO all-reduce) or on each (FSDP reduce-scatter):
                 # a backward after a forward, the same count on every process. Local under DDP (no_sync).
                 accelerator.backward(loss * accelerator.num_processes)
@@ -250,12 +406,26 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                                              dtype=torch.float64), "sum")
     if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
         optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}
+        return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}, report
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
-            "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+            "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}, report
+
+
+def _add_report(report: dict[str, float], info: dict[str, float], *, later: bool) -> None:
+    """Add one micro-batch's loss metrics (token-weighted) to this step's sums."""
+    if "ratio_mean" not in info:
+        return
+    tokens = info["num_tokens"]
+    report["tokens"] = report.get("tokens", 0.0) + tokens
+    for key in LOSS_REPORTS:
+        report[key] = report.get(key, 0.0) + info[key] * tokens
+    report["ratio_max"] = max(report.get("ratio_max", 0.0), info["ratio_max"])
+    if later:
+        report["later_tokens"] = report.get("later_tokens", 0.0) + tokens
+        report["logp_drift"] = report.get("logp_drift", 0.0) + info["logp_drift"] * tokens
 
 
 def _average_gradients(model, accelerator: Accelerator, bucket_elements: int = 1 << 25) -> None:
@@ -323,6 +493,43 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
 # ---------------------------------------------------------------------------------------------
 # the loop
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One training run, built once by `setup`; `step(run)` advances it by one rollout."""
+
+    accelerator: Accelerator
+    policy: Policy
+    model: torch.nn.Module  # the prepared (possibly wrapped) model; policy.model is the bare one
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    task: object
+    stream: PromptStream
+    trainer: TrainerSettings
+    rollout: RolloutSettings
+    path: ScoringPath
+    reference: Reference | None
+    output_dir: Path
+    main: bool
+    counters: dict
+    summary: dict
+    record: dict  # the summary's part that spans continuations (saved in checkpoints)
+    config: dict | None  # the run's resolved config (recorded in checkpoints, compared on resume)
+    eval_rows: object
+    eval_kwargs: dict
+    reward_names: list[str]
+    bar: object
+    warn: object  # warn(message): print a warning once per run
+    stop: object  # stop(message): end the run with one sentence, written to summary.json
+    start_step: int = 0
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+    attempts: list = field(default_factory=list)  # the last step's attempts (its rollouts, for the rollout log)
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.output_dir / "metrics.jsonl"
+
+
 def _holding_output_dir(train_fn):
     """`train` holds its output_dir for the whole run (gpg_vl/outdir.py: one run per folder); the main
     process takes the lock. A no-op where the caller (the CLI's train_main) already holds it."""
@@ -341,12 +548,43 @@ def _holding_output_dir(train_fn):
 @_holding_output_dir
 def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSettings, evaluation: EvalSettings,
           output_dir: str | Path, seed: int = 0, resume_from: str | Path | None = None,
-          accelerator: Accelerator | None = None, config: dict | None = None, max_bad_fraction: float = 0.05) -> dict:
-    """Train `policy` on `task` with GPG; returns the run summary (also written to summary.json).
+          accelerator: Accelerator | None = None, config: dict | None = None, max_bad_fraction: float = 0.05,
+          reference: torch.nn.Module | None = None) -> dict:
+    """Train `policy` on `task` with trainer.loss (GPG by default); returns the run summary (also written to
+    summary.json). Reads top to bottom: setup -> evaluate -> steps (sample, score, advantage, update, log,
+    save) -> final save and evaluation.
 
     `resume_from` is a complete checkpoint (see gpg_vl/checkpoint.py): training continues from its step with
     its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past that step.
     Bad rows are skipped and counted; more than `max_bad_fraction` of the rows seen stops the run.
+    `reference`: the initial weights, for a loss with a KL term (see `setup`).
+    """
+    run = setup(policy, task, trainer=trainer, rollout=rollout, evaluation=evaluation, output_dir=output_dir,
+                seed=seed, resume_from=resume_from, accelerator=accelerator, config=config,
+                max_bad_fraction=max_bad_fraction, reference=reference)
+    if run.trainer.eval_before and run.start_step == 0:
+        evaluate_held_out(run, "before")
+    for _ in range(run.start_step + 1, run.trainer.max_steps + 1):
+        metrics = step(run)
+        log_step(run, metrics, run.attempts)
+        stop_on_bad_steps(run)
+        save_step(run)
+        if run.trainer.max_completions and run.counters["completions_sampled"] >= run.trainer.max_completions:
+            break  # a budget of sampled completions: equal-cost comparisons of G and variants
+    return finish(run)
+
+
+def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSettings, evaluation: EvalSettings,
+          output_dir: str | Path, seed: int = 0, resume_from: str | Path | None = None,
+          accelerator: Accelerator | None = None, config: dict | None = None, max_bad_fraction: float = 0.05,
+          reference: torch.nn.Module | None = None) -> Run:
+    """Build a run once: seeds, data, optimizer and schedule (counting optimizer steps), the prepared model,
+    the reference model when the loss needs one, the scoring path, the resumed state, the held-out rows.
+
+    The reference (loss grpo with trainer.kl_coef > 0) is the initial weights, frozen: with LoRA the policy
+    with its adapters disabled; otherwise `reference` when given (the CLI rebuilds it from the model source,
+    so a resumed run gets the same one), else a copy of `policy`'s weights taken here, before any step.
+    Checkpoints never hold it.
     """
     accelerator = accelerator or Accelerator(
         log_with=None if trainer.report_to == "none" else trainer.report_to, project_dir=str(output_dir))
@@ -369,6 +607,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
     model = policy.model
+    frozen = build_reference(model, trainer, reference, resuming=resume_from is not None)
     if trainer.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
         if enable is not None:
@@ -378,11 +617,19 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr,
                                   weight_decay=trainer.weight_decay)
+    # The schedule counts optimizer steps: mu x mini-batches per rollout (one per step for GPG).
     scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
-                              num_training_steps=trainer.max_steps)
+                              num_training_steps=trainer.max_steps * trainer.optimizer_steps_per_rollout)
     _check_engine(accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
+    if frozen is not None and frozen.model is not None:
+        frozen.model.to(accelerator.device)  # one copy per process, like the policy's weights under DDP
+    if (frozen is not None or trainer.optimizer_steps_per_rollout > 1) and forward_is_collective(model):
+        raise UserError("the old and reference log-probs of trainer.loss="
+                        f"{trainer.loss} are not supported under FSDP / ZeRO-3 yet (their forwards would not "
+                        "match across processes); train with DDP, or with trainer.ppo_epochs=1, "
+                        "trainer.ppo_mini_batch=0 and trainer.kl_coef=0.")
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
 
@@ -444,119 +691,174 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir), **record}
     if eval_data is not None:
         summary["eval_data"] = eval_data.summary()
-    if trainer.eval_before and start_step == 0:
-        before, _ = evaluate(policy, task, eval_rows, **eval_kwargs)
-        record.update({"accuracy_before": before.get("accuracy"), "eval_before": before})
-        summary.update(record)
-        accelerator.print(f"held-out before training: {_format(before)}")
+    bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not main, desc=trainer.loss.upper(),
+               dynamic_ncols=True)
+    reward_names = list(task.reward_functions) + (["overlong"] if trainer.overlong_cache else [])
+    return Run(accelerator=accelerator, policy=policy, model=model, optimizer=optimizer, scheduler=scheduler,
+               task=task, stream=stream, trainer=trainer, rollout=rollout, path=path, reference=frozen,
+               output_dir=output_dir, main=main, counters=counters, summary=summary, record=record, config=config,
+               eval_rows=eval_rows,
+               eval_kwargs=eval_kwargs, reward_names=reward_names, bar=bar, warn=warn, stop=stop,
+               start_step=start_step, step=start_step)
 
-    bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not main, desc="GPG", dynamic_ncols=True)
-    reward_names = list(task.reward_functions)
-    step = start_step
-    for step in range(start_step + 1, trainer.max_steps + 1):
-        started = time.perf_counter()
-        errors_before = sum(getattr(task, "reward_errors", {}).values())
-        budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
-        # sample + score + advantage, resampling until enough groups carry signal
-        collected = collect_valid_groups(
-            lambda budget=budget: sample_attempt(
-                policy, task, stream, batch_size=trainer.batch_size, group_size=trainer.group_size, rollout=rollout,
-                std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline,
-                reward_workers=trainer.reward_workers, reward_budget=budget),
-            lambda attempt: _global_counts(attempt, accelerator),
-            beta_th=trainer.beta_th, batch_size=trainer.batch_size,
-            max_attempts=_attempts_allowed(trainer, counters["completions_sampled"]))
-        rolled = time.perf_counter()
-        counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
-        # loss + step, on valid groups only
-        if collected.groups_valid > 0:
-            result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts,
-                            settings=trainer, temperature=rollout.temperature, path=path)
-        else:
-            result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
-            warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
+
+def needs_reference(trainer: TrainerSettings) -> bool:
+    """Whether trainer.loss scores a frozen reference model (it declares "ref" and trainer.kl_coef > 0)."""
+    return "ref" in loss_needs(get_policy_loss(trainer.loss)) and trainer.kl_coef > 0
+
+
+def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference: torch.nn.Module | None, *,
+                    resuming: bool) -> Reference | None:
+    """The frozen reference of `setup` (None when the loss needs none)."""
+    if not needs_reference(trainer):
+        return None
+    if hasattr(model, "disable_adapter"):  # a PEFT model: the base weights are the initial ones
+        return Reference(None)
+    if reference is None:
+        if resuming:
+            raise UserError(f"trainer.loss={trainer.loss} with trainer.kl_coef={trainer.kl_coef} scores a reference "
+                            "model, the initial weights, which a checkpoint does not hold: pass reference= (the "
+                            "command line rebuilds it from model.name_or_path).")
+        reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    reference.eval()
+    return Reference(reference)
+
+
+def step(run: Run) -> dict:
+    """One rollout and its update: sample + score + advantage (resampling until enough groups carry signal),
+    then the optimizer steps on the valid groups; returns the step's metrics."""
+    trainer, accelerator, task = run.trainer, run.accelerator, run.task
+    run.step += 1
+    started = time.perf_counter()
+    errors_before = sum(getattr(task, "reward_errors", {}).values())
+    budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
+    collected = collect_valid_groups(
+        lambda: sample_attempt(run.policy, task, run.stream, batch_size=trainer.batch_size,
+                               group_size=trainer.group_size, rollout=run.rollout, warn=run.warn,
+                               advantage=trainer.advantage, overlong_cache=trainer.overlong_cache,
+                               overlong_penalty_at_limit=trainer.overlong_penalty,
+                               reward_workers=trainer.reward_workers, reward_budget=budget),
+        lambda attempt: _global_counts(attempt, accelerator),
+        beta_th=trainer.beta_th, batch_size=trainer.batch_size,
+        max_attempts=_attempts_allowed(trainer, run.counters["completions_sampled"]))
+    rolled = time.perf_counter()
+    run.attempts = collected.attempts
+    run.counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
+    # loss + step, on valid groups only
+    if collected.groups_valid > 0:
+        result = update(run.policy, run.model, run.optimizer, run.scheduler, accelerator, collected.attempts,
+                        settings=trainer, temperature=run.rollout.temperature, path=run.path,
+                        reference=run.reference, max_new_tokens=run.rollout.max_new_tokens)
+    else:
+        result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
+        run.warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
                  "it was skipped (check the task's rewards, or raise rollout.temperature).")
-        updated = time.perf_counter()
-        # a NaN or infinite loss or gradient: update() took no optimizer step; too many in a row stop the run
-        bad_step = bool(result.get("nonfinite"))
-        counters["nonfinite_steps"] += bad_step
-        counters["bad_steps_in_a_row"] = counters["bad_steps_in_a_row"] + 1 if bad_step else 0
-        if bad_step:
-            accelerator.print(f"warning: step {step}: the loss or gradient is NaN or infinite (loss={result['loss']}, "
-                              f"grad_norm={result['grad_norm']}); the step was skipped, no weight changed "
-                              f"({counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
-                              f"{trainer.max_bad_steps}).")
-        # log
-        errors = sum(getattr(task, "reward_errors", {}).values()) - errors_before
-        metrics = {"step": step, **step_metrics(collected, accelerator, reward_names, reward_errors=errors),
-                   "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
-                   "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
-                   "groups_used": collected.groups_valid,
-                   "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
-                   "completions_sampled": counters["completions_sampled"],
-                   **result, "lr": scheduler.get_last_lr()[0], "nonfinite_steps": counters["nonfinite_steps"],
-                   **stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position,
-                   "rollout_s": rolled - started, "update_s": updated - rolled,
-                   "step_s": time.perf_counter() - started}
-        counters["reward_errors"] += metrics["reward_errors"]
-        record["train_seconds"] += metrics["step_s"]
-        counters["rewards_nonfinite"] += metrics["rewards_nonfinite"]
-        counters["reward_timeouts"] += metrics["reward_timeouts"]
-        if metrics["reward_timeouts"]:
-            warn(f"some completions were not scored within trainer.reward_budget_s={trainer.reward_budget_s} s of "
-                 "reward time per step; they scored 0 and are counted per step as reward_timeouts in metrics.jsonl "
-                 "(raise the budget or trainer.reward_workers, or make the task's rewards faster).")
-        if metrics["rewards_nonfinite"]:
-            names = sorted(getattr(task, "reward_nonfinite", {})) or ["on another process"]
-            warn(f"some completions got a NaN or infinite reward (reward {', '.join(names)}); their groups are left "
+    updated = time.perf_counter()
+    # a NaN or infinite loss or gradient: update() took no optimizer step; too many in a row stop the run
+    bad_step = bool(result.get("nonfinite"))
+    run.counters["nonfinite_steps"] += bad_step
+    run.counters["bad_steps_in_a_row"] = run.counters["bad_steps_in_a_row"] + 1 if bad_step else 0
+    if bad_step:
+        accelerator.print(f"warning: step {run.step}: the loss or gradient is NaN or infinite (loss={result['loss']}, "
+                          f"grad_norm={result['grad_norm']}); the step was skipped, no weight changed "
+                          f"({run.counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
+                          f"{trainer.max_bad_steps}).")
+    errors = sum(getattr(task, "reward_errors", {}).values()) - errors_before
+    return {"step": run.step, **step_metrics(collected, accelerator, run.reward_names, reward_errors=errors),
+            "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
+            "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
+            "groups_used": collected.groups_valid,
+            "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
+            "completions_sampled": run.counters["completions_sampled"],
+            **result, "lr": run.scheduler.get_last_lr()[0], "nonfinite_steps": run.counters["nonfinite_steps"],
+            **run.stream.bad.metrics(), "data_epoch": run.stream.epoch, "data_position": run.stream.position,
+            "rollout_s": rolled - started, "update_s": updated - rolled,
+            "step_s": time.perf_counter() - started}
+
+
+def log_step(run: Run, metrics: dict, attempts: list[Attempt]) -> None:
+    """Count the step's reward problems, append its metrics to metrics.jsonl, the progress bar and trackers;
+    record its rollouts (`attempts`) for viewing every trainer.log_rollouts_every steps."""
+    run.counters["reward_errors"] += metrics["reward_errors"]
+    run.counters["rewards_nonfinite"] += metrics["rewards_nonfinite"]
+    run.counters["reward_timeouts"] += metrics["reward_timeouts"]
+    run.record["train_seconds"] += metrics["step_s"]
+    if metrics["reward_timeouts"]:
+        run.warn(f"some completions were not scored within trainer.reward_budget_s={run.trainer.reward_budget_s} s "
+                 "of reward time per step; they scored 0 and are counted per step as reward_timeouts in "
+                 "metrics.jsonl (raise the budget or trainer.reward_workers, or make the task's rewards faster).")
+    if metrics["rewards_nonfinite"]:
+        names = sorted(getattr(run.task, "reward_nonfinite", {})) or ["on another process"]
+        run.warn(f"some completions got a NaN or infinite reward (reward {', '.join(names)}); their groups are left "
                  "out of the update and counted per step as rewards_nonfinite in metrics.jsonl.")
-        if main:
-            with metrics_file.open("a") as handle:
-                handle.write(json.dumps(metrics) + "\n")
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", valid=f"{metrics['valid_fraction']:.2f}",
+    run.history.append(metrics)
+    if run.main:
+        with run.metrics_file.open("a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+        run.bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", valid=f"{metrics['valid_fraction']:.2f}",
                             alpha=f"{metrics['alpha']:.2f}")
-            bar.update(1)
-        if trainer.report_to != "none":
-            accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=step)
-        log_rollouts(step, collected.attempts, policy=policy, task=task, output_dir=output_dir,
-                     every=trainer.log_rollouts_every, groups=trainer.log_rollouts_groups, accelerator=accelerator)
-        if trainer.max_bad_steps and counters["bad_steps_in_a_row"] >= trainer.max_bad_steps:
-            last = latest_checkpoint(output_dir) if main else None
-            stop(f"stopped at step {step}: the last {counters['bad_steps_in_a_row']} steps had a NaN or infinite loss "
+        run.bar.update(1)
+    if run.trainer.report_to != "none":
+        run.accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=run.step)
+    log_rollouts(run.step, attempts, policy=run.policy, task=run.task, output_dir=run.output_dir,
+                 every=run.trainer.log_rollouts_every, groups=run.trainer.log_rollouts_groups,
+                 accelerator=run.accelerator)
+
+
+def stop_on_bad_steps(run: Run) -> None:
+    """Too many steps in a row with a NaN or infinite loss or gradient end the run in one sentence."""
+    trainer, bad = run.trainer, run.counters["bad_steps_in_a_row"]
+    if trainer.max_bad_steps and bad >= trainer.max_bad_steps:
+        last = latest_checkpoint(run.output_dir) if run.main else None
+        run.stop(f"stopped at step {run.step}: the last {bad} steps had a NaN or infinite loss "
                  f"or gradient (trainer.max_bad_steps={trainer.max_bad_steps}) and changed no weight; the last good "
                  f"checkpoint, {last or 'none (none was written)'}, is intact: lower trainer.lr, check the task's "
                  "rewards and data, then continue with resume=auto.")
-        # save (never while steps are failing, so the last good checkpoint is not rotated away)
-        if trainer.save_every and step % trainer.save_every == 0:
-            if counters["bad_steps_in_a_row"] or not _finite_weights(model, accelerator):
-                warn(f"step {step}: no checkpoint written: the weights or the last step are not finite.")
-            else:
-                save_checkpoint(output_dir / f"checkpoint-{step}", policy, model, optimizer, scheduler, stream, step,
-                                accelerator, keep=trainer.keep_checkpoints, counters=counters, config=config,
-                                record=record)
-        if trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions:
-            break  # a budget of sampled completions: equal-cost comparisons of G and variants
-    bar.close()
 
-    save_checkpoint(output_dir / "final", policy, model, optimizer, scheduler, stream, step, accelerator,
-                    counters=counters, config=config, record=record)
-    if stream.bad.bad:
-        accelerator.print(stream.bad.report("training rows"))
-    if trainer.eval_after:
-        after, _ = evaluate(policy, task, eval_rows, **eval_kwargs)
-        summary["accuracy_after"] = after.get("accuracy")
-        summary["eval_after"] = after
-        accelerator.print(f"held-out after training:  {_format(after)}")
-    summary["steps"] = step
-    summary["train_seconds"] = record["train_seconds"]  # every continuation's steps, up to this one
-    summary["data"] = stream.bad.summary()
-    summary.update({key: value for key, value in counters.items() if key != "bad_steps_in_a_row"})
-    if main:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        if metrics_file.is_file() and metrics_file.stat().st_size:  # a resumed run's too, even with no step left
-            write_curves(metrics_file, output_dir / "curves.png")
-    if trainer.report_to != "none":
-        accelerator.end_training()
+
+def save_step(run: Run) -> None:
+    """checkpoint-<step>/ every trainer.save_every steps (never while steps are failing, so the last good
+    checkpoint is not rotated away)."""
+    if run.trainer.save_every and run.step % run.trainer.save_every == 0:
+        if run.counters["bad_steps_in_a_row"] or not _finite_weights(run.model, run.accelerator):
+            run.warn(f"step {run.step}: no checkpoint written: the weights or the last step are not finite.")
+        else:
+            save_checkpoint(run.output_dir / f"checkpoint-{run.step}", run.policy, run.model, run.optimizer,
+                            run.scheduler, run.stream, run.step, run.accelerator, keep=run.trainer.keep_checkpoints,
+                            counters=run.counters, config=run.config, record=run.record)
+
+
+def evaluate_held_out(run: Run, when: str) -> None:
+    """Greedy evaluation of the held-out rows, into the summary as accuracy_<when> and eval_<when>."""
+    metrics, _ = evaluate(run.policy, run.task, run.eval_rows, **run.eval_kwargs)
+    run.summary[f"accuracy_{when}"] = metrics.get("accuracy")
+    run.summary[f"eval_{when}"] = metrics
+    if when == "before":  # kept in the record: a resumed run's summary still holds the first evaluation
+        run.record.update({"accuracy_before": metrics.get("accuracy"), "eval_before": metrics})
+    run.accelerator.print(f"held-out {when} training:{' ' if when == 'after' else ''} {_format(metrics)}")
+
+
+def finish(run: Run) -> dict:
+    """The final save and evaluation; summary.json and curves.png; returns the summary."""
+    run.bar.close()
+    save_checkpoint(run.output_dir / "final", run.policy, run.model, run.optimizer, run.scheduler, run.stream,
+                    run.step, run.accelerator, counters=run.counters, config=run.config, record=run.record)
+    if run.stream.bad.bad:
+        run.accelerator.print(run.stream.bad.report("training rows"))
+    if run.trainer.eval_after:
+        evaluate_held_out(run, "after")
+    summary = run.summary
+    summary["steps"] = run.step
+    summary["train_seconds"] = run.record["train_seconds"]  # every continuation's steps, up to this one
+    summary["data"] = run.stream.bad.summary()
+    summary.update({key: value for key, value in run.counters.items() if key != "bad_steps_in_a_row"})
+    if run.main:
+        (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if run.metrics_file.is_file() and run.metrics_file.stat().st_size:  # a resumed run's too, with no step left
+            write_curves(run.metrics_file, run.output_dir / "curves.png")
+    if run.trainer.report_to != "none":
+        run.accelerator.end_training()
     return summary
 
 

@@ -160,8 +160,15 @@ RULES: dict[str, Rule] = {
     "trainer.beta_th": number(0, 1),
     "trainer.max_attempts": integer(1),
     "trainer.max_completions": integer(1, optional=True),
-    "trainer.std_normalize": BOOL,
-    "trainer.baseline": one_of(_baselines),
+    "trainer.std_normalize": Rule("bool", optional=True, note="deprecated: trainer.advantage"),
+    "trainer.baseline": one_of(_baselines, optional=True, note="deprecated: trainer.advantage"),
+    "trainer.ppo_epochs": integer(1),
+    "trainer.ppo_mini_batch": integer(0, note="0 = the whole rollout"),
+    "trainer.clip_low": number(0, 1),
+    "trainer.clip_high": number(0, optional=True, note="null = clip_low"),
+    "trainer.kl_coef": number(0),
+    "trainer.overlong_cache": integer(0, note="0 = off"),
+    "trainer.overlong_penalty": number(0),
     "trainer.age": BOOL,
     "trainer.aggregation": one_of(_aggregations),
     "trainer.gradient_checkpointing": BOOL,
@@ -197,19 +204,12 @@ def _cross_problems(cfg: DictConfig) -> list[str]:
     """Rules that tie two keys together (each only when both keys hold allowed values)."""
     problems = []
     trainer = cfg.get("trainer") or {}
-    if trainer.get("baseline", "group_mean") != "none" and trainer.get("group_size") == 1:
+    if trainer.get("advantage", "group_mean") != "none" and trainer.get("group_size") == 1:
         problems.append("trainer.group_size=1, allowed: an integer >= 2 with a group baseline (the group mean of "
-                        "one completion is itself, so no group would carry signal; trainer.baseline=none allows 1)")
+                        "one completion is itself, so no group would carry signal; trainer.advantage=none allows 1)")
     if trainer.get("micro_batch_size") == 0 and trainer.get("micro_batch_tokens") == 0:
         problems.append("trainer.micro_batch_size=0 with trainer.micro_batch_tokens=0, allowed: micro_batch_size "
                         ">= 1, or micro_batch_tokens >= 1 to cut micro-batches by tokens")
-    if "baseline" in trainer:
-        from gpg_vl.objective import estimator_name
-
-        try:
-            estimator_name(trainer.baseline, trainer.get("std_normalize", False))
-        except UserError as error:
-            problems.append(str(error).rstrip("."))
     model = cfg.get("model") or {}
     low, high = model.get("min_pixels"), model.get("max_pixels")
     if isinstance(low, int) and isinstance(high, int) and low > high:

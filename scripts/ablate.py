@@ -38,8 +38,8 @@ VARIANTS: dict[str, list[str]] = {
     "gpg": [],  # the default: group-mean advantage, AGE alpha, threshold resampling (beta_th 0.4)
     "no_resampling": ["trainer.beta_th=0"],
     "no_age": ["trainer.age=false"],
-    "std_normalized": ["trainer.std_normalize=true"],
-    "no_baseline": ["trainer.baseline=none"],
+    "std_normalized": ["trainer.advantage=std_normalized"],
+    "no_baseline": ["trainer.advantage=none"],
 }
 DEFAULT = {"groups": [2, 4, 8, 16], "seeds": [0, 1, 2], "budget": 1024, "batch_size": 8, "eval_limit": 200,
            "window": 256, "target": 0.6}
@@ -113,7 +113,8 @@ def run_cell(variant: str, group_size: int, seed: int, overrides: list[str]) -> 
     shutil.rmtree(output_dir / "final", ignore_errors=True)  # 35 MB per run, not needed here
     steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     curve = [{"completions": m["completions_sampled"], "accuracy": m["reward/accuracy"], "reward": m["reward_mean"],
-              "alpha": m["alpha"], "attempts": m["attempts"], "valid_fraction": m["valid_fraction"]} for m in steps]
+              "alpha": m["alpha"], "attempts": m["attempts"], "valid_fraction": m["valid_fraction"],
+              "step_s": m["step_s"]} for m in steps]
     return {"variant": variant, "group_size": group_size, "seed": seed, "overrides": overrides,
             "accuracy_after": summary["accuracy_after"], "steps": summary["steps"],
             "completions_sampled": summary["completions_sampled"], "train_seconds": summary["train_seconds"],

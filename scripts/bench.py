@@ -234,7 +234,7 @@ class GpgRunner:
         collected = collect_valid_groups(
             lambda: sample_attempt(self.policy, self.task, self.stream, batch_size=self.settings.batch_size,
                                    group_size=self.settings.group_size, rollout=self.rollout,
-                                   std_normalize=False, warn=print),
+                                   warn=print),
             lambda attempt: (attempt.valid.numel(), int(attempt.valid.sum())),
             beta_th=0.0, batch_size=self.settings.batch_size, max_attempts=1)
         rolled = time.perf_counter()

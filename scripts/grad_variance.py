@@ -64,7 +64,7 @@ def batch_gradients(policy, task, rows, *, group_size: int, rollout, age: bool) 
 
     stream = PromptStream(rows, seed=0)
     attempt = sample_attempt(policy, task, stream, batch_size=len(rows), group_size=group_size, rollout=rollout,
-                             std_normalize=False, warn=print)
+                             warn=print)
     mask = attempt.rollout.completion_mask  # [N, C]
     width = max(int(mask.sum(dim=1).max()), 1)
     mask, ids = mask[:, :width], attempt.rollout.completion_ids[:, :width]  # [N, C']

@@ -33,14 +33,18 @@ def metrics(path: Path) -> list[dict]:
 
 # ----------------------------------------------------------------------------- the variants in the trainer
 def test_variant_keys_are_on_the_command_line_and_bad_values_fail_in_one_sentence():
-    cfg = load_config("train", ["trainer.age=false", "trainer.baseline=none", "trainer.beta_th=0",
+    cfg = load_config("train", ["trainer.age=false", "trainer.advantage=none", "trainer.beta_th=0",
                                 "trainer.max_completions=64", "trainer.group_size=16"])
-    assert (cfg.trainer.age, cfg.trainer.baseline, cfg.trainer.max_completions) == (False, "none", 64)
+    assert (cfg.trainer.age, cfg.trainer.advantage, cfg.trainer.max_completions) == (False, "none", 64)
     assert load_config("train", []).trainer.age is True  # AGE and the group baseline are the default
-    assert load_config("train", []).trainer.baseline == "group_mean"
-    with pytest.raises(UserError, match="unknown trainer.baseline 'zero'; valid options: group_mean, none"):
-        TrainerSettings(baseline="zero")
-    with pytest.raises(UserError, match="set trainer.baseline=group_mean or trainer.std_normalize=false"):
+    assert load_config("train", []).trainer.advantage == "group_mean"
+    with pytest.raises(UserError, match="unknown trainer.advantage 'zero'; valid options: group_mean, none, "
+                                        "std_normalized"):
+        TrainerSettings(advantage="zero")
+    # the deprecated keys still work, with one warning, and are resolved into trainer.advantage
+    assert load_config("train", ["trainer.baseline=none"]).trainer.advantage == "none"
+    assert TrainerSettings(std_normalize=True).advantage == "std_normalized"
+    with pytest.raises(UserError, match="set trainer.advantage=std_normalized"):
         TrainerSettings(baseline="none", std_normalize=True)
 
 
@@ -49,8 +53,7 @@ def test_without_baseline_the_advantage_is_the_reward_and_valid_means_a_nonzero_
 
     stream = PromptStream(shapes.load("train"), seed=0)
     attempt = sample_attempt(policy, shapes, stream, batch_size=3, group_size=2,
-                             rollout=RolloutSettings(max_new_tokens=12), std_normalize=False, warn=print,
-                             baseline="none")
+                             rollout=RolloutSettings(max_new_tokens=12), warn=print, advantage="none")
     assert attempt.valid.tolist() == (attempt.rewards != 0).any(dim=1).tolist()
     expected = torch.where(attempt.valid.unsqueeze(1), attempt.rewards, torch.zeros_like(attempt.rewards))
     assert torch.equal(attempt.advantages, expected)
@@ -84,7 +87,7 @@ def test_without_age_only_the_normaliser_changes_to_every_sampled_sequence_acros
     stream = PromptStream(shapes.load("train"), seed=0)
     rollout = RolloutSettings(max_new_tokens=10)
     drawn = [sample_attempt(policy, shapes, stream, batch_size=3, group_size=2, rollout=rollout,
-                            std_normalize=False, warn=print) for _ in range(2)]
+                            warn=print) for _ in range(2)]
     attempts = [_fake_attempt(drawn[0], [True, False, True], 1), _fake_attempt(drawn[1], [False, True, False], 2)]
     accelerator = Accelerator(cpu=True)
     grads, losses = {}, {}

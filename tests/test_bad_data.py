@@ -295,9 +295,9 @@ def test_a_run_with_too_many_bad_rows_stops_with_one_sentence_naming_them(tmp_pa
 
 def test_nan_losses_skip_the_step_and_too_many_in_a_row_stop_with_the_last_good_checkpoint_intact(tmp_path,
                                                                                                  monkeypatch):
-    from gpg_vl import trainer as trainer_module
+    from gpg_vl.objective import POLICY_LOSSES
 
-    real_loss = trainer_module.policy_loss
+    real_loss = POLICY_LOSSES["gpg"]
     calls = {"n": 0}
 
     def loss_nan_after_two_steps(logps, *args, **kwargs):
@@ -305,7 +305,7 @@ def test_nan_losses_skip_the_step_and_too_many_in_a_row_stop_with_the_last_good_
         calls["n"] += 1
         return (loss * math.nan if calls["n"] > 2 else loss), info
 
-    monkeypatch.setattr(trainer_module, "policy_loss", loss_nan_after_two_steps)
+    monkeypatch.setitem(POLICY_LOSSES, "gpg", loss_nan_after_two_steps)
     out = tmp_path / "run"
     args = [f"output_dir={out}", "trainer.max_steps=8", "trainer.save_every=1", "trainer.max_bad_steps=3", *SHAPES]
     with pytest.raises(UserError) as stopped:

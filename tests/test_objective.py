@@ -10,7 +10,10 @@ import warnings
 import pytest
 import torch
 
-from gpg_vl.objective import AGGREGATIONS, age_alpha, group_advantages, policy_loss
+from gpg_vl.objective import age_alpha, group_advantages, policy_loss
+
+# the aggregations without a length constant (seq_mean_token_sum, Dr. GRPO's, is tested in test_losses.py)
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean")
 
 F64 = torch.float64
 

@@ -76,7 +76,7 @@ def test_hand_worked_raw_reward_advantages():
     adv, valid = ADVANTAGE_ESTIMATORS["group_mean"](rewards)
     assert adv.tolist() == [[0, -1, 1, 0], [0] * 4, [0] * 4, [0] * 4]
     assert valid.tolist() == [True, False, False, False]
-    # std-normalised: the sample std of (1, 0, 2, 1) is sqrt((0 + 1 + 1 + 0) / 3) = sqrt(2/3)
+    # std-normalised (GRPO): the sample std of (1, 0, 2, 1) is sqrt(2 / 3)
     adv, valid = ADVANTAGE_ESTIMATORS["std_normalized"](rewards)
     a = 1 / (math.sqrt(2 / 3) + 1e-4)
     assert torch.allclose(adv[0], torch.tensor([0, -a, a, 0], dtype=F64), rtol=0, atol=1e-12)
@@ -122,7 +122,7 @@ def test_estimator_names_from_the_config_keys():
     assert set(ADVANTAGE_ESTIMATORS) == {"group_mean", "std_normalized", "none"}
     with pytest.raises(UserError, match="trainer.baseline 'mean'; valid options: group_mean, none"):
         estimator_name("mean", False)
-    with pytest.raises(UserError, match="trainer.baseline=group_mean or trainer.std_normalize=false"):
+    with pytest.raises(UserError, match="set trainer.advantage=std_normalized"):
         estimator_name("none", True)
 
 

@@ -157,7 +157,7 @@ def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(poli
         math.inf if "x" in completion else len(completion) % 2)
     torch.manual_seed(0)
     attempt = sample_attempt(policy, task, stream, batch_size=3, group_size=4,
-                             rollout=RolloutSettings(max_new_tokens=12), std_normalize=False, warn=print)
+                             rollout=RolloutSettings(max_new_tokens=12), warn=print)
     finite = torch.isfinite(attempt.rewards).all(dim=1)
     assert not finite[0] and not attempt.valid[0] and task.reward_nonfinite["odd"] >= 4
     assert not (attempt.valid & ~finite).any()  # no group holding a NaN or inf reward goes into the update

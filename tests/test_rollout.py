@@ -97,7 +97,7 @@ def test_prompt_over_the_limit_is_skipped_with_a_sentence_naming_it(policy, shap
     stream = PromptStream(shapes.load("train"), seed=0)
     attempt = sample_attempt(policy, shapes, stream, batch_size=2, group_size=2,
                              rollout=RolloutSettings(max_new_tokens=4, max_prompt_tokens=10),
-                             std_normalize=False, warn=warnings.append)
+                             warn=warnings.append)
     assert attempt.rows == [] and attempt.valid.numel() == 0
     assert len(warnings) == 2 and "shapes-0-" in warnings[0] and "max_prompt_tokens=10" in warnings[0]
 

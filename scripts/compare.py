@@ -1,0 +1,225 @@
+"""GPG against the GRPO family (grpo, dr_grpo, dapo) on any task and model, at an equal budget of sampled completions.
+
+    python scripts/compare.py                                  # task=shapes model=tiny, 4 algorithms x 3 seeds
+    python scripts/compare.py --quick --out /tmp/c             # machinery only (CI): a tiny budget, 2 seeds
+    python scripts/compare.py --budget 512 task=geoqa model=qwen2.5-vl-3b trainer.lr=1e-6   # any task/model/keys
+
+Each run is the trainer itself (`gpg_vl.cli.train_main`, through scripts/ablate.py's `run_cell`) with
+`algorithm=<name>` (configs/algorithm/), the same B, G, seed and budget (`trainer.max_completions`; completions
+drawn by resampling count too), in `--workers` processes. Per run: held-out accuracy after training, wall time,
+seconds per step and the peak memory of the run above its start (scripts/bench.py's Meter: CUDA's peak
+allocation on a GPU, a sampled RSS peak on CPU). Writes compare.json (every number), table.md (accuracy
+mean ± std, cost, paired differences against gpg from ablate.py, one sentence per claim marked supported or not
+supported by these data) and compare.png (one panel per algorithm: the training-sample accuracy proxy against
+completions sampled, and against wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ablate  # noqa: E402  (paired differences, the running proxy, run_cell)
+
+ALGORITHMS = ("gpg", "grpo", "dr_grpo", "dapo")
+DEFAULT = {"seeds": [0, 1, 2], "budget": 512, "batch_size": 8, "group_size": 8, "eval_limit": 200, "window": 128}
+QUICK = {"seeds": [0, 1], "budget": 8, "batch_size": 2, "group_size": 2, "eval_limit": 4, "window": 4}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", help="key=value for every run (task=..., model=..., trainer.*)")
+    parser.add_argument("--quick", action="store_true", help="a seconds-long comparison that checks the machinery")
+    parser.add_argument("--out", default="runs/compare")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (one core each)")
+    parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
+    parser.add_argument("--seeds", type=int, nargs="+")
+    parser.add_argument("--budget", type=int, help="sampled completions per run (a multiple of B x G)")
+    parser.add_argument("--batch-size", type=int, help="B, prompts per step")
+    parser.add_argument("--group-size", type=int, help="G, completions per prompt")
+    parser.add_argument("--eval-limit", type=int, help="held-out rows evaluated after training")
+    parser.add_argument("--window", type=int, help="completions averaged by the running reward proxy")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULT).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if "gpg" not in args.algorithms:
+        parser.error("--algorithms must include gpg: every difference is taken against it")
+    if args.budget % (args.batch_size * args.group_size):
+        parser.error(f"--budget {args.budget} must be a multiple of B x G = {args.batch_size * args.group_size}")
+    # what ablate.py's summaries read
+    args.variants, args.groups, args.target = args.algorithms, [args.group_size], 1.0
+    return args
+
+
+def run_overrides(algorithm: str, seed: int, args: argparse.Namespace, output_dir: Path) -> list[str]:
+    return ["task=shapes", "model=tiny", *args.overrides, f"algorithm={algorithm}", f"seed={seed}",
+            f"output_dir={output_dir}", f"trainer.group_size={args.group_size}",
+            f"trainer.batch_size={args.batch_size}", f"trainer.max_completions={args.budget}",
+            f"trainer.max_steps={args.budget // (args.batch_size * args.group_size)}",
+            "trainer.eval_before=false", f"eval.limit={args.eval_limit}"]
+
+
+def run_measured(algorithm: str, group_size: int, seed: int, overrides: list[str]) -> dict:
+    """One run in this worker, with its wall time and peak memory above the level it started at."""
+    import bench  # its Meter (psutil's sampled RSS on CPU, CUDA's peak allocation on a GPU)
+    import torch
+
+    meter = bench.Meter("cuda" if torch.cuda.is_available() else "cpu")
+    meter.start()
+    run = ablate.run_cell(algorithm, group_size, seed, overrides)
+    measured = meter.stop()
+    meter._stop.set()
+    run.update(peak_mib=measured["peak_mib"], seconds_per_step=run["train_seconds"] / max(run["steps"], 1))
+    return run
+
+
+def run_all(args: argparse.Namespace, out: Path) -> dict:
+    jobs = [(a, s) for a in args.algorithms for s in args.seeds]
+    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    print(f"{len(jobs)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), {args.budget} completions each, "
+          f"B={args.batch_size} G={args.group_size}, {args.workers} workers", flush=True)
+    started = time.perf_counter()
+    # a fresh process per run (max_tasks_per_child=1): every run's memory is measured from the same start
+    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=ablate._init_worker,
+                             initargs=(threads,), max_tasks_per_child=1) as pool:
+        futures = [pool.submit(run_measured, a, args.group_size, s,
+                               run_overrides(a, s, args, out / "runs" / f"{a}-s{s}")) for a, s in jobs]
+        runs = []
+        for future in futures:
+            runs.append(future.result())
+            r = runs[-1]
+            print(f"  [{len(runs)}/{len(jobs)}] {r['variant']:<8} seed={r['seed']}  "
+                  f"accuracy {r['accuracy_after']:.3f}  steps {r['steps']}  {r['seconds_per_step']:.2f} s/step  "
+                  f"peak {r['peak_mib']:.0f} MiB  "
+                  f"({r['wall_seconds']:.0f} s)", flush=True)
+    return {"runs": runs, "wall_seconds": time.perf_counter() - started}
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def claims(cells: dict, paired: list[dict]) -> list[dict]:
+    """One sentence per claim of the paper, with its measurement, marked supported or not by these data.
+
+    Accuracy: supported when the mean paired difference (gpg - other) is >= 0; the sentence gives the standard
+    error and says when the difference is within 2 standard errors (not significant). Cost: supported when
+    gpg's mean seconds per step AND peak memory are below every other algorithm's."""
+    by = {p["variant"]: p for p in paired}
+    result = []
+
+    def accuracy_claim(text: str, others: list[str]) -> None:
+        present = [o for o in others if o in by]
+        if not present:
+            return
+        ok = all(by[o]["gpg_minus_variant"] >= 0 for o in present)
+        parts = []
+        for o in present:
+            difference, error = by[o]["gpg_minus_variant"], by[o]["standard_error"]
+            noise = ", within 2 SE: not significant" if abs(difference) <= 2 * error else ""
+            parts.append(f"gpg - {o} = {difference:+.3f} ± {error:.3f} ({by[o]['pairs']} seed pairs{noise})")
+        result.append({"claim": text, "supported": ok, "measurement": "; ".join(parts)})
+
+    accuracy_claim("GPG ≥ GRPO at equal samples", ["grpo"])
+    accuracy_claim("GPG ≥ Dr. GRPO / DAPO", ["dr_grpo", "dapo"])
+    others = [a for a in cells if a != "gpg"]
+    if others:
+        gpg = cells["gpg"]
+        ok = all(gpg["seconds_per_step"] < cells[o]["seconds_per_step"] and gpg["peak_mib"] < cells[o]["peak_mib"]
+                 for o in others)
+        parts = [f"{a} {c['seconds_per_step']:.2f} s/step, {c['peak_mib']:.0f} MiB" for a, c in cells.items()]
+        result.append({"claim": "GPG is cheaper per step (time and memory)", "supported": ok,
+                       "measurement": "; ".join(parts)})
+    return result
+
+
+def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, list[dict], list[dict], str]:
+    cells = {}
+    for algorithm in args.algorithms:
+        chosen = [r for r in runs if r["variant"] == algorithm]
+        accuracy, spread = _mean_std([r["accuracy_after"] for r in chosen])
+        cells[algorithm] = {"accuracy_mean": accuracy, "accuracy_std": spread,
+                            "seconds_per_step": statistics.fmean(r["seconds_per_step"] for r in chosen),
+                            "wall_seconds": statistics.fmean(r["wall_seconds"] for r in chosen),
+                            "peak_mib": statistics.fmean(r["peak_mib"] for r in chosen),
+                            "steps": statistics.fmean(r["steps"] for r in chosen)}
+    paired = ablate.paired_differences(runs, args)
+    stated = claims(cells, paired)
+    lines = [f"Held-out accuracy after training, {args.budget} sampled completions per run (B={args.batch_size}, "
+             f"G={args.group_size}, first {args.eval_limit} test rows, greedy), mean ± std over seeds {args.seeds}; "
+             "cost: mean over seeds of seconds per step (one rollout and its optimizer steps), wall seconds of the "
+             "run (model load and evaluation included), peak memory above the run's start", "",
+             "| algorithm | accuracy | s/step | run wall s | peak MiB | steps |", "|---|---|---|---|---|---|"]
+    lines += [f"| {a} | {c['accuracy_mean']:.3f} ± {c['accuracy_std']:.3f} | {c['seconds_per_step']:.2f} | "
+              f"{c['wall_seconds']:.0f} | {c['peak_mib']:.0f} | {c['steps']:.1f} |" for a, c in cells.items()]
+    lines += ["", "Paired by seed: gpg minus the algorithm, mean ± standard error", "",
+              "| algorithm | gpg - algorithm | pairs |", "|---|---|---|"]
+    lines += [f"| {p['variant']} | {p['gpg_minus_variant']:+.3f} ± {p['standard_error']:.3f} | {p['pairs']} |"
+              for p in paired]
+    lines += ["", "Claims:", ""]
+    lines += [f"- {c['claim']}: **{'supported' if c['supported'] else 'not supported'}** by these data "
+              f"({c['measurement']})." for c in stated]
+    return cells, paired, stated, "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], args: argparse.Namespace, path: Path) -> None:
+    """Two rows, one panel per algorithm: the running proxy against completions sampled; against wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, len(args.algorithms), figsize=(3.6 * len(args.algorithms), 6.4), sharey=True,
+                                squeeze=False)
+    for column, algorithm in enumerate(args.algorithms):
+        for run in (r for r in runs if r["variant"] == algorithm):
+            points = ablate.running_proxy(run["curve"], args.window)
+            seconds, elapsed = [], 0.0
+            for point in run["curve"]:
+                elapsed += point["step_s"]
+                seconds.append(elapsed)
+            values = [p[1] for p in points]
+            axes[0][column].plot([p[0] for p in points], values, label=f"seed {run['seed']}")
+            axes[1][column].plot(seconds, values, label=f"seed {run['seed']}")
+        axes[0][column].set_title(algorithm)
+        axes[0][column].set_xlabel("completions sampled")
+        axes[1][column].set_xlabel("training seconds")
+        for axis in (axes[0][column], axes[1][column]):
+            axis.grid(alpha=0.3)
+    for row in range(2):
+        axes[row][0].set_ylabel(f"train accuracy, last {args.window} samples")
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    measured = run_all(args, out)
+    cells, paired, stated, text = summarise(measured["runs"], args)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "variants", "groups", "target")}
+    report = {"settings": settings, "wall_seconds": measured["wall_seconds"], "cpu_count": os.cpu_count(),
+              "cells": cells, "paired_vs_gpg": paired, "claims": stated, "runs": measured["runs"]}
+    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    (out / "table.md").write_text(text)
+    plot(measured["runs"], args, out / "compare.png")
+    print("\n" + text)
+    print(f"wall time {measured['wall_seconds']:.0f} s; wrote {out / 'compare.json'}, {out / 'table.md'}, "
+          f"{out / 'compare.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
