@@ -41,7 +41,9 @@ from gpg_vl.models.base import Policy
 from gpg_vl.models.family import PromptBatch, ScoringPath, choose_scoring_path
 from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
 from gpg_vl.report import write_curves
-from gpg_vl.rollout import Rollout, generate, in_task_frame
+from gpg_vl.engines import EnginePrompts, Sampling, build_engine, encode_prompts
+from gpg_vl.engines.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.rollout import Rollout, in_task_frame  # noqa: F401
 from gpg_vl.sampler import collect_valid_groups
 from gpg_vl.settings import EvalSettings, RolloutSettings, TrainerSettings  # noqa: F401  (declared once there)
 
@@ -63,15 +65,18 @@ class Attempt:
 # sample + score + advantage
 # ---------------------------------------------------------------------------------------------
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
-                   rollout: RolloutSettings, std_normalize: bool, warn, baseline: str = "group_mean") -> Attempt:
-    """Draw this process's share of `batch_size` prompts, roll out G completions each, score them."""
+                   rollout: RolloutSettings, std_normalize: bool, warn, baseline: str = "group_mean",
+                   engine=None) -> Attempt:
+    """Draw this process's share of `batch_size` prompts, roll out G completions each through `engine`
+    (rollout.engine's; the HF engine when None), score them."""
+    engine = engine or build_engine(rollout, policy)
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
-    prompts = policy.adapter.encode([p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
-    lengths = prompts.inputs["attention_mask"].sum(dim=1).tolist()
+    prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
+    lengths = prompts.batch.inputs["attention_mask"].sum(dim=1).tolist()
     keep = [i for i, n in enumerate(lengths) if n <= rollout.max_prompt_tokens]
     for i in sorted(set(range(len(rows))) - set(keep)):
-        warn(f"skipped prompt {prompts.ids[i]!r}: it has {lengths[i]} tokens, over rollout.max_prompt_tokens="
+        warn(f"skipped prompt {prompts.batch.ids[i]!r}: it has {lengths[i]} tokens, over rollout.max_prompt_tokens="
              f"{rollout.max_prompt_tokens}; prompts with images are never truncated, so raise the limit or "
              "lower model.max_pixels.")
     if len(keep) < len(rows):
@@ -82,14 +87,13 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         # whose prompts were all skipped still makes this attempt's one generate call, on a placeholder whose
         # completions it drops (the same call evaluation makes for a process out of rows, which is tested).
         if forward_is_collective(policy.model):
-            generate(policy, placeholder_prompts(policy), group_size=group_size, max_new_tokens=rollout.max_new_tokens)
+            engine.generate(EnginePrompts(placeholder_prompts(policy)), group_size, Sampling.from_settings(rollout))
         empty = torch.zeros(0, group_size)
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
-    require_images(prompts.has_images, stream.world_size, "a batch of training prompts")
-    result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
-                      temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos,
-                      prefill_once=rollout.prefill_once, static_cache=rollout.static_cache)
+    require_images(prompts.batch.has_images, stream.world_size, "a batch of training prompts")
+    result = engine.generate(prompts, group_size, Sampling.from_settings(rollout))
+    prompts = prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores = [task.reward_components(text, rows[i // group_size]) for i, text in enumerate(texts)]
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
@@ -101,7 +105,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
 
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
                   share_prompt: bool = False):
-    """Sequences of valid groups only, as micro-batches (prompts, prompt index, ids [n, C], mask [n, C], adv [n]).
+    """Sequences of valid groups only, as micro-batches (prompts, prompt index, ids [n, C], mask [n, C], adv [n],
+    the sampler's log-probs [n, C] or None: engine-sampled log-probs for the on-policy check).
 
     With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
     forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
@@ -122,9 +127,10 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
         for chosen in batches:
             mask = attempt.rollout.completion_mask[chosen]  # [n, C]
             width = max(int(mask.sum(dim=1).max()), 1)
+            sampler = attempt.rollout.sampler_logps
             yield (attempt.prompts, [s // group_size for s in chosen],
                    attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
-                   attempt.advantages.flatten()[chosen])
+                   attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width])
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
@@ -159,7 +165,8 @@ def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], complet
 # loss + step
 # ---------------------------------------------------------------------------------------------
 def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
-           settings: TrainerSettings, temperature: float, path: ScoringPath | None = None) -> dict[str, float]:
+           settings: TrainerSettings, temperature: float, path: ScoringPath | None = None,
+           sampler_check: bool = False, tis_cap: float = 0.0) -> dict[str, float]:
     """One optimizer step on the valid groups' sequences; the loss is their global mean (AGE), or with
     `settings.age=False` their sum over the count of every sampled sequence of the attempts (alpha = 1).
 
@@ -173,6 +180,9 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     placeholders. A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
     `path` is the run's scoring path (`choose_scoring_path`, chosen once in `train`): the forward and the
     micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
+    `sampler_check` (an engine that returns its own log-probs: vLLM; the same on every process) adds the
+    on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens; with `tis_cap` > 0 each token's
+    loss is multiplied by its truncated importance weight min(p / q, tis_cap) (gpg_vl/engines/correction.py).
     """
     device = accelerator.device
     if path is None:
@@ -199,10 +209,11 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     real = len(chunks)
     if steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one below
-        chunks += [placeholder_chunk(policy, attempts, device)] * (steps_needed - real)
+        chunks += [(*placeholder_chunk(policy, attempts, device), None)] * (steps_needed - real)
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
+    gap_sum, gap_max, gap_count = 0.0, 0.0, 0  # the on-policy check (sampler_check)
     try:
-        for index, (prompts, prompt_index, ids, mask, adv) in enumerate(chunks):
+        for index, (prompts, prompt_index, ids, mask, adv, sampler) in enumerate(chunks):
             # The same index on every process outside DDP (len(chunks) == steps_needed there); DeepSpeed
             # takes its optimizer step inside the backward that has sync_gradients set.
             sync = index == len(chunks) - 1 and not ddp
@@ -214,6 +225,12 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
                                                    temperature=temperature, path=path,
                                                    logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
+                if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
+                    sampler = sampler.to(device)
+                    total, worst, count = logp_mismatch(logps, sampler, mask)
+                    gap_sum, gap_max, gap_count = gap_sum + total, max(gap_max, worst), gap_count + count
+                    if tis_cap > 0:
+                        logps = logps * truncated_is_weights(logps, sampler, mask, tis_cap)  # [n, C]
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
@@ -243,8 +260,14 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
-            "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+    result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
+              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+    if sampler_check:  # collective, on every process alike (the engine is the same everywhere)
+        gaps = accelerator.gather(torch.tensor([[gap_sum, gap_max, gap_count]], device=device,
+                                               dtype=torch.float64))  # [processes, 3]
+        result["logp_mismatch_mean"] = float(gaps[:, 0].sum() / max(float(gaps[:, 2].sum()), 1.0))
+        result["logp_mismatch_max"] = float(gaps[:, 1].max())
+    return result
 
 
 def _average_gradients(model, accelerator: Accelerator, bucket_elements: int = 1 << 25) -> None:
@@ -353,6 +376,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     _check_engine(accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
+    engine = build_engine(rollout, policy, accelerator=accelerator)  # rollout.engine: samples, and evaluates
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
 
@@ -409,7 +433,7 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     eval_kwargs = {"batch_size": evaluation.batch_size,
                    "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
                    "rank": accelerator.process_index, "world_size": accelerator.num_processes,
-                   "gather": gather_object}
+                   "gather": gather_object, "engine": engine}
     summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir)}
     if eval_data is not None:
         summary["eval_data"] = eval_data.summary()
@@ -430,7 +454,8 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         collected = collect_valid_groups(
             lambda: sample_attempt(policy, task, stream, batch_size=trainer.batch_size,
                                    group_size=trainer.group_size, rollout=rollout,
-                                   std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline),
+                                   std_normalize=trainer.std_normalize, warn=warn, baseline=trainer.baseline,
+                                   engine=engine),
             lambda attempt: _global_counts(attempt, accelerator),
             beta_th=trainer.beta_th, batch_size=trainer.batch_size,
             max_attempts=_attempts_allowed(trainer, counters["completions_sampled"]))
@@ -439,7 +464,14 @@ def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         # loss + step, on valid groups only
         if collected.groups_valid > 0:
             result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts,
-                            settings=trainer, temperature=rollout.temperature, path=path)
+                            settings=trainer, temperature=rollout.temperature, path=path,
+                            sampler_check=engine.returns_logps, tis_cap=rollout.vllm.tis_cap)
+            if not result.get("skipped"):
+                engine.sync(model)  # an engine with its own weights takes the stepped ones (HF: nothing to do)
+            if result.get("logp_mismatch_mean", 0.0) > rollout.vllm.max_logp_mismatch:
+                warn(f"the sampler's log-probs differ from the trainer's by {result['logp_mismatch_mean']:.4f} "
+                     f"per token on average, over rollout.vllm.max_logp_mismatch={rollout.vllm.max_logp_mismatch}: "
+                     "the rollout is off-policy; check the weight sync and dtype, or set rollout.vllm.tis_cap=2.")
         else:
             result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
             warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
