@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from PIL import Image
 
 from gpg_vl.distributed import forward_is_collective, placeholder_prompts
+from gpg_vl.engines import EnginePrompts, Sampling, encode_prompts
+from gpg_vl.engines.hf import HFEngine
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
 from gpg_vl.rewards import extract_answer
-from gpg_vl.engines import EnginePrompts, Sampling, encode_prompts
-from gpg_vl.engines.hf import HFEngine
 from gpg_vl.rollout import in_task_frame
 
 _RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring

@@ -9,7 +9,7 @@ out of range fail when the settings are built, before any model is loaded.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
+from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
 from gpg_vl.errors import UserError
 
@@ -41,7 +41,7 @@ class TrainerSettings:
     """`trainer.*`: the optimisation, the GPG objective, the update's throughput paths, checkpoints."""
 
     max_steps: int = 100                        # optimizer steps
-    epochs: Optional[float] = None              # if set, passes over the train split (at B prompts per step) replace max_steps
+    epochs: float | None = None              # if set, passes over the train split (at B prompts per step) replace max_steps
     group_size: int = 8                         # G: completions sampled per prompt
     batch_size: int = 8                         # B: prompts per step, over all processes
     micro_batch_size: int = 16                  # sequences per forward/backward (gradient accumulation over the rest)
@@ -53,7 +53,7 @@ class TrainerSettings:
     max_grad_norm: float = 1.0                  # gradient clipping
     beta_th: float = 0.4                        # resample until this fraction of B groups has differing rewards (0 = never)
     max_attempts: int = 8                       # most rollouts per step while resampling
-    max_completions: Optional[int] = None       # stop after this many sampled completions, resampled ones included (ablations)
+    max_completions: int | None = None       # stop after this many sampled completions, resampled ones included (ablations)
     std_normalize: bool = False                 # true = GRPO-style advantage (r - mean) / (std + 1e-4), for ablations
     baseline: str = 'group_mean'                # group_mean: advantage r - mean(r) (GPG); none: the raw reward r (plain PG)
     age: bool = True                            # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
@@ -92,7 +92,7 @@ class VLLMEngineSettings:
     gpu_memory_utilization: float = 0.4         # the share of GPU memory vLLM takes for weights and its KV cache
     tensor_parallel_size: int = 1               # processes that shard one engine (within the training processes)
     enable_sleep_mode: bool = True              # free vLLM's memory while the update runs (sleep level 1, woken per rollout)
-    max_model_len: Optional[int] = None         # prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens)
+    max_model_len: int | None = None         # prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens)
     max_images: int = 4                         # most images in one prompt (vLLM plans its encoder memory for them)
     enforce_eager: bool = False                 # no CUDA graphs (slower decoding, faster start, less memory)
     max_logp_mismatch: float = 0.05             # warn once when a step's mean |vLLM log-prob - trainer log-prob| is above this
@@ -115,8 +115,8 @@ class RolloutSettings:
     max_prompt_tokens: int = 4096               # longer prompts are skipped with a warning, never truncated
     hf: HFEngineSettings = field(default_factory=HFEngineSettings)
     vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)
-    prefill_once: Optional[bool] = None         # deprecated: rollout.hf.prefill_once
-    static_cache: Optional[bool] = None         # deprecated: rollout.hf.static_cache
+    prefill_once: bool | None = None         # deprecated: rollout.hf.prefill_once
+    static_cache: bool | None = None         # deprecated: rollout.hf.static_cache
 
     def __post_init__(self) -> None:
         import warnings
@@ -143,10 +143,10 @@ class RolloutSettings:
 class EvalSettings:
     """`eval.*`: greedy evaluation of the held-out split during training."""
 
-    split: Optional[str] = None                 # held-out split (null = the task's eval split)
-    limit: Optional[int] = None                 # evaluate only the first N rows
+    split: str | None = None                 # held-out split (null = the task's eval split)
+    limit: int | None = None                 # evaluate only the first N rows
     batch_size: int = 32                        # prompts per greedy decoding batch
-    max_new_tokens: Optional[int] = None        # null = rollout.max_new_tokens
+    max_new_tokens: int | None = None        # null = rollout.max_new_tokens
 
 @dataclass
 class TrainSchema:
@@ -155,7 +155,7 @@ class TrainSchema:
 
     output_dir: str = "outputs"
     seed: int = 0
-    resume: Optional[str] = None
+    resume: str | None = None
     model: Any = None
     task: Any = None
     data: Any = None

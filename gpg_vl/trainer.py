@@ -35,14 +35,14 @@ from gpg_vl.checkpoint import (
 )
 from gpg_vl.data import PromptStream, Subset, scan_rows
 from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
+from gpg_vl.engines import EnginePrompts, Sampling, build_engine, encode_prompts
+from gpg_vl.engines.correction import logp_mismatch, truncated_is_weights
 from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy
 from gpg_vl.models.family import PromptBatch, ScoringPath, choose_scoring_path
 from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, estimator_name, loss_alpha, policy_loss
 from gpg_vl.report import write_curves
-from gpg_vl.engines import EnginePrompts, Sampling, build_engine, encode_prompts
-from gpg_vl.engines.correction import logp_mismatch, truncated_is_weights
 from gpg_vl.rollout import Rollout, in_task_frame  # noqa: F401
 from gpg_vl.sampler import collect_valid_groups
 from gpg_vl.settings import EvalSettings, RolloutSettings, TrainerSettings  # noqa: F401  (declared once there)

@@ -44,8 +44,8 @@ from PIL import Image
 from gpg_vl.data import PromptStream
 from gpg_vl.models.base import Policy, QwenVLAdapter, resolve_path
 from gpg_vl.sampler import collect_valid_groups
-from gpg_vl.tasks import Task, image_question
 from gpg_vl.settings import HFEngineSettings
+from gpg_vl.tasks import Task, image_question
 from gpg_vl.trainer import RolloutSettings, TrainerSettings, sample_attempt, update
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,

@@ -17,13 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import get_scheduler
 
-from gpg_vl.models.base import PromptBatch
-from gpg_vl.models.prefix import completion_logps
 from gpg_vl.engines import Sampling
 from gpg_vl.engines.hf import DECODERS, generate
+from gpg_vl.models.base import PromptBatch
+from gpg_vl.models.prefix import completion_logps
 from gpg_vl.rollout import Rollout
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
-
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
             "llava_onevision", "gemma3", "smolvlm"]  # generic-family classes

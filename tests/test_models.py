@@ -11,12 +11,12 @@ from transformers import AutoModelForImageTextToText
 
 from gpg_vl.cli import build_policy, train_main
 from gpg_vl.config import load_config
-from gpg_vl.errors import UserError
-from gpg_vl.models.base import FAMILIES, Qwen3VLAdapter, load_policy, unwrap
-from gpg_vl.models.lora import LANGUAGE_LINEARS, apply_lora
-from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
 from gpg_vl.engines import Sampling
 from gpg_vl.engines.hf import generate
+from gpg_vl.errors import UserError
+from gpg_vl.models.base import FAMILIES, Qwen3VLAdapter, load_policy
+from gpg_vl.models.lora import LANGUAGE_LINEARS, apply_lora
+from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
 
 ROOT = Path(__file__).resolve().parents[1]
 VOWELS = "task=vowel_task:Vowels"  # tests/ is on sys.path: one import, one registration

@@ -162,8 +162,8 @@ class VLLMEngine(Engine):
             offset = sum(len(g) for g in gathered[:torch.distributed.get_rank(self.tp_group)])
             requests = [r for g in gathered for r in g]
         self.wake()
-        outputs = self.llm.generate(requests, self.sampling_params(**sampling_kwargs(self.family, sampling, group_size)),
-                                    use_tqdm=False)
+        params = self.sampling_params(**sampling_kwargs(self.family, sampling, group_size))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         self.sleep()
         if self.tp_group is not None:
             outputs = outputs[offset:offset + share]
