@@ -19,6 +19,7 @@ vision tower while another runs it deadlocks both). The trainer keeps to that ru
 from __future__ import annotations
 
 import contextlib
+
 from typing import TYPE_CHECKING
 
 import torch

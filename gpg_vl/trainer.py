@@ -37,6 +37,7 @@ from gpg_vl.data import PromptStream, Subset, scan_rows
 from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
 from gpg_vl.engines import EnginePrompts, Sampling, build_engine, encode_prompts
 from gpg_vl.engines.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.engines.hf import HFEngine
 from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy
@@ -69,7 +70,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
                    engine=None) -> Attempt:
     """Draw this process's share of `batch_size` prompts, roll out G completions each through `engine`
     (rollout.engine's; the HF engine when None), score them."""
-    engine = engine or build_engine(rollout, policy)
+    engine = engine or HFEngine(policy, rollout)
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
     prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
