@@ -208,10 +208,16 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         torch.manual_seed(cfg.seed)
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
         _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
+        from gpg_vl.engines import build_engine
+        from gpg_vl.settings import RolloutSettings
+
+        chosen = OmegaConf.to_container(cfg.rollout, resolve=True)  # the engine, checked before the model loads
+        engine_settings = RolloutSettings(**{k: v for k, v in chosen.items() if k in ("engine", "hf", "vllm")})
         check_model_folder(cfg.model)
         policy = build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
-                                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
+                                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
+                                    engine=build_engine(engine_settings, policy))
         records = prediction_records(task, decoded, split)
     output_dir.mkdir(parents=True, exist_ok=True)
     with (output_dir / "predictions.jsonl").open("w") as handle:

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from PIL import Image
 
 from gpg_vl.distributed import forward_is_collective, placeholder_prompts
+from gpg_vl.engines import EnginePrompts, Sampling, encode_prompts
+from gpg_vl.engines.hf import HFEngine
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
 from gpg_vl.rewards import extract_answer
-from gpg_vl.rollout import generate, in_task_frame
+from gpg_vl.rollout import in_task_frame
 
 _RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
 
@@ -34,10 +36,16 @@ class Decoded:
 
 def generate_greedy(
     policy: Policy, task, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int, rank: int = 0,
-    world_size: int = 1, gather=None,
+    world_size: int = 1, gather=None, engine=None,
 ) -> list[Decoded]:
-    """Greedy completions for `rows`, in order. Each process decodes its own share of the rows;
-    `gather` (e.g. accelerate's gather_object) joins the shares when there are several processes."""
+    """Greedy completions for `rows`, in order, decoded by `engine` (the run's; the HF engine's defaults when
+    None). Each process decodes its own share of the rows; `gather` (e.g. accelerate's gather_object) joins
+    the shares when there are several processes."""
+    if engine is None:
+        from gpg_vl.settings import RolloutSettings
+
+        engine = HFEngine(policy, RolloutSettings())
+    greedy = Sampling(max_new_tokens=max_new_tokens, greedy=True)
     local = list(range(rank, len(rows), world_size))
     decoded: list[Decoded] = []
     # Under FSDP / ZeRO-3 generate is collective, so every process makes the same number of calls: a
@@ -47,13 +55,12 @@ def generate_greedy(
         chunk = [(i, rows[i]) for i in local[start:start + batch_size]]
         if not chunk:
             if forward_is_collective(policy.model):
-                generate(policy, placeholder_prompts(policy), group_size=1, max_new_tokens=max_new_tokens,
-                         do_sample=False)
+                engine.generate(EnginePrompts(placeholder_prompts(policy)), 1, greedy)
             continue
         messages = [task.messages(row) for _, row in chunk]
-        prompts = policy.adapter.encode(messages)
-        rollout = generate(policy, prompts, group_size=1, max_new_tokens=max_new_tokens, do_sample=False)
-        texts = in_task_frame(policy, task, rollout.texts, prompts, 1)
+        prompts = encode_prompts(policy, messages)
+        rollout = engine.generate(prompts, 1, greedy)
+        texts = in_task_frame(policy, task, rollout.texts, prompts.batch, 1)
         scored = _scoring_rows(task, [row for _, row in chunk], texts)
         decoded += [Decoded(i, text, _prompt_text(message), row)
                     for (i, _), message, text, row in zip(chunk, messages, texts, scored, strict=True)]

@@ -126,18 +126,70 @@ class TrainerSettings:
 
 
 @dataclass
-class RolloutSettings:
-    """`rollout.*`: sampling the G completions of each prompt."""
+class HFEngineSettings:
+    """`rollout.hf.*`: the Hugging Face engine (gpg_vl/engines/hf.py), sampling with the trained model itself."""
 
+    # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
+    prefill_once: bool = True
+    static_cache: bool = False                  # preallocate the decoding cache (no reallocation per token)
+    # loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate
+    decode: str = 'loop'
+
+
+@dataclass
+class VLLMEngineSettings:
+    """`rollout.vllm.*`: the vLLM engine (gpg_vl/engines/vllm.py), colocated: one engine in every training process."""
+
+    gpu_memory_utilization: float = 0.4         # the share of GPU memory vLLM takes for weights and its KV cache
+    tensor_parallel_size: int = 1               # processes that shard one engine (within the training processes)
+    # free vLLM's memory while the update runs (sleep level 1, woken per rollout)
+    enable_sleep_mode: bool = True
+    # prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens)
+    max_model_len: int | None = None
+    max_images: int = 4                         # most images in one prompt (vLLM plans its encoder memory for them)
+    enforce_eager: bool = False                 # no CUDA graphs (slower decoding, faster start, less memory)
+    # warn once when a step's mean |vLLM log-prob - trainer log-prob| is above this
+    max_logp_mismatch: float = 0.05
+    # > 0: token-level truncated importance weight min(p_trainer / p_vllm, cap) multiplies the loss (0 = off)
+    tis_cap: float = 0.0
+    seed: int = 0                               # vLLM's sampling seed (each process adds its rank)
+
+
+ROLLOUT_ALIASES = {"prefill_once": "hf.prefill_once", "static_cache": "hf.static_cache"}  # deprecated -> new key
+
+
+@dataclass
+class RolloutSettings:
+    """`rollout.*`: sampling the G completions of each prompt, through the engine `engine` names."""
+
+    engine: str = 'hf'                          # hf (transformers, any device) or vllm (CUDA; pip install -e ".[vllm]")
     max_new_tokens: int = 256                   # completion length limit
     temperature: float = 1.0                    # sampling temperature (the update's log-probs use the same)
     top_p: float = 1.0                          # nucleus sampling
     ignore_eos: bool = False                    # always generate max_new_tokens (benchmarks)
     max_prompt_tokens: int = 4096               # longer prompts are skipped with a warning, never truncated
-    # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
-    prefill_once: bool = True
-    # preallocate the decoding cache (faster on CPU, where growing it reallocates each token)
-    static_cache: bool = False
+    hf: HFEngineSettings = field(default_factory=HFEngineSettings)
+    vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)
+    prefill_once: bool | None = None         # deprecated: rollout.hf.prefill_once
+    static_cache: bool | None = None         # deprecated: rollout.hf.static_cache
+
+    def __post_init__(self) -> None:
+        import warnings
+
+        if isinstance(self.hf, dict):  # RolloutSettings(**container): the sections arrive as plain dicts
+            self.hf = HFEngineSettings(**self.hf)
+        if isinstance(self.vllm, dict):
+            self.vllm = VLLMEngineSettings(**self.vllm)
+        for old, new in ROLLOUT_ALIASES.items():
+            value = getattr(self, old)
+            if value is not None:  # the old key still works, with one warning that names the new one
+                warnings.warn(f"rollout.{old} is deprecated; set rollout.{new}={str(value).lower()} instead.",
+                              FutureWarning, stacklevel=2)
+                setattr(self.hf, new.split(".")[1], value)
+                setattr(self, old, None)
+        from gpg_vl.engines import require_engine
+
+        require_engine(self)  # an unknown engine, or vllm without a GPU or the package: one sentence, before any model
 
 
 @dataclass

@@ -38,6 +38,9 @@ from gpg_vl.checkpoint import (
 )
 from gpg_vl.data import PromptStream, Subset, scan_rows
 from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
+from gpg_vl.engines import EnginePrompts, Sampling, build_engine, encode_prompts
+from gpg_vl.engines.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.engines.hf import HFEngine
 from gpg_vl.errors import UserError
 from gpg_vl.evaluate import evaluate
 from gpg_vl.models.base import Policy
@@ -55,7 +58,7 @@ from gpg_vl.objective import (
 from gpg_vl.outdir import claim_output_dir
 from gpg_vl.report import write_curves
 from gpg_vl.reward_pool import RewardBudget, score_completions
-from gpg_vl.rollout import Rollout, generate, in_task_frame
+from gpg_vl.rollout import Rollout, in_task_frame  # noqa: F401
 from gpg_vl.rollout_log import log_rollouts
 from gpg_vl.sampler import collect_valid_groups
 from gpg_vl.settings import EvalSettings, RolloutSettings, TrainerSettings  # noqa: F401  (declared once there)
@@ -81,19 +84,21 @@ class Attempt:
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
                    rollout: RolloutSettings, warn, advantage: str = "group_mean", overlong_cache: int = 0,
                    overlong_penalty_at_limit: float = 1.0, reward_workers: int = 1,
-                   reward_budget: RewardBudget | None = None) -> Attempt:
-    """Draw this process's share of `batch_size` prompts, roll out G completions each, score them (on
-    `reward_workers` threads, within what is left of the step's `reward_budget`).
+                   reward_budget: RewardBudget | None = None, engine=None) -> Attempt:
+    """Draw this process's share of `batch_size` prompts, roll out G completions each through `engine`
+    (rollout.engine's; the HF engine when None), score them (on `reward_workers` threads, within what is left
+    of the step's `reward_budget`).
 
     `advantage` names the estimator (trainer.advantage); with `overlong_cache` > 0 the reward gets DAPO's
     overlong component "overlong" (0 down to -overlong_penalty_at_limit over the last overlong_cache tokens)."""
+    engine = engine or HFEngine(policy, rollout)
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
-    prompts = policy.adapter.encode([p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
-    lengths = prompts.inputs["attention_mask"].sum(dim=1).tolist()
+    prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
+    lengths = prompts.batch.inputs["attention_mask"].sum(dim=1).tolist()
     keep = [i for i, n in enumerate(lengths) if n <= rollout.max_prompt_tokens]
     for i in sorted(set(range(len(rows))) - set(keep)):
-        warn(f"skipped prompt {prompts.ids[i]!r}: it has {lengths[i]} tokens, over rollout.max_prompt_tokens="
+        warn(f"skipped prompt {prompts.batch.ids[i]!r}: it has {lengths[i]} tokens, over rollout.max_prompt_tokens="
              f"{rollout.max_prompt_tokens}; prompts with images are never truncated, so raise the limit or "
              "lower model.max_pixels.")
     if len(keep) < len(rows):
@@ -104,15 +109,14 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
         # whose prompts were all skipped still makes this attempt's one generate call, on a placeholder whose
         # completions it drops (the same call evaluation makes for a process out of rows, which is tested).
         if forward_is_collective(policy.model):
-            generate(policy, placeholder_prompts(policy), group_size=group_size, max_new_tokens=rollout.max_new_tokens)
+            engine.generate(EnginePrompts(placeholder_prompts(policy)), group_size, Sampling.from_settings(rollout))
         empty = torch.zeros(0, group_size)
         names += ["overlong"] if overlong_cache else []
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
-    require_images(prompts.has_images, stream.world_size, "a batch of training prompts")
-    result = generate(policy, prompts, group_size=group_size, max_new_tokens=rollout.max_new_tokens,
-                      temperature=rollout.temperature, top_p=rollout.top_p, ignore_eos=rollout.ignore_eos,
-                      prefill_once=rollout.prefill_once, static_cache=rollout.static_cache)
+    require_images(prompts.batch.has_images, stream.world_size, "a batch of training prompts")
+    result = engine.generate(prompts, group_size, Sampling.from_settings(rollout))
+    prompts = prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores, timeouts = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
                                          workers=reward_workers, budget=reward_budget)
@@ -130,7 +134,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
 
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
                   share_prompt: bool = False):
-    """Sequences of valid groups only, as `MicroBatch`es (prompts, prompt index, ids [n, C], mask [n, C], adv [n]).
+    """Sequences of valid groups only, as `MicroBatch`es (prompts, prompt index, ids [n, C], mask [n, C], adv [n],
+    the sampler's log-probs [n, C] or None: engine-sampled log-probs for the on-policy check).
 
     With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
     forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
@@ -151,9 +156,10 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
         for chosen in batches:
             mask = attempt.rollout.completion_mask[chosen]  # [n, C]
             width = max(int(mask.sum(dim=1).max()), 1)
+            sampler = attempt.rollout.sampler_logps
             yield MicroBatch(attempt.prompts, [s // group_size for s in chosen],
                              attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
-                             attempt.advantages.flatten()[chosen])
+                             attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width])
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
@@ -195,6 +201,7 @@ class MicroBatch(NamedTuple):
     completion_ids: torch.Tensor  # [n, C]
     completion_mask: torch.Tensor  # [n, C]
     advantages: torch.Tensor  # [n]
+    sampler_logps: torch.Tensor | None = None  # [n, C]: the engine's own log-probs (vLLM), for the on-policy check
 
 
 @dataclass
@@ -216,7 +223,8 @@ LOSS_REPORTS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean")  
 
 def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
            settings: TrainerSettings, temperature: float, path: ScoringPath | None = None,
-           reference: Reference | None = None, max_new_tokens: int | None = None) -> dict[str, float]:
+           reference: Reference | None = None, max_new_tokens: int | None = None, sampler_check: bool = False,
+           tis_cap: float = 0.0) -> dict[str, float]:
     """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
     mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
 
@@ -224,6 +232,8 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
     when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
     (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
+    `sampler_check` and `tis_cap`: the on-policy check of an engine that samples with its own weights (see
+    `_optimizer_step`).
     """
     device = accelerator.device
     if path is None:
@@ -274,7 +284,7 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
                 normalizer=LOSS_NORMALIZERS[settings.age](valid_count, share),
                 steps_needed=int(per_part[:, part, 2].max()), settings=settings, temperature=temperature,
                 path=path, aggregation=aggregation, options=options, later=bool(results),
-                sequences=int(per_part[:, part, 0].sum()))
+                sequences=int(per_part[:, part, 0].sum()), sampler_check=sampler_check, tis_cap=tis_cap)
             results.append(result)
             reports.append(report)
             if result.get("nonfinite"):  # no weight changed in that step; the rollout's later steps are dropped
@@ -286,7 +296,8 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
         "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
         "skipped": float(all(r["skipped"] for r in results)),
         **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
-        **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {})}
+        **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {}),
+        **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max") if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
     if needs:  # the same on every process (it depends on the loss only): the collective below matches
         metrics.update(_loss_reports(reports, accelerator))
@@ -338,7 +349,8 @@ def _loss_reports(reports: list[dict], accelerator: Accelerator) -> dict[str, fl
 def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt],
                     chunks: list[MicroBatch], loss_fn, *, old, ref, normalizer: float, steps_needed: int,
                     settings: TrainerSettings, temperature: float, path: ScoringPath, aggregation: str, options: dict,
-                    later: bool, sequences: int) -> tuple[dict[str, float], dict[str, float]]:
+                    later: bool, sequences: int, sampler_check: bool = False,
+                    tis_cap: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
     """One optimizer step on `chunks`, the loss their sum over the global `normalizer` (AGE: the valid
     groups' count; without AGE every sampled sequence's, alpha = 1).
 
@@ -353,6 +365,9 @@ def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Ac
     `sequences`: the step's valid sequences over all processes (the MoE router loss is averaged over them).
     `path` is the run's scoring path (`choose_scoring_path`, chosen once in `setup`): the forward and the
     micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
+    `sampler_check` (an engine that returns its own log-probs: vLLM; the same on every process) adds the
+    on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens; with `tis_cap` > 0 each token's
+    loss is multiplied by its truncated importance weight min(p / q, tis_cap) (gpg_vl/engines/correction.py).
     Returns (metrics, this process's token-weighted sums of the loss's own metrics).
     """
     device = accelerator.device
@@ -361,9 +376,10 @@ def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Ac
     if steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one below
         chunks = chunks + [MicroBatch(*placeholder_chunk(policy, attempts, device))] * (steps_needed - real)
     total_loss, logp_sum, token_count = 0.0, 0.0, 0
+    gap_sum, gap_max, gap_count = 0.0, 0.0, 0  # the on-policy check (sampler_check)
     report: dict[str, float] = {}
     try:
-        for index, (prompts, prompt_index, ids, mask, adv) in enumerate(chunks):
+        for index, (prompts, prompt_index, ids, mask, adv, sampler) in enumerate(chunks):
             # The same index on every process outside DDP (len(chunks) == steps_needed there); DeepSpeed
             # takes its optimizer step inside the backward that has sync_gradients set.
             sync = index == len(chunks) - 1 and not ddp
@@ -375,6 +391,12 @@ def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Ac
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
                                                    temperature=temperature, path=path,
                                                    logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
+                if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
+                    sampler = sampler.to(device)
+                    total, worst, count = logp_mismatch(logps, sampler, mask)
+                    gap_sum, gap_max, gap_count = gap_sum + total, max(gap_max, worst), gap_count + count
+                    if tis_cap > 0:
+                        logps = logps * truncated_is_weights(logps, sampler, mask, tis_cap)  # [n, C]
                 router = policy.adapter.router_aux_loss(model)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
@@ -410,8 +432,14 @@ def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Ac
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
-            "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}, report
+    result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
+              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+    if sampler_check:  # collective, on every process alike (the engine is the same everywhere)
+        gaps = accelerator.gather(torch.tensor([[gap_sum, gap_max, gap_count]], device=device,
+                                               dtype=torch.float64))  # [processes, 3]
+        result["logp_mismatch_mean"] = float(gaps[:, 0].sum() / max(float(gaps[:, 2].sum()), 1.0))
+        result["logp_mismatch_max"] = float(gaps[:, 1].max())
+    return result, report
 
 
 def _add_report(report: dict[str, float], info: dict[str, float], *, later: bool) -> None:
@@ -508,6 +536,7 @@ class Run:
     rollout: RolloutSettings
     path: ScoringPath
     reference: Reference | None
+    engine: object  # rollout.engine's (gpg_vl/engines/): samples, evaluates, takes the weights after each step
     output_dir: Path
     main: bool
     counters: dict
@@ -630,6 +659,7 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                         f"{trainer.loss} are not supported under FSDP / ZeRO-3 yet (their forwards would not "
                         "match across processes); train with DDP, or with trainer.ppo_epochs=1, "
                         "trainer.ppo_mini_batch=0 and trainer.kl_coef=0.")
+    engine = build_engine(rollout, policy, accelerator=accelerator)  # rollout.engine: samples, and evaluates
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
 
@@ -687,7 +717,7 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     eval_kwargs = {"batch_size": evaluation.batch_size,
                    "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
                    "rank": accelerator.process_index, "world_size": accelerator.num_processes,
-                   "gather": gather_object}
+                   "gather": gather_object, "engine": engine}
     summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir), **record}
     if eval_data is not None:
         summary["eval_data"] = eval_data.summary()
@@ -699,7 +729,7 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
                output_dir=output_dir, main=main, counters=counters, summary=summary, record=record, config=config,
                eval_rows=eval_rows,
                eval_kwargs=eval_kwargs, reward_names=reward_names, bar=bar, warn=warn, stop=stop,
-               start_step=start_step, step=start_step)
+               engine=engine, start_step=start_step, step=start_step)
 
 
 def needs_reference(trainer: TrainerSettings) -> bool:
@@ -738,7 +768,7 @@ def step(run: Run) -> dict:
                                group_size=trainer.group_size, rollout=run.rollout, warn=run.warn,
                                advantage=trainer.advantage, overlong_cache=trainer.overlong_cache,
                                overlong_penalty_at_limit=trainer.overlong_penalty,
-                               reward_workers=trainer.reward_workers, reward_budget=budget),
+                               reward_workers=trainer.reward_workers, reward_budget=budget, engine=run.engine),
         lambda attempt: _global_counts(attempt, accelerator),
         beta_th=trainer.beta_th, batch_size=trainer.batch_size,
         max_attempts=_attempts_allowed(trainer, run.counters["completions_sampled"]))
@@ -749,7 +779,15 @@ def step(run: Run) -> dict:
     if collected.groups_valid > 0:
         result = update(run.policy, run.model, run.optimizer, run.scheduler, accelerator, collected.attempts,
                         settings=trainer, temperature=run.rollout.temperature, path=run.path,
-                        reference=run.reference, max_new_tokens=run.rollout.max_new_tokens)
+                        reference=run.reference, max_new_tokens=run.rollout.max_new_tokens,
+                        sampler_check=run.engine.returns_logps, tis_cap=run.rollout.vllm.tis_cap)
+        if not result.get("skipped"):
+            run.engine.sync(run.model)  # an engine with its own weights takes the stepped ones (HF: nothing to do)
+        limit = run.rollout.vllm.max_logp_mismatch
+        if result.get("logp_mismatch_mean", 0.0) > limit:
+            run.warn(f"the sampler's log-probs differ from the trainer's by {result['logp_mismatch_mean']:.4f} per "
+                     f"token on average, over rollout.vllm.max_logp_mismatch={limit}: the rollout is off-policy; "
+                     "check the weight sync and dtype, or set rollout.vllm.tis_cap=2.")
     else:
         result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
         run.warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "

@@ -112,6 +112,18 @@ def _baselines() -> list[str]:
     return sorted({baseline for baseline, _ in _ESTIMATOR_NAMES})
 
 
+def _engines() -> list[str]:
+    from gpg_vl.engines import ENGINES
+
+    return sorted(ENGINES)
+
+
+def _decoders() -> list[str]:
+    from gpg_vl.engines.hf import DECODERS
+
+    return list(DECODERS)
+
+
 def _box_frames() -> list[str]:
     from gpg_vl.models.family import BOX_FRAMES
 
@@ -190,8 +202,21 @@ RULES: dict[str, Rule] = {
     "rollout.top_p": number(high=1, above=0),
     "rollout.ignore_eos": BOOL,
     "rollout.max_prompt_tokens": integer(1),
-    "rollout.prefill_once": BOOL,
-    "rollout.static_cache": BOOL,
+    "rollout.prefill_once": Rule("bool", optional=True, note="deprecated: rollout.hf.prefill_once"),
+    "rollout.static_cache": Rule("bool", optional=True, note="deprecated: rollout.hf.static_cache"),
+    "rollout.engine": one_of(_engines),
+    "rollout.hf.prefill_once": BOOL,
+    "rollout.hf.static_cache": BOOL,
+    "rollout.hf.decode": one_of(_decoders),
+    "rollout.vllm.gpu_memory_utilization": number(0.01, 1),
+    "rollout.vllm.tensor_parallel_size": integer(1),
+    "rollout.vllm.enable_sleep_mode": BOOL,
+    "rollout.vllm.max_model_len": integer(1, optional=True),
+    "rollout.vllm.max_images": integer(1),
+    "rollout.vllm.enforce_eager": BOOL,
+    "rollout.vllm.max_logp_mismatch": number(0),
+    "rollout.vllm.tis_cap": number(0, note="0 = off"),
+    "rollout.vllm.seed": integer(0),
     "eval.split": Rule("str", optional=True),
     "eval.limit": integer(1, optional=True),
     "eval.batch_size": integer(1),

@@ -47,6 +47,7 @@ from PIL import Image
 from gpg_vl.data import PromptStream
 from gpg_vl.models.base import FAMILIES, Policy, resolve_path
 from gpg_vl.sampler import collect_valid_groups
+from gpg_vl.settings import HFEngineSettings
 from gpg_vl.tasks import Task, image_question
 from gpg_vl.trainer import RolloutSettings, TrainerSettings, sample_attempt, update
 
@@ -58,8 +59,9 @@ VISION = dict(hidden_size=256, intermediate_size=1024, depth=6, num_heads=4, out
 VARIANTS = {
     "default": ({}, {}),
     "plain": ({"share_vision": False, "share_prompt": False, "logits_chunk_tokens": 0, "micro_batch_tokens": 0},
-              {"prefill_once": False}),
+              {"prefill_once": False, "decode": "generate"}),
     "no-prefill_once": ({}, {"prefill_once": False}),
+    "generate": ({}, {"decode": "generate"}),  # transformers' generate instead of gpg-vl's decode loop
     "no-share_prompt": ({"share_prompt": False}, {}),
     "no-share_vision": ({"share_vision": False, "share_prompt": False}, {}),
     "no-logits_chunk": ({"logits_chunk_tokens": 0}, {}),
@@ -218,8 +220,8 @@ class GpgRunner:
         self.task = BenchTask(rows)
         self.settings = replace(TrainerSettings(), group_size=group_size, batch_size=args.prompts, lr=args.lr,
                                 beta_th=0.0, max_attempts=1, **trainer_overrides)
-        self.rollout = replace(RolloutSettings(), max_new_tokens=args.new_tokens, ignore_eos=True,
-                               static_cache=args.cache == "static", **rollout_overrides)
+        engine = replace(HFEngineSettings(), static_cache=args.cache == "static", **rollout_overrides)
+        self.rollout = replace(RolloutSettings(), max_new_tokens=args.new_tokens, ignore_eos=True, hf=engine)
         self.accelerator = Accelerator(cpu=args.device == "cpu")
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -17,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import get_scheduler
 
+from gpg_vl.engines import Sampling
+from gpg_vl.engines.hf import DECODERS, generate
 from gpg_vl.models.base import PromptBatch
 from gpg_vl.models.prefix import completion_logps
-from gpg_vl.rollout import Rollout, generate
+from gpg_vl.rollout import Rollout
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
@@ -152,13 +154,16 @@ def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes)
         assert type(policy.model).__name__ == "Gemma3ForConditionalGeneration" and "sliding-window" in declined
         assert declined in policy.adapter.describe(policy.model)
         return
+    greedy = Sampling(max_new_tokens=12, greedy=True)
+    # the reference: transformers' generate prefilling every one of the B * G rows
     every_row = generate(policy, prompts.select([i // group_size for i in range(3 * group_size)]), group_size=1,
-                         max_new_tokens=12, do_sample=False)
-    for static_cache in (False, True):
-        once = generate(policy, prompts, group_size=group_size, max_new_tokens=12, do_sample=False,
-                        prefill_once=True, static_cache=static_cache)
-        assert torch.equal(once.completion_ids, every_row.completion_ids)
-        assert torch.equal(once.completion_mask, every_row.completion_mask)
+                         sampling=greedy, prefill_once=False, decode="generate")
+    for decode in DECODERS:  # gpg-vl's decode loop (the default) and generate, both on the forked prompt cache
+        for static_cache in (False, True):
+            once = generate(policy, prompts, group_size=group_size, sampling=greedy, prefill_once=True,
+                            static_cache=static_cache, decode=decode)
+            assert torch.equal(once.completion_ids, every_row.completion_ids), (decode, static_cache)
+            assert torch.equal(once.completion_mask, every_row.completion_mask)
     assert policy.adapter.position_ids(policy.model, prompts.inputs).shape[-2] == 3  # stale rope deltas are reset
 
 
@@ -209,7 +214,8 @@ def test_token_budget_micro_batches_cover_each_valid_sequence_once_within_the_bu
                            valid, group_size)
     lengths = attempt.rollout.completion_mask.sum(dim=1)
     seen = []
-    for _prompts, prompt_index, _ids, mask, adv in update_chunks([attempt], 0, budget, share_prompt=share_prompt):
+    for _prompts, prompt_index, _ids, mask, adv, _sampler in update_chunks([attempt], 0, budget,
+                                                                           share_prompt=share_prompt):
         sequences = adv.long().tolist()
         seen += sequences
         assert prompt_index == [s // group_size for s in sequences]

@@ -11,11 +11,12 @@ from transformers import AutoModelForImageTextToText
 
 from gpg_vl.cli import build_policy, train_main
 from gpg_vl.config import load_config
+from gpg_vl.engines import Sampling
+from gpg_vl.engines.hf import generate
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import FAMILIES, Qwen3VLAdapter, load_policy
 from gpg_vl.models.lora import LANGUAGE_LINEARS, apply_lora
 from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
-from gpg_vl.rollout import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 VOWELS = "task=vowel_task:Vowels"  # tests/ is on sys.path: one import, one registration
@@ -73,7 +74,7 @@ def test_each_family_generates_and_its_images_reach_the_language_model(tiny_path
     width, height = prompts.image_sizes[0][0][2:]
     assert width % (2 * patch) == 0 and height % (2 * patch) == 0  # resized to whole merged patches
     assert prompts.inputs["image_grid_thw"].tolist() == [[1, height // patch, width // patch]] * 2
-    result = generate(policy, prompts, group_size=3, max_new_tokens=5)
+    result = generate(policy, prompts, group_size=3, sampling=Sampling(max_new_tokens=5))
     assert result.completion_ids.shape == (6, 5) and len(result.texts) == 6
     # the same completions score differently under different images, and sharing the vision tower's
     # output over a group (DeepStack features included for Qwen3-VL) equals encoding per sequence
@@ -131,7 +132,7 @@ def test_base_model_aliases_use_raw_prompts_with_the_images_inline(tiny_paths):
     assert "<|im_start|>" not in policy.adapter.tokenizer.decode(ids)
     merged_tokens = int(prompts.inputs["image_grid_thw"][0].prod()) // 4
     assert int((ids == policy.model.config.image_token_id).sum()) == merged_tokens
-    assert generate(policy, prompts, group_size=2, max_new_tokens=4).completion_ids.shape == (2, 4)
+    assert generate(policy, prompts, group_size=2, sampling=Sampling(max_new_tokens=4)).completion_ids.shape == (2, 4)
     default = load(tiny_paths, "qwen2_vl", prompt_style="raw").adapter.render(question(picture(0), "How many?"))
     assert default.startswith("A conversation between User and Assistant.") and default.endswith(
         "User: <|vision_start|><|image_pad|><|vision_end|>How many?\nAssistant:")

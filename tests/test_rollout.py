@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from gpg_vl.data import PromptStream
-from gpg_vl.rollout import completion_mask_from_eos, generate
+from gpg_vl.engines import Sampling
+from gpg_vl.engines.hf import generate
+from gpg_vl.rollout import completion_mask_from_eos
 from gpg_vl.trainer import RolloutSettings, sample_attempt
 
 
@@ -21,7 +23,7 @@ def test_completion_mask_ends_at_first_eos():
 
 def test_group_rollout_shapes_and_masks(policy, shapes):
     rows = shapes.load("train")[:3]
-    result = generate(policy, encode(policy, shapes, rows), group_size=4, max_new_tokens=12)
+    result = generate(policy, encode(policy, shapes, rows), group_size=4, sampling=Sampling(max_new_tokens=12))
     assert result.completion_ids.shape[0] == 12 and len(result.texts) == 12
     eos = torch.tensor(policy.adapter.eos_ids)
     for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True):
@@ -47,7 +49,7 @@ def test_vision_tokens_are_never_sampled_and_logps_use_the_same_suppression(poli
     prompts = encode(policy, shapes, rows)
     handle = push_vision_tokens(policy)
     try:
-        result = generate(policy, prompts, group_size=4, max_new_tokens=10)
+        result = generate(policy, prompts, group_size=4, sampling=Sampling(max_new_tokens=10))
         kept = result.completion_ids[result.completion_mask]
         assert not torch.isin(kept, torch.tensor(policy.adapter.suppressed_ids)).any()
         logps = policy.adapter.token_logps(policy.model, prompts, [i // 4 for i in range(8)],
@@ -68,7 +70,7 @@ def test_stale_rope_deltas_after_generate_do_not_leak_into_training_forward(poli
     mask = torch.ones_like(completion, dtype=torch.bool)
     with torch.no_grad():
         fresh = policy.adapter.token_logps(policy.model, prompts, index, completion, mask)
-        generate(policy, prompts.select([0, 1, 2]), group_size=1, max_new_tokens=6)  # batch size 3
+        generate(policy, prompts.select([0, 1, 2]), group_size=1, sampling=Sampling(max_new_tokens=6))  # batch size 3
         assert policy.model.model.rope_deltas is not None and policy.model.model.rope_deltas.shape[0] == 3
         after = policy.adapter.token_logps(policy.model, prompts, index, completion, mask)  # batch size 5
     torch.testing.assert_close(after, fresh)
@@ -111,7 +113,7 @@ def test_prompts_with_several_images_keep_their_images_when_selected_and_shared(
     assert prompts.images_per_prompt == [2, 1]
     reordered = prompts.select([1, 0, 0])
     assert reordered.images_per_prompt == [1, 2, 2] and reordered.inputs["image_grid_thw"].shape[0] == 5
-    result = generate(policy, prompts, group_size=2, max_new_tokens=6)
+    result = generate(policy, prompts, group_size=2, sampling=Sampling(max_new_tokens=6))
     index = [0, 0, 1, 1]
     shared = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids, result.completion_mask)
     repeated = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids,

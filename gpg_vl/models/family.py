@@ -499,6 +499,22 @@ class Family:
         logps = torch.log_softmax(logits, dim=-1)  # [N, C, V]
         return logps.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [N, C]
 
+    # ---- other rollout engines (gpg_vl/engines/: vLLM) ----------------------------------------------
+    def engine_images(self, messages: list[dict]) -> list:
+        """A prompt's images as this family's processor receives them (an engine that renders prompts
+        itself gets the same pixels)."""
+        return message_images(messages)
+
+    def engine_processor_kwargs(self) -> dict:
+        """Keywords for an engine's own copy of this family's processor, so that it resizes images as
+        `encode` does (the same min/max pixels)."""
+        return {}
+
+    def engine_weight_name(self, name: str) -> str | None:
+        """The name an engine's loader takes for the checkpoint weight `name` (None: the engine has no place
+        for it). vLLM's loaders read Hugging Face checkpoint names, which `models/weights.py` produces."""
+        return name
+
     # ---- mixture of experts -----------------------------------------------------------------------
     def router_aux_loss(self, model) -> Tensor | None:
         """The router's load-balancing loss (times `router_aux_loss_coef`) over the forwards since the last call,

@@ -75,6 +75,18 @@ class QwenVLAdapter(Family):
             rows = {"pixel_values": per_prompt, "image_grid_thw": list(images_per_prompt)}
         return PromptBatch(inputs, images_per_prompt, list(ids or []), image_sizes, rows, texts)
 
+    def engine_images(self, messages: list[dict]) -> list:
+        """The images resized by qwen-vl-utils within min/max pixels, exactly as `encode` gives them."""
+        limits = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
+        messages = [{**m, "content": [{**limits, **part} if isinstance(part, dict) and "image" in part else part
+                                      for part in m["content"]]} if isinstance(m.get("content"), list) else m
+                    for m in messages]
+        images, _ = process_vision_info(messages, image_patch_size=self.image_patch_size)
+        return images or []
+
+    def engine_processor_kwargs(self) -> dict:
+        return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
+
     def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor:
         """Explicit 3-D rotary positions [3, N, L] for a full (prompt + completion) batch.
 

@@ -1,0 +1,249 @@
+"""The GPU check: both rollout engines on models of real size, in one command, with nothing from the hub.
+
+    pip install -e ".[vllm]"
+    python scripts/gpu_check.py                 # about 5-8 minutes on one H100 / H200
+    python scripts/gpu_check.py --models qwen2.5-vl-3b --steps 2
+
+For each model (random weights, configs written below: a Qwen2.5-VL of about 3B and a Qwen3.5 of about 2B,
+with the embedded tiny model's tokenizer and a processor of the family) and each engine (hf, vllm), it
+trains a few steps in bf16 (B prompts x G completions of exactly --new-tokens tokens, a hash reward so
+every group has signal, AdamW at lr 1e-6) and prints:
+
+- seconds per step, split into rollout and update (the update includes the vLLM engine's weight sync);
+- completion tokens per second of the rollout;
+- the update's MFU: training FLOPs per token (gpg_vl/perf.py) x tokens it computed / its seconds / the
+  device's dense bf16 peak;
+- the peak GPU memory torch allocated (vLLM's own pool is reported separately as the device's used memory);
+- logp_mismatch (vLLM only): the mean and max over tokens of |vLLM's log-prob - the trainer's|;
+- whether greedy decoding by vLLM after a weight sync gives the HF engine's (the trainer's) tokens.
+
+Without a CUDA GPU it stops in one sentence. It has not run on a GPU yet (see the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN2_5_VL_3B = {  # Qwen/Qwen2.5-VL-3B-Instruct's published sizes
+    "text_config": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                         "mrope_section": [16, 24, 24]}),
+    "vision_config": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                          fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14,
+                          spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2),
+}
+QWEN3_5_2B = {  # about 2B: 24 layers in Qwen3.5's 3:1 Gated DeltaNet / full-attention pattern
+    "text_config": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=256, vocab_size=151936, max_position_embeddings=32768,
+                        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_num_key_heads=16, linear_num_value_heads=16,
+                        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                     "full_attention"] * 6,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                         "mrope_section": [11, 11, 10], "mrope_interleaved": True,
+                                         "partial_rotary_factor": 0.25}),
+    "vision_config": dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+                          patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304),
+}
+MODELS = {"qwen2.5-vl-3b": ("qwen2_5_vl", QWEN2_5_VL_3B), "qwen3.5-2b": ("qwen3_5", QWEN3_5_2B)}
+
+
+def build(name: str, folder: Path):
+    """(policy, folder): a random-weight bf16 model of real size on the GPU, its config and processor in
+    `folder` (vLLM reads those; its weights come from the engine's first sync)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    from gpg_vl.models.base import Policy
+    from gpg_vl.models.family import FAMILIES
+    from gpg_vl.models.tiny import build_tiny_family, tiny_model_path
+
+    family_name, sizes = MODELS[name]
+    tiny = tiny_model_path(family_name) if family_name != "qwen2_5_vl" else ROOT / "gpg_vl/assets/tiny-qwen2.5-vl"
+    if not Path(tiny, "config.json").exists():
+        build_tiny_family(tiny, family_name)
+    config = AutoConfig.from_pretrained(tiny)
+    config.text_config.update({k: v for k, v in sizes["text_config"].items()})
+    config.vision_config.update(sizes["vision_config"])
+    config.vision_config.out_hidden_size = config.text_config.hidden_size
+    config.tie_word_embeddings = True
+    processor = AutoProcessor.from_pretrained(tiny)
+    config.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    pixels = {"min_pixels": 56 * 56, "max_pixels": 224 * 224}
+    family = FAMILIES[family_name](processor, model.config, **pixels)
+    return Policy(model, processor, family, str(folder))
+
+
+def rows(count: int, size: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"id": f"gpu-{i}", "question": f"How many shapes? {i:03d}",
+             "image": Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))} for i in range(count)]
+
+
+def hash_task(data: list[dict]):
+    from gpg_vl.tasks import Task, image_question
+
+    class HashTask(Task):
+        name = "gpu-check"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.reward_functions = {"hash": lambda text, _row: (zlib.crc32(text.encode()) % 1000) / 1000}
+
+        def load(self, split: str) -> list[dict]:
+            return data
+
+        def messages(self, row: dict) -> list[dict]:
+            return image_question(row["image"], row["question"])
+
+    return HashTask()
+
+
+def run_engine(policy, engine_name: str, args) -> dict:
+    """A few training steps with one engine: timings, tokens, MFU, memory, logp_mismatch, greedy agreement."""
+    from accelerate import Accelerator
+    from transformers import get_scheduler
+
+    from gpg_vl import perf
+    from gpg_vl.data import PromptStream
+    from gpg_vl.engines import Sampling, build_engine, encode_prompts
+    from gpg_vl.engines.hf import HFEngine
+    from gpg_vl.models.family import choose_scoring_path
+    from gpg_vl.sampler import collect_valid_groups
+    from gpg_vl.settings import RolloutSettings, TrainerSettings
+    from gpg_vl.trainer import sample_attempt, update
+
+    data = rows(args.prompts * (args.steps + 2), 224)
+    task = hash_task(data)
+    rollout = RolloutSettings(engine=engine_name, max_new_tokens=args.new_tokens, ignore_eos=True,
+                              vllm={"gpu_memory_utilization": args.gpu_memory_utilization})
+    trainer = TrainerSettings(group_size=args.group_size, batch_size=args.prompts, lr=1e-6, beta_th=0.0,
+                              max_attempts=1, gradient_checkpointing=False)
+    accelerator = Accelerator(mixed_precision="no")
+    model = policy.model
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.lr)
+    scheduler = get_scheduler("constant", optimizer)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    engine = build_engine(rollout, policy, accelerator=accelerator)
+    path = choose_scoring_path(policy.adapter, model, share_prompt=True, share_vision=True)
+    stream = PromptStream(data, seed=0)
+    text = policy.model.config.text_config
+    weights = perf.linear_weights(policy.model, skip=("visual", "vision"))
+    layers, width = perf.attention_shape(text)
+    peak = perf.peak_bf16_flops(torch.cuda.get_device_name())
+    records = []
+    for step in range(args.steps + 1):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
+        collected = collect_valid_groups(
+            lambda: sample_attempt(policy, task, stream, batch_size=args.prompts, group_size=args.group_size,
+                                   rollout=rollout, std_normalize=False, warn=print, engine=engine),
+            lambda attempt: (attempt.valid.numel(), int(attempt.valid.sum())),
+            beta_th=0.0, batch_size=args.prompts, max_attempts=1)
+        torch.cuda.synchronize()
+        rolled = time.perf_counter()
+        result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts, settings=trainer,
+                        temperature=rollout.temperature, path=path, sampler_check=engine.returns_logps)
+        engine.sync(model)
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        attempt = collected.attempts[0]
+        prompt_tokens = int(attempt.prompts.inputs["attention_mask"].sum())
+        completion = int(attempt.rollout.completion_mask.sum())
+        computed = prompt_tokens * (1 if path.prompt_once else args.group_size) + completion
+        context = attempt.prompts.inputs["input_ids"].shape[1] + args.new_tokens
+        flops = perf.train_flops_per_token(weights, layers, width, context)
+        free, total = torch.cuda.mem_get_info()
+        records.append({"rollout_s": rolled - started, "update_s": done - rolled, "completion": completion,
+                        "mfu": perf.mfu(flops, computed, done - rolled, peak) if peak else float("nan"),
+                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "used_gib": (total - free) / 2**30,
+                        "mismatch": (result.get("logp_mismatch_mean"), result.get("logp_mismatch_max"))})
+        print(f"  {engine_name} step {step} ({'warm-up' if step == 0 else 'measured'}): rollout "
+              f"{records[-1]['rollout_s']:.2f} s + update {records[-1]['update_s']:.2f} s", flush=True)
+    measured = records[1:]
+    mean = {key: float(np.mean([r[key] for r in measured])) for key in ("rollout_s", "update_s", "completion", "mfu")}
+    summary = {**mean, "tokens_per_s": mean["completion"] / mean["rollout_s"],
+               "peak_gib": max(r["peak_gib"] for r in measured), "used_gib": max(r["used_gib"] for r in measured)}
+    if engine.returns_logps:
+        summary["mismatch_mean"] = float(np.mean([r["mismatch"][0] for r in measured]))
+        summary["mismatch_max"] = max(r["mismatch"][1] for r in measured)
+        prompts = encode_prompts(policy, [task.messages(r) for r in data[:args.prompts]])
+        greedy = Sampling(max_new_tokens=32, greedy=True)
+        ours = engine.generate(prompts, 1, greedy).completion_ids.cpu()
+        theirs = HFEngine(policy, RolloutSettings()).generate(prompts, 1, greedy).completion_ids.cpu()
+        width_ = min(ours.shape[1], theirs.shape[1])
+        summary["greedy_rows_equal"] = int((ours[:, :width_] == theirs[:, :width_]).all(dim=1).sum())
+        summary["greedy_rows"] = ours.shape[0]
+    engine.sleep()  # the next engine's run gets the memory
+    torch.cuda.empty_cache()
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
+    parser.add_argument("--engines", default="hf,vllm")
+    parser.add_argument("--prompts", type=int, default=4, help="B")
+    parser.add_argument("--group-size", type=int, default=8, help="G")
+    parser.add_argument("--new-tokens", type=int, default=256, help="completion length (EOS ignored)")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per engine (after one warm-up)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: gpu_check.py needs a CUDA GPU and none is visible here; run it on a GPU machine "
+              "(pip install -e \".[vllm]\").", file=sys.stderr)
+        raise SystemExit(2)
+    engines = args.engines.split(",")
+    if "vllm" in engines and importlib.util.find_spec("vllm") is None:
+        print("error: the vllm package is not installed; run pip install -e \".[vllm]\" or pass --engines hf.",
+              file=sys.stderr)
+        raise SystemExit(2)
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29517"}.items():
+        os.environ.setdefault(key, value)  # vLLM's external_launcher reads the launch's process group
+    torch.backends.cuda.matmul.allow_tf32 = True
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, B={args.prompts} x G={args.group_size}, "
+          f"{args.new_tokens} new tokens, 224 px")
+    table = []
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory(prefix="gpg-vl-gpu-check-") as folder:
+            policy = build(name, Path(folder))
+            size = sum(p.numel() for p in policy.model.parameters()) / 1e9
+            print(f"\n== {name}: {size:.2f}B parameters (random, bf16)")
+            for engine in engines:
+                table.append((name, engine, run_engine(policy, engine, args)))
+            del policy
+            torch.cuda.empty_cache()
+    print("\n| model | engine | s/step | rollout s | update s | completion tok/s | update MFU | peak GiB (torch) "
+          "| device used GiB | logp_mismatch mean / max | greedy vLLM = trainer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, engine, s in table:
+        mismatch = f"{s['mismatch_mean']:.4f} / {s['mismatch_max']:.3f}" if "mismatch_mean" in s else "-"
+        greedy = f"{s['greedy_rows_equal']}/{s['greedy_rows']} rows" if "greedy_rows" in s else "-"
+        print(f"| {name} | {engine} | {s['rollout_s'] + s['update_s']:.2f} | {s['rollout_s']:.2f} | "
+              f"{s['update_s']:.2f} | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | {s['peak_gib']:.1f} | "
+              f"{s['used_gib']:.1f} | {mismatch} | {greedy} |")
+
+
+if __name__ == "__main__":
+    main()
