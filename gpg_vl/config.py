@@ -88,12 +88,12 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
             cfg = compose(config_name=config_name, overrides=overrides)
     except HydraException as error:
         raise UserError(_type_error(error) or f"bad command line: {str(error).splitlines()[0]}") from None
-    if config_name == "train":  # ranges (and variant names) of the typed settings, before any model is loaded
+    check_values(cfg)  # every value's range (types: the schema, gpg_vl/settings.py), before anything loads
+    if config_name == "train":  # the variant names and the keys' agreement, as the typed settings check them
         trainer = OmegaConf.to_object(cfg.trainer)  # deprecated keys resolved here, once (one warning)
         cfg.trainer.advantage, cfg.trainer.baseline, cfg.trainer.std_normalize = trainer.advantage, None, None
         for section in ("rollout", "eval"):
             OmegaConf.to_object(cfg[section])
-    check_values(cfg)  # every value's range (types: the schema, gpg_vl/settings.py), before anything loads
     return cfg
 
 

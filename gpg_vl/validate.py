@@ -229,7 +229,8 @@ def _cross_problems(cfg: DictConfig) -> list[str]:
     """Rules that tie two keys together (each only when both keys hold allowed values)."""
     problems = []
     trainer = cfg.get("trainer") or {}
-    if trainer.get("advantage", "group_mean") != "none" and trainer.get("group_size") == 1:
+    plain = trainer.get("advantage") == "none" or trainer.get("baseline") == "none"  # (baseline: deprecated)
+    if not plain and trainer.get("group_size") == 1:
         problems.append("trainer.group_size=1, allowed: an integer >= 2 with a group baseline (the group mean of "
                         "one completion is itself, so no group would carry signal; trainer.advantage=none allows 1)")
     if trainer.get("micro_batch_size") == 0 and trainer.get("micro_batch_tokens") == 0:

@@ -62,8 +62,10 @@ def test_vllm_engine_says_what_is_missing_in_one_sentence():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="needs a CUDA GPU"):
             RolloutSettings(engine="vllm")
-    with pytest.raises(UserError, match="rollout.vllm.tis_cap"):
-        RolloutSettings(vllm={"tis_cap": -1.0})
+    from gpg_vl.config import load_config
+
+    with pytest.raises(UserError, match="rollout.vllm.tis_cap"):  # ranges: gpg_vl/validate.py
+        load_config("train", ["rollout.vllm.tis_cap=-1"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
@@ -305,7 +307,7 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
 
     stream = PromptStream(shapes.load("train")[:8], seed=0)
     attempt = sample_attempt(policy, shapes, stream, batch_size=2, group_size=2,
-                             rollout=RolloutSettings(max_new_tokens=6), std_normalize=False, warn=print)
+                             rollout=RolloutSettings(max_new_tokens=6), warn=print)
     attempt.advantages = torch.tensor([[1.0, -1.0], [0.5, -0.5]])
     attempt.valid = torch.tensor([True, True])
     settings = TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0, share_prompt=False)
