@@ -322,7 +322,7 @@ def test_the_scoring_path_is_chosen_once_and_micro_batches_keep_the_token_budget
     prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()
     budget = int(max(prompt_lengths)) + 8
     chunks = list(update_chunks([attempt], 0, budget, share_prompt=path.prompt_once))
-    for _prompts, prompt_index, _ids, mask, _adv in chunks:
+    for _prompts, prompt_index, _ids, mask, _adv, _sampler in chunks:
         whole = micro_batch_cost([prompt_lengths[p] for p in prompt_index], prompt_index, mask.sum(dim=1).tolist(),
                                  share_prompt=False)
         assert whole <= budget or len(prompt_index) == 1

@@ -208,7 +208,7 @@ def fake_attempt(texts, groups, group_size, ids=None, eos=2):
     mask[::2, 4] = False
     rewards = torch.arange(groups * group_size, dtype=torch.float32).view(groups, group_size)
     rewards[0, 0] = float("nan")
-    return Attempt(rows=[{"id": i} for i in (ids or range(groups))], prompts=SimpleNamespace(image_sizes=[]),
+    return Attempt(rows=[{"id": i} for i in (ids or range(groups))], prompts=SimpleNamespace(image_sizes=[], texts=[]),
                    rollout=Rollout(ids_tensor, mask, texts, group_size), rewards=rewards,
                    components={"a": rewards, "b": rewards * 0}, advantages=rewards - rewards.mean(1, keepdim=True),
                    valid=torch.ones(groups, dtype=torch.bool))
