@@ -21,6 +21,7 @@ naming the newest intact checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -115,15 +116,42 @@ def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, ste
             _replace(partial, path)
         except OSError as error:
             shutil.rmtree(partial, ignore_errors=True)  # frees the space the failed save took
-            intact = latest_checkpoint(path.parent)
-            full = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "it could not be written"
-            raise UserError(f"could not save {path.name} in {str(path.parent)!r}: {full} ({error.strerror or error}); "
-                            f"the newest intact checkpoint is {intact or 'none (none was written)'}: free space or "
-                            "fix the folder, then continue with resume=auto.") from None
+            raise unwritable(f"save {path.name}", path.parent, error) from None
         if keep > 0:
             for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
                 remove_checkpoint(stale)
     accelerator.wait_for_everyone()  # collective: the checkpoint exists for every process once this returns
+
+
+def unwritable(what: str, output_dir: Path, error: OSError) -> UserError:
+    """The one sentence for a run's file that could not be written (most often: the disk is full), naming
+    the newest intact checkpoint, from which resume=auto continues."""
+    intact = latest_checkpoint(output_dir)
+    full = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "it could not be written"
+    return UserError(f"could not {what} in {str(output_dir)!r}: {full} ({error.strerror or error}); "
+                     f"the newest intact checkpoint is {intact or 'none (none was written)'}: free space or "
+                     "fix the folder, then continue with resume=auto.")
+
+
+@contextlib.contextmanager
+def writing(what: str, output_dir: Path):
+    """Write a run's file (metrics.jsonl, summary.json, curves, rollouts) inside this block: an OSError ends
+    the run in `unwritable`'s sentence instead of a traceback."""
+    try:
+        yield
+    except OSError as error:
+        raise unwritable(what, Path(output_dir), error) from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` whole: a failed write (a full disk) leaves the previous file, never a cut one."""
+    partial = path.with_name(path.name + PARTIAL)
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def _full_optimizer_state(accelerator, model, optimizer) -> dict | None:
@@ -224,7 +252,7 @@ def _checkpoints(folder: Path) -> list[tuple[int, Path]]:
 
 
 def _newest_first(output_dir: str | os.PathLike) -> list[Path]:
-    """The complete checkpoints in `output_dir`, newest first (`final/` before a numbered one of its step)."""
+    """The complete checkpoints in `output_dir`, newest first (a numbered one before `final/` of its step)."""
     output_dir = Path(output_dir)
     candidates = _checkpoints(output_dir) if output_dir.is_dir() else []
     final = output_dir / "final"

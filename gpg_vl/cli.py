@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -178,10 +180,6 @@ def _cuda() -> bool:
 
 def eval_main(cfg: DictConfig) -> dict[str, float]:
     """Greedy evaluation of a model on a task split, or re-scoring of a saved predictions file."""
-    import json
-    from pathlib import Path
-
-    from gpg_vl.errors import UserError
     from gpg_vl.evaluate import evaluate, prediction_records, rescore
     from gpg_vl.viewer import write_predictions_html
 
@@ -201,7 +199,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
             raise UserError(f"predictions file {str(source)!r} is not JSON lines ({error}); "
                             "pass a predictions.jsonl written by scripts/eval.py.") from None
         _attach_segmenter(task, cfg)
-        metrics, records = rescore(task, records, rows)
+        metrics, records = rescore(task, records, rows, reward_workers=cfg.eval.reward_workers)
     else:
         import torch
 
@@ -217,14 +215,21 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         policy = build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
                                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                                    engine=build_engine(engine_settings, policy))
+                                    engine=build_engine(engine_settings, policy),
+                                    reward_workers=cfg.eval.reward_workers, reward_budget_s=cfg.eval.reward_budget_s)
         records = prediction_records(task, decoded, split)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with (output_dir / "predictions.jsonl").open("w") as handle:
-        for record in records:
-            handle.write(json.dumps(record) + "\n")
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    write_predictions_html(output_dir / "predictions.html", task, records, rows, metrics, split=split)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with (output_dir / "predictions.jsonl").open("w") as handle:
+            for record in records:
+                handle.write(json.dumps(record) + "\n")
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        write_predictions_html(output_dir / "predictions.html", task, records, rows, metrics, split=split)
+    except OSError as error:
+        full = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "they could not be written"
+        raise UserError(f"could not write the evaluation's results in {str(output_dir)!r}: {full} "
+                        f"({error.strerror or error}); accuracy was {metrics.get('accuracy', float('nan')):.4f}: "
+                        "free space or pick another output_dir, then evaluate again.") from None
     width = max(len(name) for name in metrics)
     segmenter = getattr(task, "segmenter", None)
     masks = f", masks by segmenter {segmenter.name}" if segmenter is not None else ""

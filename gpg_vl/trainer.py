@@ -35,6 +35,8 @@ from gpg_vl.checkpoint import (
     remove_partials,
     save_checkpoint,
     truncate_metrics,
+    write_atomic,
+    writing,
 )
 from gpg_vl.data import PromptStream, Subset, scan_rows
 from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
@@ -621,7 +623,8 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     main = accelerator.is_main_process
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.json").write_text(json.dumps(config or {}, indent=2, default=str))
+        with writing("write config.json", output_dir):
+            write_atomic(output_dir / "config.json", json.dumps(config or {}, indent=2, default=str))
     # Each process samples its own completions: with one seed everywhere they would draw the same numbers.
     torch.manual_seed(seed + accelerator.process_index)
     random.seed(seed + accelerator.process_index)
@@ -675,7 +678,8 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         bar.close()
         if main:
             summary.update({"stopped": message, "data": stream.bad.summary(), **counters, **record})
-            (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            with writing("write summary.json", output_dir):
+                write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2))
         raise UserError(message)
 
     # The scoring path, once for the run: the update's forward and its micro-batch cost both read it.
@@ -717,7 +721,8 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     eval_kwargs = {"batch_size": evaluation.batch_size,
                    "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
                    "rank": accelerator.process_index, "world_size": accelerator.num_processes,
-                   "gather": gather_object, "engine": engine}
+                   "gather": gather_object, "engine": engine, "reward_workers": evaluation.reward_workers,
+                   "reward_budget_s": evaluation.reward_budget_s}
     summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir), **record}
     if eval_data is not None:
         summary["eval_data"] = eval_data.summary()
@@ -831,17 +836,19 @@ def log_step(run: Run, metrics: dict, attempts: list[Attempt]) -> None:
         run.warn(f"some completions got a NaN or infinite reward (reward {', '.join(names)}); their groups are left "
                  "out of the update and counted per step as rewards_nonfinite in metrics.jsonl.")
     run.history.append(metrics)
-    if run.main:
-        with run.metrics_file.open("a") as handle:
+    if run.main:  # a line cut short by a full disk is dropped by the resume (truncate_metrics)
+        with writing(f"append step {run.step} to metrics.jsonl", run.output_dir), \
+                run.metrics_file.open("a") as handle:
             handle.write(json.dumps(metrics) + "\n")
         run.bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", valid=f"{metrics['valid_fraction']:.2f}",
                             alpha=f"{metrics['alpha']:.2f}")
         run.bar.update(1)
     if run.trainer.report_to != "none":
         run.accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=run.step)
-    log_rollouts(run.step, attempts, policy=run.policy, task=run.task, output_dir=run.output_dir,
-                 every=run.trainer.log_rollouts_every, groups=run.trainer.log_rollouts_groups,
-                 accelerator=run.accelerator)
+    with writing(f"write step {run.step}'s rollouts", run.output_dir):
+        log_rollouts(run.step, attempts, policy=run.policy, task=run.task, output_dir=run.output_dir,
+                     every=run.trainer.log_rollouts_every, groups=run.trainer.log_rollouts_groups,
+                     accelerator=run.accelerator)
 
 
 def stop_on_bad_steps(run: Run) -> None:
@@ -892,9 +899,11 @@ def finish(run: Run) -> dict:
     summary["data"] = run.stream.bad.summary()
     summary.update({key: value for key, value in run.counters.items() if key != "bad_steps_in_a_row"})
     if run.main:
-        (run.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        with writing("write summary.json", run.output_dir):
+            write_atomic(run.output_dir / "summary.json", json.dumps(summary, indent=2))
         if run.metrics_file.is_file() and run.metrics_file.stat().st_size:  # a resumed run's too, with no step left
-            write_curves(run.metrics_file, run.output_dir / "curves.png")
+            with writing("write curves.png", run.output_dir):
+                write_curves(run.metrics_file, run.output_dir / "curves.png")
     if run.trainer.report_to != "none":
         run.accelerator.end_training()
     return summary
