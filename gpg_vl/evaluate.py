@@ -3,10 +3,15 @@
 Each row is read once (reading a row can decode its image): the decoding pass keeps what scoring and
 reporting need (the prompt text and the row without its images, plus what the task's optional
 `prediction_fields` derives while the images are at hand: lisa's predicted masks), so nothing is read twice.
+Each batch's completions are scored once, as training scores a step's (gpg_vl/reward_pool.py): on
+`reward_workers` threads, within `reward_budget_s` of reward time per batch; the metrics and the prediction
+records both read those scores. A completion not scored within the budget scores 0 and is counted in the
+metrics as `reward_timeouts`.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ from gpg_vl.engines import EnginePrompts, Sampling, encode_prompts
 from gpg_vl.engines.hf import HFEngine
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import Policy
+from gpg_vl.reward_pool import RewardBudget, score_within
 from gpg_vl.rewards import extract_answer
 from gpg_vl.rollout import in_task_frame
 
@@ -32,15 +38,17 @@ class Decoded:
     completion: str  # boxes in original pixels
     prompt: str  # the messages' text, images shown as <image>
     row: dict  # the row's columns without its images
+    rewards: dict[str, float]  # each reward's score (0 for all when not scored within the budget)
+    timed_out: bool = False  # not scored within the batch's reward budget
 
 
 def generate_greedy(
     policy: Policy, task, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int, rank: int = 0,
-    world_size: int = 1, gather=None, engine=None,
+    world_size: int = 1, gather=None, engine=None, reward_workers: int = 4, reward_budget_s: float = 0.0,
 ) -> list[Decoded]:
     """Greedy completions for `rows`, in order, decoded by `engine` (the run's; the HF engine's defaults when
-    None). Each process decodes its own share of the rows; `gather` (e.g. accelerate's gather_object) joins
-    the shares when there are several processes."""
+    None) and scored (see the module doc). Each process decodes and scores its own share of the rows; `gather`
+    (e.g. accelerate's gather_object) joins the shares when there are several processes."""
     if engine is None:
         from gpg_vl.settings import RolloutSettings
 
@@ -62,8 +70,10 @@ def generate_greedy(
         rollout = engine.generate(prompts, 1, greedy)
         texts = in_task_frame(policy, task, rollout.texts, prompts.batch, 1)
         scored = _scoring_rows(task, [row for _, row in chunk], texts)
-        decoded += [Decoded(i, text, _prompt_text(message), row)
-                    for (i, _), message, text, row in zip(chunk, messages, texts, scored, strict=True)]
+        rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
+        zero = dict.fromkeys(task.reward_functions, 0.0)
+        decoded += [Decoded(i, text, _prompt_text(message), row, dict(zero) if score is None else score, score is None)
+                    for (i, _), message, text, row, score in zip(chunk, messages, texts, scored, rewards, strict=True)]
     if world_size > 1 and gather is not None:
         decoded = gather(decoded)  # collective: every process reaches it once, after the same number of batches
     return sorted(decoded, key=lambda d: d.index)
@@ -72,7 +82,23 @@ def generate_greedy(
 def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict[str, float], list[Decoded]]:
     """The task's metrics for greedy completions of `rows`, and the decoded rows."""
     decoded = generate_greedy(policy, task, rows, **kwargs)
-    return task.metrics([d.row for d in decoded], [d.completion for d in decoded]), decoded
+    metrics = task_metrics(task, [d.row for d in decoded], [d.completion for d in decoded],
+                           [d.rewards for d in decoded])
+    timeouts = sum(d.timed_out for d in decoded)
+    if timeouts:
+        metrics["reward_timeouts"] = float(timeouts)
+        print(f"warning: {timeouts} of {len(decoded)} held-out completions were not scored within "
+              f"eval.reward_budget_s={kwargs.get('reward_budget_s')} s of reward time per batch and scored 0; raise "
+              "it (0 = no budget) or eval.reward_workers.")
+    return metrics, decoded
+
+
+def task_metrics(task, rows: Sequence[dict], completions: Sequence[str], scores: Sequence[dict]) -> dict[str, float]:
+    """`task.metrics` given the completions' scores already computed (a task whose `metrics` predates the
+    `scores` argument scores them itself)."""
+    if "scores" in inspect.signature(task.metrics).parameters:
+        return task.metrics(rows, completions, scores=scores)
+    return task.metrics(rows, completions)
 
 
 def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dict]:
@@ -80,13 +106,15 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dic
     return [{
         "index": d.index, "id": str(d.row.get("id", d.index)), "split": split, "prompt": d.prompt,
         "completion": d.completion, "answer": extract_answer(d.completion), "target": task.target(d.row),
-        "rewards": task.reward_components(d.completion, d.row), **_saved_fields(d.row),
+        "rewards": d.rewards, **_saved_fields(d.row),
     } for d in decoded]
 
 
-def rescore(task, records: Sequence[dict], rows: Sequence[dict]) -> tuple[dict[str, float], list[dict]]:
-    """Score saved completions again against the dataset rows they name; the policy model is not involved
-    (a task's `prediction_fields`, e.g. lisa's segmenter, may run its own)."""
+def rescore(task, records: Sequence[dict], rows: Sequence[dict], *,
+            reward_workers: int = 4) -> tuple[dict[str, float], list[dict]]:
+    """Score saved completions again against the dataset rows they name, on `reward_workers` threads and
+    without a time budget; the policy model is not involved (a task's `prediction_fields`, e.g. lisa's
+    segmenter, may run its own)."""
     completions = [record["completion"] for record in records]
     matched = []
     for start in range(0, len(records), _RESCORE_CHUNK):
@@ -100,11 +128,11 @@ def rescore(task, records: Sequence[dict], rows: Sequence[dict]) -> tuple[dict[s
                                 "split and data.path that produced the file.")
             chunk.append(row)
         matched += _scoring_rows(task, chunk, completions[start:start + len(chunk)])
+    scores = score_within(task, completions, matched, workers=reward_workers)
     refreshed = [{**{key: value for key, value in record.items() if key != "pred_mask"},  # the segmenter's anew
-                  "answer": extract_answer(record["completion"]),
-                  "rewards": task.reward_components(record["completion"], row), **_saved_fields(row)}
-                 for record, row in zip(records, matched, strict=True)]
-    return task.metrics(matched, completions), refreshed
+                  "answer": extract_answer(record["completion"]), "rewards": score, **_saved_fields(row)}
+                 for record, row, score in zip(records, matched, scores, strict=True)]
+    return task_metrics(task, matched, completions, scores), refreshed
 
 
 def _scoring_rows(task, rows: Sequence[dict], completions: Sequence[str]) -> list[dict]:

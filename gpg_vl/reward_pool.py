@@ -35,6 +35,14 @@ def score_completions(task, completions: Sequence[str], rows: Sequence[dict], *,
                       budget: RewardBudget | None = None) -> tuple[list[dict[str, float]], int]:
     """`task.reward_components(completion, row)` for each pair, in order, and how many were not scored within
     `budget` (those score 0 for every reward)."""
+    scores = score_within(task, completions, rows, workers=workers, budget=budget)
+    zero = dict.fromkeys(task.reward_functions, 0.0)
+    return [dict(zero) if s is None else s for s in scores], sum(s is None for s in scores)
+
+
+def score_within(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int = 1,
+                 budget: RewardBudget | None = None) -> list[dict[str, float] | None]:
+    """As `score_completions`, with None for each completion not scored within `budget`."""
     budget = budget or RewardBudget(0)
     started = time.monotonic()
     if workers <= 1:
@@ -42,8 +50,7 @@ def score_completions(task, completions: Sequence[str], rows: Sequence[dict], *,
     else:
         scores = _in_threads(task, completions, rows, workers, budget.left)
     budget.spend(time.monotonic() - started)
-    zero = dict.fromkeys(task.reward_functions, 0.0)
-    return [dict(zero) if s is None else s for s in scores], sum(s is None for s in scores)
+    return scores
 
 
 def _in_this_thread(task, completions, rows, deadline: float) -> list[dict | None]:

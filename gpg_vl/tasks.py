@@ -160,6 +160,15 @@ class Task:
             scores[name] = score
         return scores
 
+    def scored(self, rows: Sequence[dict], completions: Sequence[str],
+               scores: Sequence[dict[str, float]] | None = None) -> list[dict[str, float]]:
+        """`scores` when given (checked to pair with the completions), else each completion's reward_components."""
+        if scores is None:
+            return [self.reward_components(c, r) for c, r in zip(completions, rows, strict=True)]
+        if len(scores) != len(completions):
+            raise ValueError(f"{len(scores)} scores for {len(completions)} completions")
+        return list(scores)
+
     def total(self, components: dict[str, float]) -> float:
         """The weighted sum of reward components."""
         return sum(self.reward_weights.get(name, 1.0) * score for name, score in components.items())
@@ -168,12 +177,15 @@ class Task:
         """The weighted total reward of one completion."""
         return self.total(self.reward_components(completion, row))
 
-    def metrics(self, rows: Sequence[dict], completions: Sequence[str]) -> dict[str, float]:
-        """Evaluation metrics over paired rows and completions."""
+    def metrics(self, rows: Sequence[dict], completions: Sequence[str],
+                scores: Sequence[dict[str, float]] | None = None) -> dict[str, float]:
+        """Evaluation metrics over paired rows and completions. `scores`: each completion's
+        `reward_components`, when already computed (evaluation scores each completion once, on several
+        threads: gpg_vl/evaluate.py); an override passes them on and reads them, see `scored`."""
         count = max(len(completions), 1)
         sums: dict[str, float] = {}
-        for completion, row in zip(completions, rows, strict=True):
-            for name, score in self.reward_components(completion, row).items():
+        for components in self.scored(rows, completions, scores):
+            for name, score in components.items():
                 sums[name] = sums.get(name, 0.0) + score
         result = {f"reward/{name}": total / count for name, total in sums.items()}
         if "accuracy" in sums:

@@ -99,16 +99,18 @@ class CVBench(Task):
             return str(row["answer"])
         return f"({letter}) {row['choices'][LETTERS.index(letter)]}"
 
-    def metrics(self, rows: Sequence[dict], completions: Sequence[str]) -> dict[str, float]:
+    def metrics(self, rows: Sequence[dict], completions: Sequence[str],
+                scores: Sequence[dict] | None = None) -> dict[str, float]:
         """The default metrics, accuracy per CV-Bench task, type and source (per question type on SAT rows),
         `total` (mean of the per-task accuracies) and `official` (((ADE20K + COCO) / 2 + Omni3D) / 2)."""
         # One pass over the rows (each access decodes an image), keeping only what scoring and grouping read.
         rows = [{key: scored.get(key) for key in ("choices", "answer", *GROUP_COLUMNS)}
                 for scored in map(self.scoring_row, rows)]
-        result = super().metrics(rows, completions)
+        scores = self.scored(rows, completions, scores)
+        result = super().metrics(rows, completions, scores)
         groups: dict[str, list[float]] = {}
-        for row, completion in zip(rows, completions, strict=True):
-            score = self.reward_functions["accuracy"](completion, row)
+        for row, components in zip(rows, scores, strict=True):
+            score = components["accuracy"]
             for column in GROUP_COLUMNS:
                 if row.get(column) is not None:
                     groups.setdefault(str(row[column]), []).append(score)

@@ -290,12 +290,13 @@ class Lisa(Task):
                                        [self.predicted_box(c, row) for row, c in zip(rows, completions, strict=True)])
         return [{"pred_mask": mask} for mask in masks]
 
-    def metrics(self, rows: Sequence[dict], completions: Sequence[str]) -> dict[str, float]:
+    def metrics(self, rows: Sequence[dict], completions: Sequence[str],
+                scores: Sequence[dict] | None = None) -> dict[str, float]:
         """The default reward means, plus `miou`: the mean box IoU over rows with a target box (0 for a
         completion without a parsable box), and with a segmenter `mask_giou` / `mask_ciou` over every row
         (gpg_vl.segment.mask_metrics: ReasonSeg's gIoU and cIoU)."""
         rows = [self.scoring_row(row) for row in rows]  # each row's mask read once
-        result = super().metrics(rows, completions)
+        result = super().metrics(rows, completions, scores)
         ious = []
         for row, completion in zip(rows, completions, strict=True):
             if row["box"] is not None:

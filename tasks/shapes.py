@@ -123,8 +123,8 @@ class Shapes(Task):
     def messages(self, row: dict) -> list[dict]:
         return image_question(row["image"], row["question"] + INSTRUCTION)
 
-    def metrics(self, rows, completions) -> dict[str, float]:
-        result = super().metrics(rows, completions)
+    def metrics(self, rows, completions, scores=None) -> dict[str, float]:
+        result = super().metrics(rows, completions, scores)
         for qtype in QUESTION_TYPES:
             pairs = [(r, c) for r, c in zip(rows, completions, strict=True) if r["question_type"] == qtype]
             if pairs:
