@@ -200,6 +200,9 @@ class EvalSettings:
     limit: int | None = None                 # evaluate only the first N rows
     batch_size: int = 32                        # prompts per greedy decoding batch
     max_new_tokens: int | None = None        # null = rollout.max_new_tokens
+    reward_workers: int = 4                     # completions of a batch scored at once (threads)
+    # reward time per decoding batch; completions not scored by then score 0 (reward_timeouts; 0 = no budget)
+    reward_budget_s: float = 120.0
 
 @dataclass
 class TrainSchema:
@@ -218,8 +221,30 @@ class TrainSchema:
     eval: EvalSettings = field(default_factory=EvalSettings)
 
 
+@dataclass
+class EvalSchema:
+    """configs/eval.yaml as a whole (the first entry of its defaults list, `eval_schema`): the evaluation's own
+    keys, and rollout.* as in training (the engine that decodes; rollout.max_new_tokens when
+    eval.max_new_tokens is null). A task config's trainer.* defaults are accepted and ignored."""
+
+    output_dir: str = "outputs/eval"
+    seed: int = 0
+    predictions: str | None = None           # a predictions.jsonl to re-score without loading the policy model
+    segmenter: str = "sam"                      # lisa's mask metrics: sam, sam2 or box
+    segmenter_model: str | None = None       # null = the segmenter's default checkpoint; a hub id or a folder
+    segmenter_batch_size: int = 8               # images (one box each) per segmenter forward pass
+    model: Any = None
+    task: Any = None
+    data: Any = None
+    trainer: Any = None
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+
+
 def register_schema() -> None:
-    """Register `TrainSchema` with Hydra's ConfigStore as `train_schema` (idempotent)."""
+    """Register `TrainSchema` and `EvalSchema` with Hydra's ConfigStore as `train_schema` and `eval_schema`
+    (idempotent)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="train_schema", node=TrainSchema)
+    ConfigStore.instance().store(name="eval_schema", node=EvalSchema)

@@ -130,6 +130,12 @@ def _box_frames() -> list[str]:
     return list(BOX_FRAMES)
 
 
+def _segmenters() -> list[str]:
+    from gpg_vl.segment import SEGMENTERS
+
+    return list(SEGMENTERS)
+
+
 def _families() -> list[str]:
     from gpg_vl.models.base import FAMILIES
 
@@ -221,6 +227,9 @@ RULES: dict[str, Rule] = {
     "eval.limit": integer(1, optional=True),
     "eval.batch_size": integer(1),
     "eval.max_new_tokens": integer(1, optional=True),
+    "eval.reward_workers": integer(1),
+    "eval.reward_budget_s": number(0, note="0 = no budget"),
+    "segmenter": one_of(_segmenters),
     "segmenter_batch_size": integer(1),
 }
 
