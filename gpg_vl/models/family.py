@@ -468,6 +468,9 @@ class Family:
         if positions is not None:
             full["position_ids"] = positions
         completion_length = completion_ids.shape[1]
+        # the router loss's tokens, as on the prompt-once path: not the padding, not the last completion column
+        self.weigh_router_tokens(bare, torch.cat([full["attention_mask"][:, :-1], full["attention_mask"][:, -1:] * 0],
+                                                 dim=1))
         if chunked:  # hidden states only; the output layer runs chunk by chunk
             hidden = bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
             return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
@@ -521,23 +524,30 @@ class Family:
         or None when the coefficient is 0 (the default, as TRL's GPG trainer) or the model has no router.
 
         The router logits are recorded by forward hooks on the model's router modules (the ones transformers
-        itself records as `router_logits`), over every token the forwards computed, and the loss is the
-        model's own `load_balancing_loss_func` (forwards under no_grad, sampling, are not recorded)."""
+        itself records as `router_logits`), with each token's weight from `weigh_router_tokens` (forwards under
+        no_grad, sampling, are not recorded). The loss is transformers' load-balancing loss with those weights
+        (`router_balance_loss`): padding counts for nothing, and a prompt token counts once per sequence that
+        continues it, on every scoring path, so prompt-once and the plain path give the same loss."""
         bare = unwrap(model)
-        text = getattr(bare.config, "text_config", bare.config)
-        coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
-        if coef <= 0 or not getattr(text, "output_router_logits", False):
+        coef, text = _router_coef(bare)
+        if coef <= 0:
             return None
         recorded = _router_recorder(bare)
+        bare._gpg_router_weight = None
         if recorded is None or not recorded:
             return None
-        import sys
-
-        balance = sys.modules[type(bare).__module__].load_balancing_loss_func
         experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-        loss = balance(tuple(recorded), experts, getattr(text, "num_experts_per_tok", 2), None)
+        loss = router_balance_loss([logits for logits, _ in recorded], [weight for _, weight in recorded],
+                                   experts, getattr(text, "num_experts_per_tok", 2))
         recorded.clear()
         return coef * loss
+
+    def weigh_router_tokens(self, model, weights: Tensor) -> None:
+        """The router loss's weight of each token [rows, seq] of the training forward that follows (0 for
+        padding; a prompt run once for G sequences weighs G). Nothing unless the router loss is on."""
+        bare = unwrap(model)
+        if _router_coef(bare)[0] > 0 and _router_recorder(bare) is not None:
+            bare._gpg_router_weight = weights.detach().reshape(-1).float()
 
     def describe(self, model: torch.nn.Module) -> str:
         """One line: the family, its box frame, and which throughput paths it can take on this model."""
@@ -547,6 +557,34 @@ class Family:
                 f"{'yes' if once is None else 'no (' + once + ')'}; prefill-once rollout "
                 f"{'yes' if prefill is None else 'no (' + prefill + ')'}; shared vision "
                 f"{'yes' if self.shares_vision(bare) else 'no'}")
+
+
+def _router_coef(bare: torch.nn.Module) -> tuple[float, object]:
+    """(router_aux_loss_coef, the text config); the coefficient is 0 unless the model records router logits."""
+    text = getattr(bare.config, "text_config", bare.config)
+    coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+    return (coef if getattr(text, "output_router_logits", False) else 0.0), text
+
+
+def router_balance_loss(logits: list[Tensor], weights: list[Tensor | None], experts: int, top_k: int) -> Tensor:
+    """The Switch-Transformer load-balancing loss over router logits `logits[i]` [T_i, E] (layers and forwards
+    alike), each row weighted by `weights[i]` [T_i] (None: every row weighs 1):
+    E * sum_e (weighted share of top-k assignments to e) * (weighted mean router probability of e).
+    With 0/1 weights this is transformers' `load_balancing_loss_func` with an attention mask."""
+    device = logits[0].device
+    assigned = torch.zeros(experts, dtype=torch.float32, device=device)  # [E]
+    probability = torch.zeros(experts, dtype=torch.float32, device=device)  # [E]
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for layer, weight in zip(logits, weights, strict=True):
+        probs = torch.softmax(layer.float(), dim=-1)  # [T, E]
+        if weight is None or weight.numel() != probs.shape[0]:  # a forward nobody weighed: every row counts
+            weight = probs.new_ones(probs.shape[0])
+        weight = weight.to(device)  # [T]
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # [T, k]
+        assigned = assigned.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        probability = probability + (probs * weight.unsqueeze(-1)).sum(dim=0)
+        total = total + weight.sum()
+    return experts * torch.sum((assigned / total) * (probability / total))
 
 
 def _router_recorder(bare: torch.nn.Module) -> list | None:
@@ -567,7 +605,8 @@ def _router_recorder(bare: torch.nn.Module) -> list | None:
 
     def record(_module, _inputs, output):
         if torch.is_grad_enabled():  # training forwards only, not sampling
-            recorded.append(output[index] if isinstance(output, tuple) else output)
+            logits = output[index] if isinstance(output, tuple) else output
+            recorded.append((logits.reshape(-1, logits.shape[-1]), getattr(bare, "_gpg_router_weight", None)))
 
     for module in bare.modules():
         if isinstance(module, target):
