@@ -8,7 +8,7 @@ from vowel_task import Vowels, vowel_share
 from gpg_vl.tasks import register_task
 
 RELEASE = threading.Event()  # set by the test when it is done: the blocked reward calls then return
-SLOW_ROW = "0"
+SLOW_ROWS = ("0", "1000")  # the first row of the train split and of the held-out split
 
 
 @register_task
@@ -21,6 +21,6 @@ class SlowVowels(Vowels):
 
 
 def slow_vowels(completion: str, row: dict) -> float:
-    if row["id"] == SLOW_ROW:
+    if row["id"] in SLOW_ROWS:
         RELEASE.wait()
     return vowel_share(completion)

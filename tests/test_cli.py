@@ -109,6 +109,27 @@ def test_the_settings_are_declared_once_and_train_yaml_uses_them():
     assert isinstance(OmegaConf.to_object(cfg.trainer), TrainerSettings)
 
 
+def test_eval_yaml_is_typed_by_the_same_settings():
+    from dataclasses import asdict
+
+    from gpg_vl.settings import EvalSettings
+
+    raw = yaml.safe_load((ROOT / "configs" / "eval.yaml").read_text())
+    assert "eval_schema" in raw["defaults"] and not {"rollout", "eval"} & set(raw)  # no second copy
+    task = yaml.safe_load((ROOT / "configs" / "task" / "shapes.yaml").read_text())
+    cfg = load_config("eval", [])
+    assert OmegaConf.to_container(cfg.eval) == {**asdict(EvalSettings()), **(task.get("eval") or {})}
+    for override, words in (("eval.batch_size=abc", ["eval.batch_size=abc", "a whole number"]),
+                            ("eval.reward_workers=0", ["eval.reward_workers=0", ">= 1"]),
+                            ("segmenter=mask", ["segmenter='mask'", "one of box, sam, sam2"]),
+                            ("rollout.hf.decode=fast", ["rollout.hf.decode='fast'", "one of"]),
+                            ("eval.bogus=1", ["unknown config key 'eval.bogus'", "eval.reward_budget_s"])):
+        with pytest.raises(UserError) as error:
+            load_config("eval", [override])
+        message = str(error.value)
+        assert "\n" not in message and all(w in message for w in words), message
+
+
 def test_every_model_alias_resolves_and_is_a_short_diff_over_the_family_base():
     from gpg_vl.config import group_options
 

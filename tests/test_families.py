@@ -172,14 +172,56 @@ def test_moe_router_aux_loss_when_on_is_the_models_own_and_reaches_the_router(tm
     assert policy.adapter.router_aux_loss(policy.model) is None
     policy.adapter.token_logps(policy.model, prompts, [0], completion, mask, share_vision=False, share_prompt=False)
     ours = policy.adapter.router_aux_loss(policy.model)
+    # the completion's last token predicts nothing: the router loss leaves it out (the prompt-once path never
+    # runs it); masking the last position changes no other position's output (causal attention)
+    last_out = torch.cat([mask[:, :-1], torch.zeros_like(mask[:, -1:])], 1).long()
     full = {**prompts.inputs, "input_ids": torch.cat([prompts.inputs["input_ids"], completion], 1),
-            "attention_mask": torch.cat([prompts.inputs["attention_mask"], mask.long()], 1),
+            "attention_mask": torch.cat([prompts.inputs["attention_mask"], last_out], 1),
             "mm_token_type_ids": torch.cat([prompts.inputs["mm_token_type_ids"], torch.zeros_like(completion)], 1)}
     reference = policy.model(**full).aux_loss  # transformers' own load-balancing loss on the same tokens
     torch.testing.assert_close(ours, 0.5 * reference)
     ours.backward()
     routers = [p.grad for n, p in policy.model.named_parameters() if n.endswith("mlp.gate.weight")]
     assert routers and all(g is not None and g.abs().sum() > 0 for g in routers)
-    again = policy.adapter.router_aux_loss(policy.model)  # the reference forward was recorded too: same tokens
-    torch.testing.assert_close(again, ours)
+    # a forward nobody weighed (the reference one above) is recorded too, every token counting; weighed by
+    # its attention mask it gives the same loss as ours
+    assert policy.adapter.router_aux_loss(policy.model) is not None
+    policy.adapter.weigh_router_tokens(policy.model, full["attention_mask"])
+    policy.model(**full)
+    torch.testing.assert_close(policy.adapter.router_aux_loss(policy.model), ours)
     assert policy.adapter.router_aux_loss(policy.model) is None  # each forward's logits are used once
+
+
+def test_moe_router_loss_leaves_padding_out_and_is_the_same_on_prompt_once_and_plain_paths(tmp_path, monkeypatch):
+    from gpg_vl.models.family import router_balance_loss
+
+    monkeypatch.setenv("GPG_VL_CACHE", str(tmp_path))
+    policy = build_policy(load_config("train", ["model=tiny-qwen3.5-moe", "model.router_aux_loss_coef=1"]).model,
+                          "cpu")
+    questions = [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", size)},
+                                               {"type": "text", "text": text}]}]
+                 for size, text in (((64, 48), "Which colour?"), ((32, 32), "How many shapes are in the picture?"))]
+    prompts = policy.adapter.encode(questions)  # two prompts of different lengths: left padding
+    index = [0, 0, 1, 1]  # G = 2
+    completion = torch.randint(20, 300, (4, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    losses, grads = [], []
+    for share_prompt in (False, True):
+        policy.model.zero_grad()
+        policy.adapter.token_logps(policy.model, prompts, index, completion, mask, share_prompt=share_prompt,
+                                   share_vision=False)
+        loss = policy.adapter.router_aux_loss(policy.model)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for n, p in policy.model.named_parameters()
+                                if n.endswith("mlp.gate.weight")]))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    # hand-worked: two tokens, two experts, top-1; the padding row (weight 0) changes nothing
+    logits = [torch.tensor([[2.0, 0.0], [0.0, 1.0], [9.0, -9.0]])]
+    probs = torch.softmax(logits[0][:2], dim=-1)
+    by_hand = 2 * ((0.5 * probs[:, 0].mean()) + (0.5 * probs[:, 1].mean()))
+    torch.testing.assert_close(router_balance_loss(logits, [torch.tensor([1.0, 1.0, 0.0])], 2, 1), by_hand)
+    weighted = router_balance_loss(logits, [torch.tensor([2.0, 1.0, 0.0])], 2, 1)  # row 0 counts twice
+    twice = router_balance_loss([logits[0][[0, 0, 1]]], [None], 2, 1)
+    torch.testing.assert_close(weighted, twice)

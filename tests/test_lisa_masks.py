@@ -245,7 +245,7 @@ def test_segmenter_errors_are_one_sentence(reasonseg, tmp_path, no_policy, capsy
     predictions = write_predictions(tmp_path / "predictions.jsonl", rows)
     common = ["task=lisa", f"data.path={reasonseg}", f"predictions={predictions}", f"output_dir={tmp_path / 'o'}"]
     code, _, err = cli([*common, "segmenter=sam3"], capsys)
-    assert code == 2 and "unknown segmenter 'sam3'" in err and "box, sam, sam2" in err
+    assert code == 2 and "segmenter='sam3'" in err and "one of box, sam, sam2" in err
     for name, model in (("sam", "gpg-vl-tests/no-such-sam"), ("sam2", str(tmp_path / "missing"))):
         code, _, err = cli([*common, f"segmenter={name}", f"segmenter_model={model}"], capsys)
         message = err.strip().removeprefix("error: ")

@@ -349,6 +349,61 @@ def test_a_full_disk_during_a_save_fails_in_one_sentence_naming_the_intact_check
     assert not list(tmp_path.glob("*.partial"))  # the failed save's files are gone: they took the space
 
 
+
+def fill_the_disk_on(monkeypatch, name: str, mode: str, at_call: int) -> None:
+    """`Path.open(name, mode)` raises ENOSPC from its `at_call`-th call on, as a full disk does."""
+    opened, calls = Path.open, []
+
+    def full(self, *args, **kwargs):
+        if self.name == name and (args[0] if args else kwargs.get("mode", "r")) == mode:
+            calls.append(self)
+            if len(calls) >= at_call:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return opened(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full)
+
+
+def test_a_full_disk_while_appending_metrics_fails_in_one_sentence_and_the_run_continues(tmp_path, monkeypatch):
+    fill_the_disk_on(monkeypatch, "metrics.jsonl", "a", at_call=2)
+    with pytest.raises(UserError) as error:
+        run(tmp_path, "trainer.max_steps=3")
+    message = one_sentence(error)
+    assert "could not append step 2 to metrics.jsonl" in message and "the disk is full" in message
+    assert f"the newest intact checkpoint is {tmp_path / 'checkpoint-1'}" in message
+    monkeypatch.undo()  # space freed: the run continues from checkpoint-1 and its metrics have every step once
+    run(tmp_path, "trainer.max_steps=3", "resume=auto")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_a_full_disk_while_writing_the_summary_keeps_the_old_one_and_names_the_intact_checkpoint(tmp_path, monkeypatch):
+    run(tmp_path, "trainer.max_steps=1")
+    before = (tmp_path / "summary.json").read_text()
+    write = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == "summary.json.partial":
+            write(self, "{\"cut")  # the disk fills halfway through
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(UserError) as error:
+        run(tmp_path, "trainer.max_steps=2", "resume=auto")
+    message = one_sentence(error)
+    assert "could not write summary.json" in message and f"intact checkpoint is {tmp_path / 'checkpoint-2'}" in message
+    assert (tmp_path / "summary.json").read_text() == before and not (tmp_path / "summary.json.partial").exists()
+
+
+def test_a_full_disk_while_writing_evaluation_results_fails_in_one_sentence(tmp_path, monkeypatch):
+    fill_the_disk_on(monkeypatch, "predictions.jsonl", "w", at_call=1)
+    with pytest.raises(UserError) as error:
+        eval_main(load_config("eval", [f"output_dir={tmp_path}", "eval.limit=4", "eval.batch_size=4"]))
+    message = one_sentence(error)
+    assert "could not write the evaluation's results" in message and "the disk is full" in message
+    assert "accuracy was" in message
+
 # ---------------------------------------------------------------------------------------------
 # 5. the run's record survives a resume
 # ---------------------------------------------------------------------------------------------
@@ -414,6 +469,7 @@ def test_one_worker_scores_in_this_thread_until_the_budget_is_spent(monkeypatch)
 def test_a_step_with_a_reward_that_never_returns_goes_on_and_counts_it(tmp_path):
     import slow_task
 
+    slow_task.RELEASE.clear()  # blocked until this test is done (an earlier test may have released it)
     try:
         summary = run(tmp_path, "task=slow_task:SlowVowels", "trainer.max_steps=2", "trainer.save_every=0",
                       "trainer.max_attempts=1", "trainer.reward_workers=8", "trainer.reward_budget_s=3")
@@ -422,3 +478,22 @@ def test_a_step_with_a_reward_that_never_returns_goes_on_and_counts_it(tmp_path)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     # 4 prompts a step (the task's 4 rows, each drawn once per step), 4 completions each: row 0's 4 never return
     assert [m["reward_timeouts"] for m in lines] == [4, 4] and summary["reward_timeouts"] == 8
+
+
+def test_evaluation_scores_each_completion_once_on_threads_within_its_budget(tmp_path, capsys):
+    import slow_task
+
+    slow_task.RELEASE.clear()
+    try:
+        metrics = eval_main(load_config("eval", [f"output_dir={tmp_path}", "task=slow_task:SlowVowels",
+                                                 "eval.batch_size=4", "eval.reward_workers=4",
+                                                 "eval.reward_budget_s=2", "rollout.max_new_tokens=8"]))
+    finally:
+        slow_task.RELEASE.set()
+    assert metrics["reward_timeouts"] == 1.0  # held-out row 1000's reward never returns: scored 0, counted
+    assert "1 of 4 held-out completions were not scored within eval.reward_budget_s=2" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert records[0]["rewards"] == {"vowels": 0.0}
+    assert [r["rewards"]["vowels"] for r in records[1:]] == [slow_task.vowel_share(r["completion"])
+                                                              for r in records[1:]]
+    assert metrics["reward/vowels"] == pytest.approx(sum(r["rewards"]["vowels"] for r in records) / 4)
