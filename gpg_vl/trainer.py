@@ -265,14 +265,18 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
     needs = loss_needs(loss_fn)
     steps = settings.ppo_epochs * parts
-    old = _score_plan(policy, model, plan, temperature, path, settings) if "old" in needs and steps > 1 else None
+    # Collective under FSDP / ZeRO-3 like the update's forwards: every process scores max-over-processes
+    # micro-batches per mini-batch, padding with placeholders whose log-probs are dropped.
+    calls = [int(per_part[:, part, 2].max()) for part in range(parts)]
+    old = _score_plan(policy, model, plan, temperature, path, settings, attempts, calls) \
+        if "old" in needs and steps > 1 else None
     ref = None
     if "ref" in needs and settings.kl_coef > 0:
         if reference is None:
             raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
         ref_model, scope = reference.scoring(model)
         with scope:
-            ref = _score_plan(policy, ref_model, plan, temperature, path, settings)
+            ref = _score_plan(policy, ref_model, plan, temperature, path, settings, attempts, calls)
     options = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "kl_coef": settings.kl_coef,
                "max_tokens": max_new_tokens}
     results, reports = [], []
@@ -323,13 +327,24 @@ def mini_batches(attempts: list[Attempt], parts: int) -> list[list[Attempt]]:
 
 @torch.no_grad()
 def _score_plan(policy: Policy, model, plan: list[list[MicroBatch]], temperature: float, path: ScoringPath,
-                settings: TrainerSettings) -> list[list[torch.Tensor]]:
-    """Log-probs [n, C] of every micro-batch of every mini-batch, without gradient (old or reference)."""
+                settings: TrainerSettings, attempts: list[Attempt], calls: list[int]) -> list[list[torch.Tensor]]:
+    """Log-probs [n, C] of every micro-batch of every mini-batch, without gradient (old or reference).
+    Where `model`'s forward is collective (FSDP / ZeRO-3), mini-batch p runs `calls[p]` forwards on every
+    process (the most micro-batches any process has), the missing ones on placeholders, dropped here."""
     device = next(model.parameters()).device
-    return [[policy.adapter.token_logps(model, c.prompts.to(device), c.prompt_index, c.completion_ids.to(device),
-                                        c.completion_mask.to(device), temperature=temperature, path=path,
-                                        logits_chunk_tokens=settings.logits_chunk_tokens)
-             for c in chunks] for chunks in plan]
+
+    def score(c: MicroBatch) -> torch.Tensor:
+        return policy.adapter.token_logps(model, c.prompts.to(device), c.prompt_index, c.completion_ids.to(device),
+                                          c.completion_mask.to(device), temperature=temperature, path=path,
+                                          logits_chunk_tokens=settings.logits_chunk_tokens)
+
+    collective = forward_is_collective(model)
+    scored = []
+    for chunks, needed in zip(plan, calls, strict=True):
+        scored.append([score(c) for c in chunks])
+        for _ in range(needed - len(chunks) if collective else 0):
+            score(MicroBatch(*placeholder_chunk(policy, attempts, device)))
+    return scored
 
 
 def _loss_reports(reports: list[dict], accelerator: Accelerator) -> dict[str, float]:
@@ -657,11 +672,6 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     policy = replace(policy, model=accelerator.unwrap_model(model))
     if frozen is not None and frozen.model is not None:
         frozen.model.to(accelerator.device)  # one copy per process, like the policy's weights under DDP
-    if (frozen is not None or trainer.optimizer_steps_per_rollout > 1) and forward_is_collective(model):
-        raise UserError("the old and reference log-probs of trainer.loss="
-                        f"{trainer.loss} are not supported under FSDP / ZeRO-3 yet (their forwards would not "
-                        "match across processes); train with DDP, or with trainer.ppo_epochs=1, "
-                        "trainer.ppo_mini_batch=0 and trainer.kl_coef=0.")
     engine = build_engine(rollout, policy, accelerator=accelerator)  # rollout.engine: samples, and evaluates
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))

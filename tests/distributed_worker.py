@@ -18,6 +18,7 @@ import hashlib
 import json
 import runpy
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,7 +35,11 @@ CASES = {
     "uneven": [[[0, 1, 2], [3]], [[4, 5, 6, 7], []]],  # 4 valid groups against 1, and an attempt with no prompt
     "one_without_valid": [[[0, 1, 3], [2]], [[4, 6], [5, 7]]],  # process 1: invalid groups only
     "one_without_prompts": [[[0, 1, 2, 3], []], [[4, 5, 6, 7], []]],  # process 1: no prompt at all
+    # GRPO over 2 epochs with a KL to the frozen reference: old and reference log-probs are scored too, and
+    # process 1 holds fewer micro-batches (placeholders keep FSDP's collective forwards in step)
+    "grpo_uneven": [[[0, 1, 2], [3]], [[4, 5, 6, 7], []]],
 }
+LOSSES = {"grpo_uneven": {"loss": "grpo", "ppo_epochs": 2, "kl_coef": 0.04, "clip_low": 0.2, "age": False}}
 
 
 def make_accelerator(engine: str):
@@ -107,7 +112,7 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
 
     from gpg_vl import get_task
     from gpg_vl.models.base import Policy, load_policy
-    from gpg_vl.trainer import TrainerSettings, update
+    from gpg_vl.trainer import TrainerSettings, build_reference, update
 
     accelerator = make_accelerator(engine)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -125,6 +130,8 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
         attempts = [attempt_for(sorted(groups), *fixed) for groups in mine]
         model = policy.model
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        case_settings = replace(settings, **LOSSES.get(case, {}))
+        reference = build_reference(model, case_settings, None, resuming=False)  # the initial weights, frozen
         model.train()
         optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
         scheduler = get_scheduler("constant", optimizer)
@@ -133,8 +140,10 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
         results["offload"] = sorted({type(group.offload_policy).__name__ for module in model.modules()
                                      if hasattr(module, "_get_fsdp_state")
                                      for group in module._get_fsdp_state()._fsdp_param_groups})
-        metrics = [update(policy, model, optimizer, scheduler, accelerator, attempts, settings=settings,
-                          temperature=1.0) for _ in range(2)]
+        if reference is not None:
+            reference.model.to(accelerator.device)
+        metrics = [update(policy, model, optimizer, scheduler, accelerator, attempts, settings=case_settings,
+                          temperature=1.0, reference=reference) for _ in range(2)]
         weights = full_weights(accelerator, model)
         if accelerator.is_main_process:
             torch.save(weights, out / f"{case}.pt")
