@@ -131,7 +131,9 @@ class HFEngineSettings:
 
     # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
     prefill_once: bool = True
-    static_cache: bool = False                  # preallocate the decoding cache (no reallocation per token)
+    # preallocate the decoding cache (no reallocation per token; a cache that cannot be, e.g. Qwen3.5's
+    # recurrent states, stays dynamic)
+    static_cache: bool = True
     # loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate
     decode: str = 'loop'
 

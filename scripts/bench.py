@@ -61,6 +61,8 @@ VARIANTS = {
     "plain": ({"share_vision": False, "share_prompt": False, "logits_chunk_tokens": 0, "micro_batch_tokens": 0},
               {"prefill_once": False, "decode": "generate"}),
     "no-prefill_once": ({}, {"prefill_once": False}),
+    "static_cache": ({}, {"static_cache": True}),  # the decode loop on a preallocated cache
+    "dynamic_cache": ({}, {"static_cache": False}),  # ... on a cache that grows by one token per step
     "generate": ({}, {"decode": "generate"}),  # transformers' generate instead of gpg-vl's decode loop
     "no-share_prompt": ({"share_prompt": False}, {}),
     "no-share_vision": ({"share_vision": False, "share_prompt": False}, {}),
@@ -220,7 +222,8 @@ class GpgRunner:
         self.task = BenchTask(rows)
         self.settings = replace(TrainerSettings(), group_size=group_size, batch_size=args.prompts, lr=args.lr,
                                 beta_th=0.0, max_attempts=1, **trainer_overrides)
-        engine = replace(HFEngineSettings(), static_cache=args.cache == "static", **rollout_overrides)
+        forced = {} if args.cache == "default" else {"static_cache": args.cache == "static"}
+        engine = replace(HFEngineSettings(), **{**forced, **rollout_overrides})
         self.rollout = replace(RolloutSettings(), max_new_tokens=args.new_tokens, ignore_eos=True, hf=engine)
         self.accelerator = Accelerator(cpu=args.device == "cpu")
         model.train()
@@ -363,8 +366,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--gpg-variants", default="default",
                         help=f"gpg-vl configurations run beside TRL, comma-separated: {', '.join(VARIANTS)}")
-    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
-                        help="decoding cache of both trainers' generate (transformers' default is dynamic)")
+    parser.add_argument("--cache", default="default", choices=["default", "dynamic", "static"],
+                        help="decoding cache of both trainers (default: each its own, gpg-vl's rollout.hf.static_cache "
+                             "and transformers' dynamic cache for TRL)")
     parser.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_5"],
                         help="the bench model's family (same sizes)")
     parser.add_argument("--lr", type=float, default=1e-6)
@@ -385,7 +389,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"model {args.family}, device {args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, "
-          f"{args.cache} cache, "
+          f"{args.cache} cache{'s (each trainer its own)' if args.cache == 'default' else ''}, "
           f"{psutil.cpu_count()} CPUs, load average {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
     summaries = []
     for image_size in [int(x) for x in args.image_sizes.split(",")]:
