@@ -24,14 +24,17 @@ from gpg_vl.rollout import in_task_frame
 VOWELS = "task=vowel_task:Vowels"
 QUICK = ["trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=5", "trainer.eval_before=false",
          "trainer.beta_th=0", "eval.limit=2", "eval.max_new_tokens=4", "trainer.lr=1e-2"]
-ALIASES = {"llava_onevision": "tiny-llava-onevision", "gemma3": "tiny-gemma3", "smolvlm": "tiny-smolvlm",
+ALIASES = {"llava_onevision": "tiny-llava-onevision", "gemma3": "tiny-gemma3", "gemma4": "tiny-gemma4",
+           "smolvlm": "tiny-smolvlm",
            "qwen3_5": "tiny-qwen3.5", "internvl": "tiny-internvl", "glm4v": "tiny-glm4v",
            "qwen3_5_moe": "tiny-qwen3.5-moe", "qwen3_vl_moe": "tiny-qwen3-vl-moe"}
 CLASSES = {"llava_onevision": "LlavaOnevisionForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration",
+           "gemma4": "Gemma4ForConditionalGeneration",
            "smolvlm": "Idefics3ForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
            "internvl": "InternVLForConditionalGeneration", "glm4v": "Glm4vForConditionalGeneration",
            "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
-FRAMES = {"llava_onevision": "relative-1", "gemma3": "none", "smolvlm": "none", "qwen3_5": "relative-1000",
+FRAMES = {"llava_onevision": "relative-1", "gemma3": "none", "gemma4": "none", "smolvlm": "none",
+          "qwen3_5": "relative-1000",
           "internvl": "relative-1000", "glm4v": "relative-1000", "qwen3_5_moe": "relative-1000",
           "qwen3_vl_moe": "relative-1000"}
 

@@ -25,7 +25,7 @@ from gpg_vl.rollout import Rollout
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
-            "llava_onevision", "gemma3", "smolvlm", "internvl", "glm4v"]  # generic-family classes
+            "llava_onevision", "gemma3", "gemma4", "smolvlm", "internvl", "glm4v"]  # generic-family classes
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -96,7 +96,8 @@ def assert_fast_paths_give_the_plain_gradient(policy, attempt: Attempt) -> None:
     common = {"max_grad_norm": 1e9, "group_size": attempt.rollout.group_size}
     plain = TrainerSettings(**common, share_vision=False, share_prompt=False, logits_chunk_tokens=0,
                             micro_batch_tokens=0, micro_batch_size=100)
-    budget = int(attempt.prompts.inputs["attention_mask"].sum(dim=1).max()) + 14  # a prompt and two completions
+    lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1)[attempt.valid]  # the valid groups' prompts
+    budget = int(lengths.max()) + 14  # a prompt and two completions
     fast = TrainerSettings(**common, share_vision=True, share_prompt=True, logits_chunk_tokens=3,
                            micro_batch_tokens=budget)  # several micro-batches, some splitting a group
     assert len(list(update_chunks([attempt], 0, budget, share_prompt=True))) > 2
@@ -105,7 +106,9 @@ def assert_fast_paths_give_the_plain_gradient(policy, attempt: Attempt) -> None:
     assert scale > 0
     for settings_ in (fast, TrainerSettings(**common, share_prompt=False, logits_chunk_tokens=5)):
         gradient = one_update_gradient(policy, attempt, settings_)
-        torch.testing.assert_close(gradient, reference, rtol=1e-4, atol=1e-5 * scale)
+        # float32 summation order: an embedding row summed over many positions (Gemma 4's newline row) can
+        # differ by ~1.4e-5 of the largest gradient; in float64 Gemma 3 and 4 agree to 3e-7 of it
+        torch.testing.assert_close(gradient, reference, rtol=1e-4, atol=2e-5 * scale)
 
 
 def test_one_update_gradient_with_every_fast_path_equals_the_plain_update(family_policy, shapes):
@@ -151,7 +154,8 @@ def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes)
     group_size = 2
     declined = policy.adapter.prefill_once_unsupported(policy.model)
     if declined is not None:  # the family steps aside (said once, in its one-line description)
-        assert type(policy.model).__name__ == "Gemma3ForConditionalGeneration" and "sliding-window" in declined
+        assert type(policy.model).__name__ in ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration") \
+            and "sliding-window" in declined, declined
         assert declined in policy.adapter.describe(policy.model)
         return
     greedy = Sampling(max_new_tokens=12, greedy=True)
