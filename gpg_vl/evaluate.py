@@ -87,6 +87,7 @@ def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict
     timeouts = sum(d.timed_out for d in decoded)
     if timeouts:
         metrics["reward_timeouts"] = float(timeouts)
+    if timeouts and kwargs.get("rank", 0) == 0:  # every process holds every row's scores: one warning
         print(f"warning: {timeouts} of {len(decoded)} held-out completions were not scored within "
               f"eval.reward_budget_s={kwargs.get('reward_budget_s')} s of reward time per batch and scored 0; raise "
               "it (0 = no budget) or eval.reward_workers.")
