@@ -670,8 +670,7 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
     _check_engine(accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
-    if frozen is not None and frozen.model is not None:
-        frozen.model.to(accelerator.device)  # one copy per process, like the policy's weights under DDP
+    frozen = place_reference(frozen, accelerator)
     engine = build_engine(rollout, policy, accelerator=accelerator)  # rollout.engine: samples, and evaluates
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
@@ -768,6 +767,21 @@ def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference:
     reference.requires_grad_(False)
     reference.eval()
     return Reference(reference)
+
+
+def place_reference(frozen: Reference | None, accelerator: Accelerator) -> Reference | None:
+    """Place a frozen reference copy like the policy: on each process's device (one copy each, as the
+    policy's weights under DDP), sharded across the processes under FSDP2 the way accelerate shards the
+    policy (its forwards are then collective: `_score_plan` keeps them in step). With LoRA (no copy) the
+    reference is the policy itself."""
+    if frozen is None or frozen.model is None:
+        return frozen
+    if getattr(accelerator, "is_fsdp2", False):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return Reference(fsdp2_prepare_model(accelerator, frozen.model.to(accelerator.device)))
+    frozen.model.to(accelerator.device)
+    return frozen
 
 
 def step(run: Run) -> dict:

@@ -108,11 +108,13 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
 
 
 def run_update(out: Path, engine: str, dtype: str) -> None:
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
     from transformers import get_scheduler
 
     from gpg_vl import get_task
     from gpg_vl.models.base import Policy, load_policy
-    from gpg_vl.trainer import TrainerSettings, build_reference, update
+    from gpg_vl.trainer import TrainerSettings, build_reference, place_reference, update
 
     accelerator = make_accelerator(engine)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -140,8 +142,9 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
         results["offload"] = sorted({type(group.offload_policy).__name__ for module in model.modules()
                                      if hasattr(module, "_get_fsdp_state")
                                      for group in module._get_fsdp_state()._fsdp_param_groups})
-        if reference is not None:
-            reference.model.to(accelerator.device)
+        reference = place_reference(reference, accelerator)  # sharded like the policy under FSDP2
+        if reference is not None and accelerator.distributed_type == DistributedType.FSDP:
+            results["reference_sharded"] = isinstance(reference.model, FSDPModule)
         metrics = [update(policy, model, optimizer, scheduler, accelerator, attempts, settings=case_settings,
                           temperature=1.0, reference=reference) for _ in range(2)]
         weights = full_weights(accelerator, model)

@@ -252,7 +252,9 @@ def test_fsdp_update_gives_the_one_process_weights(one_process_update, tmp_path)
     run every module (placeholder micro-batches), or this launch would hang."""
     launch(str(WORKER), "update", str(tmp_path), "--engine", "fsdp")
     assert_update_matches(one_process_update, tmp_path, "DistributedType.FSDP")
-    assert json.loads((tmp_path / "rank0.json").read_text())["offload"] == ["OffloadPolicy"]  # none
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["offload"] == ["OffloadPolicy"]  # none
+    assert rank0["reference_sharded"]  # the GRPO case's frozen reference is sharded like the policy
 
 
 @pytest.mark.slow
