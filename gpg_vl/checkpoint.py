@@ -123,12 +123,18 @@ def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, ste
     accelerator.wait_for_everyone()  # collective: the checkpoint exists for every process once this returns
 
 
+def write_failure(error: OSError, subject: str = "it") -> str:
+    """Why a write failed, for a sentence: "the disk is full (No space left on device)", or "`subject` could not
+    be written (...)"."""
+    why = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else f"{subject} could not be written"
+    return f"{why} ({error.strerror or error})"
+
+
 def unwritable(what: str, output_dir: Path, error: OSError) -> UserError:
     """The one sentence for a run's file that could not be written (most often: the disk is full), naming
     the newest intact checkpoint, from which resume=auto continues."""
     intact = latest_checkpoint(output_dir)
-    full = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "it could not be written"
-    return UserError(f"could not {what} in {str(output_dir)!r}: {full} ({error.strerror or error}); "
+    return UserError(f"could not {what} in {str(output_dir)!r}: {write_failure(error)}; "
                      f"the newest intact checkpoint is {intact or 'none (none was written)'}: free space or "
                      "fix the folder, then continue with resume=auto.")
 
@@ -143,11 +149,11 @@ def writing(what: str, output_dir: Path):
         raise unwritable(what, Path(output_dir), error) from None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` whole: a failed write (a full disk) leaves the previous file, never a cut one."""
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace `path` with `data` whole: a failed write (a full disk) leaves the previous file, never a cut one."""
     partial = path.with_name(path.name + PARTIAL)
     try:
-        partial.write_text(text)
+        partial.write_bytes(data) if isinstance(data, bytes) else partial.write_text(data)
         os.replace(partial, path)
     except OSError:
         partial.unlink(missing_ok=True)
@@ -458,7 +464,5 @@ def truncate_metrics(metrics_file: Path, step: int) -> int:
         else:
             dropped += bool(line.strip())
     if dropped:
-        partial = metrics_file.with_name(metrics_file.name + PARTIAL)
-        partial.write_text("".join(line + "\n" for line in kept))
-        os.replace(partial, metrics_file)
+        write_atomic(metrics_file, "".join(line + "\n" for line in kept))
     return dropped

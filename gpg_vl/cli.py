@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 from dataclasses import replace
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from gpg_vl.checkpoint import compare_settings, resolve_resume
+from gpg_vl.checkpoint import compare_settings, resolve_resume, write_failure
 from gpg_vl.errors import UserError
 from gpg_vl.models.base import RAW_TEMPLATE, load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
@@ -226,9 +225,8 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         write_predictions_html(output_dir / "predictions.html", task, records, rows, metrics, split=split)
     except OSError as error:
-        full = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "they could not be written"
-        raise UserError(f"could not write the evaluation's results in {str(output_dir)!r}: {full} "
-                        f"({error.strerror or error}); accuracy was {metrics.get('accuracy', float('nan')):.4f}: "
+        raise UserError(f"could not write the evaluation's results in {str(output_dir)!r}: "
+                        f"{write_failure(error, 'they')}; accuracy was {metrics.get('accuracy', float('nan')):.4f}: "
                         "free space or pick another output_dir, then evaluate again.") from None
     width = max(len(name) for name in metrics)
     segmenter = getattr(task, "segmenter", None)

@@ -23,13 +23,13 @@ import hashlib
 import io
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
 
+from gpg_vl.checkpoint import write_atomic
 from gpg_vl.evaluate import _prompt_text
 from gpg_vl.rewards import extract_answer, parse_box
 from gpg_vl.rollout import in_task_frame
@@ -75,7 +75,7 @@ def store_image(image: Image.Image, folder: Path) -> str:
     path = folder / f"{digest}.jpg"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, thumbnail_jpeg(image))
+        write_atomic(path, thumbnail_jpeg(image))
     return path.name
 
 
@@ -186,7 +186,8 @@ def log_rollouts(step: int, attempts: Sequence, *, policy, task, output_dir: str
             break
         text_chars //= 2
     path = folder / f"step-{step}.json"
-    _write_atomic(path, data)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, data)
     for tracker in getattr(accelerator, "trackers", None) or []:
         send = TRACKERS.get(tracker.name)
         if send is not None:
@@ -287,10 +288,3 @@ def _fenced(text: str) -> str:
     while fence in text:
         fence += "`"
     return f"{fence}\n{text}\n{fence}"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)

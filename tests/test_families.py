@@ -189,7 +189,7 @@ def test_moe_router_aux_loss_when_on_is_the_models_own_and_reaches_the_router(tm
     # a forward nobody weighed (the reference one above) is recorded too, every token counting; weighed by
     # its attention mask it gives the same loss as ours
     assert policy.adapter.router_aux_loss(policy.model) is not None
-    policy.adapter.weigh_router_tokens(policy.model, full["attention_mask"])
+    policy.adapter.weigh_router_tokens(policy.model, lambda: full["attention_mask"])
     policy.model(**full)
     torch.testing.assert_close(policy.adapter.router_aux_loss(policy.model), ours)
     assert policy.adapter.router_aux_loss(policy.model) is None  # each forward's logits are used once

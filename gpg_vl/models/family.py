@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -469,8 +470,8 @@ class Family:
             full["position_ids"] = positions
         completion_length = completion_ids.shape[1]
         # the router loss's tokens, as on the prompt-once path: not the padding, not the last completion column
-        self.weigh_router_tokens(bare, torch.cat([full["attention_mask"][:, :-1], full["attention_mask"][:, -1:] * 0],
-                                                 dim=1))
+        mask = full["attention_mask"]
+        self.weigh_router_tokens(bare, lambda: torch.cat([mask[:, :-1], mask[:, -1:] * 0], dim=1))
         if chunked:  # hidden states only; the output layer runs chunk by chunk
             hidden = bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
             return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
@@ -542,12 +543,13 @@ class Family:
         recorded.clear()
         return coef * loss
 
-    def weigh_router_tokens(self, model, weights: Tensor) -> None:
-        """The router loss's weight of each token [rows, seq] of the training forward that follows (0 for
-        padding; a prompt run once for G sequences weighs G). Nothing unless the router loss is on."""
+    def weigh_router_tokens(self, model, weights: Callable[[], Tensor]) -> None:
+        """The router loss's weight of each token, `weights()` [rows, seq], for the training forward that
+        follows (0 for padding; a prompt run once for G sequences weighs G). Computed only when the router
+        loss is on."""
         bare = unwrap(model)
         if _router_coef(bare)[0] > 0 and _router_recorder(bare) is not None:
-            bare._gpg_router_weight = weights.detach().reshape(-1).float()
+            bare._gpg_router_weight = weights().detach().reshape(-1).float()
 
     def describe(self, model: torch.nn.Module) -> str:
         """One line: the family, its box frame, and which throughput paths it can take on this model."""

@@ -89,14 +89,14 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
     full = extend_per_token(inputs, filler, prompt_mask.new_ones(len(distinct), length))
     positions = family.position_ids(bare, full)  # [..., B, P + C]: [B, L], or [3, B, L] multimodal
     # the router loss counts a prompt token once per sequence that continues it, as the plain path does
-    family.weigh_router_tokens(bare, prompt_mask * torch.bincount(expand, minlength=len(distinct)).unsqueeze(1))
+    family.weigh_router_tokens(bare, lambda: prompt_mask * torch.bincount(expand, minlength=len(distinct))[:, None])
     prompt_out = bare.model(**inputs, position_ids=positions[..., :width], use_cache=True)
     last = prompt_out.last_hidden_state[:, -1][expand].unsqueeze(1)  # [N, 1, H]
     if length == 1:
         return last
     cache = family.fork_cache(bare, _cache_of(prompt_out), expand)  # [N, ...] per layer, still in the graph
     mask = torch.cat([prompt_mask[expand], completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1)  # [N, P + C - 1]
-    family.weigh_router_tokens(bare, completion_mask[:, :-1])
+    family.weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
     completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
                                 position_ids=positions.index_select(-2, expand)[..., width:width + length - 1],
                                 cache=cache, use_cache=True)
