@@ -134,6 +134,9 @@ class HFEngineSettings:
     # preallocate the decoding cache (no reallocation per token; a cache that cannot be, e.g. Qwen3.5's
     # recurrent states, stays dynamic); exact, but not measured faster on CPU (README, Throughput)
     static_cache: bool = False
+    # reserve the dynamic cache's room for the whole completion once (each token is written in place instead
+    # of the cache being copied per token; the same attention, exact); static_cache takes precedence
+    reserve_cache: bool = True
     # loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate
     decode: str = 'loop'
 

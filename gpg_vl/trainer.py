@@ -591,6 +591,18 @@ def _holding_output_dir(train_fn):
     return holding
 
 
+def build_optimizer(model: torch.nn.Module, trainer: TrainerSettings) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters: fused (one kernel per parameter group instead of a dozen
+    elementwise passes, as transformers' Trainer defaults to) where torch has the fused kernel for the
+    parameters' device, else the multi-tensor one."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay, fused=fused or None)
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
 @_holding_output_dir
 def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSettings, evaluation: EvalSettings,
           output_dir: str | Path, seed: int = 0, resume_from: str | Path | None = None,
@@ -662,8 +674,7 @@ def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSet
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=trainer.lr,
-                                  weight_decay=trainer.weight_decay)
+    optimizer = build_optimizer(model, trainer)
     # The schedule counts optimizer steps: mu x mini-batches per rollout (one per step for GPG).
     scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps * trainer.optimizer_steps_per_rollout)

@@ -213,6 +213,7 @@ RULES: dict[str, Rule] = {
     "rollout.engine": one_of(_engines),
     "rollout.hf.prefill_once": BOOL,
     "rollout.hf.static_cache": BOOL,
+    "rollout.hf.reserve_cache": BOOL,
     "rollout.hf.decode": one_of(_decoders),
     "rollout.vllm.gpu_memory_utilization": number(0.01, 1),
     "rollout.vllm.tensor_parallel_size": integer(1),

@@ -18,19 +18,21 @@ num_iterations=1, scale_rewards="none", loss_type="grpo", no vLLM, and no gradie
 (gpg-vl does not checkpoint either). The reward is a hash of the completion text, so every group has
 differing rewards and gpg-vl forwards every group, as TRL does.
 
-TRL drives the loop (its own `train()`); after each TRL step a callback runs one gpg-vl step, so the
-two alternate and machine drift hits both alike. Times are wall-clock seconds per optimizer step,
-with the process's CPU seconds beside them (robust when other jobs share the machine). Memory is the
-peak resident set size (RSS) of the process during a step, above its level when the step began
-(after returning freed heap pages to the system with malloc_trim): a sampling thread reads RSS every
-2 ms. Both trainers also hold the same persistent state (weights, gradients, AdamW moments), printed
-once. On CUDA the peak is torch.cuda.max_memory_allocated during the step instead.
+TRL drives the loop (its own `train()`); after each TRL step a callback runs one gpg-vl step (each
+variant once, in a fresh order each round), so the two alternate and machine drift hits both alike.
+Times are wall-clock seconds per optimizer step, with the process's CPU seconds beside them (robust
+when other jobs share the machine). Memory is the peak resident set size (RSS) of the process during a
+step, above its level when the step began (after returning freed heap pages to the system with
+malloc_trim): the kernel's high-water mark, reset per step (see Meter). Both trainers also hold the
+same persistent state (weights, gradients, AdamW moments), printed once. On CUDA the peak is
+torch.cuda.max_memory_allocated during the step instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import random
 import statistics
 import tempfile
 import threading
@@ -49,7 +51,7 @@ from gpg_vl.models.base import FAMILIES, Policy, resolve_path
 from gpg_vl.sampler import collect_valid_groups
 from gpg_vl.settings import HFEngineSettings
 from gpg_vl.tasks import Task, image_question
-from gpg_vl.trainer import RolloutSettings, TrainerSettings, sample_attempt, update
+from gpg_vl.trainer import RolloutSettings, TrainerSettings, build_optimizer, sample_attempt, update
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
             num_key_value_heads=2, layer_types=["full_attention"] * 6)
@@ -62,7 +64,8 @@ VARIANTS = {
               {"prefill_once": False, "decode": "generate"}),
     "no-prefill_once": ({}, {"prefill_once": False}),
     "static_cache": ({}, {"static_cache": True}),  # the decode loop on a preallocated cache
-    "dynamic_cache": ({}, {"static_cache": False}),  # ... on a cache that grows by one token per step
+    "dynamic_cache": ({}, {"static_cache": False, "reserve_cache": False}),  # ... on a cache copied per token
+    "no-reserve_cache": ({}, {"reserve_cache": False}),  # the dynamic cache without its room reserved
     "generate": ({}, {"decode": "generate"}),  # transformers' generate instead of gpg-vl's decode loop
     "no-share_prompt": ({"share_prompt": False}, {}),
     "no-share_vision": ({"share_vision": False, "share_prompt": False}, {}),
@@ -155,23 +158,52 @@ class BenchTask(Task):
 # measuring
 # ---------------------------------------------------------------------------------------------
 class Meter:
-    """Wall and CPU seconds, and the peak memory above the starting level, of one window at a time."""
+    """Wall and CPU seconds, and the peak memory above the starting level, of one window at a time.
+
+    On Linux the peak is the kernel's own high-water mark of the resident set (VmHWM in /proc/self/status),
+    reset at the start of each window (writing 5 to /proc/self/clear_refs): exact, and nothing runs beside
+    the trainers. Elsewhere a sampling thread reads RSS every 2 ms (it takes the interpreter lock and a
+    core now and then, so the times carry a little of its cost).
+    """
+
+    STATUS, CLEAR = "/proc/self/status", "/proc/self/clear_refs"
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
         self.process = psutil.Process()
         self.peak = 0
         self._lock = threading.Lock()  # a sample read before start() must not land in the new window
-        self._stop = threading.Event()
-        if not self.cuda:
+        self._closed = threading.Event()
+        self.kernel_peak = not self.cuda and self._reset_kernel_peak()
+        if not self.cuda and not self.kernel_peak:
             threading.Thread(target=self._sample, daemon=True).start()
         try:
             self._trim = ctypes.CDLL("libc.so.6").malloc_trim
         except OSError:  # not glibc: RSS then also counts freed pages the allocator kept
             self._trim = None
 
+    def _reset_kernel_peak(self) -> bool:
+        """Reset the kernel's resident high-water mark to the current RSS; False where it cannot be."""
+        try:
+            with open(self.CLEAR, "w") as clear:
+                clear.write("5")
+            return self._kernel_peak() is not None
+        except OSError:
+            return False
+
+    def _kernel_peak(self) -> int | None:
+        with open(self.STATUS) as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+        return None
+
+    def close(self) -> None:
+        """End the sampling thread, where there is one."""
+        self._closed.set()
+
     def _sample(self) -> None:
-        while not self._stop.wait(0.002):
+        while not self._closed.wait(0.002):
             with self._lock:
                 self.peak = max(self.peak, self.process.memory_info().rss)
 
@@ -183,19 +215,23 @@ class Meter:
         else:
             if self._trim is not None:
                 self._trim(0)
+            if self.kernel_peak:
+                self._reset_kernel_peak()
             with self._lock:
                 self.base = self.peak = self.process.memory_info().rss
         self.wall, self.cpu = time.perf_counter(), time.process_time()
 
     def stop(self) -> dict[str, float]:
+        wall, cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
         if self.cuda:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
+        elif self.kernel_peak:
+            peak = max(self._kernel_peak(), self.process.memory_info().rss)
         else:
             with self._lock:
                 peak = max(self.peak, self.process.memory_info().rss)
-        return {"step_s": time.perf_counter() - self.wall, "cpu_s": time.process_time() - self.cpu,
-                "peak_mib": (peak - self.base) / 2**20}
+        return {"step_s": wall, "cpu_s": cpu, "peak_mib": (peak - self.base) / 2**20}
 
 
 def state_mib(model, optimizer) -> float:
@@ -227,7 +263,7 @@ class GpgRunner:
         self.rollout = replace(RolloutSettings(), max_new_tokens=args.new_tokens, ignore_eos=True, hf=engine)
         self.accelerator = Accelerator(cpu=args.device == "cpu")
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = build_optimizer(model, self.settings)  # the trainer's own AdamW (fused where torch has it)
         scheduler = get_scheduler("constant", optimizer)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.policy = Policy(self.accelerator.unwrap_model(self.model), processor, adapter, "bench")
@@ -290,6 +326,7 @@ def run_pair(args, group_size: int, image_size: int) -> dict:
     runners = {f"gpg-vl[{v}]" if v != "default" else "gpg-vl": GpgRunner(args, rows, group_size, image_size, v)
                for v in args.gpg_variants}
     records: dict[str, list[dict]] = {"TRL": [], **{name: [] for name in runners}}
+    order = random.Random(args.seed)
 
     class Alternate(TrainerCallback):
         def on_train_begin(self, *_, **__):
@@ -302,8 +339,9 @@ def run_pair(args, group_size: int, image_size: int) -> dict:
             tokens, self.seen = state.num_input_tokens_seen - self.seen, state.num_input_tokens_seen
             trl.update(completion_tokens=args.prompts * group_size * args.new_tokens, all_tokens=int(tokens))
             records["TRL"].append(trl)
-            for name, runner in runners.items():
-                records[name].append(runner.step(meter))
+            # the gpg-vl variants in a fresh order each round: the runner going later was faster in earlier runs
+            for name in order.sample(list(runners), len(runners)):
+                records[name].append(runners[name].step(meter))
             index = len(records["TRL"])
             kind = "warm-up" if index <= args.warmup else "measured"
             print(f"  step {index} ({kind}): TRL {trl['step_s']:.2f} s", end="")
@@ -368,7 +406,8 @@ def main() -> None:
                         help=f"gpg-vl configurations run beside TRL, comma-separated: {', '.join(VARIANTS)}")
     parser.add_argument("--cache", default="default", choices=["default", "dynamic", "static"],
                         help="decoding cache of both trainers (default: each its own, gpg-vl's rollout.hf.static_cache "
-                             "and transformers' dynamic cache for TRL)")
+                             "and reserve_cache, and transformers' dynamic cache for TRL; gpg-vl's dynamic cache "
+                             "keeps its reserved room unless the variant no-reserve_cache says otherwise)")
     parser.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_5"],
                         help="the bench model's family (same sizes)")
     parser.add_argument("--lr", type=float, default=1e-6)

@@ -8,10 +8,10 @@ Each run is the trainer itself (`gpg_vl.cli.train_main`, through scripts/ablate.
 `algorithm=<name>` (configs/algorithm/), the same B, G, seed and budget (`trainer.max_completions`; completions
 drawn by resampling count too), in `--workers` processes. Per run: held-out accuracy after training, wall time,
 seconds per step and the peak memory of the run above its start (scripts/bench.py's Meter: CUDA's peak
-allocation on a GPU, a sampled RSS peak on CPU). Writes compare.json (every number), table.md (accuracy
-mean ± std, cost, paired differences against gpg from ablate.py, one sentence per claim marked supported or not
-supported by these data) and compare.png (one panel per algorithm: the training-sample accuracy proxy against
-completions sampled, and against wall time).
+allocation on a GPU, the kernel's resident high-water mark on Linux CPUs). Writes compare.json (every
+number), table.md (accuracy mean ± std, cost, paired differences against gpg from ablate.py, one sentence
+per claim marked supported or not supported by these data) and compare.png (one panel per algorithm: the
+training-sample accuracy proxy against completions sampled, and against wall time).
 """
 
 from __future__ import annotations
@@ -70,14 +70,14 @@ def run_overrides(algorithm: str, seed: int, args: argparse.Namespace, output_di
 
 def run_measured(algorithm: str, group_size: int, seed: int, overrides: list[str]) -> dict:
     """One run in this worker, with its wall time and peak memory above the level it started at."""
-    import bench  # its Meter (psutil's sampled RSS on CPU, CUDA's peak allocation on a GPU)
+    import bench  # its Meter (the kernel's RSS high-water mark on Linux, CUDA's peak allocation on a GPU)
     import torch
 
     meter = bench.Meter("cuda" if torch.cuda.is_available() else "cpu")
     meter.start()
     run = ablate.run_cell(algorithm, group_size, seed, overrides)
     measured = meter.stop()
-    meter._stop.set()
+    meter.close()
     run.update(peak_mib=measured["peak_mib"], seconds_per_step=run["train_seconds"] / max(run["steps"], 1))
     return run
 

@@ -20,7 +20,7 @@ from transformers import get_scheduler
 from gpg_vl.engines import Sampling
 from gpg_vl.engines.hf import DECODERS, generate
 from gpg_vl.models.base import PromptBatch
-from gpg_vl.models.prefix import completion_logps
+from gpg_vl.models.prefix import ReservedLayer, completion_logps, reserve
 from gpg_vl.rollout import Rollout
 from gpg_vl.trainer import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
 
@@ -163,12 +163,54 @@ def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes)
     every_row = generate(policy, prompts.select([i // group_size for i in range(3 * group_size)]), group_size=1,
                          sampling=greedy, prefill_once=False, decode="generate")
     for decode in DECODERS:  # gpg-vl's decode loop (the default) and generate, both on the forked prompt cache
-        for static_cache in (False, True):
+        for static_cache, reserve_cache in ((False, False), (False, True), (True, False)):  # dynamic, reserved, static
             once = generate(policy, prompts, group_size=group_size, sampling=greedy, prefill_once=True,
-                            static_cache=static_cache, decode=decode)
-            assert torch.equal(once.completion_ids, every_row.completion_ids), (decode, static_cache)
+                            static_cache=static_cache, reserve_cache=reserve_cache, decode=decode)
+            assert torch.equal(once.completion_ids, every_row.completion_ids), (decode, static_cache, reserve_cache)
             assert torch.equal(once.completion_mask, every_row.completion_mask)
     assert policy.adapter.position_ids(policy.model, prompts.inputs).shape[-2] == 3  # stale rope deltas are reset
+
+
+def test_a_reserved_cache_layer_gives_what_a_dynamic_layer_gives_without_copying_per_token():
+    from transformers import DynamicCache, DynamicLayer
+
+    torch.manual_seed(0)
+    prompt_keys, prompt_values = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)  # [N, heads, S, d]
+    cache = DynamicCache()
+    cache.update(prompt_keys, prompt_values, 0)
+    dynamic = DynamicLayer()
+    dynamic.update(prompt_keys, prompt_values)
+    reserve(cache, capacity=8)
+    reserved = cache.layers[0]
+    assert isinstance(reserved, ReservedLayer) and reserved.get_seq_length() == 5
+    storage = reserved.keys.data_ptr()
+    for length in (1, 1, 1):  # three decoded tokens fill the room exactly
+        step = torch.randn(3, 2, length, 4), torch.randn(3, 2, length, 4)
+        expected, got = dynamic.update(*step), reserved.update(*step)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+        assert got[0].data_ptr() == storage  # written in place: a view of the reserved room
+    assert reserved.get_seq_length() == 8 and reserved.get_mask_sizes(1) == dynamic.get_mask_sizes(1) == (9, 0)
+    step = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)  # past the room: grows by concatenation
+    assert torch.equal(dynamic.update(*step)[0], reserved.update(*step)[0]) and reserved.get_seq_length() == 9
+    # reordered from outside (a new tensor): it keeps growing as a dynamic layer, with the same values
+    order = torch.tensor([2, 0, 1])
+    dynamic.reorder_cache(order), reserved.reorder_cache(order)
+    step = torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 4)
+    assert all(torch.equal(a, b) for a, b in zip(dynamic.update(*step), reserved.update(*step), strict=True))
+    # cropped: the next token overwrites the cropped positions of the room, as the dynamic layer forgets them
+    layer = ReservedLayer(prompt_keys, prompt_values, capacity=8)
+    plain = DynamicLayer()
+    plain.update(prompt_keys, prompt_values)
+    layer.crop(-2), plain.crop(-2)
+    step = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+    assert all(torch.equal(a, b) for a, b in zip(plain.update(*step), layer.update(*step), strict=True))
+    assert layer.get_seq_length() == 4
+    # a state that needs a gradient is never written into the room in place
+    layer = ReservedLayer(prompt_keys, prompt_values, capacity=8)
+    wanted = torch.randn(3, 2, 1, 4, requires_grad=True)
+    keys, _ = layer.update(wanted, wanted)
+    keys.sum().backward()
+    assert torch.equal(wanted.grad, torch.ones_like(wanted))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])

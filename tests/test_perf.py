@@ -45,3 +45,25 @@ def test_gpu_check_fails_in_one_sentence_without_a_gpu():
                          timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().startswith("error: gpu_check.py needs a CUDA GPU") and run.stderr.strip().count("\n") == 0
+
+
+def test_the_bench_meter_reads_a_window_s_memory_peak_without_a_sampling_thread():
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = threading.active_count()
+    meter = bench.Meter("cpu")
+    if not meter.kernel_peak:
+        pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
+    assert threading.active_count() == threads  # the kernel keeps the peak: nothing samples beside the trainers
+    meter.start()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed before the window ends
+    del block
+    window = meter.stop()
+    assert 60 <= window["peak_mib"] <= 80, window
+    meter.start()  # the next window starts from the current level: the freed block is not counted again
+    small = torch.ones(2**20 // 4)
+    assert meter.stop()["peak_mib"] < 16 and small.numel() > 0

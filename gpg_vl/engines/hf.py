@@ -50,17 +50,19 @@ class HFEngine(Engine):
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         return generate(self.policy, prompts.batch, group_size=group_size, sampling=sampling,
                         prefill_once=self.settings.prefill_once, static_cache=self.settings.static_cache,
-                        decode=self.settings.decode)
+                        reserve_cache=self.settings.reserve_cache, decode=self.settings.decode)
 
 
 @torch.no_grad()
 def generate(policy: Policy, prompts: PromptBatch, *, group_size: int, sampling: Sampling, prefill_once: bool = True,
-             static_cache: bool = False, decode: str = "loop") -> Rollout:
+             static_cache: bool = False, reserve_cache: bool = True, decode: str = "loop") -> Rollout:
     """Sample `group_size` completions for every prompt (see the module's docstring for the two decoders).
 
     With `prefill_once`, each prompt (images included) is prefilled once and its key/value cache forked
-    G ways, instead of prefilling every one of the B * G rows; `static_cache` preallocates that cache (no
-    per-token reallocation while decoding). Under FSDP / ZeRO-3 with several processes (generation is
+    G ways, instead of prefilling every one of the B * G rows; `static_cache` preallocates that cache as
+    transformers' StaticCache (attention then spans the whole preallocated length), `reserve_cache` keeps it
+    dynamic with room reserved for the whole completion (attention spans the tokens so far, and the cache
+    is not copied per token). Under FSDP / ZeRO-3 with several processes (generation is
     collective there) the rows are prefilled by `generate` itself, in step.
     """
     if decode not in DECODERS:
@@ -75,11 +77,11 @@ def generate(policy: Policy, prompts: PromptBatch, *, group_size: int, sampling:
     if forkable and decode == "loop":
         with eval_mode(model):
             completion_ids = decode_loop(family, model, inputs, group_size=group_size, sampling=sampling,
-                                         suppress=suppress, static_cache=static_cache)
+                                         suppress=suppress, static_cache=static_cache, reserve_cache=reserve_cache)
     if completion_ids is None:
         completion_ids = _generate(family, model, inputs, group_size=group_size, sampling=sampling,
                                    suppress=suppress, fork=forkable and group_size > 1, static_cache=static_cache,
-                                   collective=collective)
+                                   reserve_cache=reserve_cache, collective=collective)
     if completion_ids.shape[1] == 0:
         completion_ids = torch.full((completion_ids.shape[0], 1), family.pad_id, dtype=completion_ids.dtype,
                                     device=completion_ids.device)
@@ -90,13 +92,14 @@ def generate(policy: Policy, prompts: PromptBatch, *, group_size: int, sampling:
 
 
 def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, sampling: Sampling, suppress: list[int],
-              fork: bool, static_cache: bool, collective: bool) -> Tensor:
+              fork: bool, static_cache: bool, reserve_cache: bool, collective: bool) -> Tensor:
     """Completion ids [B * G, C] from transformers' `generate` (after the prefill-once fork with `fork`)."""
     expand, forked = group_size, None
     if fork:
         with eval_mode(model):
             forked = prefix.prefill_once(family, model, inputs, group_size=group_size,
-                                         max_new_tokens=sampling.max_new_tokens, static_cache=static_cache)
+                                         max_new_tokens=sampling.max_new_tokens, static_cache=static_cache,
+                                         reserve_cache=reserve_cache)
     width = inputs["input_ids"].shape[1]
     if forked is not None:
         inputs, expand = forked, 1
@@ -119,7 +122,7 @@ def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, samp
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sampling: Sampling,
-                suppress: list[int], static_cache: bool) -> Tensor | None:
+                suppress: list[int], static_cache: bool, reserve_cache: bool = True) -> Tensor | None:
     """Completion ids [B * G, C] sampled one token at a time on the prompts' forked cache, or None where
     the prompts cannot be prefilled once (then `generate` decodes them).
 
@@ -136,7 +139,7 @@ def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sa
     if positions is None:  # the model computes its own positions from the whole multimodal sequence
         return None
     forked = prefix.prefill_once(family, bare, inputs, group_size=group_size, max_new_tokens=steps,
-                                 static_cache=static_cache)
+                                 static_cache=static_cache, reserve_cache=reserve_cache)
     if forked is None:
         return None
     index = torch.arange(batch, device=prompt_ids.device).repeat_interleave(group_size)  # [N]

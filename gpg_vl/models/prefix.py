@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from transformers import DynamicLayer
 
 from gpg_vl.models.family import PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
 
@@ -39,12 +40,13 @@ def _cache_of(outputs):
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, max_new_tokens: int,
-                 static_cache: bool) -> dict | None:
+                 static_cache: bool, reserve_cache: bool = False) -> dict | None:
     """`generate` keyword arguments that continue B prompts prefilled once, as B * G rows.
 
     All prompt tokens but the last go through the model once per prompt (images included); the family
-    forks the cache G ways (into a preallocated static cache with `static_cache`, where the family can),
-    and `generate` then runs the last prompt token for the B * G rows, whose logits sample the first
+    forks the cache G ways (into a preallocated static cache with `static_cache`, where the family can;
+    else, with `reserve_cache`, into dynamic layers with room reserved for the whole completion), and
+    `generate` then runs the last prompt token for the B * G rows, whose logits sample the first
     completion token. Returns None when the prompt cannot be split this way (a prompt ending in a vision
     token, or a single token).
     """
@@ -61,8 +63,53 @@ def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, m
     cache = family.fork_cache(bare, _cache_of(prefilled), index)
     if static_cache:
         cache = family.static_copy(bare, cache, max_cache_len=ids.shape[1] + max_new_tokens)
+    elif reserve_cache:
+        cache = reserve(cache, capacity=ids.shape[1] + max_new_tokens)
     expanded = {key: value.repeat_interleave(group_size, dim=0) for key, value in per_token.items()}
     return {**expanded, "cache": cache}
+
+
+class ReservedLayer(DynamicLayer):
+    """A `DynamicLayer` whose room for `capacity` tokens is allocated once.
+
+    `update` writes the new key/value states in place and `keys` / `values` are views of the filled part:
+    attention sees the very tensors (values and lengths) a `DynamicLayer` would give, without the
+    dynamic layer's copy of the whole cache per decoded token. A layer that would outgrow its room, was
+    replaced from outside (reordered, cropped) or is asked to keep a gradient falls back to growing by
+    concatenation, as `DynamicLayer` does.
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, capacity: int) -> None:  # keys, values [N, heads, S, d]
+        super().__init__()
+        self.device, self.is_initialized = keys.device, True
+        self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])  # [N, heads, capacity, d]
+        self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+        self._write(keys, values, 0)
+
+    def _write(self, keys: Tensor, values: Tensor, start: int) -> None:
+        end = start + keys.shape[-2]
+        self._keys[..., start:end, :] = keys
+        self._values[..., start:end, :] = values
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        filled = self.keys.shape[-2]
+        in_place = (self.keys.data_ptr() == self._keys.data_ptr() and self.keys.shape[0] == self._keys.shape[0]
+                    and filled + key_states.shape[-2] <= self._keys.shape[-2]
+                    and not (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)))
+        if not in_place:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._write(key_states, value_states, filled)
+        return self.keys, self.values
+
+
+def reserve(cache, *, capacity: int):
+    """The cache with every plain `DynamicLayer` moved into a `ReservedLayer` of `capacity` tokens (in place;
+    other layers, e.g. sliding-window or linear-attention states, are left as they are)."""
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel() > 0:
+            cache.layers[index] = ReservedLayer(layer.keys, layer.values, max(capacity, layer.keys.shape[-2]))
+    return cache
 
 
 # ---------------------------------------------------------------------------------------------
