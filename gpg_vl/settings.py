@@ -135,7 +135,8 @@ class HFEngineSettings:
     # recurrent states, stays dynamic); exact, but not measured faster on CPU (README, Throughput)
     static_cache: bool = False
     # reserve the dynamic cache's room for the whole completion once (each token is written in place instead
-    # of the cache being copied per token; the same attention, exact); static_cache takes precedence
+    # of the cache being copied per token; the same attention, exact); it holds from the start the memory a
+    # completion of max_new_tokens would take; static_cache takes precedence
     reserve_cache: bool = True
     # loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate
     decode: str = 'loop'

@@ -74,9 +74,10 @@ class ReservedLayer(DynamicLayer):
 
     `update` writes the new key/value states in place and `keys` / `values` are views of the filled part:
     attention sees the very tensors (values and lengths) a `DynamicLayer` would give, without the
-    dynamic layer's copy of the whole cache per decoded token. A layer that would outgrow its room, was
-    replaced from outside (reordered, cropped) or is asked to keep a gradient falls back to growing by
-    concatenation, as `DynamicLayer` does.
+    dynamic layer's copy of the whole cache per decoded token. A cropped layer keeps writing in place after
+    its shorter view. A layer that would outgrow its room, whose tensors were replaced from outside
+    (reordered, rows selected) or that is asked to keep a gradient grows by concatenation instead, as
+    `DynamicLayer` does.
     """
 
     def __init__(self, keys: Tensor, values: Tensor, capacity: int) -> None:  # keys, values [N, heads, S, d]
