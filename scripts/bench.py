@@ -222,9 +222,10 @@ class Meter:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
 
     def stop(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()  # the step's queued GPU work belongs to its time
         wall, cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
         if self.cuda:
-            torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         elif self.kernel_peak:
             peak = max(self._kernel_peak(), self.process.memory_info().rss)
