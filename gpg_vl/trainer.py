@@ -591,6 +591,9 @@ def _holding_output_dir(train_fn):
     return holding
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # devices torch has the fused AdamW kernel for
+
+
 def build_optimizer(model: torch.nn.Module, trainer: TrainerSettings) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: fused (one kernel per parameter group instead of a dozen
     elementwise passes, as transformers' Trainer defaults to) where torch has the fused kernel for the
@@ -598,9 +601,6 @@ def build_optimizer(model: torch.nn.Module, trainer: TrainerSettings) -> torch.o
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay, fused=fused or None)
-
-
-FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 @_holding_output_dir

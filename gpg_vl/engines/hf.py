@@ -122,7 +122,7 @@ def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, samp
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sampling: Sampling,
-                suppress: list[int], static_cache: bool, reserve_cache: bool = True) -> Tensor | None:
+                suppress: list[int], static_cache: bool, reserve_cache: bool) -> Tensor | None:
     """Completion ids [B * G, C] sampled one token at a time on the prompts' forked cache, or None where
     the prompts cannot be prefilled once (then `generate` decodes them).
 

@@ -40,7 +40,7 @@ def _cache_of(outputs):
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, max_new_tokens: int,
-                 static_cache: bool, reserve_cache: bool = False) -> dict | None:
+                 static_cache: bool, reserve_cache: bool) -> dict | None:
     """`generate` keyword arguments that continue B prompts prefilled once, as B * G rows.
 
     All prompt tokens but the last go through the model once per prompt (images included); the family
