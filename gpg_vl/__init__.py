@@ -1,5 +1,6 @@
 """gpg-vl: Group Policy Gradient reinforcement learning for vision-language models."""
 
+from gpg_vl.data.task import Task, get_task, image_question, list_tasks, register_task
 from gpg_vl.errors import UserError
 from gpg_vl.objective import (
                               get_advantage,
@@ -9,7 +10,6 @@ from gpg_vl.objective import (
                               register_advantage,
                               register_policy_loss,
 )
-from gpg_vl.tasks import Task, get_task, image_question, list_tasks, register_task
 
 __all__ = [
     "Task", "UserError", "get_advantage", "get_policy_loss", "get_task", "group_advantages", "image_question",

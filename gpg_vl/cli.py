@@ -10,14 +10,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from gpg_vl.checkpoint import compare_settings, resolve_resume, write_failure
+from gpg_vl.config.validate import check_model_folder
+from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
-from gpg_vl.models.base import RAW_TEMPLATE, load_policy
+from gpg_vl.models.load import RAW_TEMPLATE, load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
-from gpg_vl.outdir import check_output_dir, claim_output_dir
-from gpg_vl.tasks import get_task
-from gpg_vl.trainer import EvalSettings, RolloutSettings, TrainerSettings, needs_reference, train
-from gpg_vl.validate import check_model_folder
+from gpg_vl.train.checkpoint import compare_settings, resolve_resume, write_failure
+from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, needs_reference, train
+from gpg_vl.train.outdir import check_output_dir, claim_output_dir
 
 
 def build_policy(model_cfg: DictConfig, device):
@@ -104,7 +104,7 @@ def train_main(cfg: DictConfig) -> dict:
         cfg.output_dir = broadcast_object_list([str(cfg.output_dir)])[0]
     model_cfg = cfg.model
     container = OmegaConf.to_container(cfg, resolve=True)
-    with contextlib.ExitStack() as held:  # the output folder is this run's until it ends (gpg_vl/outdir.py)
+    with contextlib.ExitStack() as held:  # the output folder is this run's until it ends (gpg_vl/train/outdir.py)
         resume = _on_main(accelerator, lambda: _claim(held, cfg, container))
         if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
@@ -179,8 +179,8 @@ def _cuda() -> bool:
 
 def eval_main(cfg: DictConfig) -> dict[str, float]:
     """Greedy evaluation of a model on a task split, or re-scoring of a saved predictions file."""
-    from gpg_vl.evaluate import evaluate, prediction_records, rescore
-    from gpg_vl.viewer import write_predictions_html
+    from gpg_vl.observe.viewer import write_predictions_html
+    from gpg_vl.train.evaluate import evaluate, prediction_records, rescore
 
     task = build_task(cfg.task, cfg.data)
     split = cfg.eval.split or task.eval_split
@@ -205,8 +205,8 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         torch.manual_seed(cfg.seed)
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
         _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
-        from gpg_vl.engines import build_engine
-        from gpg_vl.settings import RolloutSettings
+        from gpg_vl.config.schema import RolloutSettings
+        from gpg_vl.rollout.engine import build_engine
 
         chosen = OmegaConf.to_container(cfg.rollout, resolve=True)  # the engine, checked before the model loads
         engine_settings = RolloutSettings(**{k: v for k, v in chosen.items() if k in ("engine", "hf", "vllm")})
@@ -240,7 +240,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
 def _attach_segmenter(task, cfg: DictConfig) -> None:
     """Give a task that scores masks (it has a `segmenter` attribute: lisa) the segmenter `segmenter=` names."""
     if hasattr(task, "segmenter"):
-        from gpg_vl.segment import load_segmenter
+        from gpg_vl.reward.segment import load_segmenter
 
         task.segmenter = load_segmenter(cfg.segmenter, cfg.segmenter_model, batch_size=cfg.segmenter_batch_size,
                                         device="cuda" if _cuda() else "cpu")

@@ -26,8 +26,8 @@ import torch
 from gpg_vl.errors import UserError
 
 if TYPE_CHECKING:  # annotations only: the models package imports this module, never the other way round
-    from gpg_vl.models.base import Policy
     from gpg_vl.models.family import PromptBatch
+    from gpg_vl.models.load import Policy
 
 
 def forward_is_collective(model: torch.nn.Module) -> bool:

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
-from gpg_vl.plugins import load_reference
+from gpg_vl.registry import load_reference
 
 GRPO_STD_EPS = 1e-4
 NEEDS = ("old", "ref")  # what a policy loss may declare: the rollout policy's and the reference's log-probs

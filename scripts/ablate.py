@@ -100,7 +100,7 @@ def run_overrides(variant: str, group_size: int, seed: int, args: argparse.Names
 def run_cell(variant: str, group_size: int, seed: int, overrides: list[str]) -> dict:
     """Train one run in this process; return its summary and per-step curve (the checkpoint is deleted)."""
     from gpg_vl.cli import train_main
-    from gpg_vl.config import load_config
+    from gpg_vl.config.compose import load_config
 
     cfg = load_config("train", overrides)
     output_dir = Path(cfg.output_dir)
@@ -124,8 +124,8 @@ def run_cell(variant: str, group_size: int, seed: int, overrides: list[str]) -> 
 def evaluate_start(args: argparse.Namespace) -> float:
     """Held-out accuracy of the starting checkpoint, on the same rows as every run's final evaluation."""
     from gpg_vl.cli import build_policy, build_task
-    from gpg_vl.config import load_config
-    from gpg_vl.evaluate import evaluate
+    from gpg_vl.config.compose import load_config
+    from gpg_vl.train.evaluate import evaluate
 
     cfg = load_config("train", ["task=shapes", "model=tiny"])
     task = build_task(cfg.task, cfg.data)

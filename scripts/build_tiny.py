@@ -30,8 +30,8 @@ import torch
 from gpg_vl_tasks.shapes import COLORS, INSTRUCTION, SHAPES
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+from gpg_vl.data.task import get_task
 from gpg_vl.models.tiny import build_tiny
-from gpg_vl.tasks import get_task
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"
 

@@ -8,7 +8,7 @@
 import sys
 
 from gpg_vl.cli import eval_main
-from gpg_vl.config import run_cli
+from gpg_vl.config.compose import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli("eval", eval_main))

@@ -11,7 +11,7 @@ every group has signal, AdamW at lr 1e-6) and prints:
 
 - seconds per step, split into rollout and update (the update includes the vLLM engine's weight sync);
 - completion tokens per second of the rollout;
-- the update's MFU: training FLOPs per token (gpg_vl/perf.py) x tokens it computed / its seconds / the
+- the update's MFU: training FLOPs per token (gpg_vl/observe/perf.py) x tokens it computed / its seconds / the
   device's dense bf16 peak;
 - the peak GPU memory torch allocated (vLLM's own pool is reported separately as the device's used memory);
 - logp_mismatch (vLLM only): the mean and max over tokens of |vLLM's log-prob - the trainer's|;
@@ -68,8 +68,8 @@ def build(name: str, folder: Path):
     `folder` (vLLM reads those; its weights come from the engine's first sync)."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    from gpg_vl.models.base import Policy
     from gpg_vl.models.family import FAMILIES
+    from gpg_vl.models.load import Policy
     from gpg_vl.models.tiny import build_tiny_family, tiny_model_path
 
     family_name, sizes = MODELS[name]
@@ -99,7 +99,7 @@ def rows(count: int, size: int) -> list[dict]:
 
 
 def hash_task(data: list[dict]):
-    from gpg_vl.tasks import Task, image_question
+    from gpg_vl.data.task import Task, image_question
 
     class HashTask(Task):
         name = "gpu-check"
@@ -122,14 +122,14 @@ def run_engine(policy, engine_name: str, args) -> dict:
     from accelerate import Accelerator
     from transformers import get_scheduler
 
-    from gpg_vl import perf
-    from gpg_vl.data import PromptStream
-    from gpg_vl.engines import Sampling, build_engine, encode_prompts
-    from gpg_vl.engines.hf import HFEngine
+    from gpg_vl.config.schema import RolloutSettings, TrainerSettings
+    from gpg_vl.data.stream import PromptStream
     from gpg_vl.models.family import choose_scoring_path
-    from gpg_vl.sampler import collect_valid_groups
-    from gpg_vl.settings import RolloutSettings, TrainerSettings
-    from gpg_vl.trainer import sample_attempt, update
+    from gpg_vl.observe import perf
+    from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
+    from gpg_vl.rollout.hf import HFEngine
+    from gpg_vl.train.loop import sample_attempt, update
+    from gpg_vl.train.sample import collect_valid_groups
 
     data = rows(args.prompts * (args.steps + 2), 224)
     task = hash_task(data)

@@ -16,8 +16,8 @@ import sys
 from tqdm.auto import tqdm
 
 from gpg_vl.cli import build_task
-from gpg_vl.config import run_cli
-from gpg_vl.data import scan_rows
+from gpg_vl.config.compose import run_cli
+from gpg_vl.data.stream import scan_rows
 from gpg_vl.errors import UserError
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from gpg_vl.errors import UserError
-from gpg_vl.viewer import write_rollouts_html
+from gpg_vl.observe.viewer import write_rollouts_html
 
 
 def main(argv: list[str] | None = None) -> int:

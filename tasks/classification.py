@@ -14,10 +14,10 @@ Rewards: `accuracy` (normalised label match, synonyms allowed, an empty answer s
 
 from __future__ import annotations
 
+from gpg_vl.data.sources import RowView, load_rows
+from gpg_vl.data.task import Task, checked_text, column_text, image_question, register_task, require_text
 from gpg_vl.errors import UserError
-from gpg_vl.rewards import extract_answer, format_reward, label_reward, normalize_text
-from gpg_vl.sources import RowView, load_rows
-from gpg_vl.tasks import Task, checked_text, column_text, image_question, register_task, require_text
+from gpg_vl.reward.primitives import extract_answer, format_reward, label_reward, normalize_text
 
 # option value -> (Hub id, object named in the prompt, what to identify)
 DATASETS = {

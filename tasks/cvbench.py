@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import pyarrow.compute as pc
 
+from gpg_vl.data.sources import RowView, load_rows
+from gpg_vl.data.task import Task, image_question, register_task, require_text, row_name
 from gpg_vl.errors import BadRow
-from gpg_vl.rewards import choice_letter, choice_reward, format_reward
-from gpg_vl.sources import RowView, load_rows
-from gpg_vl.tasks import Task, image_question, register_task, require_text, row_name
+from gpg_vl.reward.primitives import choice_letter, choice_reward, format_reward
 
 SAT_HUB_ID = "array/SAT"
 SAT_COLUMNS = ("image_bytes", "question", "answers", "correct_answer")

@@ -10,10 +10,10 @@ The accuracy reward is mathematical equality with the answer, read as GeoQA writ
 
 from __future__ import annotations
 
+from gpg_vl.data.sources import RowView, load_rows
+from gpg_vl.data.task import Task, checked_text, column_text, image_question, register_task, require_text
 from gpg_vl.errors import UserError
-from gpg_vl.rewards import extract_answer, format_reward, math_reward
-from gpg_vl.sources import RowView, load_rows
-from gpg_vl.tasks import Task, checked_text, column_text, image_question, register_task, require_text
+from gpg_vl.reward.primitives import extract_answer, format_reward, math_reward
 
 HUB_ID = "leonardPKU/GEOQA_R1V_Train_8K"
 TRAIN_COLUMNS = ("image", "problem", "solution")  # the Hub's train layout

@@ -28,7 +28,7 @@ Answers (option `answer`):
   tags and that JSON).
 
 Metrics: the reward means; `miou`, the box mIoU over rows with a target box; and, when a segmenter is set
-(`segmenter=` of scripts/eval.py, see gpg_vl/segment.py), `mask_giou` and `mask_ciou` over every row, ReasonSeg's
+(`segmenter=` of scripts/eval.py, see gpg_vl/reward/segment.py), `mask_giou` and `mask_ciou` over every row, ReasonSeg's
 gIoU and cIoU of the segmenter's masks of the predicted boxes. Predicted boxes are clipped to the image for the
 metrics; a completion without a box has an empty mask.
 """
@@ -43,8 +43,10 @@ import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
 
+from gpg_vl.data.sources import RowView, load_rows
+from gpg_vl.data.task import Task, image_question, register_task, require_text, row_name
 from gpg_vl.errors import BadRow, UserError
-from gpg_vl.rewards import (
+from gpg_vl.reward.primitives import (
     Box,
     box_iou,
     box_point_format_reward,
@@ -55,9 +57,7 @@ from gpg_vl.rewards import (
     parse_box,
     point_in_mask_reward,
 )
-from gpg_vl.segment import Segmenter, clip_box, intersection_union, mask_metrics
-from gpg_vl.sources import RowView, load_rows
-from gpg_vl.tasks import Task, image_question, register_task, require_text, row_name
+from gpg_vl.reward.segment import Segmenter, clip_box, intersection_union, mask_metrics
 
 # split -> (Hub id, the split name there)
 HUB_SPLITS = {
@@ -211,7 +211,7 @@ class Lisa(Task):
     Option `reward`: "iou" (IoU in [0, 1], the default) or "giou" (GIoU + 1 in [0, 2], the paper's option).
     Option `answer`: "box" (the paper's prompt, the default) or "box_points" (Seg-Zero's box + point JSON, with
     a point-in-mask reward).
-    `segmenter` (a gpg_vl.segment segmenter, None by default; scripts/eval.py sets it from `segmenter=`) turns
+    `segmenter` (a gpg_vl.reward.segment segmenter, None by default; scripts/eval.py sets it from `segmenter=`) turns
     predicted boxes into masks for the mask metrics.
     """
 
@@ -294,7 +294,7 @@ class Lisa(Task):
                 scores: Sequence[dict] | None = None) -> dict[str, float]:
         """The default reward means, plus `miou`: the mean box IoU over rows with a target box (0 for a
         completion without a parsable box), and with a segmenter `mask_giou` / `mask_ciou` over every row
-        (gpg_vl.segment.mask_metrics: ReasonSeg's gIoU and cIoU)."""
+        (gpg_vl.reward.segment.mask_metrics: ReasonSeg's gIoU and cIoU)."""
         rows = [self.scoring_row(row) for row in rows]  # each row's mask read once
         result = super().metrics(rows, completions, scores)
         ious = []

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from PIL import Image, ImageDraw
 
-from gpg_vl.rewards import exact_match_reward, format_reward
-from gpg_vl.tasks import Task, image_question, register_task
+from gpg_vl.data.task import Task, image_question, register_task
+from gpg_vl.reward.primitives import exact_match_reward, format_reward
 
 COLORS = {"red": (220, 40, 40), "green": (30, 170, 60), "blue": (40, 80, 225), "yellow": (235, 200, 30)}
 SHAPES = ("circle", "square", "triangle")

@@ -22,7 +22,7 @@ def shapes():
 
 @pytest.fixture()
 def policy():
-    from gpg_vl.models.base import load_policy
+    from gpg_vl.models.load import load_policy
 
     torch.manual_seed(0)
     return load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=50176)

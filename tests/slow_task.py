@@ -5,7 +5,7 @@ import threading
 
 from vowel_task import Vowels, vowel_share
 
-from gpg_vl.tasks import register_task
+from gpg_vl.data.task import register_task
 
 RELEASE = threading.Event()  # set by the test when it is done: the blocked reward calls then return
 SLOW_ROWS = ("0", "1000")  # the first row of the train split and of the held-out split

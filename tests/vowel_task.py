@@ -3,7 +3,7 @@ the completion. The model tests use it to train untrained tiny models through th
 
 from PIL import Image, ImageDraw
 
-from gpg_vl.tasks import Task, image_question, register_task
+from gpg_vl.data.task import Task, image_question, register_task
 
 
 @register_task

@@ -6,6 +6,6 @@ and the adapter of its family. Everything a family does differently lives in its
 
 from __future__ import annotations
 
-from gpg_vl.models.base import Policy, PromptBatch, load_policy
+from gpg_vl.models.load import Policy, PromptBatch, load_policy
 
 __all__ = ["Policy", "PromptBatch", "load_policy"]

@@ -300,7 +300,7 @@ class Family:
         the same modules (the vision tower included) as the processes that have data."""
         from PIL import Image
 
-        from gpg_vl.tasks import image_question
+        from gpg_vl.data.task import image_question
 
         return self.encode([image_question(Image.new("RGB", self.placeholder_size), "")], ids=["placeholder"])
 
@@ -438,7 +438,7 @@ class Family:
 
         `path` (chosen once per run by `choose_scoring_path`, or here from `share_vision` / `share_prompt`)
         says how: prompt-once runs each distinct prompt once, with gradient, its G sequences' completions on
-        its forked cache (`models/prefix.py`); otherwise every sequence runs prompt + completion, and with
+        its forked cache (`models/scoring.py`); otherwise every sequence runs prompt + completion, and with
         shared vision each distinct prompt's images go through the vision tower once (with gradient), the G
         sequences reusing those features. Logits are computed for completion positions only; with
         `logits_chunk_tokens` > 0 that many tokens at a time, forward and backward. Suppressed tokens get
@@ -446,14 +446,14 @@ class Family:
         trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs whole sequences
         (images still encoded once per group, inside its forward) and full completion logits are computed.
         """
-        from gpg_vl.models import prefix
+        from gpg_vl.models import scoring
 
         if path is None:
             path = choose_scoring_path(self, model, share_prompt=share_prompt, share_vision=share_vision)
         bare = unwrap(model)
         chunked = logits_chunk_tokens > 0 and not path.wrapped
         if path.prompt_once:
-            hidden = prefix.prompt_once_hidden(self, model, prompts, prompt_index, completion_ids,
+            hidden = scoring.prompt_once_hidden(self, model, prompts, prompt_index, completion_ids,
                                                completion_mask)  # [N, C, H]
             return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
                                       chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
@@ -483,7 +483,7 @@ class Family:
     def _hidden_logps(self, bare, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
                       temperature: float, chunk_tokens: int) -> Tensor:
         """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks."""
-        from gpg_vl.models.prefix import completion_logps
+        from gpg_vl.models.scoring import completion_logps
 
         return completion_logps(hidden, bare.get_output_embeddings().weight, completion_ids,
                                 completion_mask.bool(), suppressed_ids=self.suppressed_ids,
@@ -503,7 +503,7 @@ class Family:
         logps = torch.log_softmax(logits, dim=-1)  # [N, C, V]
         return logps.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [N, C]
 
-    # ---- other rollout engines (gpg_vl/engines/: vLLM) ----------------------------------------------
+    # ---- other rollout engines (gpg_vl/rollout/: vLLM) ----------------------------------------------
     def engine_images(self, messages: list[dict]) -> list:
         """A prompt's images as this family's processor receives them (an engine that renders prompts
         itself gets the same pixels)."""

@@ -79,7 +79,7 @@ class GenericFamily(Family):
         return None
 
     def prefill_once_unsupported(self, model: torch.nn.Module) -> str | None:
-        # Measured on tiny Gemma 3 (tests/test_fast_paths.py): with prompts longer than the sliding window,
+        # Measured on tiny Gemma 3 (tests/integration/test_fast_paths.py): with prompts longer than the sliding window,
         # generate's continuation of a forked sliding-window cache gives other greedy tokens than its own prefill.
         text = getattr(unwrap(model).config, "text_config", unwrap(model).config)
         if "sliding_attention" in (getattr(text, "layer_types", None) or []):

@@ -1,0 +1,150 @@
+"""The command line: Hydra config groups composed from `configs/`, with errors a user can act on.
+
+`python scripts/train.py task=geoqa model=qwen2.5-vl-7b trainer.lr=1e-6 --cfg job`
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from gpg_vl.config.schema import register_schema
+from gpg_vl.config.validate import check_values
+from gpg_vl.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+GROUPS = ("task", "model", "algorithm")
+
+if not OmegaConf.has_resolver("now"):
+    OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(path.stem for path in (CONFIG_DIR / group).glob("*.yaml") if not path.stem.startswith("_"))
+
+
+def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, DictConfig) and len(value) > 0:
+            keys += _valid_keys(value, full + ".")
+        else:
+            keys.append(full)
+    return keys
+
+
+def _check_override(cfg: DictConfig, override: str) -> None:
+    """Raise a UserError naming the valid keys when `key=value` sets a key the config does not have."""
+    key = override.split("=", 1)[0].lstrip("~")
+    parts = key.split(".")
+    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or parts[:2] == ["task", "options"]:
+        return  # task options are the task constructor's keywords: the task checks them itself
+    node = cfg
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or part not in node:
+            parent = ".".join(parts[:depth])
+            scope = node if isinstance(node, DictConfig) else cfg
+            valid = _valid_keys(scope, parent + "." if parent else "")
+            where = f" under {parent}" if parent else ""
+            raise UserError(f"unknown config key {key!r}; valid keys{where}: {', '.join(valid)}.")
+        node = node[part]
+
+
+def load_config(config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose `configs/<config_name>.yaml` with `key=value` overrides; unknown keys fail with the list."""
+    # `model=/path/to/dir` evaluates or trains a local directory, its family read from its config.json.
+    local = [o for o in overrides if o.startswith("model=") and o.split("=", 1)[1] not in group_options("model")
+             and Path(o.split("=", 1)[1]).expanduser().is_dir()]
+    overrides = [o if o not in local else "model=local" for o in overrides]
+    if local:
+        overrides.append(f"model.name_or_path='{Path(local[-1].split('=', 1)[1]).expanduser()}'")
+    for override in overrides:
+        if "=" not in override:
+            raise UserError(f"cannot read argument {override!r}; write overrides as key=value.")
+        key, value = override.split("=", 1)
+        if key in GROUPS and value not in group_options(key) and not (key == "task" and ":" in value):
+            hint = " or a model directory" if key == "model" else ""
+            raise UserError(f"unknown {key} {value!r}; known: {', '.join(group_options(key))}{hint} "
+                            f"(files in configs/{key}/).")
+    # `task=module:Name` loads an out-of-tree task; its config is the base task config with that name.
+    plugin = [o for o in overrides if o.startswith("task=") and ":" in o.split("=", 1)[1]]
+    overrides = [o if o not in plugin else "task=plugin" for o in overrides]
+    if plugin:
+        overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
+    group_overrides = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            base = compose(config_name=config_name, overrides=group_overrides)
+            for override in overrides:
+                _check_override(base, override)
+            cfg = compose(config_name=config_name, overrides=overrides)
+    except HydraException as error:
+        raise UserError(_type_error(error) or f"bad command line: {str(error).splitlines()[0]}") from None
+    check_values(cfg)  # every value's range (types: the schema, gpg_vl/config/schema.py), before anything loads
+    if config_name == "train":  # the variant names and the keys' agreement, as the typed settings check them
+        trainer = OmegaConf.to_object(cfg.trainer)  # deprecated keys resolved here, once (one warning)
+        cfg.trainer.advantage, cfg.trainer.baseline, cfg.trainer.std_normalize = trainer.advantage, None, None
+        for section in ("rollout", "eval"):
+            OmegaConf.to_object(cfg[section])
+    return cfg
+
+
+def _type_error(error: Exception) -> str | None:
+    """One sentence for a value of the wrong type (OmegaConf's ValidationError under Hydra's exception)."""
+    from omegaconf.errors import ValidationError
+
+    cause = error
+    while cause is not None and not isinstance(cause, ValidationError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    key, value = getattr(cause, "full_key", None), getattr(cause, "value", None)
+    wanted = re.search(r"converted to (\w+)|is not a valid (\w+)", str(cause))
+    if not key or wanted is None:
+        return None
+    name = wanted.group(1) or wanted.group(2)
+    kind = {"Float": "a number", "Integer": "a whole number", "Boolean": "true or false", "bool": "true or false",
+            "String": "a string"}.get(name, name)
+    return (f"{key}={value} has the wrong type: {key} takes {kind} (see `python scripts/train.py --cfg job` for "
+            "every setting and its default).")
+
+
+def parse_argv(argv: list[str]) -> tuple[list[str], bool]:
+    """Split `--cfg job` (print the resolved config and exit) from the overrides."""
+    print_only = False
+    rest = []
+    skip = False
+    for index, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg in ("--cfg", "-c"):
+            print_only = True
+            skip = index + 1 < len(argv) and argv[index + 1] in ("job", "all")
+            continue
+        rest.append(arg)
+    return rest, print_only
+
+
+def run_cli(config_name: str, main, argv: list[str] | None = None) -> int:
+    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        overrides, print_only = parse_argv(argv)
+        cfg = load_config(config_name, overrides)
+        if print_only:
+            print(OmegaConf.to_yaml(cfg, resolve=True))
+            return 0
+        main(cfg)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,308 @@
+"""Tasks are data + prompt + rewards + metrics, and a registry to find them by name.
+
+A task never touches the model, the optimizer or the trainer. The trainer asks it for rows, turns each
+row into chat messages with `messages`, scores completions with `reward_components`, and summarises an
+evaluation with `metrics`.
+
+    from gpg_vl import Task, register_task
+
+    @register_task
+    class Capitals(Task):
+        name = "capitals"
+        ...
+
+`get_task("capitals")`, or `task.name=capitals` on the command line, then finds it. Out-of-tree tasks
+load from `module:ClassName` or `path/to/file.py:ClassName`; loading a file runs its code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import math
+import re
+import sys
+import threading
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from gpg_vl.errors import BadRow, UserError
+from gpg_vl.registry import load_reference
+from gpg_vl.reward.primitives import _as_box, extract_answer
+
+RewardFn = Callable[[str, dict], float]
+
+_NON_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", re.IGNORECASE)  # how str() writes a NaN or infinite float
+SCORING_MEMO_ROWS = 8  # rows whose scoring form `Task.scoring_row` keeps (a published ReasonSeg row holds its mask)
+_REGISTRY: dict[str, type[Task]] = {}
+_COUNTING = threading.Lock()  # guards the reward error counts of every task
+_BUILTINS_LOADED = False
+
+
+class Task:
+    """Base class of every task. Subclasses set `name` and implement `load` and `messages`.
+
+    `reward_functions` maps a reward's name to `fn(completion, row) -> float`; `reward_weights` gives
+    each one's weight in the total (1.0 when absent). The default metrics are the mean of each reward
+    and `accuracy`, the fraction of completions whose `accuracy` reward is 1.
+    """
+
+    name: ClassVar[str] = ""
+    train_split: ClassVar[str] = "train"
+    eval_split: ClassVar[str] = "test"
+    uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model adapter maps them to original pixels
+    group_columns: ClassVar[tuple[str, ...]] = ()  # row columns whose values evaluation breaks accuracy down by
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise UserError(
+                f"task {self.name!r} takes no option {sorted(options)}; remove it from task.options."
+            )
+        self.reward_functions: dict[str, RewardFn] = {}
+        self.reward_weights: dict[str, float] = {}
+        self.data_path: str | None = None  # data.path: a local copy that replaces the hub dataset
+        self.image_root: str | None = None  # data.image_root: where relative image paths resolve
+        self.allow_outside_paths = False  # data.allow_outside_paths: image paths may leave the image root
+        self.reward_errors: dict[str, int] = {}  # reward name -> completions on which it raised (scored 0)
+        self.reward_nonfinite: dict[str, int] = {}  # reward name -> NaN or infinite scores
+
+    def load(self, split: str) -> Sequence[dict]:
+        """The rows of `split`, each a dict of the dataset's columns."""
+        raise NotImplementedError
+
+    def messages(self, row: dict) -> list[dict]:
+        """Chat messages for one row, in the Qwen-VL format (`{"type": "image", "image": PIL.Image}`)."""
+        raise NotImplementedError
+
+    def check_row(self, row: dict) -> None:
+        """Raise `BadRow` when `row` cannot be trained on or scored; training then skips and counts it.
+
+        Called on every row before `messages` (which raises `BadRow` itself for a broken image, through
+        `load_image`). The default checks the row's targets (`prepare_targets`) and the target box of a task with
+        `uses_boxes` (`box`, in original pixels; None means no target); tasks add their columns' checks, e.g. with
+        `require_text`.
+        """
+        row = self.scoring_row(row)  # raises BadRow when the row has no usable target
+        if self.uses_boxes and row.get("box") is not None:
+            check_box(row["box"], row)
+
+    def open_image(self, value, row=None):
+        """`load_image` of a row's image value (a PIL image, bytes, a `datasets` image dict or a path): a path
+        resolves against data.image_root, else the data file's folder, and must stay inside it unless
+        data.allow_outside_paths=true. `row` names the row in messages."""
+        from gpg_vl.data.sources import data_image_root, load_image  # here: `datasets` is slow to import
+
+        return load_image(value, image_root=data_image_root(self.image_root, self.data_path), row=row,
+                          allow_outside=getattr(self, "allow_outside_paths", False))
+
+    def prepare_targets(self, row: dict) -> dict:
+        """What the rewards read that the published columns do not hold as such (a label taken out of its
+        `<answer>` tag, the box around a mask, ...), derived from `row`; `{}` (the default) when the rewards read
+        the published columns themselves. Raises `BadRow` when the row has no usable target.
+
+        The one place a task turns a row into its targets: loaders add the result to every row they prepare, and
+        `scoring_row` adds it to a row given straight from the dataset, so both score alike. It must accept a row
+        its loader prepared too (giving the same targets).
+        """
+        return {}
+
+    def scoring_row(self, row: dict) -> dict:
+        """`row` with its targets (`prepare_targets`), as the reward functions read it: the dataset's published
+        row and the row the loader prepared give the same scores. Kept for the last few row objects (by
+        identity), so scoring the G completions of one row prepares it once; treat scored rows as read-only."""
+        memo = vars(self).setdefault("_scoring_memo", OrderedDict())
+        found = memo.pop(id(row), None)  # pop and insert (no move_to_end): each step is atomic across threads
+        if found is None or found[0] is not row:  # the row itself is held, so its id is not reused meanwhile
+            targets = self.prepare_targets(row)
+            found = (row, {**row, **targets} if targets else row)
+        memo[id(row)] = found
+        while len(memo) > SCORING_MEMO_ROWS:
+            with contextlib.suppress(KeyError):
+                memo.popitem(last=False)
+        return found[1]
+
+    def target(self, row: dict) -> str:
+        """The reference answer of a row, as shown in predictions files."""
+        return str(self.scoring_row(row).get("answer", ""))
+
+    def reward_components(self, completion: str, row: dict) -> dict[str, float]:
+        """Each reward function's raw score for one completion of `row` (the dataset's published row, or the
+        row the loader prepared: see `scoring_row`).
+
+        A reward function that raises gives this completion 0 for that reward: the error is counted in
+        `reward_errors[name]` and its first traceback is printed once. A NaN or infinite score is kept (the
+        trainer leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`.
+        A row without a usable target raises `BadRow` (see `prepare_targets`).
+        """
+        with _COUNTING:  # completions are scored on several threads (gpg_vl/reward/pool.py): a row is prepared once
+            errors = vars(self).setdefault("reward_errors", {})
+            nonfinite = vars(self).setdefault("reward_nonfinite", {})
+            row = self.scoring_row(row)
+        scores = {}
+        for name, fn in self.reward_functions.items():
+            try:
+                score = float(fn(completion, row))
+            except Exception:  # a reward (often a user's own) that fails on odd output must not end the run
+                with _COUNTING:
+                    errors[name] = errors.get(name, 0) + 1
+                    first = errors[name] == 1
+                if first:
+                    print(f"warning: reward {name!r} of task {self.name!r} raised on a completion; it scores 0 "
+                          f"(counted as reward_errors in metrics.jsonl; this traceback is shown once):\n"
+                          f"{traceback.format_exc().rstrip()}", file=sys.stderr)
+                score = 0.0
+            if not math.isfinite(score):
+                with _COUNTING:
+                    nonfinite[name] = nonfinite.get(name, 0) + 1
+            scores[name] = score
+        return scores
+
+    def scored(self, rows: Sequence[dict], completions: Sequence[str],
+               scores: Sequence[dict[str, float]] | None = None) -> list[dict[str, float]]:
+        """`scores` when given (checked to pair with the completions), else each completion's reward_components."""
+        if scores is None:
+            return [self.reward_components(c, r) for c, r in zip(completions, rows, strict=True)]
+        if len(scores) != len(completions):
+            raise ValueError(f"{len(scores)} scores for {len(completions)} completions")
+        return list(scores)
+
+    def total(self, components: dict[str, float]) -> float:
+        """The weighted sum of reward components."""
+        return sum(self.reward_weights.get(name, 1.0) * score for name, score in components.items())
+
+    def reward(self, completion: str, row: dict) -> float:
+        """The weighted total reward of one completion."""
+        return self.total(self.reward_components(completion, row))
+
+    def metrics(self, rows: Sequence[dict], completions: Sequence[str],
+                scores: Sequence[dict[str, float]] | None = None) -> dict[str, float]:
+        """Evaluation metrics over paired rows and completions. `scores`: each completion's
+        `reward_components`, when already computed (evaluation scores each completion once, on several
+        threads: gpg_vl/train/evaluate.py); an override passes them on and reads them, see `scored`."""
+        count = max(len(completions), 1)
+        sums: dict[str, float] = {}
+        for components in self.scored(rows, completions, scores):
+            for name, score in components.items():
+                sums[name] = sums.get(name, 0.0) + score
+        result = {f"reward/{name}": total / count for name, total in sums.items()}
+        if "accuracy" in sums:
+            result["accuracy"] = sums["accuracy"] / count
+        result["answered"] = sum(extract_answer(c) is not None for c in completions) / count
+        return result
+
+
+def row_name(row: dict) -> str:
+    """How messages name a row: by its id when it has one."""
+    return f"row {str(row['id'])!r}" if row.get("id") is not None else "a row"
+
+
+def require_text(row: dict, **roles: str) -> None:
+    """`BadRow` unless each column holds text: `require_text(row, question="problem", answer="solution")`; see
+    `column_text` for the reasons."""
+    for role, column in roles.items():
+        column_text(row, column, role)
+
+
+def column_text(row: dict, column: str, role: str = "answer") -> str:
+    """The text of `row[column]`, stripped. `BadRow` "missing column" for an absent or null column, then as
+    `checked_text`: a NaN or infinite value ("non-finite answer") or blank text ("empty answer")."""
+    value = row.get(column)
+    if value is None:
+        raise BadRow("missing column", f"{row_name(row)} has no {column!r} ({role}); check the data's columns.")
+    return checked_text(str(value), row, role, f"{column!r}")
+
+
+def checked_text(text: str, row: dict, role: str, where: str) -> str:
+    """`text` stripped; `BadRow` "non-finite <role>" when it reads as a NaN or infinite number ('nan', 'inf', a
+    float NaN written out: a reward would match the answer 'nan' to it), "empty <role>" when it is blank."""
+    text = text.strip()
+    if not text:
+        raise BadRow(f"empty {role}", f"{row_name(row)} has an empty {role} ({where}); fix or drop the row.")
+    if _NON_FINITE.fullmatch(text):
+        raise BadRow(f"non-finite {role}", f"{row_name(row)} has the {role} {text!r} ({where}), NaN or infinite: "
+                                           "not a usable value; fix or drop the row.")
+    return text
+
+
+def check_box(box, row: dict) -> None:
+    """`BadRow` ("bad box") unless `box` is four finite numbers (x1, y1, x2, y2) with x2 > x1 and y2 > y1."""
+    if _as_box(box) is None:
+        raise BadRow("bad box", f"{row_name(row)} has the box {box!r}: not four finite numbers x1 < x2, y1 < y2.")
+
+
+def image_question(image, text: str) -> list[dict]:
+    """The chat messages of a single-image question: one user turn holding the image, then the text."""
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
+def register_task(task_class: type[Task]) -> type[Task]:
+    """Register a Task subclass under its `name`; usable as a class decorator. Duplicates raise."""
+    if not (isinstance(task_class, type) and issubclass(task_class, Task)) or not task_class.name:
+        raise UserError(f"register_task needs a Task subclass with a `name`; got {task_class!r}.")
+    existing = _REGISTRY.get(task_class.name)
+    if existing is not None and existing is not task_class:
+        raise UserError(
+            f"a task named {task_class.name!r} is already registered ({existing.__module__}."
+            f"{existing.__qualname__}); pick another name."
+        )
+    _REGISTRY[task_class.name] = task_class
+    return task_class
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        importlib.import_module("gpg_vl_tasks")
+
+
+def list_tasks() -> list[str]:
+    """Names of every registered task, built-in ones included."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _load_from_reference(reference: str) -> type[Task]:
+    """Import `module:Name` or `path/to/file.py:Name` (this runs the file's code)."""
+    task_class = load_reference(reference, "task.name")
+    if not (isinstance(task_class, type) and issubclass(task_class, Task)):
+        raise UserError(f"{reference!r} does not name a Task subclass; check the class name after ':'.")
+    return task_class
+
+
+def get_task(name: str, *, data_path: str | None = None, image_root: str | None = None,
+             allow_outside_paths: bool = False, **options: Any) -> Task:
+    """Build the task called `name` (a registered name, `module:Name` or `file.py:Name`).
+
+    `options` go to the task's constructor; `data_path` / `image_root` point it at a local copy of its data, and
+    `allow_outside_paths` lets the data's image paths leave the image root (`Task.open_image`).
+    """
+    if ":" in name:
+        task_class = _load_from_reference(name)
+        if task_class.name and task_class.name not in _REGISTRY:
+            register_task(task_class)
+    else:
+        _load_builtins()
+        if name not in _REGISTRY:
+            raise UserError(
+                f"unknown task {name!r}; known tasks: {', '.join(sorted(_REGISTRY))} "
+                "(or give module:ClassName / path/to/file.py:ClassName)."
+            )
+        task_class = _REGISTRY[name]
+    accepted = inspect.signature(task_class.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            valid = [p for p in accepted if p != "self"]
+            raise UserError(f"task {task_class.name!r} has no option {', '.join(unknown)}; "
+                            f"its options are: {', '.join(valid) or 'none'} (set them as task.options.<name>=...).")
+    task = task_class(**options)
+    if data_path is not None:
+        task.data_path = str(data_path)
+    if image_root is not None:
+        task.image_root = str(image_root)
+    task.allow_outside_paths = bool(allow_outside_paths)
+    return task

@@ -1,0 +1,224 @@
+"""Compute each prompt once per group, in both phases, and score completions without full-vocabulary logits.
+
+A GPG step samples G completions of the same prompt (images included), then scores them. Peers repeat
+the prompt G times in both phases. Here:
+
+- rollout (`prefill_once`): the B distinct prompts are prefilled once (each image through the vision
+  tower once, each prompt token through the language model once) and the cache is forked G ways by the
+  family (`Family.fork_cache`: key/value layers and linear-attention states alike) before `generate`
+  samples the completions;
+- update (`prompt_once_hidden`): each distinct prompt runs forward once, with gradient; its cache is
+  forked to its G sequences, and the completions run on top of it with explicit positions continuing
+  the prompt's (the family's own rule, 1-D or multimodal). The gradient reaches the prompt's forward
+  through the cache;
+- scoring (`completion_logps`): the hidden states that predict completion tokens go through the output
+  layer a chunk of tokens at a time, and the backward pass recomputes each chunk's logits, so fp32
+  full-vocabulary logits are never held for all tokens at once.
+
+Every function here gives, up to floating-point rounding, what the plain full-sequence forward gives;
+tests/integration/test_fast_paths.py checks values, gradients and greedy tokens. Nothing here names a model family:
+what differs between families is asked of the family (gpg_vl/models/family.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicLayer
+
+from gpg_vl.models.family import PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
+
+
+def _cache_of(outputs):
+    """The cache of a model output (`cache` in transformers >= 5.x, `past_key_values` before)."""
+    cache = getattr(outputs, "cache", None)
+    return cache if cache is not None else getattr(outputs, "past_key_values", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout: prefill each prompt once, fork its cache G ways
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, max_new_tokens: int,
+                 static_cache: bool, reserve_cache: bool) -> dict | None:
+    """`generate` keyword arguments that continue B prompts prefilled once, as B * G rows.
+
+    All prompt tokens but the last go through the model once per prompt (images included); the family
+    forks the cache G ways (into a preallocated static cache with `static_cache`, where the family can;
+    else, with `reserve_cache`, into dynamic layers with room reserved for the whole completion), and
+    `generate` then runs the last prompt token for the B * G rows, whose logits sample the first
+    completion token. Returns None when the prompt cannot be split this way (a prompt ending in a vision
+    token, or a single token).
+    """
+    ids = inputs["input_ids"]  # [B, P]
+    last_is_vision = torch.isin(ids[:, -1], torch.tensor(family.suppressed_ids or [-1], device=ids.device))
+    if ids.shape[1] < 2 or bool(last_is_vision.any()):
+        return None
+    bare = unwrap(model)
+    per_token = {key: inputs[key] for key in per_token_keys(inputs)}
+    head = {**inputs, **{key: value[:, :-1] for key, value in per_token.items()}}  # [B, P - 1] each
+    family.reset_positions(bare)
+    prefilled = bare(**head, use_cache=True, logits_to_keep=1)
+    index = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(group_size)  # [B * G]
+    cache = family.fork_cache(bare, _cache_of(prefilled), index)
+    if static_cache:
+        cache = family.static_copy(bare, cache, max_cache_len=ids.shape[1] + max_new_tokens)
+    elif reserve_cache:
+        cache = reserve(cache, capacity=ids.shape[1] + max_new_tokens)
+    expanded = {key: value.repeat_interleave(group_size, dim=0) for key, value in per_token.items()}
+    return {**expanded, "cache": cache}
+
+
+class ReservedLayer(DynamicLayer):
+    """A `DynamicLayer` whose room for `capacity` tokens is allocated once.
+
+    `update` writes the new key/value states in place and `keys` / `values` are views of the filled part:
+    attention sees the very tensors (values and lengths) a `DynamicLayer` would give, without the
+    dynamic layer's copy of the whole cache per decoded token. A cropped layer keeps writing in place after
+    its shorter view. A layer that would outgrow its room, whose tensors were replaced from outside
+    (reordered, rows selected) or that is asked to keep a gradient grows by concatenation instead, as
+    `DynamicLayer` does.
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, capacity: int) -> None:  # keys, values [N, heads, S, d]
+        super().__init__()
+        self.device, self.is_initialized = keys.device, True
+        self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])  # [N, heads, capacity, d]
+        self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+        self._write(keys, values, 0)
+
+    def _write(self, keys: Tensor, values: Tensor, start: int) -> None:
+        end = start + keys.shape[-2]
+        self._keys[..., start:end, :] = keys
+        self._values[..., start:end, :] = values
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        filled = self.keys.shape[-2]
+        in_place = (self.keys.data_ptr() == self._keys.data_ptr() and self.keys.shape[0] == self._keys.shape[0]
+                    and filled + key_states.shape[-2] <= self._keys.shape[-2]
+                    and not (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)))
+        if not in_place:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._write(key_states, value_states, filled)
+        return self.keys, self.values
+
+
+def reserve(cache, *, capacity: int):
+    """The cache with every plain `DynamicLayer` moved into a `ReservedLayer` of `capacity` tokens (in place;
+    other layers, e.g. sliding-window or linear-attention states, are left as they are)."""
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel() > 0:
+            cache.layers[index] = ReservedLayer(layer.keys, layer.values, max(capacity, layer.keys.shape[-2]))
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------
+# update: the prompt once per group, the G completions on its cache
+# ---------------------------------------------------------------------------------------------
+def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                       completion_mask: Tensor) -> Tensor:
+    """Final hidden states [N, C, H]; row n, column t is the state that predicts completion_ids[n, t].
+
+    Each distinct prompt of `prompt_index` runs forward once (its images through the vision tower
+    once) with gradient; its cache is indexed out to the sequences that continue it, and the
+    completions (all but their last token, which predicts nothing) run on that cache. Column 0 is the
+    prompt's last state (left padding puts every prompt's last token in the last column).
+    """
+    bare = unwrap(model)
+    distinct = sorted(set(prompt_index))
+    row_of = {prompt: row for row, prompt in enumerate(distinct)}
+    expand = torch.tensor([row_of[p] for p in prompt_index], device=completion_ids.device)  # [N]
+    inputs = trim_left_padding(prompts.select(distinct).inputs)
+    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]  # [B, P]
+    width, length = prompt_ids.shape[1], completion_ids.shape[1]
+    # positions of prompt + completion, from the family's rule on the full sequence
+    filler = prompt_ids.new_full((len(distinct), length), family.pad_id)
+    full = extend_per_token(inputs, filler, prompt_mask.new_ones(len(distinct), length))
+    positions = family.position_ids(bare, full)  # [..., B, P + C]: [B, L], or [3, B, L] multimodal
+    # the router loss counts a prompt token once per sequence that continues it, as the plain path does
+    family.weigh_router_tokens(bare, lambda: prompt_mask * torch.bincount(expand, minlength=len(distinct))[:, None])
+    prompt_out = bare.model(**inputs, position_ids=positions[..., :width], use_cache=True)
+    last = prompt_out.last_hidden_state[:, -1][expand].unsqueeze(1)  # [N, 1, H]
+    if length == 1:
+        return last
+    cache = family.fork_cache(bare, _cache_of(prompt_out), expand)  # [N, ...] per layer, still in the graph
+    mask = torch.cat([prompt_mask[expand], completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1)  # [N, P + C - 1]
+    family.weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
+    completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
+                                position_ids=positions.index_select(-2, expand)[..., width:width + length - 1],
+                                cache=cache, use_cache=True)
+    return torch.cat([last, completion_out.last_hidden_state], dim=1)  # [N, C, H]
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring: log-softmax over the vocabulary, a chunk of tokens at a time
+# ---------------------------------------------------------------------------------------------
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[target], suppressed ids at -inf, chunk by chunk.
+
+    Forward keeps only each token's log-normaliser; backward recomputes a chunk's logits and uses
+    d logp / d logits = (onehot(target) - softmax) / temperature.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, suppressed: Tensor | None,
+                temperature: float, chunk: int, softcap: float | None) -> Tensor:
+        logps = hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # [T]
+        normalisers = torch.empty_like(logps)  # [T]
+        for start in range(0, hidden.shape[0], chunk):
+            logits = _chunk_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
+            normalisers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1)  # [t]
+            logps[start:start + chunk] = picked - normalisers[start:start + chunk]
+        ctx.save_for_backward(hidden, weight, targets, normalisers, suppressed)
+        ctx.temperature, ctx.chunk, ctx.softcap = temperature, chunk, softcap
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps: Tensor):
+        hidden, weight, targets, normalisers, suppressed = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = start + ctx.chunk
+            logits = _chunk_logits(hidden[start:end], weight, suppressed, ctx.temperature, ctx.softcap)  # [t, V]
+            grad = torch.exp(logits - normalisers[start:end, None]).mul_(-grad_logps[start:end, None].float())
+            grad.scatter_add_(-1, targets[start:end, None], grad_logps[start:end, None].float())
+            grad.div_(ctx.temperature)  # d logp / d capped logits [t, V]
+            if ctx.softcap:  # d cap * tanh(x / cap) / dx = 1 - tanh(x / cap)^2
+                grad.mul_(1 - torch.tanh((hidden[start:end] @ weight.T).float() / ctx.softcap) ** 2)
+            if want_hidden:
+                grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+            if want_weight:
+                grad_weight += grad.T @ hidden[start:end].float()
+        return grad_hidden, (grad_weight.to(weight.dtype) if want_weight else None), None, None, None, None, None
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, temperature: float,
+                  softcap: float | None = None) -> Tensor:
+    logits = (hidden @ weight.T).float()  # [t, V]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    if suppressed is not None:
+        logits.index_fill_(-1, suppressed, float("-inf"))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def completion_logps(hidden: Tensor, weight: Tensor, token_ids: Tensor, mask: Tensor, *, suppressed_ids: list[int],
+                     temperature: float, chunk_tokens: int, softcap: float | None = None) -> Tensor:
+    """Log-probs [N, C] of token_ids under softmax(hidden @ weight.T / temperature), suppressed ids removed
+    (with `softcap`, the logits are first capped as cap * tanh(logits / cap), as Gemma's output layer does).
+
+    Only tokens where `mask` is True are scored (others are 0); they go through the output layer
+    `chunk_tokens` at a time, forward and backward.
+    """
+    selected = mask.nonzero(as_tuple=True)
+    suppressed = torch.tensor(suppressed_ids, device=hidden.device) if suppressed_ids else None
+    values = _ChunkedTokenLogps.apply(hidden[selected], weight, token_ids[selected], suppressed, temperature,
+                                      max(int(chunk_tokens), 1), softcap)  # [T]
+    logps = torch.zeros(token_ids.shape, dtype=values.dtype, device=values.device)
+    return logps.index_put(selected, values)  # [N, C]

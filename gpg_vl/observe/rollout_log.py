@@ -1,0 +1,290 @@
+"""What the model saw and said, as the trainer used it: rollouts of some steps, on disk and in the trackers.
+
+Every `trainer.log_rollouts_every` steps (and at step 1) the trainer hands this module the step's attempts, in
+the order they were sampled (the first rollout, then each resampling). For up to `trainer.log_rollouts_groups`
+groups (taken in turn from each attempt, so resampled groups show too) it writes `rollouts/step-<N>.json`:
+each group's prompt text and images, its G completions (boxes in the task's frame: original pixels), each
+reward component and the total, the advantage, whether the group was valid (trained on), the attempt it came
+from, and each completion's length and end (EOS, or cut off at the token limit). The rewards and advantages are
+the attempt's own tensors, never recomputed. `scripts/view.py` turns the files into one HTML page; with
+`trainer.report_to=tensorboard` or `wandb` the same groups go to that tracker as text and images.
+
+Disk use is bounded: images are JPEG thumbnails (at most `MAX_EDGE` px a side and `MAX_THUMB_BYTES` each,
+`MAX_IMAGES` a prompt), stored once under `rollouts/images/` by a hash of their pixels; prompt and completion
+texts are cut to `MAX_TEXT_CHARS` (halved until a step file fits `MAX_STEP_BYTES`). A step therefore adds at
+most `step_bytes_bound(groups)` bytes, whatever the model writes.
+
+Only the main process records, from its own share of the prompts (the groups of the other processes stay there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+from gpg_vl.data.sources import load_image
+from gpg_vl.reward.primitives import extract_answer, parse_box
+from gpg_vl.rollout.types import in_task_frame
+from gpg_vl.train.checkpoint import write_atomic
+from gpg_vl.train.evaluate import _prompt_text
+
+MAX_EDGE = 256  # thumbnail side, pixels
+MAX_THUMB_BYTES = 64 * 1024  # one thumbnail's JPEG
+MAX_IMAGES = 4  # thumbnails kept per prompt
+MAX_TEXT_CHARS = 2000  # a prompt's or a completion's text, before a step file is squeezed further
+MAX_STEP_BYTES = 1 << 20  # one step file's JSON
+GROUND_TRUTH, PREDICTED = (40, 200, 60), (230, 40, 200)  # box colours on tracker images
+
+
+def step_bytes_bound(groups: int) -> int:
+    """The most bytes one logged step adds to disk: its JSON plus new thumbnails."""
+    return MAX_STEP_BYTES + groups * MAX_IMAGES * MAX_THUMB_BYTES
+
+
+def due(step: int, every: int) -> bool:
+    """Whether step `step` is logged: every `every` steps and at step 1 (never with every = 0)."""
+    return every > 0 and (step == 1 or step % every == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# images
+# ---------------------------------------------------------------------------------------------
+def thumbnail_jpeg(image: Image.Image, max_edge: int = MAX_EDGE, max_bytes: int = MAX_THUMB_BYTES) -> bytes:
+    """`image` as a JPEG of at most `max_edge` px a side and `max_bytes` bytes (lower quality, then smaller)."""
+    small = image.convert("RGB")
+    small.thumbnail((max_edge, max_edge))
+    while True:
+        for quality in (85, 70, 50, 30):
+            buffer = io.BytesIO()
+            small.save(buffer, format="JPEG", quality=quality)
+            if buffer.tell() <= max_bytes:
+                return buffer.getvalue()
+        small = small.resize((max(1, small.width // 2), max(1, small.height // 2)))
+
+
+def store_image(image: Image.Image, folder: Path) -> str:
+    """Save `image`'s thumbnail once under `folder` (named by a hash of its pixels); its name."""
+    digest = hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()[:24]
+    path = folder / f"{digest}.jpg"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, thumbnail_jpeg(image))
+    return path.name
+
+
+def message_images(messages: list[dict]) -> list[Image.Image]:
+    """The PIL images of chat messages, in order (Qwen-VL format: `{"type": "image", "image": ...}`)."""
+    images = []
+    for message in messages:
+        content = message["content"]
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") == "image":
+                value = part.get("image")
+                images.append(value if isinstance(value, Image.Image) else load_image(value))
+    return images
+
+
+def answer_box(text: str) -> list[float] | None:
+    """The box of a completion's answer, in the frame of its text (None without exactly one box)."""
+    answer = extract_answer(text)
+    return _box(None if answer is None else parse_box(answer))
+
+
+def draw_boxes(image: Image.Image, size: Sequence[int], target: Sequence[float] | None,
+               predicted: Sequence[Sequence[float] | None]) -> Image.Image:
+    """A copy of `image` (a thumbnail of an original of `size` (W, H)) with the target and predicted boxes,
+    given in original pixels, drawn at its scale."""
+    drawn = image.convert("RGB")
+    scale_x, scale_y = drawn.width / size[0], drawn.height / size[1]
+    draw = ImageDraw.Draw(drawn)
+    for box, colour in [(b, PREDICTED) for b in predicted] + [(target, GROUND_TRUTH)]:
+        if box is not None:
+            draw.rectangle((box[0] * scale_x, box[1] * scale_y, box[2] * scale_x, box[3] * scale_y),
+                           outline=colour, width=2)
+    return drawn
+
+
+# ---------------------------------------------------------------------------------------------
+# the step record
+# ---------------------------------------------------------------------------------------------
+def chosen_groups(attempts: Sequence, limit: int) -> list[tuple[int, int]]:
+    """(attempt, group) pairs, at most `limit`: group 0 of each attempt, then group 1 of each, ..."""
+    widths = [len(attempt.rows) for attempt in attempts]
+    order = [(a, b) for b in range(max(widths, default=0)) for a, width in enumerate(widths) if b < width]
+    return order[:limit]
+
+
+def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, image_folder: Path,
+                text_chars: int = MAX_TEXT_CHARS) -> dict:
+    """The JSON-ready record of one step's rollouts (see the module doc); thumbnails are saved in `image_folder`."""
+    frames: dict[int, list[str]] = {}  # attempt -> its completions in the task's frame
+    records = []
+    for a, b in chosen_groups(attempts, groups):
+        attempt = attempts[a]
+        group_size = attempt.rollout.group_size
+        if a not in frames:
+            frames[a] = in_task_frame(policy, task, attempt.rollout.texts, attempt.prompts, group_size)
+        row = attempt.rows[b]
+        messages = task.messages(row)
+        images = message_images(messages)[:MAX_IMAGES]
+        mask = attempt.rollout.completion_mask  # [b * G, C]
+        completions = []
+        for g in range(group_size):
+            sequence = b * group_size + g
+            tokens = int(mask[sequence].sum())
+            ended = tokens > 0 and int(attempt.rollout.completion_ids[sequence, tokens - 1]) in policy.adapter.eos_ids
+            text = frames[a][sequence]
+            completions.append({
+                **_clipped(text, text_chars),
+                "reward": _number(attempt.rewards[b, g]),
+                "components": {name: _number(values[b, g]) for name, values in attempt.components.items()},
+                "advantage": _number(attempt.advantages[b, g]),
+                "tokens": tokens, "end": "eos" if ended else "cut",
+                **({"box": answer_box(text)} if task.uses_boxes else {}),
+            })
+        prompt = _clipped(_prompt_text(messages), text_chars)
+        records.append({
+            "attempt": a, "group": b, "id": str(row.get("id", b)), "valid": bool(attempt.valid[b]),
+            "prompt": prompt["text"], "prompt_chars": prompt["chars"], "prompt_truncated": prompt["truncated"],
+            "images": [store_image(image, image_folder) for image in images],
+            "image_sizes": [[image.width, image.height] for image in images],
+            "target": _clipped(str(task.target(row)), text_chars)["text"],
+            **({"target_box": _box(row.get("box"))} if task.uses_boxes else {}),
+            "completions": completions,
+        })
+    return {
+        "step": step, "task": task.name, "uses_boxes": bool(task.uses_boxes),
+        "reward_names": list(task.reward_functions),
+        "reward_weights": {name: task.reward_weights.get(name, 1.0) for name in task.reward_functions},
+        "attempts": len(attempts), "groups_per_attempt": [len(attempt.rows) for attempt in attempts],
+        "valid_per_attempt": [int(attempt.valid.sum()) for attempt in attempts],
+        "text_chars": text_chars, "groups": records,
+    }
+
+
+def log_rollouts(step: int, attempts: Sequence, *, policy, task, output_dir: str | Path, every: int, groups: int,
+                 accelerator=None) -> Path | None:
+    """Record step `step`'s rollouts when it is due (`due`), on the main process: `rollouts/step-<N>.json`, and the
+    trackers the accelerator has (tensorboard, wandb). Returns the file written, or None."""
+    if not due(step, every) or groups <= 0 or (accelerator is not None and not accelerator.is_main_process):
+        return None
+    attempts = [attempt for attempt in attempts if attempt.rollout is not None]  # a process without prompts
+    folder = Path(output_dir) / "rollouts"
+    text_chars = MAX_TEXT_CHARS
+    while True:
+        record = step_record(step, attempts, policy=policy, task=task, groups=groups,
+                             image_folder=folder / "images", text_chars=text_chars)
+        data = json.dumps(record, ensure_ascii=False).encode()
+        if len(data) <= MAX_STEP_BYTES or text_chars <= 16:
+            break
+        text_chars //= 2
+    path = folder / f"step-{step}.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, data)
+    for tracker in getattr(accelerator, "trackers", None) or []:
+        send = TRACKERS.get(tracker.name)
+        if send is not None:
+            send(accelerator.get_tracker(tracker.name, unwrap=True), record, folder, step)
+    return path
+
+
+def read_steps(output_dir: str | Path) -> list[dict]:
+    """Every `rollouts/step-<N>.json` of a run, by step."""
+    files = sorted((Path(output_dir) / "rollouts").glob("step-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    return [json.loads(path.read_text()) for path in files]
+
+
+# ---------------------------------------------------------------------------------------------
+# trackers: name (as accelerate calls it) -> fn(unwrapped tracker, record, rollouts folder, step)
+# ---------------------------------------------------------------------------------------------
+def tracker_image(group: dict, folder: Path) -> Image.Image | None:
+    """A group's first thumbnail, with its target and predicted boxes drawn (grounding tasks)."""
+    if not group["images"]:
+        return None
+    with Image.open(folder / "images" / group["images"][0]) as opened:
+        image = opened.convert("RGB")
+    if "target_box" not in group:
+        return image
+    return draw_boxes(image, group["image_sizes"][0], group["target_box"], [c["box"] for c in group["completions"]])
+
+
+def group_markdown(group: dict, names: list[str]) -> str:
+    """A group as markdown (tensorboard's text plugin): its prompt, a table of scores, then each completion."""
+    state = "valid" if group["valid"] else "invalid (equal rewards: not trained on)"
+    lines = [f"**{group['id']}**, attempt {group['attempt']}, {state}; target: `{group['target']}`", "",
+             _fenced(group["prompt"]), "",
+             "| # | reward | advantage | " + " | ".join(names) + " | tokens | end |",
+             "|---" * (len(names) + 5) + "|"]
+    for g, c in enumerate(group["completions"]):
+        scores = " | ".join(_shown(c["components"][n]) for n in names)
+        lines.append(f"| {g} | {_shown(c['reward'])} | {_shown(c['advantage'])} | {scores} | {c['tokens']} "
+                     f"| {c['end']} |")
+    for g, c in enumerate(group["completions"]):
+        lines += ["", f"completion {g}:", _fenced(c["text"])]
+    return "\n".join(lines)
+
+
+def to_tensorboard(writer, record: dict, folder: Path, step: int) -> None:
+    import numpy as np
+
+    for i, group in enumerate(record["groups"]):
+        writer.add_text(f"rollouts/group_{i}", group_markdown(group, record["reward_names"]), step)
+        image = tracker_image(group, folder)
+        if image is not None:
+            writer.add_image(f"rollouts/group_{i}", np.asarray(image), step, dataformats="HWC")
+    writer.flush()
+
+
+def to_wandb(run, record: dict, folder: Path, step: int) -> None:
+    """One table row per completion, the group's image (boxes drawn) in a `wandb.Image` column."""
+    import wandb
+
+    names = record["reward_names"]
+    table = wandb.Table(columns=["step", "group", "id", "attempt", "valid", "image", "prompt", "target", "completion",
+                                 "reward", "advantage", *names, "tokens", "end"])
+    for i, group in enumerate(record["groups"]):
+        image = tracker_image(group, folder)
+        shown = None if image is None else wandb.Image(image)
+        for c in group["completions"]:
+            table.add_data(step, i, group["id"], group["attempt"], group["valid"], shown, group["prompt"],
+                           group["target"], c["text"], float(c["reward"]), float(c["advantage"]),
+                           *[float(c["components"][n]) for n in names], c["tokens"], c["end"])
+    run.log({"rollouts": table}, step=step)
+
+
+TRACKERS: dict[str, Callable] = {"tensorboard": to_tensorboard, "wandb": to_wandb}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _clipped(text: str, limit: int) -> dict:
+    return {"text": text[:limit], "chars": len(text), "truncated": len(text) > limit}
+
+
+def _number(value) -> float | str:
+    """A float for JSON; NaN and infinities as the strings "nan", "inf", "-inf" (JSON has no such numbers)."""
+    number = float(value.item() if isinstance(value, torch.Tensor) else value)
+    return number if math.isfinite(number) else str(number)
+
+
+def _shown(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:.3f}"
+
+
+def _box(box) -> list[float] | None:
+    return None if box is None else [float(v) for v in box]
+
+
+def _fenced(text: str) -> str:
+    fence = "```"
+    while fence in text:
+        fence += "`"
+    return f"{fence}\n{text}\n{fence}"

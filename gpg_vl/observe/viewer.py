@@ -1,0 +1,371 @@
+"""Static HTML pages to look at what the model does: a training run's rollouts, and an evaluation's predictions.
+
+Each page is ONE self-contained file: CSS and JS inline (gpg_vl/assets/viewer/), images inline as data URIs,
+curves as inline SVG; no server, no network. Every text on it (prompts, completions: untrusted model output) is
+HTML-escaped here, in Python; the page's script only shows, hides and highlights what is already there, so the
+page also reads with scripts off.
+
+- `write_rollouts_html(output_dir)`: `rollouts.html` from `metrics.jsonl` (reward, valid fraction, alpha curves)
+  and `rollouts/step-<N>.json` (gpg_vl/observe/rollout_log.py): a step selector, and for each recorded group its image
+  and its G completions side by side, coloured by advantage, with their reward components; for grounding tasks
+  the predicted and target boxes drawn on the image in original pixels.
+- `write_predictions_html(path, task, records, rows, metrics)`: `predictions.html` beside `predictions.jsonl`: a
+  right/wrong filter, accuracy broken down by the task's `group_columns`, and for grounding tasks the predicted
+  and target boxes, and the segmenter's mask over the ground-truth mask when a segmenter ran.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from gpg_vl.errors import UserError
+from gpg_vl.observe.rollout_log import answer_box, message_images, read_steps, thumbnail_jpeg
+from gpg_vl.reward.primitives import box_iou
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "viewer"
+CURVES = (("reward_mean", "mean reward"), ("valid_fraction", "valid fraction (first rollout)"),
+          ("alpha", "alpha = B / (B - M)"))
+RIGHT_IOU = 0.5  # a grounding prediction is right at box IoU >= 0.5 with the target
+RIGHT_ACCURACY = 0.5  # otherwise when its accuracy reward is >= 0.5 (the 0/1 rewards: when it is 1)
+TRUTH_RGBA, PRED_RGBA = (22, 163, 74, 110), (217, 70, 239, 120)  # mask overlay colours
+
+
+def esc(value) -> str:
+    """Text as HTML: every <, >, &, and quote escaped (attributes too)."""
+    return html.escape(str(value), quote=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# rollouts.html
+# ---------------------------------------------------------------------------------------------
+def write_rollouts_html(output_dir: str | Path) -> Path:
+    """Write `output_dir/rollouts.html` (see the module doc); its path."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise UserError(f"{str(output_dir)!r} is not a folder; pass a training run's output_dir to scripts/view.py.")
+    steps = read_steps(output_dir)
+    if not steps:
+        raise UserError(f"{str(output_dir)!r} has no rollouts/step-<N>.json; train with trainer.log_rollouts_every=N "
+                        "(N > 0, the default is 10) and view that run's output_dir.")
+    metrics = read_metrics(output_dir / "metrics.jsonl")
+    if metrics:  # a run resumed from an earlier step: files past its last metrics line are from the abandoned part
+        steps = [s for s in steps if s["step"] <= metrics[-1]["step"]] or steps
+    summary = _read_json(output_dir / "summary.json")
+    images = output_dir / "rollouts" / "images"
+    body = [
+        f"<h1>Rollouts: {esc(output_dir.name)}</h1>",
+        f"<div class='sub'>task {esc(steps[-1]['task'])}"
+        + (f", model {esc(summary['model'])}" if summary.get("model") else "")
+        + f"; {len(steps)} logged steps of {len(metrics) or '?'}; groups of the main process only</div>",
+        curves_html(metrics, [s["step"] for s in steps]),
+        "<div class='controls'><label>step <select id='step'>"
+        + "".join(f"<option value='{s['step']}'{' selected' if s is steps[-1] else ''}>{s['step']}</option>"
+                  for s in steps)
+        + "</select></label><button id='prev' type='button'>&larr;</button>"
+          "<button id='next' type='button'>&rarr;</button>"
+          "<label>groups <select class='filter' id='state'><option value=''>all</option>"
+          "<option value='valid'>valid</option><option value='invalid'>invalid</option>"
+          "<option value='first'>first rollout</option><option value='resampled'>resampled</option>"
+          "</select></label><span id='shown'></span>"
+          "<span class='legend'>colour: advantage (<span style='color:#15803d'>+</span> / "
+          "<span style='color:#b91c1c'>&minus;</span>)</span></div>",
+    ]
+    by_step = {m.get("step"): m for m in metrics}
+    for record in steps:
+        body.append(step_html(record, by_step.get(record["step"], {}), images))
+    return _write_page(output_dir / "rollouts.html", f"rollouts: {output_dir.name}", body)
+
+
+def step_html(record: dict, metrics: dict, images: Path) -> str:
+    step = record["step"]
+    counts = ", ".join(f"{valid}/{groups}" for valid, groups in zip(record["valid_per_attempt"],
+                                                                     record["groups_per_attempt"], strict=True))
+    facts = [f"{record['attempts']} rollout(s), valid groups {counts} (this process)"]
+    facts += [f"{label} {_fmt(metrics[key])}" for key, label in CURVES if key in metrics]
+    parts = [f"<section class='step' data-step='{step}'><h2>step {step}</h2><div class='sub'>{esc('; '.join(facts))}"
+             "</div>"]
+    names, weights = record["reward_names"], record["reward_weights"]
+    for index, group in enumerate(record["groups"]):
+        parts.append(group_html(group, names, weights, images, f"s{step}g{index}"))
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def group_html(group: dict, names: list[str], weights: dict, images: Path, key: str) -> str:
+    """One group: its image (boxes drawn) and prompt on the left, its completions side by side."""
+    valid = "valid" if group["valid"] else "invalid"
+    origin = "first" if group["attempt"] == 0 else "resampled"
+    completions = group["completions"]
+    scale = max((abs(c["advantage"]) for c in completions if isinstance(c["advantage"], float)), default=0.0)
+    boxes = [(f"{key}c{g}", c.get("box"), str(g)) for g, c in enumerate(completions)]
+    image = ""
+    if group["images"]:
+        data = (images / group["images"][0]).read_bytes()
+        image = image_svg(data, group["image_sizes"][0], group.get("target_box"), boxes if "target_box" in group
+                          else [], [])
+        image += "".join(f"<img alt='image {i + 2}' width='80' src='{_data_uri((images / name).read_bytes())}'>"
+                         for i, name in enumerate(group["images"][1:]))
+    cards = []
+    for g, c in enumerate(completions):
+        scores = " + ".join(f"{esc(n)} {_fmt(c['components'].get(n))}"
+                            + (f"&times;{_fmt(weights[n])}" if weights.get(n, 1.0) != 1.0 else "") for n in names)
+        end = "EOS" if c["end"] == "eos" else "cut off"
+        more = f" (first {len(c['text'])} of {c['chars']} characters)" if c["truncated"] else ""
+        box = f"<br>box {esc(_box_text(c['box']))}" if "box" in c else ""
+        colour = advantage_colour(c["advantage"], scale)
+        cards.append(
+            f"<div class='completion' data-box='{key}c{g}' style='background:{colour}'>"
+            f"<div class='scores'><b>#{g}</b> reward <b>{_fmt(c['reward'])}</b> = {scores}<br>"
+            f"advantage <b>{_fmt(c['advantage'])}</b>; {c['tokens']} tokens, {end}{esc(more)}{box}</div>"
+            f"<pre>{esc(c['text'])}</pre></div>")
+    prompt_more = f" [first {len(group['prompt'])} of {group['prompt_chars']} characters]" \
+        if group["prompt_truncated"] else ""
+    tags = json.dumps([valid, origin])
+    return (f"<article class='group item {valid}' data-tags='{esc(tags)}'><div class='side'>{image}"
+            f"<div><span class='badge {valid}'>{valid}</span><span class='badge {origin}'>"
+            f"{'rollout 1' if origin == 'first' else 'resampled, rollout ' + str(group['attempt'] + 1)}</span></div>"
+            f"<div class='fields'>{esc(group['id'])}; target <b>{esc(group['target'])}</b>"
+            f"</div><div class='prompt'>{esc(group['prompt'] + prompt_more)}</div></div>"
+            f"<div class='completions'>{''.join(cards)}</div></article>")
+
+
+def advantage_colour(advantage: float | str, scale: float) -> str:
+    """A card's background: green for a positive advantage, red for a negative one, stronger the larger it is
+    (relative to the group's largest); grey for a non-finite or zero one."""
+    if not isinstance(advantage, float) or scale <= 0 or advantage == 0:
+        return "#f3f4f6"
+    strength = min(abs(advantage) / scale, 1.0)
+    hue = 130 if advantage > 0 else 0
+    return f"hsl({hue}, 65%, {95 - 22 * strength:.0f}%)"
+
+
+def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
+              predicted: list[tuple[str, Sequence[float] | None, str]], masks: list[tuple[bytes, str]]) -> str:
+    """An image in an SVG whose coordinates are the ORIGINAL image's pixels (`size` = (W, H)): the thumbnail
+    stretched over it, mask overlays (PNG), the target box and each predicted box (id, box, label)."""
+    width, height = (int(v) for v in size)
+    parts = [f"<svg class='view' viewBox='0 0 {width} {height}' preserveAspectRatio='xMidYMid meet' "
+             f"xmlns='http://www.w3.org/2000/svg'>"
+             f"<image href='{_data_uri(jpeg)}' x='0' y='0' width='{width}' height='{height}' "
+             "preserveAspectRatio='none'/>"]
+    parts += [f"<image class='mask {kind}' href='{_data_uri(png, 'image/png')}' x='0' y='0' width='{width}' "
+              f"height='{height}' preserveAspectRatio='none'/>" for png, kind in masks]
+    font = max(width, height) / 18
+    for box_id, box, label in predicted:
+        if box is not None:
+            x1, y1, x2, y2 = box
+            parts.append(f"<rect class='pred' id='{box_id}' x='{x1:g}' y='{y1:g}' width='{x2 - x1:g}' "
+                         f"height='{y2 - y1:g}'/><text x='{x1:g}' y='{y1 + font:g}' font-size='{font:g}'>"
+                         f"{esc(label)}</text>")
+    if target is not None:
+        x1, y1, x2, y2 = target
+        parts.append(f"<rect class='truth' x='{x1:g}' y='{y1:g}' width='{x2 - x1:g}' height='{y2 - y1:g}'/>")
+    parts.append("</svg>")
+    if target is not None or any(box is not None for _, box, _ in predicted) or masks:
+        parts.append("<div class='legend'><span class='t'>&#9632;</span> target"
+                     " <span class='p'>&#9632;</span> predicted (original pixels)</div>")
+    return "".join(parts)
+
+
+def curves_html(metrics: list[dict], marked: Sequence[int]) -> str:
+    """The run's reward, valid fraction and alpha over the steps, as inline SVG; logged steps marked."""
+    if not metrics:
+        return "<div class='sub'>no metrics.jsonl: no curves</div>"
+    charts = []
+    for key, label in CURVES:
+        points = [(m["step"], float(m[key])) for m in metrics
+                  if isinstance(m.get(key), (int, float)) and math.isfinite(float(m[key]))]
+        charts.append(f"<div class='curve'><div class='label'>{esc(label)}"
+                      + (f": {_fmt(points[-1][1])} at step {points[-1][0]}" if points else "")
+                      + f"</div>{svg_curve(points, marked)}</div>")
+    return f"<div class='curves'>{''.join(charts)}</div>"
+
+
+def svg_curve(points: list[tuple[int, float]], marked: Sequence[int], width: int = 300, height: int = 110) -> str:
+    """A line chart of (step, value) points with its y range and step range written on it."""
+    left, right, top, bottom = 34, 6, 6, 16
+    if not points:
+        return f"<svg width='{width}' height='{height}'><text x='40' y='50'>no values</text></svg>"
+    steps, values = [p[0] for p in points], [p[1] for p in points]
+    low, high = min(values), max(values)
+    if high - low < 1e-12:
+        low, high = low - 0.5, high + 0.5
+    first, last = min(steps), max(steps)
+    span = max(last - first, 1)
+
+    def x(step):
+        return left + (step - first) / span * (width - left - right)
+
+    def y(value):
+        return top + (high - value) / (high - low) * (height - top - bottom)
+
+    line = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points)
+    by_step = dict(points)
+    marks = "".join(f"<circle class='mark' cx='{x(s):.1f}' cy='{y(by_step[s]):.1f}' r='2.6'>"
+                    f"<title>step {s}: rollouts logged</title></circle>" for s in marked if s in by_step)
+    return (f"<svg width='{width}' height='{height}' viewBox='0 0 {width} {height}'>"
+            f"<line x1='{left}' y1='{top}' x2='{left}' y2='{height - bottom}' stroke='#bbb'/>"
+            f"<line x1='{left}' y1='{height - bottom}' x2='{width - right}' y2='{height - bottom}' stroke='#bbb'/>"
+            f"<text x='2' y='{top + 8}'>{_fmt(high)}</text><text x='2' y='{height - bottom}'>{_fmt(low)}</text>"
+            f"<text x='{left}' y='{height - 3}'>{first}</text>"
+            f"<text x='{width - right}' y='{height - 3}' text-anchor='end'>step {last}</text>"
+            f"<polyline points='{line}'/>{marks}</svg>")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# predictions.html
+# ---------------------------------------------------------------------------------------------
+def write_predictions_html(path: str | Path, task, records: Sequence[dict], rows: Sequence[dict],
+                           metrics: dict[str, float], *, split: str = "") -> Path:
+    """Write an evaluation's page (see the module doc). `rows` are the split's rows, indexed by each record's
+    `index` (their images are read once more, here)."""
+    columns = tuple(getattr(task, "group_columns", ()))
+    cards, tallies, right_count = [], {}, 0  # tallies: (column, value) -> [right, count]
+    for record in records:
+        row = rows[int(record["index"])]
+        right = is_right(task, record, row)
+        right_count += right
+        groups = [(column, str(row[column])) for column in columns if row.get(column) is not None]
+        for group in groups:
+            tally = tallies.setdefault(group, [0, 0])
+            tally[0] += right
+            tally[1] += 1
+        cards.append(prediction_html(task, record, row, right, groups))
+    body = [
+        f"<h1>Predictions: {esc(task.name)}{' / ' + esc(split) if split else ''}</h1>",
+        f"<div class='sub'>{len(records)} rows, {right_count} right ({esc(right_rule(task))})</div>",
+        "<div class='tables'>" + metrics_table(metrics) + breakdown_tables(columns, tallies) + "</div>",
+        "<div class='controls'><label>show <select class='filter' id='verdict'><option value=''>all</option>"
+        "<option value='right'>right</option><option value='wrong'>wrong</option></select></label>"
+        "<label>group <select class='filter' id='group'><option value=''>all</option>"
+        + "".join(f"<option value='{esc(c)}={esc(v)}'>{esc(c)} = {esc(v)}</option>" for c, v in sorted(tallies))
+        + "</select></label><span id='shown'></span></div>",
+        f"<section class='predictions'>{''.join(cards)}</section>",
+    ]
+    return _write_page(Path(path), f"predictions: {task.name}", body)
+
+
+def right_rule(task) -> str:
+    if task.uses_boxes:
+        return f"right: box IoU with the target >= {RIGHT_IOU}"
+    return f"right: accuracy reward >= {RIGHT_ACCURACY}"
+
+
+def is_right(task, record: dict, row: dict) -> bool:
+    """Whether a prediction counts as right on the page (`right_rule`)."""
+    if task.uses_boxes:
+        box, target = answer_box(record["completion"]), row.get("box")
+        return box is not None and target is not None and box_iou(box, target) >= RIGHT_IOU
+    return float(record.get("rewards", {}).get("accuracy", 0.0)) >= RIGHT_ACCURACY
+
+
+def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tuple[str, str]]) -> str:
+    verdict = "right" if right else "wrong"
+    images = message_images(task.messages(row))
+    picture = ""
+    if images:
+        size = (images[0].width, images[0].height)
+        box = answer_box(record["completion"]) if task.uses_boxes else None
+        masks = []  # when a segmenter ran: its mask over the ground-truth one
+        if record.get("pred_mask") is not None:
+            masks = [(mask_png(mask, colour), kind) for mask, colour, kind in
+                     ((row.get("mask_rle"), TRUTH_RGBA, "truth"), (record["pred_mask"], PRED_RGBA, "pred"))
+                     if mask is not None]
+        picture = image_svg(thumbnail_jpeg(images[0]), size, row.get("box") if task.uses_boxes else None,
+                            [(f"p{record['index']}", box, "")] if box is not None else [], masks)
+    rewards = ", ".join(f"{esc(name)} {_fmt(value)}" for name, value in record.get("rewards", {}).items())
+    tags = json.dumps([verdict, *[f"{column}={value}" for column, value in groups]])
+    group_text = "; ".join(f"{column} {value}" for column, value in groups)
+    return (f"<article class='card item' data-tags='{esc(tags)}'><div class='side'>{picture}"
+            f"<div class='prompt'>{esc(record.get('prompt', ''))}</div></div><div class='body'>"
+            f"<div><span class='badge {verdict}'>{verdict}</span> <b>{esc(record['id'])}</b> {esc(group_text)}</div>"
+            f"<div class='fields'>answer <b>{esc(record.get('answer'))}</b>; target <b>{esc(task.target(row))}</b>"
+            f"<br>{rewards}" + ("; mask by the segmenter" if record.get("pred_mask") else "") + "</div>"
+            f"<pre data-box='p{record['index']}'>{esc(record['completion'])}</pre></div></article>")
+
+
+def mask_png(rle: dict, rgba: tuple[int, int, int, int], max_edge: int = 256) -> bytes:
+    """A COCO RLE mask as a transparent PNG overlay (the mask in `rgba`), at most `max_edge` px a side."""
+    from pycocotools import mask as mask_utils
+
+    counts = rle["counts"]
+    decoded = mask_utils.decode({"size": list(rle["size"]), "counts": counts.encode() if isinstance(counts, str)
+                                 else counts}).astype(bool)  # [H, W]
+    pixels = np.zeros((*decoded.shape, 4), dtype=np.uint8)
+    pixels[decoded] = rgba
+    image = Image.fromarray(pixels, "RGBA")
+    image.thumbnail((max_edge, max_edge), Image.Resampling.NEAREST)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
+
+
+def metrics_table(metrics: dict[str, float]) -> str:
+    rows = "".join(f"<tr><td>{esc(name)}</td><td>{_fmt(value)}</td></tr>" for name, value in metrics.items()
+                   if isinstance(value, (int, float)))
+    return f"<table class='metrics'><tr><th>metric</th><th>value</th></tr>{rows}</table>"
+
+
+def breakdown_tables(columns: Sequence[str], tallies: dict[tuple[str, str], list[int]]) -> str:
+    """Per group column, each value's rows, right ones and accuracy; a value's button filters the cards to it."""
+    tables = []
+    for column in columns:
+        values = sorted((value, tally) for (c, value), tally in tallies.items() if c == column)
+        if not values:
+            continue
+        lines = "".join(
+            f"<tr><td><button type='button' data-filter-id='group' data-filter-value='{esc(column)}={esc(value)}'>"
+            f"{esc(value)}</button></td><td>{count}</td><td>{right}</td><td>{right / count:.3f}</td></tr>"
+            for value, (right, count) in values)
+        tables.append(f"<table class='breakdown'><tr><th>{esc(column)}</th><th>rows</th><th>right</th>"
+                      f"<th>accuracy</th></tr>{lines}</table>")
+    return "".join(tables)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _write_page(path: Path, title: str, body: list[str]) -> Path:
+    css, script = (ASSETS / "viewer.css").read_text(), (ASSETS / "viewer.js").read_text()
+    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{esc(title)}</title>"
+            f"<meta name='viewport' content='width=device-width, initial-scale=1'><style>{css}</style></head>"
+            f"<body><div id='js-error' hidden></div>{''.join(body)}<script>{script}</script></body></html>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _data_uri(data: bytes, mime: str = "image/jpeg") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return esc(value)
+    return esc(f"{float(value):.4g}")
+
+
+def _box_text(box) -> str:
+    return "none" if box is None else "[" + ", ".join(f"{v:g}" for v in box) + "]"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

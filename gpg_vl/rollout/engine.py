@@ -1,0 +1,116 @@
+"""Rollout engines: what samples the G completions of each prompt, behind one seam.
+
+An engine takes `EnginePrompts` (the family's `PromptBatch` plus the raw chat messages with their images, so
+each engine renders them its own way), a group size G and a `Sampling`, and returns a `Rollout` (B x G
+completions, row b * G + g the g-th of prompt b). After every optimizer step the trainer calls `sync(model)`
+(an engine that keeps its own copy of the weights pushes the new ones in); `sleep()` / `wake()` free and
+take back an engine's memory around the update where it has such a mode.
+
+Engines register by name (`register_engine`) and `rollout.engine` picks one:
+
+- `hf` (engines/hf.py): the trained model itself, through gpg-vl's decode loop or transformers' `generate`;
+- `vllm` (engines/vllm.py): a colocated vLLM engine in every training process (CUDA only).
+
+`require_engine` checks, when the settings are built (before any model loads), that the chosen engine can
+run here, and says in one sentence what is missing otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpg_vl.errors import UserError
+from gpg_vl.models.family import PromptBatch
+from gpg_vl.rollout.types import Rollout
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How an engine samples: the same fields for every engine."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False  # argmax decoding (evaluation); temperature and top_p are then unused
+    ignore_eos: bool = False  # always max_new_tokens tokens (EOS is never sampled)
+
+    @classmethod
+    def from_settings(cls, rollout) -> Sampling:
+        """The sampling of `rollout.*` (RolloutSettings)."""
+        return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+                   ignore_eos=rollout.ignore_eos)
+
+
+@dataclass
+class EnginePrompts:
+    """Prompts as they reach an engine: the family's encoded batch, and the messages it was encoded from
+    (None for a placeholder of the collectives, which only the HF engine decodes)."""
+
+    batch: PromptBatch
+    messages: list[list[dict]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def select(self, indices: list[int]) -> EnginePrompts:
+        messages = [self.messages[i] for i in indices] if self.messages is not None else None
+        return EnginePrompts(self.batch.select(indices), messages)
+
+
+def encode_prompts(policy, messages: list[list[dict]], ids: list[str] | None = None) -> EnginePrompts:
+    """Messages -> EnginePrompts, encoded by the policy's family."""
+    return EnginePrompts(policy.adapter.encode(messages, ids=ids), messages)
+
+
+class Engine:
+    """The engine protocol. `generate` is required; an engine without its own weights (HF) keeps the no-op
+    `sync`, and one without a sleep mode the no-op `sleep` / `wake`."""
+
+    name = "engine"
+    returns_logps = False  # whether Rollout.sampler_logps is filled (the trainer then checks it is on-policy)
+
+    def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
+        raise NotImplementedError
+
+    def sync(self, model) -> None:
+        """Take the trained model's weights (after each optimizer step)."""
+
+    def sleep(self) -> None:
+        """Free the engine's memory while the update runs."""
+
+    def wake(self) -> None:
+        """Take the memory back before the next rollout."""
+
+    @classmethod
+    def unavailable(cls, settings) -> str | None:
+        """One sentence saying why this engine cannot run here with these settings (None when it can)."""
+        return None
+
+
+ENGINES: dict[str, type[Engine]] = {}
+
+
+def register_engine(engine: type[Engine]) -> type[Engine]:
+    """Register an Engine subclass under its `name`; usable as a class decorator."""
+    ENGINES[engine.name] = engine
+    return engine
+
+
+def require_engine(rollout) -> type[Engine]:
+    """The engine class `rollout.engine` names, after checking that it can run here (else one sentence)."""
+    engine = ENGINES.get(rollout.engine)
+    if engine is None:
+        raise UserError(f"unknown rollout.engine {rollout.engine!r}; use one of {', '.join(sorted(ENGINES))}.")
+    reason = engine.unavailable(rollout)
+    if reason is not None:
+        raise UserError(reason)
+    return engine
+
+
+def build_engine(rollout, policy, *, accelerator=None) -> Engine:
+    """The engine of `rollout.*` for `policy` (the HF engine samples with `policy.model` itself)."""
+    return require_engine(rollout)(policy, rollout, accelerator=accelerator)
+
+
+from gpg_vl.rollout import hf as _hf  # noqa: E402,F401  (registers "hf")
+from gpg_vl.rollout import vllm as _vllm  # noqa: E402,F401  (registers "vllm")

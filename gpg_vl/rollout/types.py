@@ -1,0 +1,47 @@
+"""Grouped rollouts: what every engine (gpg_vl/rollout/) returns for B prompts, B x G completions.
+
+A completion's mask covers its tokens up to and including the first end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gpg_vl.models.family import PromptBatch
+from gpg_vl.models.load import Policy
+
+
+@dataclass
+class Rollout:
+    """B x G completions; row b * G + g is the g-th completion of prompt b."""
+
+    completion_ids: Tensor  # [B * G, C]
+    completion_mask: Tensor  # [B * G, C] bool, True up to and including the first EOS
+    texts: list[str]  # B * G decoded completions (special tokens removed)
+    group_size: int
+    # [B * G, C] the sampler's log-prob of each sampled token (an engine with its own weights: vLLM), or None
+    sampler_logps: Tensor | None = None
+
+
+def completion_mask_from_eos(completion_ids: Tensor, eos_ids: list[int], *, ignore_eos: bool = False) -> Tensor:
+    """[N, C] bool mask: True up to and including the first EOS of each row (all True with ignore_eos)."""
+    if ignore_eos or not eos_ids:
+        return torch.ones_like(completion_ids, dtype=torch.bool)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [N, C]
+    eos_seen_before = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # [N, C]
+    return ~eos_seen_before
+
+
+def in_task_frame(policy: Policy, task, texts: list[str], prompts: PromptBatch, group_size: int) -> list[str]:
+    """Completions as the task scores them: with what the chat template opened in the prompt for them (a
+    think block), and boxes moved from the model's frame into original pixels."""
+    prefixes = [policy.adapter.completion_prefix(text) for text in prompts.texts] if prompts.texts else []
+    if prefixes:
+        texts = [prefixes[i // group_size] + text for i, text in enumerate(texts)]
+    if not getattr(task, "uses_boxes", False) or not prompts.image_sizes:
+        return texts
+    return [policy.adapter.completion_to_original(text, prompts.image_sizes[i // group_size])
+            for i, text in enumerate(texts)]

@@ -1,0 +1,170 @@
+"""Batched greedy decoding on held-out rows, scored by the task's metrics.
+
+Each row is read once (reading a row can decode its image): the decoding pass keeps what scoring and
+reporting need (the prompt text and the row without its images, plus what the task's optional
+`prediction_fields` derives while the images are at hand: lisa's predicted masks), so nothing is read twice.
+Each batch's completions are scored once, as training scores a step's (gpg_vl/reward/pool.py): on
+`reward_workers` threads, within `reward_budget_s` of reward time per batch; the metrics and the prediction
+records both read those scores. A completion not scored within the budget scores 0 and is counted in the
+metrics as `reward_timeouts`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from PIL import Image
+
+from gpg_vl.distributed import forward_is_collective, placeholder_prompts
+from gpg_vl.errors import UserError
+from gpg_vl.models.load import Policy
+from gpg_vl.reward.pool import RewardBudget, score_within
+from gpg_vl.reward.primitives import extract_answer
+from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
+from gpg_vl.rollout.hf import HFEngine
+from gpg_vl.rollout.types import in_task_frame
+
+_RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
+
+
+@dataclass
+class Decoded:
+    """One row's greedy completion, with what is needed to score and report it."""
+
+    index: int
+    completion: str  # boxes in original pixels
+    prompt: str  # the messages' text, images shown as <image>
+    row: dict  # the row's columns without its images
+    rewards: dict[str, float]  # each reward's score (0 for all when not scored within the budget)
+    timed_out: bool = False  # not scored within the batch's reward budget
+
+
+def generate_greedy(
+    policy: Policy, task, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int, rank: int = 0,
+    world_size: int = 1, gather=None, engine=None, reward_workers: int = 4, reward_budget_s: float = 0.0,
+) -> list[Decoded]:
+    """Greedy completions for `rows`, in order, decoded by `engine` (the run's; the HF engine's defaults when
+    None) and scored (see the module doc). Each process decodes and scores its own share of the rows; `gather`
+    (e.g. accelerate's gather_object) joins the shares when there are several processes."""
+    if engine is None:
+        from gpg_vl.config.schema import RolloutSettings
+
+        engine = HFEngine(policy, RolloutSettings())
+    greedy = Sampling(max_new_tokens=max_new_tokens, greedy=True)
+    local = list(range(rank, len(rows), world_size))
+    decoded: list[Decoded] = []
+    # Under FSDP / ZeRO-3 generate is collective, so every process makes the same number of calls: a
+    # process whose share ran out decodes a placeholder prompt and keeps nothing.
+    calls = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
+    for start in range(0, calls * batch_size, batch_size):
+        chunk = [(i, rows[i]) for i in local[start:start + batch_size]]
+        if not chunk:
+            if forward_is_collective(policy.model):
+                engine.generate(EnginePrompts(placeholder_prompts(policy)), 1, greedy)
+            continue
+        messages = [task.messages(row) for _, row in chunk]
+        prompts = encode_prompts(policy, messages)
+        rollout = engine.generate(prompts, 1, greedy)
+        texts = in_task_frame(policy, task, rollout.texts, prompts.batch, 1)
+        scored = _scoring_rows(task, [row for _, row in chunk], texts)
+        rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
+        zero = dict.fromkeys(task.reward_functions, 0.0)
+        decoded += [Decoded(i, text, _prompt_text(message), row, dict(zero) if score is None else score, score is None)
+                    for (i, _), message, text, row, score in zip(chunk, messages, texts, scored, rewards, strict=True)]
+    if world_size > 1 and gather is not None:
+        decoded = gather(decoded)  # collective: every process reaches it once, after the same number of batches
+    return sorted(decoded, key=lambda d: d.index)
+
+
+def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict[str, float], list[Decoded]]:
+    """The task's metrics for greedy completions of `rows`, and the decoded rows."""
+    decoded = generate_greedy(policy, task, rows, **kwargs)
+    metrics = task_metrics(task, [d.row for d in decoded], [d.completion for d in decoded],
+                           [d.rewards for d in decoded])
+    timeouts = sum(d.timed_out for d in decoded)
+    if timeouts:
+        metrics["reward_timeouts"] = float(timeouts)
+    if timeouts and kwargs.get("rank", 0) == 0:  # every process holds every row's scores: one warning
+        print(f"warning: {timeouts} of {len(decoded)} held-out completions were not scored within "
+              f"eval.reward_budget_s={kwargs.get('reward_budget_s')} s of reward time per batch and scored 0; raise "
+              "it (0 = no budget) or eval.reward_workers.")
+    return metrics, decoded
+
+
+def task_metrics(task, rows: Sequence[dict], completions: Sequence[str], scores: Sequence[dict]) -> dict[str, float]:
+    """`task.metrics` given the completions' scores already computed (a task whose `metrics` predates the
+    `scores` argument scores them itself)."""
+    if "scores" in inspect.signature(task.metrics).parameters:
+        return task.metrics(rows, completions, scores=scores)
+    return task.metrics(rows, completions)
+
+
+def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dict]:
+    """One JSON-ready record per row: where it came from, what the model said, and each reward's score."""
+    return [{
+        "index": d.index, "id": str(d.row.get("id", d.index)), "split": split, "prompt": d.prompt,
+        "completion": d.completion, "answer": extract_answer(d.completion), "target": task.target(d.row),
+        "rewards": d.rewards, **_saved_fields(d.row),
+    } for d in decoded]
+
+
+def rescore(task, records: Sequence[dict], rows: Sequence[dict], *,
+            reward_workers: int = 4) -> tuple[dict[str, float], list[dict]]:
+    """Score saved completions again against the dataset rows they name, on `reward_workers` threads and
+    without a time budget; the policy model is not involved (a task's `prediction_fields`, e.g. lisa's
+    segmenter, may run its own)."""
+    completions = [record["completion"] for record in records]
+    matched = []
+    for start in range(0, len(records), _RESCORE_CHUNK):
+        chunk = []
+        for record in records[start:start + _RESCORE_CHUNK]:
+            index = int(record["index"])
+            row = rows[index] if index < len(rows) else None
+            if row is None or str(row.get("id", index)) != str(record["id"]):
+                raise UserError(f"prediction {record['id']!r} (index {index}) does not match split "
+                                f"{record.get('split')!r} of task {task.name!r}; re-score with the same task, "
+                                "split and data.path that produced the file.")
+            chunk.append(row)
+        matched += _scoring_rows(task, chunk, completions[start:start + len(chunk)])
+    scores = score_within(task, completions, matched, workers=reward_workers)
+    refreshed = [{**{key: value for key, value in record.items() if key != "pred_mask"},  # the segmenter's anew
+                  "answer": extract_answer(record["completion"]), "rewards": score, **_saved_fields(row)}
+                 for record, row, score in zip(records, matched, scores, strict=True)]
+    return task_metrics(task, matched, completions, scores), refreshed
+
+
+def _scoring_rows(task, rows: Sequence[dict], completions: Sequence[str]) -> list[dict]:
+    """The rows as scoring sees them: without their images, plus what the task's optional
+    `prediction_fields(rows, completions)` derives from each row (images included) and its completion."""
+    fields = getattr(task, "prediction_fields", None)
+    extra = fields(rows, completions) if fields is not None else [{} for _ in rows]
+    return [{**_without_images(row), **more} for row, more in zip(rows, extra, strict=True)]
+
+
+def _saved_fields(row: dict) -> dict:
+    """What a scoring row adds to its prediction record: the segmenter's mask (`pred_mask`, a COCO RLE whose
+    counts are saved as text), when one ran."""
+    mask = row.get("pred_mask")
+    if mask is None:
+        return {}
+    counts = mask["counts"]
+    return {"pred_mask": {"size": [int(v) for v in mask["size"]],
+                          "counts": counts.decode() if isinstance(counts, bytes) else counts}}
+
+
+def _without_images(row: dict) -> dict:
+    return {key: value for key, value in row.items() if not isinstance(value, Image.Image)}
+
+
+def _prompt_text(messages: list[dict]) -> str:
+    parts = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            parts.append(content)
+        else:
+            parts += ["<image>" if part.get("type") == "image" else part.get("text", "") for part in content]
+    return "".join(parts)

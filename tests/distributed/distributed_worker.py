@@ -1,0 +1,247 @@
+"""Worker processes for tests/distributed/test_distributed.py, run as `python` (one process) or under
+`accelerate launch`.
+
+    python tests/distributed/distributed_worker.py update OUT [--engine fsdp|fsdp_offload] [--float64]  # -> update()
+    python tests/distributed/distributed_worker.py train OUT [--engine fsdp] -- key=value ...  # train(), then a resume
+    python tests/distributed/distributed_worker.py record OUT -- scripts/train.py key=value ...  # each rank observed
+
+Each process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the final weights, main process).
+`--engine fsdp` turns accelerate's FSDP2 on although the machine has no GPU: accelerate 1.15 enables FSDP
+only for GPU-like devices (AcceleratorState keeps MULTI_CPU otherwise), while torch's FSDP2 itself runs on
+CPU with gloo. The switch sets the state fields accelerate sets on a GPU machine (AcceleratorState.__init__).
+`--engine fsdp_offload` is FSDP2 with its CPU offload policy (parameters, gradients and the optimizer step on
+CPU): configs/accelerate/fsdp_offload.yaml.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import runpy
+import sys
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+GROUP_SIZE = 3
+# Rewards of 8 groups (G = 3): groups 2, 5 and 7 are invalid (equal rewards), the others valid.
+REWARDS = [[1.0, 0.0, 0.5], [0.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.2, 0.9, 0.4],
+           [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.3, 0.3, 0.3]]
+# Which groups each of 2 processes holds, per attempt (a step may have several attempts: resampling).
+# With one process, that process holds all of them, in the same attempts.
+CASES = {
+    "even": [[[0, 2], [1, 3]], [[4, 6], [5, 7]]],  # like PromptStream.next_local: 3 valid groups against 2
+    "uneven": [[[0, 1, 2], [3]], [[4, 5, 6, 7], []]],  # 4 valid groups against 1, and an attempt with no prompt
+    "one_without_valid": [[[0, 1, 3], [2]], [[4, 6], [5, 7]]],  # process 1: invalid groups only
+    "one_without_prompts": [[[0, 1, 2, 3], []], [[4, 5, 6, 7], []]],  # process 1: no prompt at all
+    # GRPO over 2 epochs with a KL to the frozen reference: old and reference log-probs are scored too, and
+    # process 1 holds fewer micro-batches (placeholders keep FSDP's collective forwards in step)
+    "grpo_uneven": [[[0, 1, 2], [3]], [[4, 5, 6, 7], []]],
+}
+LOSSES = {"grpo_uneven": {"loss": "grpo", "ppo_epochs": 2, "kl_coef": 0.04, "clip_low": 0.2, "age": False}}
+
+
+def make_accelerator(engine: str):
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+    # A collective that never completes fails after 120 s instead of hanging the test run.
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=120))])
+    if engine.startswith("fsdp") and accelerator.num_processes > 1:
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT",
+            reshard_after_forward=True, cpu_offload=engine == "fsdp_offload")
+        if engine == "fsdp_offload":  # no CUDA here to pin host memory for; on GPUs accelerate pins it
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            accelerator.state.fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+        accelerator.state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState.__init__ does
+    return accelerator
+
+
+def fixed_rollouts(policy, task):
+    """8 prompts of the shapes task, G completions each with known tokens, lengths and rewards."""
+    from gpg_vl.models.load import PromptBatch
+    from gpg_vl.objective import group_advantages
+
+    rows = task.load(task.train_split)[:len(REWARDS)]
+    prompts: PromptBatch = policy.adapter.encode([task.messages(r) for r in rows], ids=[str(i) for i in range(8)])
+    generator = torch.Generator().manual_seed(1)
+    count, width = len(rows) * GROUP_SIZE, 7
+    vocab = policy.model.get_input_embeddings().num_embeddings
+    allowed = torch.tensor([t for t in range(vocab) if t not in policy.adapter.suppressed_ids])
+    ids = allowed[torch.randint(len(allowed), (count, width), generator=generator)]  # [8 * G, 7]
+    lengths = torch.randint(1, width + 1, (count,), generator=generator)  # [8 * G]
+    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [8 * G, 7]
+    ids = ids.masked_fill(~mask, policy.adapter.pad_id)
+    rewards = torch.tensor(REWARDS)  # [8, G]
+    advantages, valid = group_advantages(rewards)
+    return rows, prompts, ids, mask, rewards, advantages, valid
+
+
+def attempt_for(groups, rows, prompts, ids, mask, rewards, advantages, valid):
+    from gpg_vl.rollout.types import Rollout
+    from gpg_vl.train.loop import Attempt
+
+    if not groups:
+        empty = torch.zeros(0, GROUP_SIZE)
+        return Attempt([], None, None, empty, {}, empty, torch.zeros(0, dtype=torch.bool))
+    sequences = [b * GROUP_SIZE + g for b in groups for g in range(GROUP_SIZE)]
+    rollout = Rollout(ids[sequences], mask[sequences], [""] * len(sequences), GROUP_SIZE)
+    return Attempt([rows[b] for b in groups], prompts.select(groups), rollout, rewards[groups], {},
+                   advantages[groups], valid[groups])
+
+
+def full_weights(accelerator, model) -> dict[str, torch.Tensor]:
+    state = accelerator.get_state_dict(model)  # collective under FSDP: called by every process
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+def digest(weights: dict[str, torch.Tensor]) -> str:
+    sha = hashlib.sha256()
+    for name in sorted(weights):
+        sha.update(name.encode())
+        sha.update(weights[name].float().contiguous().numpy().tobytes())
+    return sha.hexdigest()
+
+
+def run_update(out: Path, engine: str, dtype: str) -> None:
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import get_scheduler
+
+    from gpg_vl import get_task
+    from gpg_vl.models.load import Policy, load_policy
+    from gpg_vl.train.loop import TrainerSettings, build_reference, place_reference, update
+
+    accelerator = make_accelerator(engine)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    task = get_task("shapes", train_size=16, test_size=4)
+    # Plain SGD without clipping: the weights then move by exactly lr x the gradient, so a gradient off by
+    # any factor (a missing x num_processes, a local normaliser) shows. AdamW's first step (g / |g|) and
+    # clipping to a norm would both hide a wrong scale; the trainer's own optimizer is tested elsewhere.
+    settings = TrainerSettings(group_size=GROUP_SIZE, micro_batch_size=4, lr=0.1, max_grad_norm=1e9)
+    results = {"world": world, "engine": str(accelerator.distributed_type), "cases": {}}
+    for case, attempts_by_process in CASES.items():
+        torch.manual_seed(0)
+        policy = load_policy("embedded:tiny-qwen2.5-vl", dtype=dtype, min_pixels=3136, max_pixels=50176)
+        fixed = fixed_rollouts(policy, task)
+        mine = [sum(share, []) if world == 1 else share[rank] for share in attempts_by_process]
+        attempts = [attempt_for(sorted(groups), *fixed) for groups in mine]
+        model = policy.model
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        case_settings = replace(settings, **LOSSES.get(case, {}))
+        reference = build_reference(model, case_settings, None, resuming=False)  # the initial weights, frozen
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
+        scheduler = get_scheduler("constant", optimizer)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        policy = Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, policy.name_or_path)
+        results["offload"] = sorted({type(group.offload_policy).__name__ for module in model.modules()
+                                     if hasattr(module, "_get_fsdp_state")
+                                     for group in module._get_fsdp_state()._fsdp_param_groups})
+        reference = place_reference(reference, accelerator)  # sharded like the policy under FSDP2
+        if reference is not None and accelerator.distributed_type == DistributedType.FSDP:
+            results["reference_sharded"] = isinstance(reference.model, FSDPModule)
+        metrics = [update(policy, model, optimizer, scheduler, accelerator, attempts, settings=case_settings,
+                          temperature=1.0, reference=reference) for _ in range(2)]
+        weights = full_weights(accelerator, model)
+        if accelerator.is_main_process:
+            torch.save(weights, out / f"{case}.pt")
+        moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights) if weights else None
+        results["cases"][case] = {"metrics": metrics, "sha256": digest(weights) if weights else None,
+                                  "largest_change": moved}
+        accelerator.free_memory()
+    (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    accelerator.end_training()
+
+
+def run_train(out: Path, engine: str, overrides: list[str]) -> None:
+    """train() end to end (rollouts, update, evaluation, checkpoints) into OUT/a, then again into OUT/b
+    resumed from OUT/a/checkpoint-1: a resume on the same number of processes must end on the same weights."""
+    from omegaconf import OmegaConf
+
+    from gpg_vl.cli import build_policy, build_task
+    from gpg_vl.config.compose import load_config
+    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+
+    accelerator = make_accelerator(engine)
+    result = {"engine": str(accelerator.distributed_type)}
+    for run, extra in (("a", []), ("b", [f"resume={out / 'a' / 'checkpoint-1'}"])):
+        cfg = load_config("train", [*overrides, f"output_dir={out / run}", *extra])
+        model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(cfg.resume)}) if cfg.resume else cfg.model
+        container = OmegaConf.to_container(cfg, resolve=True)
+        result[run] = train(
+            build_policy(model_cfg, accelerator.device), build_task(cfg.task, cfg.data),
+            trainer=TrainerSettings(**container["trainer"]), rollout=RolloutSettings(**container["rollout"]),
+            evaluation=EvalSettings(**container["eval"]), output_dir=cfg.output_dir, seed=cfg.seed,
+            resume_from=cfg.resume, accelerator=accelerator, config=container)
+        accelerator.free_memory()  # forget run a's model: a real run prepares one (FSDP2 allows one at a time)
+    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
+    """Run `script` as __main__ and write what THIS process computed: each step's global counts, reward
+    statistics and update results, and how many times it saved a model."""
+    import os
+
+    from transformers import PreTrainedModel
+
+    import gpg_vl.train.loop as trainer
+
+    seen = {"collected": [], "step_metrics": [], "update": [], "saves": 0}
+
+    def wrap(name, key, record):
+        original = getattr(trainer, name)
+
+        def recorded(*args, **kwargs):
+            value = original(*args, **kwargs)
+            seen[key].append(record(value))
+            return value
+
+        setattr(trainer, name, recorded)
+
+    wrap("collect_valid_groups", "collected", lambda c: {
+        "groups_sampled": c.groups_sampled, "groups_valid": c.groups_valid, "valid_fractions": c.valid_fractions,
+        "attempts": len(c.attempts)})
+    wrap("step_metrics", "step_metrics", dict)
+    wrap("update", "update", dict)
+    save_pretrained = PreTrainedModel.save_pretrained
+
+    def counted_save(self, *args, **kwargs):
+        seen["saves"] += 1
+        return save_pretrained(self, *args, **kwargs)
+
+    PreTrainedModel.save_pretrained = counted_save
+    sys.argv = [script, *arguments]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise
+    finally:
+        (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen, indent=1))
+
+
+def main() -> None:
+    mode, out, *rest = sys.argv[1:]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    split = rest.index("--") if "--" in rest else len(rest)
+    options, extra = rest[:split], rest[split + 1:]
+    engine = options[options.index("--engine") + 1] if "--engine" in options else "default"
+    if mode == "update":
+        run_update(out, engine, "float64" if "--float64" in options else "float32")
+    elif mode == "train":
+        run_train(out, engine, extra)
+    elif mode == "record":
+        run_recorded(out, extra[0], extra[1:])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Several processes on CPU (gloo): the launch, equal weights for 1 and 2 processes, no hangs, checkpoints
+written once and resumed exactly, FSDP2, and the shipped accelerate configs.
+
+The processes run as subprocesses of `accelerate launch` (tests/distributed/distributed_worker.py holds their code).
+Every launch has a timeout, and the workers give gloo a 120 s collective timeout, so a hang fails a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "distributed" / "distributed_worker.py"
+CONFIGS = ROOT / "configs" / "accelerate"
+CASES = ("even", "uneven", "one_without_valid", "one_without_prompts")
+TIMING = {"rollout_s", "update_s", "step_s"}
+TINY_RUN = ["trainer.batch_size=4", "trainer.group_size=4", "trainer.micro_batch_size=6", "rollout.max_new_tokens=16",
+            "trainer.lr=1e-3", "task.options.train_size=64", "task.options.test_size=8", "trainer.save_every=1",
+            "trainer.keep_checkpoints=3"]
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:  # other test runs on this machine may hold accelerate's default 29500
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(*arguments: str, config: str | None = None) -> str:
+    """`accelerate launch` 2 processes (`--multi_gpu` starts them on a CPU machine too); returns the output."""
+    engine = ["--config_file", str(CONFIGS / config)] if config else ["--multi_gpu"]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *engine, "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), *arguments]
+    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout + done.stderr
+
+
+def one_process(*arguments: str) -> None:
+    done = subprocess.run([sys.executable, *arguments], cwd=ROOT, env=_environment(), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-6000:]
+
+
+def metrics_lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k not in TIMING}
+
+
+def assert_same_weights(first: Path, second: Path) -> None:
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# the shipped accelerate configs
+# ---------------------------------------------------------------------------------------------
+def launch_environment(config: Path) -> dict[str, str]:
+    """What `accelerate launch --config_file config` puts in the processes' environment, computed by
+    accelerate's own launcher code (which rejects unknown top-level keys)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    parser = launch_command_parser()
+    arguments = parser.parse_args(["--config_file", str(config), "--num_processes", "2", "scripts/train.py"])
+    arguments, defaults, _ = _validate_launch_command(arguments)
+    # accelerate copies nested keys onto the launch arguments without checking them: check them here
+    launch_options = {action.dest for action in parser._actions}
+    nested = {**defaults.fsdp_config, **defaults.deepspeed_config}
+    assert not set(nested) - launch_options, f"{config.name}: unknown keys {sorted(set(nested) - launch_options)}"
+    if arguments.use_deepspeed:
+        arguments.deepspeed_fields_from_accelerate_config = ",".join([*defaults.deepspeed_config, "mixed_precision"])
+        return prepare_deepspeed_cmd_env(arguments)[1]
+    return prepare_multi_gpu_env(arguments)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload"])
+def test_accelerate_config_loads_into_its_plugin(name, monkeypatch):
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    environment = launch_environment(CONFIGS / f"{name}.yaml")
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    assert environment["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    if name == "ddp":
+        assert "ACCELERATE_USE_FSDP" not in environment and "ACCELERATE_USE_DEEPSPEED" not in environment
+    elif name.startswith("fsdp"):
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+        assert plugin.state_dict_type.name == "FULL_STATE_DICT"
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == (name == "fsdp_offload")
+    else:
+        plugin = DeepSpeedPlugin()
+        stage = int(name[4])
+        assert plugin.zero_stage == stage and plugin.deepspeed_config["zero_optimization"]["stage"] == stage
+        assert plugin.deepspeed_config["gradient_clipping"] == 1.0
+        assert plugin.deepspeed_config["gradient_accumulation_steps"] == 1
+        if stage == 3:  # the trainer saves gathered weights: accelerate refuses without this flag
+            assert plugin.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3_offload"])
+def test_deepspeed_parses_the_zero_configs(name, monkeypatch):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for key, value in launch_environment(CONFIGS / f"{name}.yaml").items():
+        monkeypatch.setenv(key, value)
+    config = dict(DeepSpeedPlugin().deepspeed_config)
+    config.pop("train_batch_size")
+    config.update(train_micro_batch_size_per_gpu=1, bf16={"enabled": True})  # what training fills in
+    parsed = DeepSpeedConfig(config)
+    assert parsed.zero_optimization_stage == int(name[4]) and parsed.gradient_clipping == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# in one process: the pieces that keep processes in step
+# ---------------------------------------------------------------------------------------------
+def test_placeholder_micro_batch_reaches_every_parameter_with_a_zero_gradient(policy):
+    """A process without data runs a blank-image sequence: every parameter, the vision tower's included,
+    takes part in the backward (DDP reduces them all; FSDP / ZeRO-3 gather them all), and none moves."""
+    from gpg_vl.distributed import placeholder_chunk
+
+    prompts, prompt_index, ids, mask, _ = placeholder_chunk(policy, [], torch.device("cpu"))
+    assert "pixel_values" in prompts.inputs
+    logps = policy.adapter.token_logps(policy.model, prompts, prompt_index, ids, mask)  # [1, 1]
+    (torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0).backward()
+    untouched = [n for n, p in policy.model.named_parameters() if p.grad is None]
+    assert not untouched
+    assert all(float(p.grad.abs().max()) == 0.0 for p in policy.model.parameters())
+
+
+def test_several_processes_need_an_image_in_every_batch():
+    from gpg_vl.distributed import require_images
+    from gpg_vl.errors import UserError
+
+    require_images(True, 2, "a batch")
+    require_images(False, 1, "a batch")  # one process: text-only batches are fine
+    with pytest.raises(UserError, match="a batch holds no image, and training on 2 processes needs one"):
+        require_images(False, 2, "a batch")
+
+
+# ---------------------------------------------------------------------------------------------
+# the 2-process launch: metrics, checkpoints, resume
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(tmp_path):
+    first, second, views = tmp_path / "a", tmp_path / "b", tmp_path / "views"
+    run = ["trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", "trainer.beta_th=0.5", *TINY_RUN]
+    output = launch("scripts/train.py", f"output_dir={first}", *run, config="ddp.yaml")
+    assert "accuracy before:" in output
+    lines = metrics_lines(first)
+    assert [m["step"] for m in lines] == [1, 2]  # one line per step: only the main process writes
+    for m in lines:  # counts over both processes: B prompts per attempt, not B / 2
+        assert m["groups_sampled"] == 4 * m["attempts"] and len(m["valid_fractions"]) == m["attempts"]
+    assert {p.name for p in first.iterdir() if p.is_dir()} == {"checkpoint-1", "checkpoint-2", "final", "rollouts"}
+    logged = json.loads((first / "rollouts" / "step-1.json").read_text())  # step 1 (then every 10): the main
+    assert sorted(p.name for p in (first / "rollouts").glob("*.json")) == ["step-1.json"]  # process's own share
+    assert logged["groups_per_attempt"] == [2] * lines[0]["attempts"]
+
+    # Resume from step 1, each process observed: what it computed, and whether it saved. Launched with
+    # the FSDP config, which accelerate 1.15 turns on for GPUs only: on CPU it keeps data parallelism.
+    output = launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={second}",
+                    f"resume={first / 'checkpoint-1'}", *run, config="fsdp.yaml")
+    assert "the launch asked for FSDP, but accelerate runs MULTI_CPU" in output
+    rank0, rank1 = (json.loads((views / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert (rank0["saves"], rank1["saves"]) == (2, 0)  # checkpoint-2 and final, by the main process only
+    for key in ("collected", "step_metrics", "update"):  # every global number is the same on both
+        assert rank0[key] == rank1[key] and len(rank0[key]) == 1, key
+    (logged,) = metrics_lines(second)
+    collected = rank0["collected"][0]
+    assert logged["groups_sampled"] == collected["groups_sampled"]
+    assert logged["groups_used"] == collected["groups_valid"]
+    assert logged["valid_fractions"] == collected["valid_fractions"]
+    assert logged["alpha"] == collected["groups_sampled"] / collected["groups_valid"]
+    assert {k: logged[k] for k in rank0["step_metrics"][0]} == rank0["step_metrics"][0]
+    assert {k: logged[k] for k in rank0["update"][0]} == rank0["update"][0]
+    # the resumed run continues exactly: same step-2 line, same final weights
+    assert without_timing(logged) == without_timing(lines[1])
+    assert_same_weights(first / "final", second / "final")
+
+
+# ---------------------------------------------------------------------------------------------
+# equal weights: a fixed set of rollouts, updated on 1 and on 2 processes
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_process_update(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("update-1")
+    one_process(str(WORKER), "update", str(out))
+    return out
+
+
+def assert_update_matches(reference: Path, out: Path, engine: str) -> None:
+    rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    single = json.loads((reference / "rank0.json").read_text())
+    assert (single["world"], rank0["world"], rank0["engine"]) == (1, 2, engine)
+    for case in CASES:
+        one, two = torch.load(reference / f"{case}.pt"), torch.load(out / f"{case}.pt")
+        print(f"{engine} {case}: sha256 1 process {single['cases'][case]['sha256']}, "
+              f"2 processes {rank0['cases'][case]['sha256']}")
+        assert set(one) == set(two)
+        for name in one:
+            torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+        # the update did change the weights, so equal weights mean something
+        assert single["cases"][case]["largest_change"] > 1e-3, case
+        # the metrics every process logs are the same on both, and equal to one process's
+        assert rank0["cases"][case]["metrics"] == rank1["cases"][case]["metrics"], case
+        for mine, theirs in zip(rank0["cases"][case]["metrics"], single["cases"][case]["metrics"], strict=True):
+            assert mine.keys() == theirs.keys()
+            for key in mine:  # the loss sums terms of both signs (advantages have zero mean): absolute error
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (case, key)
+
+
+@pytest.mark.slow
+def test_two_process_update_gives_the_one_process_weights(one_process_update, tmp_path):
+    """Also when the processes hold different numbers of valid groups, none, or no prompt at all."""
+    launch(str(WORKER), "update", str(tmp_path))
+    assert_update_matches(one_process_update, tmp_path, "DistributedType.MULTI_CPU")
+    for case in CASES:  # DDP keeps the replicas identical, bit for bit
+        shas = {json.loads((tmp_path / f"rank{r}.json").read_text())["cases"][case]["sha256"] for r in (0, 1)}
+        assert len(shas) == 1, case
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 on CPU
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_fsdp_update_gives_the_one_process_weights(one_process_update, tmp_path):
+    """FSDP2 gathers weights inside every forward: a process with no valid group, or no prompt, must still
+    run every module (placeholder micro-batches), or this launch would hang."""
+    launch(str(WORKER), "update", str(tmp_path), "--engine", "fsdp")
+    assert_update_matches(one_process_update, tmp_path, "DistributedType.FSDP")
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["offload"] == ["OffloadPolicy"]  # none
+    assert rank0["reference_sharded"]  # the GRPO case's frozen reference is sharded like the policy
+
+
+@pytest.mark.slow
+def test_fsdp_with_cpu_offload_update_gives_the_one_process_weights(one_process_update, tmp_path):
+    """configs/accelerate/fsdp_offload.yaml: the sharded parameters, gradients and AdamW step on CPU."""
+    launch(str(WORKER), "update", str(tmp_path), "--engine", "fsdp_offload")
+    assert_update_matches(one_process_update, tmp_path, "DistributedType.FSDP")
+    assert json.loads((tmp_path / "rank0.json").read_text())["offload"] == ["CPUOffloadPolicy"]
+
+
+@pytest.mark.slow
+def test_fsdp_trains_evaluates_saves_and_resumes_exactly(tmp_path):
+    """Rollouts, evaluation (5 rows on 2 processes: one makes a placeholder call), update, checkpoints,
+    and a resume from step 1 that ends on the same weights (optimizer state gathered and re-sharded)."""
+    launch(str(WORKER), "train", str(tmp_path), "--engine", "fsdp", "--",
+           "trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", *TINY_RUN)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["engine"] == "DistributedType.FSDP"
+    assert result["a"]["accuracy_before"] is not None and result["a"]["accuracy_after"] is not None
+    first, second = metrics_lines(tmp_path / "a"), metrics_lines(tmp_path / "b")
+    assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in second] == [2]
+    assert without_timing(second[0]) == without_timing(first[1])
+    assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")

@@ -1,0 +1,52 @@
+"""scripts/eval.py and the README's example task, on the tiny model."""
+
+import json
+import re
+from pathlib import Path
+
+from gpg_vl.cli import eval_main, train_main
+from gpg_vl.config.compose import load_config, run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_eval_writes_predictions_and_metrics_and_rescoring_needs_no_model(tmp_path, monkeypatch):
+    metrics = eval_main(load_config("eval", [f"output_dir={tmp_path / 'a'}", "eval.limit=12", "eval.batch_size=5"]))
+    records = [json.loads(x) for x in (tmp_path / "a" / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 12
+    assert {"id", "prompt", "completion", "answer", "target", "rewards"} <= set(records[0])
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text()) == metrics
+    assert metrics["accuracy"] == sum(r["rewards"]["accuracy"] for r in records) / 12
+
+    import gpg_vl.cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("re-scoring must not load a model")
+
+    monkeypatch.setattr(gpg_vl.cli, "build_policy", no_model)
+    rescored = eval_main(load_config("eval", [f"output_dir={tmp_path / 'b'}",
+                                              f"predictions={tmp_path / 'a' / 'predictions.jsonl'}"]))
+    assert rescored == metrics
+
+
+def test_rescoring_a_file_from_another_split_fails_in_one_sentence(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps({"index": 0, "id": "elsewhere-0", "split": "test", "completion": "x"}) + "\n")
+    assert run_cli("eval", eval_main, [f"predictions={bad}", f"output_dir={tmp_path}"]) == 2
+    assert "does not match" in capsys.readouterr().err
+
+
+def test_the_readme_task_registers_and_trains_two_steps(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n# dominant.py\n(.*?)```", readme, re.DOTALL).group(1)
+    assert len(code.strip().splitlines()) <= 40
+    plugin = tmp_path / "dominant.py"
+    plugin.write_text(code)
+    summary = train_main(load_config("train", [f"task={plugin}:Dominant", f"output_dir={tmp_path / 'run'}",
+                                               "trainer.max_steps=2", "trainer.batch_size=4",
+                                               "trainer.group_size=4", "rollout.max_new_tokens=12",
+                                               "eval.limit=8", "trainer.lr=1e-5", "trainer.max_attempts=2"]))
+    assert summary["task"] == "dominant" and summary["steps"] == 2
+    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and "reward/accuracy" in json.loads(lines[0])

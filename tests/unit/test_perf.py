@@ -1,0 +1,69 @@
+"""The GPU check's pure parts: FLOPs per token from a config, MFU, device peaks; and its CPU error."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpg_vl.observe import perf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_mfu_and_flops_by_hand():
+    # 6 N + 12 layers x width x context: N = 1e9, 2 full-attention layers of width 1024, context 2048
+    assert perf.train_flops_per_token(10**9, 2, 1024, 2048) == 6e9 + 12 * 2 * 1024 * 2048
+    # 1e10 FLOPs per token x 1000 tokens in 0.1 s on a 989 TFLOPS device
+    assert perf.mfu(1e10, 1000, 0.1, 989e12) == pytest.approx(1e14 / 989e12)
+    assert perf.peak_bf16_flops("NVIDIA H200") == 989e12 and perf.peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert perf.peak_bf16_flops("NVIDIA GH200 480GB") == 989e12
+    assert perf.peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert perf.peak_bf16_flops("Some Accelerator") is None
+
+
+def test_flops_per_token_from_a_model_and_its_config():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96  # q, k + v (2 kv heads of 16), o, gate/up/down
+    assert perf.linear_weights(model) == 3 * per_layer + 100 * 64  # embeddings are lookups, lm_head a matmul
+    assert perf.linear_weights(model, skip=("mlp",)) == 3 * (64 * 64 * 2 + 2 * 64 * 32) + 100 * 64
+    assert perf.attention_shape(config) == (3, 64)
+    hybrid = Qwen2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"])
+    hybrid.head_dim = 32
+    assert perf.attention_shape(hybrid) == (1, 128)  # linear-attention layers have no context-long products
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_gpu_check_fails_in_one_sentence_without_a_gpu():
+    run = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().startswith("error: gpu_check.py needs a CUDA GPU") and run.stderr.strip().count("\n") == 0
+
+
+def test_the_bench_meter_reads_a_window_s_memory_peak_without_a_sampling_thread():
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = threading.active_count()
+    meter = bench.Meter("cpu")
+    if not meter.kernel_peak:
+        pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
+    assert threading.active_count() == threads  # the kernel keeps the peak: nothing samples beside the trainers
+    meter.start()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed before the window ends
+    del block
+    window = meter.stop()
+    assert 60 <= window["peak_mib"] <= 80, window
+    meter.start()  # the next window starts from the current level: the freed block is not counted again
+    small = torch.ones(2**20 // 4)
+    assert meter.stop()["peak_mib"] < 16 and small.numel() > 0

@@ -1,0 +1,75 @@
+"""Threshold resampling and the prompt stream, without a model."""
+
+import pytest
+
+from gpg_vl.data.stream import PromptStream
+from gpg_vl.train.sample import collect_valid_groups
+
+
+def scripted(valid_counts, batch_size=10):
+    """Attempts whose global valid-group counts follow a script; records how many were drawn."""
+    drawn = []
+
+    def sample():
+        drawn.append(valid_counts[len(drawn)])
+        return drawn[-1]
+
+    return sample, (lambda attempt: (batch_size, attempt)), drawn
+
+
+def test_enough_valid_groups_first_time_updates_at_once():
+    sample, count, drawn = scripted([4, 9, 9])
+    collected = collect_valid_groups(sample, count, beta_th=0.4, batch_size=10, max_attempts=8)
+    assert drawn == [4]
+    assert (collected.groups_sampled, collected.groups_valid) == (10, 4)
+    assert collected.valid_fractions == [0.4]
+
+
+def test_resampling_accumulates_until_threshold():
+    sample, count, drawn = scripted([1, 0, 2, 3, 9])
+    collected = collect_valid_groups(sample, count, beta_th=0.6, batch_size=10, max_attempts=8)
+    assert drawn == [1, 0, 2, 3]  # 1 + 0 + 2 + 3 = 6 >= 0.6 * 10
+    assert collected.groups_valid == 6 and collected.groups_sampled == 40
+    assert collected.valid_fractions == [0.1, 0.0, 0.2, 0.3]
+    assert collected.attempts == [1, 0, 2, 3]  # every valid group kept, none dropped
+
+
+def test_max_attempts_bounds_the_loop_and_zero_valid_is_reported():
+    sample, count, drawn = scripted([0] * 10)
+    collected = collect_valid_groups(sample, count, beta_th=0.4, batch_size=10, max_attempts=3)
+    assert len(drawn) == 3 and collected.groups_valid == 0
+
+
+def test_beta_zero_never_resamples():
+    sample, count, drawn = scripted([0, 5])
+    collected = collect_valid_groups(sample, count, beta_th=0.0, batch_size=10, max_attempts=8)
+    assert drawn == [0] and collected.groups_valid == 0
+
+
+def test_max_attempts_must_be_positive():
+    sample, count, _ = scripted([1])
+    with pytest.raises(ValueError):
+        collect_valid_groups(sample, count, beta_th=0.4, batch_size=10, max_attempts=0)
+
+
+def test_stream_covers_an_epoch_without_repeats_and_shards_across_processes():
+    rows = list(range(23))
+    single = PromptStream(rows, seed=3)
+    epoch = single.next_indices(23)
+    assert sorted(epoch) == rows
+    shards = [PromptStream(rows, seed=3, rank=r, world_size=2) for r in range(2)]
+    union = [i for s in shards for i, _ in s.next_local(10)]
+    assert sorted(union) == sorted(epoch[:10])
+    assert not set(i for i, _ in shards[0].next_local(4)) & set(i for i, _ in shards[1].next_local(4))
+
+
+def test_stream_state_resumes_exactly_and_crosses_epochs():
+    rows = list(range(7))
+    stream = PromptStream(rows, seed=1)
+    stream.next_indices(5)
+    state = stream.state_dict()
+    expected = stream.next_indices(12)
+    resumed = PromptStream(rows, seed=1)
+    resumed.load_state_dict(state)
+    assert resumed.next_indices(12) == expected
+    assert stream.epoch == 2
