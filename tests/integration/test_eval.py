@@ -1,4 +1,4 @@
-"""scripts/eval.py and the README's example task, on the tiny model."""
+"""scripts/eval.py and the docs' example task, on the tiny model."""
 
 import json
 import re
@@ -36,9 +36,9 @@ def test_rescoring_a_file_from_another_split_fails_in_one_sentence(tmp_path, cap
     assert "does not match" in capsys.readouterr().err
 
 
-def test_the_readme_task_registers_and_trains_two_steps(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n# dominant.py\n(.*?)```", readme, re.DOTALL).group(1)
+def test_the_docs_example_task_registers_and_trains_two_steps(tmp_path):
+    page = (ROOT / "docs" / "adding-a-task.md").read_text()
+    code = re.search(r"```python\n# dominant.py\n(.*?)```", page, re.DOTALL).group(1)
     assert len(code.strip().splitlines()) <= 40
     plugin = tmp_path / "dominant.py"
     plugin.write_text(code)
