@@ -32,6 +32,7 @@ class Rule:
     optional: bool = False  # null is allowed
     choices: Callable[[], Iterable[str]] | tuple[str, ...] = ()
     note: str = ""  # why, appended to what is allowed
+    references: bool = False  # a choice that also takes module:name / path.py:name (a plugin from outside)
 
     def allows(self, value) -> bool:
         if value is None:
@@ -41,7 +42,7 @@ class Rule:
         if self.kind == "str":
             return isinstance(value, str) and bool(value.strip())
         if self.kind == "choice":
-            return isinstance(value, str) and value in self.options()
+            return isinstance(value, str) and (value in self.options() or (self.references and ":" in value))
         if isinstance(value, bool) or not isinstance(value, int | float):
             return False
         if self.kind == "int" and not isinstance(value, int):
@@ -58,7 +59,8 @@ class Rule:
         elif self.kind == "str":
             text = "a non-empty string"
         elif self.kind == "choice":
-            text = "one of " + ", ".join(self.options())
+            outside = ", or module:name / path.py:name" if self.references else ""
+            text = "one of " + ", ".join(self.options()) + outside
         else:
             bounds = [f">= {_number(self.low)}" if self.low is not None else "",
                       f"> {_number(self.above)}" if self.above is not None else "",
@@ -80,8 +82,8 @@ def number(low=None, high=None, *, above=None, optional=False, note="") -> Rule:
     return Rule("number", low=low, above=above, high=high, optional=optional, note=note)
 
 
-def one_of(choices, *, optional=False, note="") -> Rule:
-    return Rule("choice", choices=choices, optional=optional, note=note)
+def one_of(choices, *, optional=False, note="", references=False) -> Rule:
+    return Rule("choice", choices=choices, optional=optional, note=note, references=references)
 
 
 BOOL = Rule("bool")
@@ -107,15 +109,15 @@ def _aggregations() -> list[str]:
 
 
 def _baselines() -> list[str]:
-    from gpg_vl.objective import _ESTIMATOR_NAMES
+    from gpg_vl.objective import BASELINES
 
-    return sorted({baseline for baseline, _ in _ESTIMATOR_NAMES})
+    return list(BASELINES)
 
 
 def _engines() -> list[str]:
     from gpg_vl.rollout.engine import ENGINES
 
-    return sorted(ENGINES)
+    return ENGINES.names()
 
 
 def _decoders() -> list[str]:
@@ -137,16 +139,16 @@ def _segmenters() -> list[str]:
 
 
 def _families() -> list[str]:
-    from gpg_vl.models.load import FAMILIES
+    from gpg_vl.models.family import FAMILIES
 
-    return ["auto", *sorted(FAMILIES)]
+    return ["auto", *FAMILIES.names()]
 
 
 RULES: dict[str, Rule] = {
     "output_dir": TEXT,
     "seed": integer(0, 2**31 - 1),
     "overwrite": BOOL,
-    "model.family": one_of(_families),
+    "model.family": one_of(_families, references=True),
     "model.prompt_style": one_of(("chat", "raw")),
     "model.dtype": one_of(("auto", "float32", "bfloat16", "float16")),
     "model.min_pixels": integer(1, optional=True),
@@ -210,7 +212,7 @@ RULES: dict[str, Rule] = {
     "rollout.max_prompt_tokens": integer(1),
     "rollout.prefill_once": Rule("bool", optional=True, note="deprecated: rollout.hf.prefill_once"),
     "rollout.static_cache": Rule("bool", optional=True, note="deprecated: rollout.hf.static_cache"),
-    "rollout.engine": one_of(_engines),
+    "rollout.engine": one_of(_engines, references=True),
     "rollout.hf.prefill_once": BOOL,
     "rollout.hf.static_cache": BOOL,
     "rollout.hf.reserve_cache": BOOL,

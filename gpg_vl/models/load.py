@@ -2,8 +2,9 @@
 
 The trainer sees a `Policy`: the model, its processor and its family (gpg_vl/models/family.py), which
 turns chat messages into a `PromptBatch`, scores completions under the sampling distribution, and answers
-every other model-specific question. Families are registered by name: the Qwen-VL families
-(models/qwen.py) and the generic family for any other transformers vision-language model (models/generic.py).
+every other model-specific question. Families are registered by name (`FAMILIES`, whose built-ins are imported
+on first use): the Qwen-VL families (models/qwen.py) and the generic family for any other transformers
+vision-language model (models/generic.py).
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ from pathlib import Path
 import torch
 
 from gpg_vl.errors import UserError
-from gpg_vl.models import generic, qwen  # noqa: F401  (registers the families)
 from gpg_vl.models.family import (  # noqa: F401  (re-exported)
     FAMILIES,
     GENERIC,
-    MODEL_TYPES,
     RAW_TEMPLATE,
     Family,
     PromptBatch,
     eval_mode,
     family_for,
+    get_family,
     unwrap,
 )
-from gpg_vl.models.qwen import Qwen2VLAdapter, Qwen3_5Adapter, Qwen3VLAdapter, QwenVLAdapter  # noqa: F401
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 EMBEDDED_PREFIX = "embedded:"
@@ -75,10 +74,7 @@ def load_policy(
     path = resolve_path(name_or_path)
     if family == "auto":
         family = family_for(_model_type_of(path))
-    family = MODEL_TYPES.get(family, family)  # a model type names its family (qwen3_vl_moe -> qwen3_vl)
-    if family not in FAMILIES:
-        raise UserError(f"unknown model family {family!r}; known: {', '.join(sorted(FAMILIES))} "
-                        "(set model.family=).")
+    family_class = get_family(family)  # a name, a model type (qwen3_vl_moe -> qwen3_vl), module:Name or file.py:Name
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     kwargs = {"trust_remote_code": trust_remote_code}
@@ -94,7 +90,7 @@ def load_policy(
         ) from None
     model.to(device)
     _set_router_aux_loss(model, router_aux_loss_coef)
-    adapter = FAMILIES[family](processor, model.config, min_pixels=min_pixels, max_pixels=max_pixels,
+    adapter = family_class(processor, model.config, min_pixels=min_pixels, max_pixels=max_pixels,
                                prompt_style=prompt_style, raw_template=raw_template, enable_thinking=enable_thinking)
     return Policy(model=model, processor=processor, adapter=adapter, name_or_path=path)
 
@@ -112,7 +108,7 @@ def _model_type_of(path: str) -> str:
         return AutoConfig.from_pretrained(path).model_type
     except (OSError, ValueError):
         raise UserError(f"{path!r} has no config.json, so its model family is unknown; "
-                        f"set model.family= to one of {', '.join(sorted(FAMILIES))}.") from None
+                        f"set model.family= to one of {', '.join(FAMILIES.names())}.") from None
 
 
 def _family_of(path: str) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from gpg_vl.distributed import forward_is_collective, placeholder_prompts
+from gpg_vl.distributed import forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import Policy
 from gpg_vl.reward.pool import RewardBudget, score_within
@@ -26,6 +26,7 @@ from gpg_vl.reward.primitives import extract_answer
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
 from gpg_vl.rollout.hf import HFEngine
 from gpg_vl.rollout.types import in_task_frame
+from gpg_vl.train.placeholder import placeholder_prompts
 
 _RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
 

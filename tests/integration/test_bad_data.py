@@ -305,7 +305,7 @@ def test_nan_losses_skip_the_step_and_too_many_in_a_row_stop_with_the_last_good_
         calls["n"] += 1
         return (loss * math.nan if calls["n"] > 2 else loss), info
 
-    monkeypatch.setitem(POLICY_LOSSES, "gpg", loss_nan_after_two_steps)
+    monkeypatch.setitem(POLICY_LOSSES._entries, "gpg", loss_nan_after_two_steps)  # the registered object, for this test
     out = tmp_path / "run"
     args = [f"output_dir={out}", "trainer.max_steps=8", "trainer.save_every=1", "trainer.max_bad_steps=3", *SHAPES]
     with pytest.raises(UserError) as stopped:
