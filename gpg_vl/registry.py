@@ -77,6 +77,7 @@ class Registry(Mapping):
     def add(self, name: str, obj: Any, **attributes: Any) -> Any:
         """Register `obj` as `name`; a second object under a registered (or built-in) name raises UserError."""
         origin = _origin(obj)
+        self._load_packages()  # a name a package's plugin takes is taken before that package is imported, too
         if name in self._entries:
             taken = self._entries[name] is not obj
         else:  # a built-in registers itself when its module is imported; anything else takes the name
