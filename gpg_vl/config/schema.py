@@ -131,8 +131,8 @@ class HFEngineSettings:
 
     # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
     prefill_once: bool = True
-    # preallocate the decoding cache (no reallocation per token; a cache that cannot be, e.g. Qwen3.5's
-    # recurrent states, stays dynamic); exact, but not measured faster on CPU (README, Throughput)
+    # preallocate the decoding cache (no reallocation per token; a cache that cannot be, e.g. one holding
+    # linear-attention recurrent states, stays dynamic); exact, but not measured faster on CPU (README, Throughput)
     static_cache: bool = False
     # reserve the dynamic cache's room for the whole completion once (each token is written in place instead
     # of the cache being copied per token; the same attention, exact); it holds from the start the memory a

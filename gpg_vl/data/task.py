@@ -71,7 +71,7 @@ class Task:
         raise NotImplementedError
 
     def messages(self, row: dict) -> list[dict]:
-        """Chat messages for one row, in the Qwen-VL format (`{"type": "image", "image": PIL.Image}`)."""
+        """Chat messages for one row, in the chat message format (`{"type": "image", "image": PIL.Image}`)."""
         raise NotImplementedError
 
     def check_row(self, row: dict) -> None:
@@ -233,6 +233,18 @@ def check_box(box, row: dict) -> None:
 def image_question(image, text: str) -> list[dict]:
     """The chat messages of a single-image question: one user turn holding the image, then the text."""
     return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
+def prompt_text(messages: list[dict]) -> str:
+    """The text of chat messages, each image written `<image>` (what predictions files and the rollout log show)."""
+    parts = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            parts.append(content)
+        else:
+            parts += ["<image>" if part.get("type") == "image" else part.get("text", "") for part in content]
+    return "".join(parts)
 
 
 def _is_task(obj) -> bool:

@@ -30,10 +30,10 @@ import torch
 from PIL import Image, ImageDraw
 
 from gpg_vl.data.sources import load_image
+from gpg_vl.data.task import prompt_text
 from gpg_vl.reward.primitives import extract_answer, parse_box
 from gpg_vl.rollout.types import in_task_frame
 from gpg_vl.train.checkpoint import write_atomic
-from gpg_vl.train.evaluate import _prompt_text
 
 MAX_EDGE = 256  # thumbnail side, pixels
 MAX_THUMB_BYTES = 64 * 1024  # one thumbnail's JPEG
@@ -80,7 +80,7 @@ def store_image(image: Image.Image, folder: Path) -> str:
 
 
 def message_images(messages: list[dict]) -> list[Image.Image]:
-    """The PIL images of chat messages, in order (Qwen-VL format: `{"type": "image", "image": ...}`)."""
+    """The PIL images of chat messages, in order (chat message format: `{"type": "image", "image": ...}`)."""
     images = []
     for message in messages:
         content = message["content"]
@@ -149,7 +149,7 @@ def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, ima
                 "tokens": tokens, "end": "eos" if ended else "cut",
                 **({"box": answer_box(text)} if task.uses_boxes else {}),
             })
-        prompt = _clipped(_prompt_text(messages), text_chars)
+        prompt = _clipped(prompt_text(messages), text_chars)
         records.append({
             "attempt": a, "group": b, "id": str(row.get("id", b)), "valid": bool(attempt.valid[b]),
             "prompt": prompt["text"], "prompt_chars": prompt["chars"], "prompt_truncated": prompt["truncated"],

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from gpg_vl.data.task import prompt_text as _prompt_text
 from gpg_vl.distributed import forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import Policy
@@ -158,14 +159,3 @@ def _saved_fields(row: dict) -> dict:
 
 def _without_images(row: dict) -> dict:
     return {key: value for key, value in row.items() if not isinstance(value, Image.Image)}
-
-
-def _prompt_text(messages: list[dict]) -> str:
-    parts = []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, str):
-            parts.append(content)
-        else:
-            parts += ["<image>" if part.get("type") == "image" else part.get("text", "") for part in content]
-    return "".join(parts)
