@@ -39,6 +39,25 @@ SCORING_MEMO_ROWS = 8  # rows whose scoring form `Task.scoring_row` keeps (a pub
 _COUNTING = threading.Lock()  # guards the reward error counts of every task
 
 
+class NotAScore(TypeError):
+    """A reward function returned something that is not a number (a string such as "1.0", None, a list)."""
+
+    def __init__(self, value):
+        super().__init__(f"{value!r} is not a number")
+        self.value = value
+
+
+def _as_score(value) -> float:
+    """A reward's value as a float: numbers (bool, int, float, numpy and 0-d torch scalars) only; text such as
+    "1.0" is refused, never parsed."""
+    if isinstance(value, str | bytes) or value is None or not hasattr(value, "__float__"):
+        raise NotAScore(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise NotAScore(value) from None
+
+
 class Task:
     """Base class of every task. Subclasses set `name` and implement `load` and `messages`.
 
@@ -141,15 +160,18 @@ class Task:
         scores = {}
         for name, fn in self.reward_functions.items():
             try:
-                score = float(fn(completion, row))
-            except Exception:  # a reward (often a user's own) that fails on odd output must not end the run
+                score = _as_score(fn(completion, row))
+            except Exception as error:  # a reward (often a user's own) that fails on odd output must not end the run
                 with _COUNTING:
                     errors[name] = errors.get(name, 0) + 1
                     first = errors[name] == 1
                 if first:
-                    print(f"warning: reward {name!r} of task {self.name!r} raised on a completion; it scores 0 "
-                          f"(counted as reward_errors in metrics.jsonl; this traceback is shown once):\n"
-                          f"{traceback.format_exc().rstrip()}", file=sys.stderr)
+                    why = (f"returned {error.value!r} (a {type(error.value).__name__}), not a number"
+                           if isinstance(error, NotAScore) else "raised on a completion")
+                    shown = "" if isinstance(error, NotAScore) else \
+                        f"; this traceback is shown once:\n{traceback.format_exc().rstrip()}"
+                    print(f"warning: reward {name!r} of task {self.name!r} {why}; it scores 0 (counted as "
+                          f"reward_errors in metrics.jsonl; a reward returns a float){shown}", file=sys.stderr)
                 score = 0.0
             if not math.isfinite(score):
                 with _COUNTING:

@@ -12,9 +12,11 @@ metrics as `reward_timeouts`.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from PIL import Image
 
@@ -111,6 +113,44 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dic
         "completion": d.completion, "answer": extract_answer(d.completion), "target": task.target(d.row),
         "rewards": d.rewards, **_saved_fields(d.row),
     } for d in decoded]
+
+
+def read_predictions(path: str | Path) -> list[dict]:
+    """The records of a predictions.jsonl written by scripts/eval.py, each checked for what `rescore` reads
+    (`index` a whole number >= 0, `id`, `completion` a string); a bad file or line fails in one sentence."""
+    source = Path(path)
+    if not source.is_file():
+        raise UserError(f"predictions file {str(source)!r} does not exist; pass predictions=path/to/predictions.jsonl.")
+    records = []
+    for number, line in enumerate(source.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"predictions file {str(source)!r} is not JSON lines ({error}); "
+                            "pass a predictions.jsonl written by scripts/eval.py.") from None
+        problem = _prediction_problem(record)
+        if problem:
+            raise UserError(f"line {number} of predictions file {str(source)!r} {problem}; pass a predictions.jsonl "
+                            "written by scripts/eval.py (each line holds index, id and completion).")
+        records.append(record)
+    return records
+
+
+def _prediction_problem(record) -> str | None:
+    """What is wrong with one predictions.jsonl record for re-scoring (None when nothing is)."""
+    if not isinstance(record, dict):
+        return f"holds a JSON {type(record).__name__}, not a record"
+    missing = [key for key in ("index", "id", "completion") if key not in record]
+    if missing:
+        return f"has no {', '.join(missing)}"
+    index = record["index"]
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        return f"has index {index!r}, not a row number (a whole number >= 0)"
+    if not isinstance(record["completion"], str):
+        return f"has a completion of type {type(record['completion']).__name__}, not text"
+    return None
 
 
 def rescore(task, records: Sequence[dict], rows: Sequence[dict], *,

@@ -451,5 +451,15 @@ def test_an_empty_jsonl_fails_saying_which_file_is_empty(tmp_path, capsys):
     # a parquet file with the columns but no rows
     datasets.Dataset.from_dict({"image_path": [], "question": [], "ground_truth": []}).to_parquet(
         str(tmp_path / "none.parquet"))
-    with pytest.raises(UserError, match=r"none\.parquet' holds no rows"):
+    with pytest.raises(UserError, match=r"none\.parquet' is empty \(no rows\)"):
         geoqa(tmp_path / "none.parquet").load("test")
+    # pandas' empty frame, and a table without columns: the same sentence, not "could not read"
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pd.DataFrame({"question": ["q"]}).iloc[:0].to_parquet(tmp_path / "frame.parquet")
+    pq.write_table(pa.table({}), tmp_path / "columns.parquet")
+    for name in ("frame", "columns"):
+        with pytest.raises(UserError, match=rf"{name}\.parquet' is empty \(no rows\)"):
+            geoqa(tmp_path / f"{name}.parquet").load("test")
