@@ -10,14 +10,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.config.validate import check_model_folder
 from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import RAW_TEMPLATE, load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
 from gpg_vl.train.checkpoint import compare_settings, resolve_resume, write_failure
-from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, needs_reference, train
+from gpg_vl.train.loop import train
 from gpg_vl.train.outdir import check_output_dir, claim_output_dir
+from gpg_vl.train.update import needs_reference
 
 
 def build_policy(model_cfg: DictConfig, device):

@@ -46,12 +46,12 @@ import psutil
 import torch
 from PIL import Image
 
-from gpg_vl.config.schema import HFEngineSettings
+from gpg_vl.config.schema import HFEngineSettings, RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.data.task import Task, image_question
 from gpg_vl.models.load import FAMILIES, Policy, resolve_path
-from gpg_vl.train.loop import RolloutSettings, TrainerSettings, build_optimizer, sample_attempt, update
-from gpg_vl.train.sample import collect_valid_groups
+from gpg_vl.train.sample import collect_valid_groups, sample_attempt
+from gpg_vl.train.update import build_optimizer, update
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
             num_key_value_heads=2, layer_types=["full_attention"] * 6)

@@ -128,8 +128,8 @@ def run_engine(policy, engine_name: str, args) -> dict:
     from gpg_vl.observe import perf
     from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
     from gpg_vl.rollout.hf import HFEngine
-    from gpg_vl.train.loop import sample_attempt, update
-    from gpg_vl.train.sample import collect_valid_groups
+    from gpg_vl.train.sample import collect_valid_groups, sample_attempt
+    from gpg_vl.train.update import update
 
     data = rows(args.prompts * (args.steps + 2), 224)
     task = hash_task(data)

@@ -60,7 +60,7 @@ def batch_gradients(policy, task, rows, *, group_size: int, rollout, age: bool) 
     """Sample one batch (G completions for each row) and return {estimator: flat gradient [P]} and stats."""
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, policy_loss
-    from gpg_vl.train.loop import sample_attempt
+    from gpg_vl.train.sample import sample_attempt
 
     stream = PromptStream(rows, seed=0)
     attempt = sample_attempt(policy, task, stream, batch_size=len(rows), group_size=group_size, rollout=rollout,
@@ -89,7 +89,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.compose import load_config
-    from gpg_vl.train.loop import RolloutSettings
+    from gpg_vl.config.schema import RolloutSettings
 
     cfg = load_config("train", ["task=shapes", f"model={args.model}"])
     task = build_task(cfg.task, cfg.data)

@@ -84,7 +84,7 @@ def fixed_rollouts(policy, task):
 
 def attempt_for(groups, rows, prompts, ids, mask, rewards, advantages, valid):
     from gpg_vl.rollout.types import Rollout
-    from gpg_vl.train.loop import Attempt
+    from gpg_vl.train.sample import Attempt
 
     if not groups:
         empty = torch.zeros(0, GROUP_SIZE)
@@ -114,8 +114,9 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
     from transformers import get_scheduler
 
     from gpg_vl import get_task
+    from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.models.load import Policy, load_policy
-    from gpg_vl.train.loop import TrainerSettings, build_reference, place_reference, update
+    from gpg_vl.train.update import build_reference, place_reference, update
 
     accelerator = make_accelerator(engine)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -166,7 +167,8 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
 
     from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.compose import load_config
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import train
 
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type)}

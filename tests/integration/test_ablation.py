@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from gpg_vl.config.compose import load_config
+from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, sample_attempt, train, update
+from gpg_vl.train.loop import train
+from gpg_vl.train.sample import sample_attempt
+from gpg_vl.train.update import update
 
 ROOT = Path(__file__).resolve().parents[2]
 

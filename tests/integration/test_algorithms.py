@@ -8,8 +8,9 @@ from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
+from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+from gpg_vl.train.loop import train
 
 TINY = ["task=shapes", "model=tiny", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4",
         "trainer.group_size=4", "rollout.max_new_tokens=16"]

@@ -327,7 +327,8 @@ def test_nan_losses_skip_the_step_and_too_many_in_a_row_stop_with_the_last_good_
 
 
 def test_an_infinite_gradient_skips_the_step_without_touching_the_weights(tmp_path, monkeypatch, policy, shapes):
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import train
 
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     first = next(p for p in policy.model.parameters() if p.requires_grad)

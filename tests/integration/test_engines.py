@@ -302,8 +302,10 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
     from accelerate import Accelerator
     from transformers import get_scheduler
 
+    from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.train.loop import TrainerSettings, sample_attempt, update
+    from gpg_vl.train.sample import sample_attempt
+    from gpg_vl.train.update import update
 
     stream = PromptStream(shapes.load("train")[:8], seed=0)
     attempt = sample_attempt(policy, shapes, stream, batch_size=2, group_size=2,

@@ -17,12 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import get_scheduler
 
+from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.load import PromptBatch
 from gpg_vl.models.scoring import ReservedLayer, completion_logps, reserve
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
 from gpg_vl.rollout.types import Rollout
-from gpg_vl.train.loop import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
+from gpg_vl.train.sample import Attempt
+from gpg_vl.train.update import micro_batch_cost, update, update_chunks
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
             "llava_onevision", "gemma3", "gemma4", "smolvlm", "internvl", "glm4v"]  # generic-family classes

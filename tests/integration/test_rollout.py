@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import generate
 from gpg_vl.rollout.types import completion_mask_from_eos
-from gpg_vl.train.loop import RolloutSettings, sample_attempt
+from gpg_vl.train.sample import sample_attempt
 
 
 def encode(policy, task, rows):

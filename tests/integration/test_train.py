@@ -63,7 +63,8 @@ def test_short_run_raises_held_out_accuracy(tmp_path):
 
 
 def test_only_valid_groups_are_forwarded_and_alpha_is_logged(tmp_path, policy, shapes):
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import train
 
     forwarded = []
     original = policy.adapter.token_logps

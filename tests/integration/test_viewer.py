@@ -20,6 +20,7 @@ import gpg_vl.train.loop
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config, run_cli
+from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.observe.rollout_log import (
     MAX_EDGE,
     MAX_STEP_BYTES,
@@ -31,7 +32,8 @@ from gpg_vl.observe.rollout_log import (
 )
 from gpg_vl.observe.viewer import write_rollouts_html
 from gpg_vl.rollout.types import Rollout
-from gpg_vl.train.loop import Attempt, EvalSettings, RolloutSettings, TrainerSettings, train
+from gpg_vl.train.loop import train
+from gpg_vl.train.sample import Attempt
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "<script>alert('x')</script>"

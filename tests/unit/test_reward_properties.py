@@ -147,9 +147,10 @@ def test_a_reward_that_raises_scores_zero_is_counted_and_its_first_traceback_sho
 def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(policy):
     from accelerate import Accelerator
 
+    from gpg_vl.config.schema import RolloutSettings
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.train.loop import RolloutSettings, sample_attempt, step_metrics
-    from gpg_vl.train.sample import Collected
+    from gpg_vl.train.loop import step_metrics
+    from gpg_vl.train.sample import Collected, sample_attempt
 
     task = get_task("shapes", train_size=50, test_size=1)
     stream = PromptStream(task.load("train"), seed=0)
@@ -168,7 +169,8 @@ def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(poli
 
 
 def test_a_run_goes_on_when_a_users_reward_raises(tmp_path, capsys, policy):
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import train
 
     task = get_task("shapes", train_size=100, test_size=1)
     task.reward_functions["mine"] = lambda completion, row: {"a completion never says just this": 1.0}[completion]
