@@ -1,7 +1,12 @@
-"""The training loop, on accelerate. Read `train` top to bottom: setup -> (sample -> score -> advantage ->
-loss -> optimizer steps -> log -> save) per step -> finish. GPG by default; the GRPO family by trainer.loss.
-Sampling and threshold resampling are in sample.py, the update (micro-batches, optimizer steps, the
-reference) in update.py.
+"""The training loop, on accelerate. Read `train` top to bottom: (sample -> score -> advantage -> loss ->
+optimizer steps -> log -> save) per step -> finish, on a `Run` that `setup` built once. GPG by default; the
+GRPO family by trainer.loss. Sampling and threshold resampling are in sample.py, the update (micro-batches,
+optimizer steps, the reference) in update.py.
+
+Two ways in: `setup(cfg)` builds a run from a composed config (the command line: task, accelerator, the
+output folder's claim, the policy with LoRA and a frozen vision tower, the reference, then all of
+`setup_policy`); `setup_policy(policy, task, settings)` builds one around a policy the caller built. Then
+`train(run)`.
 
 Nothing here assumes one process: prompts of a step are split across processes, every count that
 drives a decision (valid groups, resampling, the loss normaliser) is all-reduced, and checkpoints are
@@ -10,7 +15,7 @@ written by the main process only.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import math
 import os
@@ -29,7 +34,7 @@ from transformers import get_scheduler
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream, Subset, scan_rows
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import ScoringPath, choose_scoring_path
+from gpg_vl.models.family import choose_scoring_path
 from gpg_vl.models.load import Policy
 from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
@@ -37,22 +42,462 @@ from gpg_vl.observe.rollout_log import log_rollouts
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train.checkpoint import (
+    compare_settings,
     later_checkpoints,
     latest_checkpoint,
     load_trainer_state,
     remove_checkpoint,
     remove_partials,
+    resolve_resume,
     save_checkpoint,
     truncate_metrics,
     write_atomic,
     writing,
 )
-from gpg_vl.train.evaluate import evaluate
+from gpg_vl.train.evaluate import Share, evaluate
 from gpg_vl.train.outdir import claim_output_dir
 from gpg_vl.train.sample import Attempt, attempts_allowed, collect_valid_groups, global_counts, sample_attempt
-from gpg_vl.train.update import Reference, build_optimizer, build_reference, place_reference, update
+from gpg_vl.train.update import (
+    Learner,
+    build_optimizer,
+    build_reference,
+    needs_reference,
+    place_reference,
+    trainer_loss_options,
+    update,
+)
 
 
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class RunSettings:
+    """What a run is asked to do, beside its policy and task: the `trainer.*`, `rollout.*` and `eval.*`
+    settings, where it writes, its seed, the checkpoint it continues (`resume_from`), its resolved config
+    (recorded in checkpoints, compared on resume), and the share of bad rows that stops it."""
+
+    trainer: TrainerSettings
+    rollout: RolloutSettings
+    evaluation: EvalSettings = field(default_factory=EvalSettings)
+    output_dir: str | Path = "outputs"
+    seed: int = 0
+    resume_from: str | Path | None = None
+    config: dict | None = None
+    max_bad_fraction: float = 0.05
+
+
+@dataclass
+class RunData:
+    """The data side: the task, the training prompt stream, the held-out rows and how they are evaluated."""
+
+    task: object
+    stream: PromptStream
+    eval_rows: object
+    eval_kwargs: dict
+    reward_names: list[str]  # the task's reward components, and "overlong" with DAPO's shaping
+
+
+@dataclass
+class RunState:
+    """The record: where the run is, its counters (saved in checkpoints: a resumed run continues them), its
+    summary and the part of it that spans continuations (`record`), each step's metrics."""
+
+    counters: dict
+    summary: dict
+    record: dict
+    start_step: int = 0
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+    attempts: list = field(default_factory=list)  # the last step's attempts (its rollouts, for the rollout log)
+
+
+@dataclass
+class Run:
+    """One training run, built once by `setup` / `setup_policy`; `step(run)` advances it by one rollout.
+    The model side is `learner` (policy, prepared model, optimizer, schedule, reference, scoring path), the
+    data side `data`, the record `state`; `engine` samples and evaluates; `held` holds the output folder."""
+
+    settings: RunSettings  # trainer.max_steps resolved from trainer.epochs
+    learner: Learner
+    engine: object  # rollout.engine's (gpg_vl/rollout/): samples, evaluates, takes the weights after each step
+    data: RunData
+    state: RunState
+    bar: object
+    held: contextlib.ExitStack  # the output folder's claim (gpg_vl/train/outdir.py), released when the run ends
+    warned: set[str] = field(default_factory=set)
+
+    @property
+    def trainer(self) -> TrainerSettings:
+        return self.settings.trainer
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return self.learner.accelerator
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.settings.output_dir)
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.output_dir / "metrics.jsonl"
+
+    def warn(self, message: str) -> None:
+        """Print a warning, once per run."""
+        if message not in self.warned:
+            self.warned.add(message)
+            self.accelerator.print(f"warning: {message}")
+
+    def stop(self, message: str) -> None:
+        """End the run with one sentence (too many bad rows or bad steps); summary.json says why."""
+        self.bar.close()
+        if self.main:
+            state = self.state
+            state.summary.update({"stopped": message, "data": self.data.stream.bad.summary(), **state.counters,
+                                  **state.record})
+            with writing("write summary.json", self.output_dir):
+                write_atomic(self.output_dir / "summary.json", json.dumps(state.summary, indent=2))
+        raise UserError(message)
+
+
+def train(run: Run) -> dict:
+    """Train the run's policy on its task with trainer.loss (GPG by default); returns the run summary (also
+    written to summary.json). Reads top to bottom: evaluate -> steps (sample, score, advantage, update, log,
+    save) -> final save and evaluation. The output folder is released when it returns or raises."""
+    with run.held:
+        if run.trainer.eval_before and run.state.start_step == 0:
+            evaluate_held_out(run, "before")
+        for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
+            metrics = step(run)
+            log_step(run, metrics, run.state.attempts)
+            stop_on_bad_steps(run)
+            save_step(run)
+            if run.trainer.max_completions and run.state.counters["completions_sampled"] >= run.trainer.max_completions:
+                break  # a budget of sampled completions: equal-cost comparisons of G and variants
+        return finish(run)
+
+
+# ---------------------------------------------------------------------------------------------
+# setup
+# ---------------------------------------------------------------------------------------------
+def setup(cfg) -> Run:
+    """Build a run from a composed train config (gpg_vl/config/compose.py), every object once: the task,
+    the Accelerator, the output folder's claim (and the checkpoint to resume from), the policy with LoRA and
+    a frozen vision tower, the reference a KL loss scores, then what `setup_policy` builds."""
+    from omegaconf import OmegaConf
+
+    from gpg_vl.cli import build_policy, build_task
+    from gpg_vl.config.validate import check_model_folder
+
+    trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
+    trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
+    task = build_task(cfg.task, cfg.data)
+    accelerator = _command_line_accelerator(cfg)
+    container = OmegaConf.to_container(cfg, resolve=True)  # after the output_dir is the same on every process
+    held = contextlib.ExitStack()
+    try:
+        resume = _on_main(accelerator, lambda: _claim(held, cfg, container))
+        model_cfg = cfg.model
+        if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
+            model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
+        check_model_folder(model_cfg)  # before the weights load
+        policy = build_policy(model_cfg, accelerator.device)
+        # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
+        # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
+        reference = None
+        if needs_reference(trainer) and not int((cfg.model.get("lora") or {}).get("r") or 0):
+            reference = build_policy(cfg.model, accelerator.device).model
+        settings = RunSettings(trainer, RolloutSettings(**container["rollout"]), EvalSettings(**container["eval"]),
+                               output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, config=container,
+                               max_bad_fraction=cfg.data.max_bad_fraction)
+        return _build_run(policy, task, settings, accelerator, reference, held)
+    except BaseException:
+        held.close()
+        raise
+
+
+def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Accelerator | None = None,
+                 reference: torch.nn.Module | None = None) -> Run:
+    """Build a run around a policy the caller built (programmatic use: `train(setup_policy(policy, task,
+    RunSettings(trainer=..., rollout=..., output_dir=...)))`). The main process claims settings.output_dir for
+    the run (gpg_vl/train/outdir.py: one run per folder); `accelerator`: one the caller made (else one is made
+    here); `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken).
+
+    settings.resume_from is a complete checkpoint (see gpg_vl/train/checkpoint.py): training continues from its
+    step with its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past
+    that step. Bad rows are skipped and counted; more than settings.max_bad_fraction of the rows seen stops
+    the run."""
+    trainer_loss_options(settings.trainer, settings.rollout.max_new_tokens)
+    accelerator = accelerator or Accelerator(
+        log_with=None if settings.trainer.report_to == "none" else settings.trainer.report_to,
+        project_dir=str(settings.output_dir))
+    held = contextlib.ExitStack()
+    try:
+        if accelerator.is_main_process:
+            held.enter_context(claim_output_dir(settings.output_dir, resume=settings.resume_from))
+        return _build_run(policy, task, settings, accelerator, reference, held)
+    except BaseException:
+        held.close()
+        raise
+
+
+def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Accelerator,
+               reference: torch.nn.Module | None, held: contextlib.ExitStack) -> Run:
+    """Build a run once: seeds, data, optimizer and schedule (counting optimizer steps), the prepared model,
+    the reference model when the loss needs one, the scoring path, the resumed state, the held-out rows.
+
+    The reference (loss grpo with trainer.kl_coef > 0) is the initial weights, frozen: with LoRA the policy
+    with its adapters disabled; otherwise `reference` when given (the command line rebuilds it from the model
+    source, so a resumed run gets the same one), else a copy of `policy`'s weights taken here, before any
+    step. Checkpoints never hold it."""
+    _start_process(accelerator, settings)
+    trainer = settings.trainer
+    policy.adapter.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
+    train_rows = task.load(task.train_split)
+    if trainer.epochs:  # epochs over the train split decide the length of the run
+        trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
+        settings = replace(settings, trainer=trainer)
+    learner = _build_learner(policy, trainer, settings.rollout, accelerator, reference,
+                             resuming=settings.resume_from is not None)
+    engine = build_engine(settings.rollout, learner.policy, accelerator=accelerator)  # samples, and evaluates
+    learner = replace(learner, correction=engine.correction)
+    if trainer.report_to != "none":
+        accelerator.init_trackers("gpg-vl", config=_flat_scalars(settings.config or {}))
+    state = RunState(counters={"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0,
+                               "bad_steps_in_a_row": 0, "completions_sampled": 0, "reward_timeouts": 0},
+                     summary={}, record={"train_seconds": 0.0})
+    run = Run(settings, learner, engine, data=None, state=state, bar=None, held=held)
+    # The scoring path, once for the run: the update's forward and its micro-batch cost both read it.
+    run.learner.path = choose_scoring_path(policy.adapter, learner.model, share_prompt=trainer.share_prompt,
+                                           share_vision=trainer.share_vision, warn=run.warn)
+    accelerator.print(f"model: {policy.adapter.describe(learner.model)}; the update scores "
+                      f"{run.learner.path.describe()}")
+    stream = PromptStream(train_rows, seed=settings.seed, rank=accelerator.process_index,
+                          world_size=accelerator.num_processes, max_bad_fraction=settings.max_bad_fraction,
+                          warn=run.warn, stop=run.stop, max_aspect_ratio=policy.adapter.max_aspect_ratio)
+    run.data = RunData(task, stream, eval_rows=None, eval_kwargs={},
+                       reward_names=list(task.reward_functions) + (["overlong"] if trainer.overlong_cache else []))
+    _resume(run)
+    _held_out(run)
+    run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,
+                   desc=trainer.loss.upper(), dynamic_ncols=True)
+    return run
+
+
+def _start_process(accelerator: Accelerator, settings: RunSettings) -> None:
+    """config.json (main process), this process's seeds, and the check that every process gets prompts."""
+    output_dir, trainer = Path(settings.output_dir), settings.trainer
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with writing("write config.json", output_dir):
+            write_atomic(output_dir / "config.json", json.dumps(settings.config or {}, indent=2, default=str))
+    # Each process samples its own completions: with one seed everywhere they would draw the same numbers.
+    torch.manual_seed(settings.seed + accelerator.process_index)
+    random.seed(settings.seed + accelerator.process_index)
+    np.random.seed(settings.seed + accelerator.process_index)
+    if trainer.batch_size < accelerator.num_processes:
+        raise UserError(f"trainer.batch_size={trainer.batch_size} is smaller than the {accelerator.num_processes} "
+                        "processes, so some would get no prompt; set trainer.batch_size to at least "
+                        f"{accelerator.num_processes} (prompts per step, over all processes).")
+
+
+def _build_learner(policy: Policy, trainer: TrainerSettings, rollout: RolloutSettings, accelerator: Accelerator,
+                   reference: torch.nn.Module | None, *, resuming: bool) -> Learner:
+    """The model side, prepared by accelerate: the model (gradient checkpointing, train mode), AdamW, the
+    schedule (it counts optimizer steps: mu x mini-batches per rollout, one per step for GPG), the reference."""
+    model = policy.model
+    frozen = build_reference(model, trainer, reference, resuming=resuming)
+    if trainer.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = build_optimizer(model, trainer)
+    scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
+                              num_training_steps=trainer.max_steps * trainer.optimizer_steps_per_rollout)
+    _check_engine(accelerator)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    policy = replace(policy, model=accelerator.unwrap_model(model))
+    return Learner(policy, model, optimizer, scheduler, accelerator, trainer, temperature=rollout.temperature,
+                   reference=place_reference(frozen, accelerator), max_new_tokens=rollout.max_new_tokens)
+
+
+def _resume(run: Run) -> None:
+    """Continue settings.resume_from (optimizer, schedule, data position, RNG, counters), and clear what an
+    interrupted save or a later continuation of this run left in the output folder."""
+    learner, state, accelerator = run.learner, run.state, run.accelerator
+    resume_from = run.settings.resume_from
+    if resume_from is not None:
+        state.start_step = load_trainer_state(Path(resume_from), learner.optimizer, learner.scheduler,
+                                              run.data.stream, accelerator=accelerator, model=learner.model,
+                                              counters=state.counters, record=state.record)
+        accelerator.print(f"resumed from {resume_from} at step {state.start_step}")
+    state.step = state.start_step
+    if run.main:  # what an interrupted save or an earlier continuation of this run left behind
+        for leftover in remove_partials(run.output_dir):
+            accelerator.print(f"removed {leftover.name}, left by an interrupted save")
+        truncate_metrics(run.metrics_file, state.start_step)
+        if state.start_step:
+            for later in later_checkpoints(run.output_dir, state.start_step):
+                remove_checkpoint(later)
+                accelerator.print(f"removed {later.name}: it is past step {state.start_step}, which this run "
+                                  "continues")
+
+
+def _held_out(run: Run) -> None:
+    """The held-out rows (checked once, here, when they will be evaluated), how they are evaluated, and the
+    summary's start."""
+    task, evaluation, trainer = run.data.task, run.settings.evaluation, run.trainer
+    accelerator, adapter = run.accelerator, run.learner.policy.adapter
+    eval_rows = task.load(evaluation.split or task.eval_split)
+    eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
+    eval_data = None
+    if (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after:
+        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=run.settings.max_bad_fraction,
+                                    max_aspect_ratio=adapter.max_aspect_ratio)
+        if eval_data.bad:
+            run.warn(f"{eval_data.bad} held-out rows are bad and left out of evaluation:\n{eval_data.report()}")
+        if eval_data.over_limit():
+            raise UserError(f"held-out split: {eval_data.stop_message()}")
+        eval_rows = Subset(eval_rows, good)
+    run.data.eval_rows = eval_rows
+    run.data.eval_kwargs = {
+        "batch_size": evaluation.batch_size,
+        "max_new_tokens": evaluation.max_new_tokens or run.settings.rollout.max_new_tokens,
+        "share": Share(accelerator.process_index, accelerator.num_processes, gather_object), "engine": run.engine,
+        "reward_workers": evaluation.reward_workers, "reward_budget_s": evaluation.reward_budget_s}
+    summary = run.state.summary
+    summary.update({"task": task.name, "model": run.learner.policy.name_or_path, "output_dir": str(run.output_dir),
+                    **run.state.record})
+    if eval_data is not None:
+        summary["eval_data"] = eval_data.summary()
+
+
+def _command_line_accelerator(cfg) -> Accelerator:
+    """The one Accelerator of a command-line run: bf16 on CUDA for a bf16 model; several processes without a
+    GPU joined with gloo; one output_dir for all processes (${now} differs by process)."""
+    mixed = "bf16" if cfg.model.dtype in ("auto", "bfloat16") and torch.cuda.is_available() else "no"
+    report_to = cfg.trainer.report_to
+    # Several processes and no GPU (`accelerate launch --multi_gpu --num_processes 2` or torchrun on a CPU
+    # machine): cpu=True makes accelerate join them with gloo; otherwise each would train alone.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir),
+                              cpu=launched > 1 and not torch.cuda.is_available(),
+                              log_with=None if report_to == "none" else report_to)
+    if accelerator.num_processes != launched:
+        raise UserError(f"{launched} processes were launched but accelerate joined {accelerator.num_processes}; "
+                        "launch with `accelerate launch --multi_gpu --num_processes N` (or torchrun) on a machine "
+                        "whose devices accelerate supports.")
+    if accelerator.num_processes > 1:  # collective, on every process: one output_dir (${now} differs by process)
+        from accelerate.utils import broadcast_object_list
+
+        cfg.output_dir = broadcast_object_list([str(cfg.output_dir)])[0]
+    return accelerator
+
+
+def _claim(held: contextlib.ExitStack, cfg, container: dict) -> Path | None:
+    """Lock and check the output folder (held until `held` closes), then pick the checkpoint to resume from,
+    intact and made with compatible settings (printing the legitimate changes); None: start afresh."""
+    held.enter_context(claim_output_dir(cfg.output_dir, resume=cfg.resume, overwrite=bool(cfg.get("overwrite"))))
+    resume = resolve_resume(cfg.resume, cfg.output_dir)  # resume=auto: the newest intact checkpoint, if any
+    if str(cfg.resume) == "auto" and resume is None:
+        print(f"resume=auto: no complete checkpoint in {cfg.output_dir}; starting at step 0")
+    changes = compare_settings(resume, container) if resume is not None else []
+    if changes:
+        print(f"resuming {resume} with changed settings: {'; '.join(changes)}")
+    return resume
+
+
+def _on_main(accelerator: Accelerator, action):
+    """`action()` on the main process alone, its result given to every process; a UserError it raises is
+    raised on every process (collective when there are several: each reaches it once, at the same point)."""
+    result, problem = None, None
+    if accelerator.is_main_process:
+        try:
+            result = action()
+        except UserError as error:
+            problem = str(error)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        result, problem = broadcast_object_list([result, problem])
+    if problem is not None:
+        raise UserError(problem)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# one step
+# ---------------------------------------------------------------------------------------------
+def step(run: Run) -> dict:
+    """One rollout and its update: sample + score + advantage (resampling until enough groups carry signal),
+    then the optimizer steps on the valid groups; returns the step's metrics."""
+    trainer, accelerator, task, state = run.trainer, run.accelerator, run.data.task, run.state
+    state.step += 1
+    started = time.perf_counter()
+    errors_before = sum(getattr(task, "reward_errors", {}).values())
+    budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
+    collected = collect_valid_groups(
+        lambda: sample_attempt(run.learner.policy, task, run.data.stream, engine=run.engine, trainer=trainer,
+                               rollout=run.settings.rollout, warn=run.warn, reward_budget=budget),
+        lambda attempt: global_counts(attempt, accelerator),
+        beta_th=trainer.beta_th, batch_size=trainer.batch_size,
+        max_attempts=attempts_allowed(trainer, state.counters["completions_sampled"]))
+    rolled = time.perf_counter()
+    state.attempts = collected.attempts
+    state.counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
+    # loss + step, on valid groups only
+    if collected.groups_valid > 0:
+        result = update(run.learner, collected.attempts)
+        if not result.get("skipped"):
+            run.engine.sync(run.learner.model)  # an engine with its own weights takes the stepped ones (HF: none)
+        warning = run.engine.mismatch_warning(result)  # an engine that samples with its own weights: off-policy?
+        if warning:
+            run.warn(warning)
+    else:
+        result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
+        run.warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
+                 "it was skipped (check the task's rewards, or raise rollout.temperature).")
+    updated = time.perf_counter()
+    _count_bad_step(run, result)
+    errors = sum(getattr(task, "reward_errors", {}).values()) - errors_before
+    stream = run.data.stream
+    return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names, reward_errors=errors),
+            "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
+            "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
+            "groups_used": collected.groups_valid,
+            "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
+            "completions_sampled": state.counters["completions_sampled"],
+            **result, "lr": run.learner.scheduler.get_last_lr()[0],
+            "nonfinite_steps": state.counters["nonfinite_steps"],
+            **stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position,
+            "rollout_s": rolled - started, "update_s": updated - rolled,
+            "step_s": time.perf_counter() - started}
+
+
+def _count_bad_step(run: Run, result: dict) -> None:
+    """A NaN or infinite loss or gradient: update() took no optimizer step; too many in a row stop the run."""
+    counters = run.state.counters
+    bad_step = bool(result.get("nonfinite"))
+    counters["nonfinite_steps"] += bad_step
+    counters["bad_steps_in_a_row"] = counters["bad_steps_in_a_row"] + 1 if bad_step else 0
+    if bad_step:
+        run.accelerator.print(f"warning: step {run.state.step}: the loss or gradient is NaN or infinite (loss="
+                              f"{result['loss']}, grad_norm={result['grad_norm']}); the step was skipped, no weight "
+                              f"changed ({counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
+                              f"{run.trainer.max_bad_steps}).")
+
+
+# ---------------------------------------------------------------------------------------------
+# log + save
+# ---------------------------------------------------------------------------------------------
 def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
                  reward_errors: int = 0) -> dict[str, float]:
     """Global reward statistics over every completion sampled in this step (collective: one all-reduce, called
@@ -85,310 +530,44 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
     return metrics
 
 
-@dataclass
-class Run:
-    """One training run, built once by `setup`; `step(run)` advances it by one rollout."""
-
-    accelerator: Accelerator
-    policy: Policy
-    model: torch.nn.Module  # the prepared (possibly wrapped) model; policy.model is the bare one
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    task: object
-    stream: PromptStream
-    trainer: TrainerSettings
-    rollout: RolloutSettings
-    path: ScoringPath
-    reference: Reference | None
-    engine: object  # rollout.engine's (gpg_vl/rollout/): samples, evaluates, takes the weights after each step
-    output_dir: Path
-    main: bool
-    counters: dict
-    summary: dict
-    record: dict  # the summary's part that spans continuations (saved in checkpoints)
-    config: dict | None  # the run's resolved config (recorded in checkpoints, compared on resume)
-    eval_rows: object
-    eval_kwargs: dict
-    reward_names: list[str]
-    bar: object
-    warn: object  # warn(message): print a warning once per run
-    stop: object  # stop(message): end the run with one sentence, written to summary.json
-    start_step: int = 0
-    step: int = 0
-    history: list[dict] = field(default_factory=list)
-    attempts: list = field(default_factory=list)  # the last step's attempts (its rollouts, for the rollout log)
-
-    @property
-    def metrics_file(self) -> Path:
-        return self.output_dir / "metrics.jsonl"
-
-
-def _holding_output_dir(train_fn):
-    """`train` holds its output_dir for the whole run (gpg_vl/train/outdir.py: one run per folder); the main
-    process takes the lock. A no-op where the caller (the CLI's train_main) already holds it."""
-    @functools.wraps(train_fn)
-    def holding(policy, task, **kwargs):
-        from accelerate import PartialState
-
-        accelerator = kwargs.get("accelerator")
-        if not (accelerator.is_main_process if accelerator is not None else PartialState().is_main_process):
-            return train_fn(policy, task, **kwargs)
-        with claim_output_dir(kwargs["output_dir"], resume=kwargs.get("resume_from")):
-            return train_fn(policy, task, **kwargs)
-    return holding
-
-
-@_holding_output_dir
-def train(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSettings, evaluation: EvalSettings,
-          output_dir: str | Path, seed: int = 0, resume_from: str | Path | None = None,
-          accelerator: Accelerator | None = None, config: dict | None = None, max_bad_fraction: float = 0.05,
-          reference: torch.nn.Module | None = None) -> dict:
-    """Train `policy` on `task` with trainer.loss (GPG by default); returns the run summary (also written to
-    summary.json). Reads top to bottom: setup -> evaluate -> steps (sample, score, advantage, update, log,
-    save) -> final save and evaluation.
-
-    `resume_from` is a complete checkpoint (see gpg_vl/train/checkpoint.py): training continues from its step with
-    its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past that step.
-    Bad rows are skipped and counted; more than `max_bad_fraction` of the rows seen stops the run.
-    `reference`: the initial weights, for a loss with a KL term (see `setup`).
-    """
-    run = setup(policy, task, trainer=trainer, rollout=rollout, evaluation=evaluation, output_dir=output_dir,
-                seed=seed, resume_from=resume_from, accelerator=accelerator, config=config,
-                max_bad_fraction=max_bad_fraction, reference=reference)
-    if run.trainer.eval_before and run.start_step == 0:
-        evaluate_held_out(run, "before")
-    for _ in range(run.start_step + 1, run.trainer.max_steps + 1):
-        metrics = step(run)
-        log_step(run, metrics, run.attempts)
-        stop_on_bad_steps(run)
-        save_step(run)
-        if run.trainer.max_completions and run.counters["completions_sampled"] >= run.trainer.max_completions:
-            break  # a budget of sampled completions: equal-cost comparisons of G and variants
-    return finish(run)
-
-
-def setup(policy: Policy, task, *, trainer: TrainerSettings, rollout: RolloutSettings, evaluation: EvalSettings,
-          output_dir: str | Path, seed: int = 0, resume_from: str | Path | None = None,
-          accelerator: Accelerator | None = None, config: dict | None = None, max_bad_fraction: float = 0.05,
-          reference: torch.nn.Module | None = None) -> Run:
-    """Build a run once: seeds, data, optimizer and schedule (counting optimizer steps), the prepared model,
-    the reference model when the loss needs one, the scoring path, the resumed state, the held-out rows.
-
-    The reference (loss grpo with trainer.kl_coef > 0) is the initial weights, frozen: with LoRA the policy
-    with its adapters disabled; otherwise `reference` when given (the CLI rebuilds it from the model source,
-    so a resumed run gets the same one), else a copy of `policy`'s weights taken here, before any step.
-    Checkpoints never hold it.
-    """
-    accelerator = accelerator or Accelerator(
-        log_with=None if trainer.report_to == "none" else trainer.report_to, project_dir=str(output_dir))
-    output_dir = Path(output_dir)
-    main = accelerator.is_main_process
-    if main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with writing("write config.json", output_dir):
-            write_atomic(output_dir / "config.json", json.dumps(config or {}, indent=2, default=str))
-    # Each process samples its own completions: with one seed everywhere they would draw the same numbers.
-    torch.manual_seed(seed + accelerator.process_index)
-    random.seed(seed + accelerator.process_index)
-    np.random.seed(seed + accelerator.process_index)
-    if trainer.batch_size < accelerator.num_processes:
-        raise UserError(f"trainer.batch_size={trainer.batch_size} is smaller than the {accelerator.num_processes} "
-                        "processes, so some would get no prompt; set trainer.batch_size to at least "
-                        f"{accelerator.num_processes} (prompts per step, over all processes).")
-
-    policy.adapter.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
-    train_rows = task.load(task.train_split)
-    if trainer.epochs:  # epochs over the train split decide the length of the run
-        trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
-    model = policy.model
-    frozen = build_reference(model, trainer, reference, resuming=resume_from is not None)
-    if trainer.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    optimizer = build_optimizer(model, trainer)
-    # The schedule counts optimizer steps: mu x mini-batches per rollout (one per step for GPG).
-    scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
-                              num_training_steps=trainer.max_steps * trainer.optimizer_steps_per_rollout)
-    _check_engine(accelerator)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    policy = replace(policy, model=accelerator.unwrap_model(model))
-    frozen = place_reference(frozen, accelerator)
-    engine = build_engine(rollout, policy, accelerator=accelerator)  # rollout.engine: samples, and evaluates
-    if trainer.report_to != "none":
-        accelerator.init_trackers("gpg-vl", config=_flat_scalars(config or {}))
-
-    warned: set[str] = set()
-
-    def warn(message: str) -> None:
-        if message not in warned:
-            warned.add(message)
-            accelerator.print(f"warning: {message}")
-
-    def stop(message: str) -> None:
-        """End the run with one sentence (too many bad rows or bad steps); summary.json says why."""
-        bar.close()
-        if main:
-            summary.update({"stopped": message, "data": stream.bad.summary(), **counters, **record})
-            with writing("write summary.json", output_dir):
-                write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2))
-        raise UserError(message)
-
-    # The scoring path, once for the run: the update's forward and its micro-batch cost both read it.
-    path = choose_scoring_path(policy.adapter, model, share_prompt=trainer.share_prompt,
-                               share_vision=trainer.share_vision, warn=warn)
-    accelerator.print(f"model: {policy.adapter.describe(model)}; the update scores {path.describe()}")
-    stream = PromptStream(train_rows, seed=seed, rank=accelerator.process_index, world_size=accelerator.num_processes,
-                          max_bad_fraction=max_bad_fraction, warn=warn, stop=stop,
-                          max_aspect_ratio=policy.adapter.max_aspect_ratio)
-    start_step = 0
-    counters = {"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0, "bad_steps_in_a_row": 0,
-                "completions_sampled": 0, "reward_timeouts": 0}  # saved in checkpoints: a resumed run continues them
-    record: dict = {"train_seconds": 0.0}  # the summary's part that spans continuations, saved in checkpoints too
-    if resume_from is not None:
-        start_step = load_trainer_state(Path(resume_from), optimizer, scheduler, stream, accelerator=accelerator,
-                                        model=model, counters=counters, record=record)
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
-    metrics_file = output_dir / "metrics.jsonl"
-    if main:  # what an interrupted save or an earlier continuation of this run left behind
-        for leftover in remove_partials(output_dir):
-            accelerator.print(f"removed {leftover.name}, left by an interrupted save")
-        truncate_metrics(metrics_file, start_step)
-        if start_step:
-            for later in later_checkpoints(output_dir, start_step):
-                remove_checkpoint(later)
-                accelerator.print(f"removed {later.name}: it is past step {start_step}, which this run continues")
-
-    eval_rows = task.load(evaluation.split or task.eval_split)
-    eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
-    eval_data = None
-    if (trainer.eval_before and start_step == 0) or trainer.eval_after:  # held-out rows are checked once, here
-        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=max_bad_fraction,
-                                    max_aspect_ratio=policy.adapter.max_aspect_ratio)
-        if eval_data.bad:
-            warn(f"{eval_data.bad} held-out rows are bad and left out of evaluation:\n{eval_data.report()}")
-        if eval_data.over_limit():
-            raise UserError(f"held-out split: {eval_data.stop_message()}")
-        eval_rows = Subset(eval_rows, good)
-    eval_kwargs = {"batch_size": evaluation.batch_size,
-                   "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
-                   "rank": accelerator.process_index, "world_size": accelerator.num_processes,
-                   "gather": gather_object, "engine": engine, "reward_workers": evaluation.reward_workers,
-                   "reward_budget_s": evaluation.reward_budget_s}
-    summary: dict = {"task": task.name, "model": policy.name_or_path, "output_dir": str(output_dir), **record}
-    if eval_data is not None:
-        summary["eval_data"] = eval_data.summary()
-    bar = tqdm(total=trainer.max_steps, initial=start_step, disable=not main, desc=trainer.loss.upper(),
-               dynamic_ncols=True)
-    reward_names = list(task.reward_functions) + (["overlong"] if trainer.overlong_cache else [])
-    return Run(accelerator=accelerator, policy=policy, model=model, optimizer=optimizer, scheduler=scheduler,
-               task=task, stream=stream, trainer=trainer, rollout=rollout, path=path, reference=frozen,
-               output_dir=output_dir, main=main, counters=counters, summary=summary, record=record, config=config,
-               eval_rows=eval_rows,
-               eval_kwargs=eval_kwargs, reward_names=reward_names, bar=bar, warn=warn, stop=stop,
-               engine=engine, start_step=start_step, step=start_step)
-
-
-def step(run: Run) -> dict:
-    """One rollout and its update: sample + score + advantage (resampling until enough groups carry signal),
-    then the optimizer steps on the valid groups; returns the step's metrics."""
-    trainer, accelerator, task = run.trainer, run.accelerator, run.task
-    run.step += 1
-    started = time.perf_counter()
-    errors_before = sum(getattr(task, "reward_errors", {}).values())
-    budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
-    collected = collect_valid_groups(
-        lambda: sample_attempt(run.policy, task, run.stream, batch_size=trainer.batch_size,
-                               group_size=trainer.group_size, rollout=run.rollout, warn=run.warn,
-                               advantage=trainer.advantage, overlong_cache=trainer.overlong_cache,
-                               overlong_penalty_at_limit=trainer.overlong_penalty,
-                               reward_workers=trainer.reward_workers, reward_budget=budget, engine=run.engine),
-        lambda attempt: global_counts(attempt, accelerator),
-        beta_th=trainer.beta_th, batch_size=trainer.batch_size,
-        max_attempts=attempts_allowed(trainer, run.counters["completions_sampled"]))
-    rolled = time.perf_counter()
-    run.attempts = collected.attempts
-    run.counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
-    # loss + step, on valid groups only
-    if collected.groups_valid > 0:
-        result = update(run.policy, run.model, run.optimizer, run.scheduler, accelerator, collected.attempts,
-                        settings=trainer, temperature=run.rollout.temperature, path=run.path,
-                        reference=run.reference, max_new_tokens=run.rollout.max_new_tokens,
-                        sampler_check=run.engine.returns_logps, tis_cap=run.rollout.vllm.tis_cap)
-        if not result.get("skipped"):
-            run.engine.sync(run.model)  # an engine with its own weights takes the stepped ones (HF: nothing to do)
-        limit = run.rollout.vllm.max_logp_mismatch
-        if result.get("logp_mismatch_mean", 0.0) > limit:
-            run.warn(f"the sampler's log-probs differ from the trainer's by {result['logp_mismatch_mean']:.4f} per "
-                     f"token on average, over rollout.vllm.max_logp_mismatch={limit}: the rollout is off-policy; "
-                     "check the weight sync and dtype, or set rollout.vllm.tis_cap=2.")
-    else:
-        result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
-        run.warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
-                 "it was skipped (check the task's rewards, or raise rollout.temperature).")
-    updated = time.perf_counter()
-    # a NaN or infinite loss or gradient: update() took no optimizer step; too many in a row stop the run
-    bad_step = bool(result.get("nonfinite"))
-    run.counters["nonfinite_steps"] += bad_step
-    run.counters["bad_steps_in_a_row"] = run.counters["bad_steps_in_a_row"] + 1 if bad_step else 0
-    if bad_step:
-        accelerator.print(f"warning: step {run.step}: the loss or gradient is NaN or infinite (loss={result['loss']}, "
-                          f"grad_norm={result['grad_norm']}); the step was skipped, no weight changed "
-                          f"({run.counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
-                          f"{trainer.max_bad_steps}).")
-    errors = sum(getattr(task, "reward_errors", {}).values()) - errors_before
-    return {"step": run.step, **step_metrics(collected, accelerator, run.reward_names, reward_errors=errors),
-            "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
-            "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
-            "groups_used": collected.groups_valid,
-            "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
-            "completions_sampled": run.counters["completions_sampled"],
-            **result, "lr": run.scheduler.get_last_lr()[0], "nonfinite_steps": run.counters["nonfinite_steps"],
-            **run.stream.bad.metrics(), "data_epoch": run.stream.epoch, "data_position": run.stream.position,
-            "rollout_s": rolled - started, "update_s": updated - rolled,
-            "step_s": time.perf_counter() - started}
-
-
 def log_step(run: Run, metrics: dict, attempts: list[Attempt]) -> None:
     """Count the step's reward problems, append its metrics to metrics.jsonl, the progress bar and trackers;
     record its rollouts (`attempts`) for viewing every trainer.log_rollouts_every steps."""
-    run.counters["reward_errors"] += metrics["reward_errors"]
-    run.counters["rewards_nonfinite"] += metrics["rewards_nonfinite"]
-    run.counters["reward_timeouts"] += metrics["reward_timeouts"]
-    run.record["train_seconds"] += metrics["step_s"]
+    state, trainer = run.state, run.trainer
+    state.counters["reward_errors"] += metrics["reward_errors"]
+    state.counters["rewards_nonfinite"] += metrics["rewards_nonfinite"]
+    state.counters["reward_timeouts"] += metrics["reward_timeouts"]
+    state.record["train_seconds"] += metrics["step_s"]
     if metrics["reward_timeouts"]:
-        run.warn(f"some completions were not scored within trainer.reward_budget_s={run.trainer.reward_budget_s} s "
+        run.warn(f"some completions were not scored within trainer.reward_budget_s={trainer.reward_budget_s} s "
                  "of reward time per step; they scored 0 and are counted per step as reward_timeouts in "
                  "metrics.jsonl (raise the budget or trainer.reward_workers, or make the task's rewards faster).")
     if metrics["rewards_nonfinite"]:
-        names = sorted(getattr(run.task, "reward_nonfinite", {})) or ["on another process"]
+        names = sorted(getattr(run.data.task, "reward_nonfinite", {})) or ["on another process"]
         run.warn(f"some completions got a NaN or infinite reward (reward {', '.join(names)}); their groups are left "
                  "out of the update and counted per step as rewards_nonfinite in metrics.jsonl.")
-    run.history.append(metrics)
+    state.history.append(metrics)
     if run.main:  # a line cut short by a full disk is dropped by the resume (truncate_metrics)
-        with writing(f"append step {run.step} to metrics.jsonl", run.output_dir), \
+        with writing(f"append step {state.step} to metrics.jsonl", run.output_dir), \
                 run.metrics_file.open("a") as handle:
             handle.write(json.dumps(metrics) + "\n")
         run.bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", valid=f"{metrics['valid_fraction']:.2f}",
                             alpha=f"{metrics['alpha']:.2f}")
         run.bar.update(1)
-    if run.trainer.report_to != "none":
-        run.accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=run.step)
-    with writing(f"write step {run.step}'s rollouts", run.output_dir):
-        log_rollouts(run.step, attempts, policy=run.policy, task=run.task, output_dir=run.output_dir,
-                     every=run.trainer.log_rollouts_every, groups=run.trainer.log_rollouts_groups,
+    if trainer.report_to != "none":
+        run.accelerator.log({k: v for k, v in metrics.items() if not isinstance(v, list)}, step=state.step)
+    with writing(f"write step {state.step}'s rollouts", run.output_dir):
+        log_rollouts(state.step, attempts, policy=run.learner.policy, task=run.data.task, output_dir=run.output_dir,
+                     every=trainer.log_rollouts_every, groups=trainer.log_rollouts_groups,
                      accelerator=run.accelerator)
 
 
 def stop_on_bad_steps(run: Run) -> None:
     """Too many steps in a row with a NaN or infinite loss or gradient end the run in one sentence."""
-    trainer, bad = run.trainer, run.counters["bad_steps_in_a_row"]
+    trainer, bad = run.trainer, run.state.counters["bad_steps_in_a_row"]
     if trainer.max_bad_steps and bad >= trainer.max_bad_steps:
         last = latest_checkpoint(run.output_dir) if run.main else None
-        run.stop(f"stopped at step {run.step}: the last {bad} steps had a NaN or infinite loss "
+        run.stop(f"stopped at step {run.state.step}: the last {bad} steps had a NaN or infinite loss "
                  f"or gradient (trainer.max_bad_steps={trainer.max_bad_steps}) and changed no weight; the last good "
                  f"checkpoint, {last or 'none (none was written)'}, is intact: lower trainer.lr, check the task's "
                  "rewards and data, then continue with resume=auto.")
@@ -397,39 +576,41 @@ def stop_on_bad_steps(run: Run) -> None:
 def save_step(run: Run) -> None:
     """checkpoint-<step>/ every trainer.save_every steps (never while steps are failing, so the last good
     checkpoint is not rotated away)."""
-    if run.trainer.save_every and run.step % run.trainer.save_every == 0:
-        if run.counters["bad_steps_in_a_row"] or not _finite_weights(run.model, run.accelerator):
-            run.warn(f"step {run.step}: no checkpoint written: the weights or the last step are not finite.")
+    state = run.state
+    if run.trainer.save_every and state.step % run.trainer.save_every == 0:
+        if state.counters["bad_steps_in_a_row"] or not _finite_weights(run.learner.model, run.accelerator):
+            run.warn(f"step {state.step}: no checkpoint written: the weights or the last step are not finite.")
         else:
-            save_checkpoint(run.output_dir / f"checkpoint-{run.step}", run.policy, run.model, run.optimizer,
-                            run.scheduler, run.stream, run.step, run.accelerator, keep=run.trainer.keep_checkpoints,
-                            counters=run.counters, config=run.config, record=run.record)
+            save_checkpoint(run.output_dir / f"checkpoint-{state.step}", run.learner, run.data.stream, state.step,
+                            keep=run.trainer.keep_checkpoints, counters=state.counters, config=run.settings.config,
+                            record=state.record)
 
 
 def evaluate_held_out(run: Run, when: str) -> None:
     """Greedy evaluation of the held-out rows, into the summary as accuracy_<when> and eval_<when>."""
-    metrics, _ = evaluate(run.policy, run.task, run.eval_rows, **run.eval_kwargs)
-    run.summary[f"accuracy_{when}"] = metrics.get("accuracy")
-    run.summary[f"eval_{when}"] = metrics
+    metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
+    run.state.summary[f"accuracy_{when}"] = metrics.get("accuracy")
+    run.state.summary[f"eval_{when}"] = metrics
     if when == "before":  # kept in the record: a resumed run's summary still holds the first evaluation
-        run.record.update({"accuracy_before": metrics.get("accuracy"), "eval_before": metrics})
+        run.state.record.update({"accuracy_before": metrics.get("accuracy"), "eval_before": metrics})
     run.accelerator.print(f"held-out {when} training:{' ' if when == 'after' else ''} {_format(metrics)}")
 
 
 def finish(run: Run) -> dict:
     """The final save and evaluation; summary.json and curves.png; returns the summary."""
+    state, stream = run.state, run.data.stream
     run.bar.close()
-    save_checkpoint(run.output_dir / "final", run.policy, run.model, run.optimizer, run.scheduler, run.stream,
-                    run.step, run.accelerator, counters=run.counters, config=run.config, record=run.record)
-    if run.stream.bad.bad:
-        run.accelerator.print(run.stream.bad.report("training rows"))
+    save_checkpoint(run.output_dir / "final", run.learner, stream, state.step, counters=state.counters,
+                    config=run.settings.config, record=state.record)
+    if stream.bad.bad:
+        run.accelerator.print(stream.bad.report("training rows"))
     if run.trainer.eval_after:
         evaluate_held_out(run, "after")
-    summary = run.summary
-    summary["steps"] = run.step
-    summary["train_seconds"] = run.record["train_seconds"]  # every continuation's steps, up to this one
-    summary["data"] = run.stream.bad.summary()
-    summary.update({key: value for key, value in run.counters.items() if key != "bad_steps_in_a_row"})
+    summary = state.summary
+    summary["steps"] = state.step
+    summary["train_seconds"] = state.record["train_seconds"]  # every continuation's steps, up to this one
+    summary["data"] = stream.bad.summary()
+    summary.update({key: value for key, value in state.counters.items() if key != "bad_steps_in_a_row"})
     if run.main:
         with writing("write summary.json", run.output_dir):
             write_atomic(run.output_dir / "summary.json", json.dumps(summary, indent=2))

@@ -34,7 +34,6 @@ from gpg_vl.models.load import Policy
 from gpg_vl.objective import get_advantage, overlong_penalty
 from gpg_vl.reward.pool import RewardBudget, score_completions
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
-from gpg_vl.rollout.hf import HFEngine
 from gpg_vl.rollout.types import Rollout, in_task_frame
 
 A = TypeVar("A")
@@ -93,17 +92,15 @@ class Attempt:
     reward_timeouts: int = 0  # completions not scored within the step's reward budget (scored 0)
 
 
-def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: int, group_size: int,
-                   rollout: RolloutSettings, warn, advantage: str = "group_mean", overlong_cache: int = 0,
-                   overlong_penalty_at_limit: float = 1.0, reward_workers: int = 1,
-                   reward_budget: RewardBudget | None = None, engine=None) -> Attempt:
-    """Draw this process's share of `batch_size` prompts, roll out G completions each through `engine`
-    (rollout.engine's; the HF engine when None), score them (on `reward_workers` threads, within what is left
-    of the step's `reward_budget`).
+def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, trainer: TrainerSettings,
+                   rollout: RolloutSettings, warn, reward_budget: RewardBudget | None = None) -> Attempt:
+    """Draw this process's share of trainer.batch_size prompts, roll out trainer.group_size completions each
+    through `engine` (`build_engine`'s, rollout.engine's), score them (on trainer.reward_workers threads, within
+    what is left of the step's `reward_budget`).
 
-    `advantage` names the estimator (trainer.advantage); with `overlong_cache` > 0 the reward gets DAPO's
-    overlong component "overlong" (0 down to -overlong_penalty_at_limit over the last overlong_cache tokens)."""
-    engine = engine or HFEngine(policy, rollout)
+    trainer.advantage names the estimator; with trainer.overlong_cache > 0 the reward gets DAPO's overlong
+    component "overlong" (0 down to -trainer.overlong_penalty over the last overlong_cache tokens)."""
+    batch_size, group_size, overlong_cache = trainer.batch_size, trainer.group_size, trainer.overlong_cache
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
     prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
@@ -131,15 +128,15 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, batch_size: in
     prompts = prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores, timeouts = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
-                                         workers=reward_workers, budget=reward_budget)
+                                         workers=trainer.reward_workers, budget=reward_budget)
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
     if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
         lengths = result.completion_mask.sum(dim=1)  # [b * G]
-        penalty = overlong_penalty_at_limit * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
+        penalty = trainer.overlong_penalty * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
         components["overlong"] = penalty.view(len(rows), group_size).to(rewards.dtype)  # [b, G]
         rewards = rewards + components["overlong"]
-    advantages, valid = get_advantage(advantage)(rewards)  # [b, G], [b]
+    advantages, valid = get_advantage(trainer.advantage)(rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -23,8 +23,16 @@ from gpg_vl.distributed import forward_is_collective, placeholder_chunk, require
 from gpg_vl.errors import UserError
 from gpg_vl.models.family import PromptBatch, ScoringPath, choose_scoring_path
 from gpg_vl.models.load import Policy
-from gpg_vl.objective import LOSS_NORMALIZERS, TOKEN_NORMALISED, get_policy_loss, loss_aggregation, loss_needs
+from gpg_vl.objective import (
+    LOSS_NORMALIZERS,
+    TOKEN_NORMALISED,
+    get_policy_loss,
+    loss_aggregation,
+    loss_needs,
+    loss_options,
+)
 from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.rollout.engine import Correction
 from gpg_vl.train.sample import Attempt
 
 
@@ -111,13 +119,58 @@ class Reference:
         return policy_model, getattr(policy_model, "module", policy_model).disable_adapter()  # under DDP's wrapper
 
 
+
+
 LOSS_REPORTS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean")  # token means, when a loss has them
 
 
-def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt], *,
-           settings: TrainerSettings, temperature: float, path: ScoringPath | None = None,
-           reference: Reference | None = None, max_new_tokens: int | None = None, sampler_check: bool = False,
-           tis_cap: float = 0.0) -> dict[str, float]:
+@dataclass
+class Learner:
+    """What the update trains and how: the policy and its prepared (possibly wrapped) `model` with their
+    optimizer and schedule on `accelerator`; the trainer's `settings`; the rollout's sampling `temperature`;
+    the run's scoring `path` (None: chosen from the settings); the frozen `reference` of a KL loss; the
+    completion limit `max_new_tokens` (a loss's max_tokens); the engine's `correction` (its on-policy check)."""
+
+    policy: Policy
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    accelerator: Accelerator
+    settings: TrainerSettings
+    temperature: float
+    path: ScoringPath | None = None
+    reference: Reference | None = None
+    max_new_tokens: int | None = None
+    correction: Correction = field(default_factory=Correction)
+
+
+@dataclass
+class StepInputs:
+    """One optimizer step's share of the update: its micro-batches and what the loss of each takes."""
+
+    chunks: list[MicroBatch]
+    loss_fn: object
+    old: list[torch.Tensor] | None  # the rollout policy's log-probs, one [n, C] per micro-batch
+    ref: list[torch.Tensor] | None  # the reference's
+    normalizer: float  # the loss's global denominator
+    steps_needed: int  # the most micro-batches any process has for this step
+    aggregation: str
+    options: dict  # the loss's keyword options (`loss_options`)
+    later: bool  # not the rollout's first optimizer step
+    sequences: int  # the step's valid sequences over all processes
+
+
+def trainer_loss_options(settings: TrainerSettings, max_new_tokens: int | None) -> dict:
+    """The keyword options of trainer.loss: trainer.loss_options, else the trainer settings of that name,
+    else max_tokens = the completion limit (objective.loss_options). Fails in one sentence on an option the
+    loss does not declare."""
+    defaults = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "kl_coef": settings.kl_coef,
+                "max_tokens": max_new_tokens}
+    return loss_options(get_policy_loss(settings.loss), dict(settings.loss_options or {}), defaults,
+                        name=settings.loss)
+
+
+def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
     mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
 
@@ -125,29 +178,24 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
     when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
     (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
-    `sampler_check` and `tis_cap`: the on-policy check of an engine that samples with its own weights (see
+    `learner.correction`: the on-policy check of an engine that samples with its own weights (see
     `_optimizer_step`).
     """
-    device = accelerator.device
-    if path is None:
-        path = choose_scoring_path(policy.adapter, model, share_prompt=settings.share_prompt,
-                                   share_vision=settings.share_vision)
+    settings, accelerator = learner.settings, learner.accelerator
+    if learner.path is None:
+        learner = replace(learner, path=choose_scoring_path(learner.policy.adapter, learner.model,
+                                                            share_prompt=settings.share_prompt,
+                                                            share_vision=settings.share_vision))
     loss_fn = get_policy_loss(settings.loss)
     aggregation = loss_aggregation(loss_fn, settings.aggregation)
     parts = 1
     if settings.ppo_mini_batch:  # collective: every process takes the same number of optimizer steps
-        valid = accelerator.reduce(torch.tensor(sum(int(a.valid.sum()) for a in attempts), device=device), "sum")
+        valid = accelerator.reduce(torch.tensor(sum(int(a.valid.sum()) for a in attempts),
+                                                device=accelerator.device), "sum")
         parts = max(1, math.ceil(int(valid) * settings.group_size / settings.ppo_mini_batch))
     plan = [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
-                               share_prompt=path.prompt_once)) for part in mini_batches(attempts, parts)]
-    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
-    local = torch.tensor([[*(value for chunks in plan for value in (
-        sum(len(c.advantages) for c in chunks), sum(int(c.completion_mask.sum()) for c in chunks), len(chunks),
-        sum(not c.prompts.has_images for c in chunks))),
-        sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=device)
-    # Collective: train() calls update() on every process or on none (its test uses global counts), and
-    # this gather runs first and unconditionally; every branch below depends only on its result.
-    counts = accelerator.gather(local)  # [processes, 4 * parts + 2]
+                               share_prompt=learner.path.prompt_once)) for part in mini_batches(attempts, parts)]
+    counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if int(per_part[..., 0].sum()) == 0:
@@ -155,39 +203,65 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
     column = 1 if aggregation in TOKEN_NORMALISED else 0  # the normaliser counts tokens, or sequences
     counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
     needs = loss_needs(loss_fn)
-    steps = settings.ppo_epochs * parts
     # Collective under FSDP / ZeRO-3 like the update's forwards: every process scores max-over-processes
     # micro-batches per mini-batch, padding with placeholders whose log-probs are dropped.
     calls = [int(per_part[:, part, 2].max()) for part in range(parts)]
-    old = _score_plan(policy, model, plan, temperature, path, settings, attempts, calls) \
-        if "old" in needs and steps > 1 else None
-    ref = None
-    if "ref" in needs and settings.kl_coef > 0:
-        if reference is None:
-            raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
-        ref_model, scope = reference.scoring(model)
-        with scope:
-            ref = _score_plan(policy, ref_model, plan, temperature, path, settings, attempts, calls)
-    options = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "kl_coef": settings.kl_coef,
-               "max_tokens": max_new_tokens}
+    old, ref = _old_and_ref(learner, plan, attempts, calls, needs, steps=settings.ppo_epochs * parts)
+    options = trainer_loss_options(settings, learner.max_new_tokens)
     results, reports = [], []
     for _epoch in range(settings.ppo_epochs):
         for part, chunks in enumerate(plan):
             valid_count = int(per_part[:, part, column].sum())
             share = sampled_count if parts == 1 else sampled_count * valid_count / counted  # AGE off: pro rata
-            result, report = _optimizer_step(
-                policy, model, optimizer, scheduler, accelerator, attempts, chunks, loss_fn,
-                old=old[part] if old is not None else None, ref=ref[part] if ref is not None else None,
+            result, report = _optimizer_step(learner, attempts, StepInputs(
+                chunks, loss_fn, old=old[part] if old is not None else None,
+                ref=ref[part] if ref is not None else None,
                 normalizer=LOSS_NORMALIZERS[settings.age](valid_count, share),
-                steps_needed=int(per_part[:, part, 2].max()), settings=settings, temperature=temperature,
-                path=path, aggregation=aggregation, options=options, later=bool(results),
-                sequences=int(per_part[:, part, 0].sum()), sampler_check=sampler_check, tis_cap=tis_cap)
+                steps_needed=int(per_part[:, part, 2].max()), aggregation=aggregation, options=options,
+                later=bool(results), sequences=int(per_part[:, part, 0].sum())))
             results.append(result)
             reports.append(report)
             if result.get("nonfinite"):  # no weight changed in that step; the rollout's later steps are dropped
                 break
         if results[-1].get("nonfinite"):
             break
+    metrics = _combine_results(results)
+    if needs:  # the same on every process (it depends on the loss only): the collective below matches
+        metrics.update(_loss_reports(reports, accelerator))
+    return metrics
+
+
+def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelerator: Accelerator) -> torch.Tensor:
+    """Per process: for each mini-batch its sequences, tokens, micro-batches and micro-batches without images;
+    then every sampled sequence and token. Collective: train() calls update() on every process or on none (its
+    test uses global counts), and this gather runs first and unconditionally; every branch of the update
+    depends only on its result."""
+    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
+    local = torch.tensor([[*(value for chunks in plan for value in (
+        sum(len(c.advantages) for c in chunks), sum(int(c.completion_mask.sum()) for c in chunks), len(chunks),
+        sum(not c.prompts.has_images for c in chunks))),
+        sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=accelerator.device)
+    return accelerator.gather(local)  # [processes, 4 * parts + 2]
+
+
+def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt], calls: list[int],
+                 needs: tuple[str, ...], *, steps: int):
+    """The rollout policy's log-probs (a loss that declares "old", when the rollout takes more than one step)
+    and the reference's (one that declares "ref", with kl_coef > 0), per mini-batch and micro-batch."""
+    settings = learner.settings
+    old = _score_plan(learner, learner.model, plan, attempts, calls) if "old" in needs and steps > 1 else None
+    ref = None
+    if "ref" in needs and settings.kl_coef > 0:
+        if learner.reference is None:
+            raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
+        ref_model, scope = learner.reference.scoring(learner.model)
+        with scope:
+            ref = _score_plan(learner, ref_model, plan, attempts, calls)
+    return old, ref
+
+
+def _combine_results(results: list[dict]) -> dict[str, float]:
+    """The update's metrics from its optimizer steps' (means of loss and gradient norm over several)."""
     metrics = dict(results[0]) if len(results) == 1 else {
         "loss": sum(r["loss"] for r in results) / len(results),
         "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
@@ -196,8 +270,6 @@ def update(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator
         **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {}),
         **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max") if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
-    if needs:  # the same on every process (it depends on the loss only): the collective below matches
-        metrics.update(_loss_reports(reports, accelerator))
     return metrics
 
 
@@ -217,17 +289,19 @@ def mini_batches(attempts: list[Attempt], parts: int) -> list[list[Attempt]]:
 
 
 @torch.no_grad()
-def _score_plan(policy: Policy, model, plan: list[list[MicroBatch]], temperature: float, path: ScoringPath,
-                settings: TrainerSettings, attempts: list[Attempt], calls: list[int]) -> list[list[torch.Tensor]]:
-    """Log-probs [n, C] of every micro-batch of every mini-batch, without gradient (old or reference).
-    Where `model`'s forward is collective (FSDP / ZeRO-3), mini-batch p runs `calls[p]` forwards on every
-    process (the most micro-batches any process has), the missing ones on placeholders, dropped here."""
+def _score_plan(learner: Learner, model, plan: list[list[MicroBatch]], attempts: list[Attempt],
+                calls: list[int]) -> list[list[torch.Tensor]]:
+    """Log-probs [n, C] of every micro-batch of every mini-batch, without gradient (old or reference), with
+    `model` (the learner's, or the reference's). Where `model`'s forward is collective (FSDP / ZeRO-3),
+    mini-batch p runs `calls[p]` forwards on every process (the most micro-batches any process has), the
+    missing ones on placeholders, dropped here."""
+    policy, settings = learner.policy, learner.settings
     device = next(model.parameters()).device
 
     def score(c: MicroBatch) -> torch.Tensor:
         return policy.adapter.token_logps(model, c.prompts.to(device), c.prompt_index, c.completion_ids.to(device),
-                                          c.completion_mask.to(device), temperature=temperature, path=path,
-                                          logits_chunk_tokens=settings.logits_chunk_tokens)
+                                          c.completion_mask.to(device), temperature=learner.temperature,
+                                          path=learner.path, logits_chunk_tokens=settings.logits_chunk_tokens)
 
     collective = forward_is_collective(model)
     scored = []
@@ -254,13 +328,23 @@ def _loss_reports(reports: list[dict], accelerator: Accelerator) -> dict[str, fl
     return result
 
 
-def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Accelerator, attempts: list[Attempt],
-                    chunks: list[MicroBatch], loss_fn, *, old, ref, normalizer: float, steps_needed: int,
-                    settings: TrainerSettings, temperature: float, path: ScoringPath, aggregation: str, options: dict,
-                    later: bool, sequences: int, sampler_check: bool = False,
-                    tis_cap: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
-    """One optimizer step on `chunks`, the loss their sum over the global `normalizer` (AGE: the valid
-    groups' count; without AGE every sampled sequence's, alpha = 1).
+@dataclass
+class _Sums:
+    """What one optimizer step's micro-batches add up on this process."""
+
+    loss: float = 0.0
+    logp: float = 0.0
+    tokens: int = 0
+    gap: float = 0.0  # the on-policy check: summed |logp - sampler logp|, its largest, its token count
+    gap_max: float = 0.0
+    gap_count: int = 0
+    report: dict = field(default_factory=dict)
+
+
+def _optimizer_step(learner: Learner, attempts: list[Attempt],
+                    step: StepInputs) -> tuple[dict[str, float], dict[str, float]]:
+    """One optimizer step on `step.chunks`, the loss their sum over the global `step.normalizer` (AGE: the
+    valid groups' count; without AGE every sampled sequence's, alpha = 1).
 
     The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
     process's loss is multiplied by the number of processes because gradients are then averaged over
@@ -270,22 +354,55 @@ def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Ac
     FSDP and DeepSpeed every process runs the same number of forward/backward calls, each through the
     vision tower (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted
     placeholders. A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
-    `sequences`: the step's valid sequences over all processes (the MoE router loss is averaged over them).
-    `path` is the run's scoring path (`choose_scoring_path`, chosen once in `setup`): the forward and the
+    `step.sequences`: the step's valid sequences over all processes (the MoE router loss is averaged over them).
+    `learner.path` is the run's scoring path (`choose_scoring_path`, chosen once in `setup`): the forward and the
     micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
-    `sampler_check` (an engine that returns its own log-probs: vLLM; the same on every process) adds the
-    on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens; with `tis_cap` > 0 each token's
-    loss is multiplied by its truncated importance weight min(p / q, tis_cap) (gpg_vl/rollout/correction.py).
+    `learner.correction.sampler_check` (an engine that returns its own log-probs: vLLM; the same on every
+    process) adds the on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens; with its
+    `tis_cap` > 0 each token's loss is multiplied by its truncated importance weight min(p / q, tis_cap)
+    (gpg_vl/rollout/correction.py).
     Returns (metrics, this process's token-weighted sums of the loss's own metrics).
     """
+    model, accelerator, optimizer = learner.model, learner.accelerator, learner.optimizer
     device = accelerator.device
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    sums = _backward_micro_batches(learner, attempts, step, ddp)
+    if ddp:
+        _average_gradients(model, accelerator)  # collective: every process calls it once per update
+    # Collective under FSDP (the norm of sharded gradients); the gradients are already reduced, so the
+    # norm, and the decision below, are the same on every process. Under DeepSpeed the engine clipped
+    # (its own gradient_clipping) and stepped in the last backward, and this only reads the norm back.
+    norm = accelerator.clip_grad_norm_(model.parameters(), learner.settings.max_grad_norm)
+    grad_norm = 0.0 if norm is None else float(norm)
+    # Collective, before any branch: every process reaches it exactly once per update.
+    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens], device=device,
+                                             dtype=torch.float64), "sum")
+    if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}, sums.report
+    optimizer.step()
+    learner.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
+              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+    if learner.correction.sampler_check:  # collective, on every process alike (the engine is the same everywhere)
+        gaps = accelerator.gather(torch.tensor([[sums.gap, sums.gap_max, sums.gap_count]], device=device,
+                                               dtype=torch.float64))  # [processes, 3]
+        result["logp_mismatch_mean"] = float(gaps[:, 0].sum() / max(float(gaps[:, 2].sum()), 1.0))
+        result["logp_mismatch_max"] = float(gaps[:, 1].max())
+    return result, sums.report
+
+
+def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: StepInputs, ddp: bool) -> _Sums:
+    """The forward and backward of every micro-batch of one optimizer step (placeholders included outside
+    DDP, up to `step.steps_needed`); gradients accumulate, synced on the last (see `_optimizer_step`)."""
+    policy, model, accelerator = learner.policy, learner.model, learner.accelerator
+    device, tis_cap = accelerator.device, learner.correction.tis_cap
+    chunks, old, ref = step.chunks, step.old, step.ref
     real = len(chunks)
-    if steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one below
-        chunks = chunks + [MicroBatch(*placeholder_chunk(policy, attempts, device))] * (steps_needed - real)
-    total_loss, logp_sum, token_count = 0.0, 0.0, 0
-    gap_sum, gap_max, gap_count = 0.0, 0.0, 0  # the on-policy check (sampler_check)
-    report: dict[str, float] = {}
+    if step.steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one
+        chunks = chunks + [MicroBatch(*placeholder_chunk(policy, attempts, device))] * (step.steps_needed - real)
+    sums = _Sums()
     try:
         for index, (prompts, prompt_index, ids, mask, adv, sampler) in enumerate(chunks):
             # The same index on every process outside DDP (len(chunks) == steps_needed there); DeepSpeed
@@ -297,57 +414,36 @@ def _optimizer_step(policy: Policy, model, optimizer, scheduler, accelerator: Ac
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
                 logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
-                                                   temperature=temperature, path=path,
-                                                   logits_chunk_tokens=settings.logits_chunk_tokens)  # [n, C]
+                                                   temperature=learner.temperature, path=learner.path,
+                                                   logits_chunk_tokens=learner.settings.logits_chunk_tokens)  # [n, C]
                 if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
                     sampler = sampler.to(device)
                     total, worst, count = logp_mismatch(logps, sampler, mask)
-                    gap_sum, gap_max, gap_count = gap_sum + total, max(gap_max, worst), gap_count + count
+                    sums.gap, sums.gap_max, sums.gap_count = sums.gap + total, max(sums.gap_max, worst), \
+                        sums.gap_count + count
                     if tis_cap > 0:
                         logps = logps * truncated_is_weights(logps, sampler, mask, tis_cap)  # [n, C]
                 router = policy.adapter.router_aux_loss(model)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
-                    loss, info = loss_fn(logps, mask, adv.to(device),
-                                         old_logps=old[index] if old is not None else None,
-                                         ref_logps=ref[index] if ref is not None else None,
-                                         aggregation=aggregation, normalizer=normalizer, **options)
+                    loss, info = step.loss_fn(logps, mask, adv.to(device),
+                                              old_logps=old[index] if old is not None else None,
+                                              ref_logps=ref[index] if ref is not None else None,
+                                              aggregation=step.aggregation, normalizer=step.normalizer,
+                                              **step.options)
                     if router is not None:  # averaged over the micro-batches, weighted by their sequences
-                        loss = loss + router * (len(adv) / sequences)
-                    total_loss += float(loss.detach())
-                    logp_sum += info["logp_mean"] * info["num_tokens"]
-                    token_count += int(info["num_tokens"])
-                    _add_report(report, info, later=later and old is not None)
+                        loss = loss + router * (len(adv) / step.sequences)
+                    sums.loss += float(loss.detach())
+                    sums.logp += info["logp_mean"] * info["num_tokens"]
+                    sums.tokens += int(info["num_tokens"])
+                    _add_report(sums.report, info, later=step.later and old is not None)
                 # Collective on the last micro-batch (ZeRO all-reduce) or on each (FSDP reduce-scatter):
                 # a backward after a forward, the same count on every process. Local under DDP (no_sync).
                 accelerator.backward(loss * accelerator.num_processes)
     finally:
         accelerator.sync_gradients = True
-    if ddp:
-        _average_gradients(model, accelerator)  # collective: every process calls it once per update
-    # Collective under FSDP (the norm of sharded gradients); the gradients are already reduced, so the
-    # norm, and the decision below, are the same on every process. Under DeepSpeed the engine clipped
-    # (its own gradient_clipping) and stepped in the last backward, and this only reads the norm back.
-    norm = accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-    grad_norm = 0.0 if norm is None else float(norm)
-    # Collective, before any branch: every process reaches it exactly once per update.
-    totals = accelerator.reduce(torch.tensor([total_loss, logp_sum, token_count], device=device,
-                                             dtype=torch.float64), "sum")
-    if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
-        optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}, report
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
-              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
-    if sampler_check:  # collective, on every process alike (the engine is the same everywhere)
-        gaps = accelerator.gather(torch.tensor([[gap_sum, gap_max, gap_count]], device=device,
-                                               dtype=torch.float64))  # [processes, 3]
-        result["logp_mismatch_mean"] = float(gaps[:, 0].sum() / max(float(gaps[:, 2].sum()), 1.0))
-        result["logp_mismatch_max"] = float(gaps[:, 1].max())
-    return result, report
+    return sums
 
 
 def _add_report(report: dict[str, float], info: dict[str, float], *, later: bool) -> None:
