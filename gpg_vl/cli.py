@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,9 +13,9 @@ from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import RAW_TEMPLATE, load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
-from gpg_vl.train.checkpoint import compare_settings, resolve_resume, write_failure
-from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, needs_reference, train
-from gpg_vl.train.outdir import check_output_dir, claim_output_dir
+from gpg_vl.train.checkpoint import write_failure
+from gpg_vl.train.loop import setup, train
+from gpg_vl.train.outdir import check_output_dir
 
 
 def build_policy(model_cfg: DictConfig, device):
@@ -84,82 +82,15 @@ def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
 
 
 def train_main(cfg: DictConfig) -> dict:
-    from accelerate import Accelerator
-
-    task = build_task(cfg.task, cfg.data)
-    mixed = "bf16" if cfg.model.dtype in ("auto", "bfloat16") and _cuda() else "no"
-    report_to = cfg.trainer.report_to
-    # Several processes and no GPU (`accelerate launch --multi_gpu --num_processes 2` or torchrun on a CPU
-    # machine): cpu=True makes accelerate join them with gloo; otherwise each would train alone.
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir), cpu=launched > 1 and not _cuda(),
-                              log_with=None if report_to == "none" else report_to)
-    if accelerator.num_processes != launched:
-        raise UserError(f"{launched} processes were launched but accelerate joined {accelerator.num_processes}; "
-                        "launch with `accelerate launch --multi_gpu --num_processes N` (or torchrun) on a machine "
-                        "whose devices accelerate supports.")
-    if accelerator.num_processes > 1:  # collective, on every process: one output_dir (${now} differs by process)
-        from accelerate.utils import broadcast_object_list
-
-        cfg.output_dir = broadcast_object_list([str(cfg.output_dir)])[0]
-    model_cfg = cfg.model
-    container = OmegaConf.to_container(cfg, resolve=True)
-    with contextlib.ExitStack() as held:  # the output folder is this run's until it ends (gpg_vl/train/outdir.py)
-        resume = _on_main(accelerator, lambda: _claim(held, cfg, container))
-        if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
-            model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
-        check_model_folder(model_cfg)  # before the weights load
-        policy = build_policy(model_cfg, accelerator.device)
-        settings = TrainerSettings(**container["trainer"])
-        # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
-        # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
-        reference = None
-        if needs_reference(settings) and not int((cfg.model.get("lora") or {}).get("r") or 0):
-            reference = build_policy(cfg.model, accelerator.device).model
-        summary = train(
-            policy, task,
-            trainer=settings,
-            rollout=RolloutSettings(**container["rollout"]),
-            evaluation=EvalSettings(**container["eval"]),
-            output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, accelerator=accelerator,
-            config=container, max_bad_fraction=cfg.data.max_bad_fraction, reference=reference,
-        )
-    if accelerator.is_main_process and summary.get("accuracy_before") is not None:
+    """Train from a composed config: build the run once (gpg_vl/train/loop.py's `setup`), train it, and end
+    the process group; a UserError reaches scripts/train.py, which prints its sentence."""
+    run = setup(cfg)
+    summary = train(run)
+    if run.main and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"
               f"  ({cfg.output_dir}/summary.json)")
-    _close_process_group(accelerator)
+    _close_process_group(run.accelerator)
     return summary
-
-
-def _claim(held: contextlib.ExitStack, cfg: DictConfig, container: dict) -> Path | None:
-    """Lock and check the output folder (held until `held` closes), then pick the checkpoint to resume from,
-    intact and made with compatible settings (printing the legitimate changes); None: start afresh."""
-    held.enter_context(claim_output_dir(cfg.output_dir, resume=cfg.resume, overwrite=bool(cfg.get("overwrite"))))
-    resume = resolve_resume(cfg.resume, cfg.output_dir)  # resume=auto: the newest intact checkpoint, if any
-    if str(cfg.resume) == "auto" and resume is None:
-        print(f"resume=auto: no complete checkpoint in {cfg.output_dir}; starting at step 0")
-    changes = compare_settings(resume, container) if resume is not None else []
-    if changes:
-        print(f"resuming {resume} with changed settings: {'; '.join(changes)}")
-    return resume
-
-
-def _on_main(accelerator, action):
-    """`action()` on the main process alone, its result given to every process; a UserError it raises is
-    raised on every process (collective when there are several: each reaches it once, at the same point)."""
-    result, problem = None, None
-    if accelerator.is_main_process:
-        try:
-            result = action()
-        except UserError as error:
-            problem = str(error)
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        result, problem = broadcast_object_list([result, problem])
-    if problem is not None:
-        raise UserError(problem)
-    return result
 
 
 def _close_process_group(accelerator) -> None:

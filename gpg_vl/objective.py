@@ -50,6 +50,7 @@ reference model's) and may fix its aggregation; the trainer computes only what t
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -276,9 +277,8 @@ def policy_loss(
 
 def clipped_surrogate(
     token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, old_logps: Tensor | None = None,
-    ref_logps: Tensor | None = None, aggregation: str = "seq_mean_token_mean", normalizer: float | None = None,
-    max_tokens: int | None = None, clip_low: float = 0.2, clip_high: float | None = None, kl_coef: float = 0.0,
-    **options,
+    ref_logps: Tensor | None = None, clip_low: float = 0.2, clip_high: float | None = None, kl_coef: float = 0.0,
+    **aggregate,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO's clipped surrogate, per token, plus ``kl_coef`` x the k3 KL estimate to the reference.
 
@@ -287,7 +287,8 @@ def clipped_surrogate(
     per token ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3`` with
     ``k3 = exp(ref - logp) - (ref - logp) - 1``.  Metrics: kl (token mean of k3), clip_fraction_low /
     clip_fraction_high (tokens whose ratio is clipped below / above, where the clip takes the gradient away),
-    ratio_mean, ratio_max, logp_drift (token mean of logp - old).
+    ratio_mean, ratio_max, logp_drift (token mean of logp - old). `aggregate`: how the per-token loss is
+    reduced (`aggregation`, default seq_mean_token_mean; the global `normalizer`; `max_tokens`).
     """
     mask = completion_mask.bool()  # [N, L]
     zeros = torch.zeros_like(token_logps)
@@ -306,7 +307,8 @@ def clipped_surrogate(
         kl = torch.exp(delta) - delta - 1.0  # [N, L] k3, >= 0
         per_token = per_token + kl_coef * kl
     per_token = torch.where(mask, per_token, zeros)  # [N, L]
-    loss = _aggregate(per_token, mask, aggregation, normalizer, max_tokens)  # []
+    loss = _aggregate(per_token, mask, aggregate.get("aggregation", "seq_mean_token_mean"),
+                      aggregate.get("normalizer"), aggregate.get("max_tokens"))  # []
     with torch.no_grad():
         metrics = _base_metrics(loss, token_logps, mask, adv.squeeze(1))
         ratio = ratio.detach()
@@ -322,25 +324,58 @@ def clipped_surrogate(
 
 
 @register_policy_loss("grpo", needs=("old", "ref"))
-def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, **kwargs):
+def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
+              clip_high: float | None = None, kl_coef: float = 0.0, **inputs):
     """GRPO (DeepSeekMath, R1-V's trainer): clipped ratio (default eps 0.2), k3 KL to the reference with
     `kl_coef`, and the aggregation given (per-sequence token mean, then mean, by default)."""
-    return clipped_surrogate(token_logps, completion_mask, advantages, **kwargs)
+    return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
+                             kl_coef=kl_coef, **inputs)
 
 
 @register_policy_loss("dr_grpo", needs=("old",), aggregation="seq_mean_token_sum")
-def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, **kwargs):
+def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
+                 clip_high: float | None = None, max_tokens: int | None = None, **inputs):
     """Dr. GRPO: the clipped ratio, each sequence's token sum over the constant `max_tokens` (the trainer
     passes rollout.max_new_tokens), no KL."""
-    return clipped_surrogate(token_logps, completion_mask, advantages, **{**kwargs, "kl_coef": 0.0})
+    return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
+                             max_tokens=max_tokens, **{**inputs, "kl_coef": 0.0})
 
 
 @register_policy_loss("dapo", needs=("old",), aggregation="token_mean")
 def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = 0.28, **kwargs):
+              clip_high: float | None = 0.28, **inputs):
     """DAPO: clip-higher (eps_low 0.2, eps_high 0.28 by default), the token mean over the batch, no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
-                             **{**kwargs, "kl_coef": 0.0})
+                             **{**inputs, "kl_coef": 0.0})
+
+
+# ----------------------------------------------------------------------------- loss options
+LOSS_INPUTS = ("old_logps", "ref_logps", "aggregation", "normalizer")  # what the trainer passes every loss
+
+
+def declared_options(loss: PolicyLoss) -> dict[str, object]:
+    """The options `loss` declares: its keyword parameters with a default, other than `LOSS_INPUTS`, and
+    those defaults."""
+    return {name: p.default for name, p in inspect.signature(loss).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
+            and name not in LOSS_INPUTS}
+
+
+def loss_options(loss: PolicyLoss, given: dict, defaults: dict, *, name: str | None = None) -> dict:
+    """The keyword options to call `loss` with. Each option it declares takes its value from `given`
+    (trainer.loss_options), else from `defaults` (the trainer's settings of that name: clip_low, clip_high,
+    kl_coef; max_tokens = rollout.max_new_tokens), else keeps the loss's own default. A loss that also takes
+    `**kwargs` gets every default it does not declare (what it may forward). A key of `given` that the loss
+    does not declare fails in one sentence naming the loss and its options."""
+    declared = declared_options(loss)
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        label = name or getattr(loss, "__name__", "the loss")
+        raise UserError(f"trainer.loss_options.{unknown[0]}: loss {label} has no option {unknown[0]!r}; its options: "
+                        f"{', '.join(sorted(declared)) or 'none'}.")
+    chosen = {key: given[key] if key in given else defaults.get(key, default) for key, default in declared.items()}
+    takes_more = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(loss).parameters.values())
+    return {**({k: v for k, v in defaults.items() if k not in declared} if takes_more else {}), **chosen}
 
 
 def overlong_penalty(lengths: Tensor, max_tokens: int, cache: int) -> Tensor:

@@ -125,12 +125,16 @@ def evaluate_start(args: argparse.Namespace) -> float:
     """Held-out accuracy of the starting checkpoint, on the same rows as every run's final evaluation."""
     from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.compose import load_config
+    from gpg_vl.config.schema import RolloutSettings
+    from gpg_vl.rollout.engine import build_engine
     from gpg_vl.train.evaluate import evaluate
 
     cfg = load_config("train", ["task=shapes", "model=tiny"])
     task = build_task(cfg.task, cfg.data)
     rows = task.load(cfg.eval.split or task.eval_split)[:args.eval_limit]
-    metrics, _ = evaluate(build_policy(cfg.model, "cpu"), task, rows, batch_size=cfg.eval.batch_size,
+    policy = build_policy(cfg.model, "cpu")
+    metrics, _ = evaluate(policy, task, rows, engine=build_engine(RolloutSettings(), policy),
+                          batch_size=cfg.eval.batch_size,
                           max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens)
     return metrics["accuracy"]
 

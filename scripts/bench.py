@@ -46,12 +46,13 @@ import psutil
 import torch
 from PIL import Image
 
-from gpg_vl.config.schema import HFEngineSettings
+from gpg_vl.config.schema import HFEngineSettings, RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.data.task import Task, image_question
 from gpg_vl.models.load import FAMILIES, Policy, resolve_path
-from gpg_vl.train.loop import RolloutSettings, TrainerSettings, build_optimizer, sample_attempt, update
-from gpg_vl.train.sample import collect_valid_groups
+from gpg_vl.rollout.engine import build_engine
+from gpg_vl.train.sample import collect_valid_groups, sample_attempt
+from gpg_vl.train.update import Learner, build_optimizer, update
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
             num_key_value_heads=2, layer_types=["full_attention"] * 6)
@@ -269,19 +270,21 @@ class GpgRunner:
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.policy = Policy(self.accelerator.unwrap_model(self.model), processor, adapter, "bench")
         self.stream = PromptStream(rows, seed=args.seed)
+        self.engine = build_engine(self.rollout, self.policy)
+        self.learner = Learner(self.policy, self.model, self.optimizer, self.scheduler, self.accelerator,
+                               self.settings, temperature=self.rollout.temperature)
 
     def step(self, meter: Meter) -> dict[str, float]:
         meter.start()
         started = time.perf_counter()
         collected = collect_valid_groups(
-            lambda: sample_attempt(self.policy, self.task, self.stream, batch_size=self.settings.batch_size,
-                                   group_size=self.settings.group_size, rollout=self.rollout,
+            lambda: sample_attempt(self.policy, self.task, self.stream, engine=self.engine,
+                                   trainer=replace(self.settings, reward_workers=1), rollout=self.rollout,
                                    warn=print),
             lambda attempt: (attempt.valid.numel(), int(attempt.valid.sum())),
             beta_th=0.0, batch_size=self.settings.batch_size, max_attempts=1)
         rolled = time.perf_counter()
-        update(self.policy, self.model, self.optimizer, self.scheduler, self.accelerator, collected.attempts,
-               settings=self.settings, temperature=self.rollout.temperature)
+        update(self.learner, collected.attempts)
         measured = meter.stop()
         attempt = collected.attempts[0]
         prompt_tokens = int(attempt.prompts.inputs["attention_mask"].sum()) * self.settings.group_size

@@ -127,16 +127,15 @@ def run_engine(policy, engine_name: str, args) -> dict:
     from gpg_vl.models.family import choose_scoring_path
     from gpg_vl.observe import perf
     from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-    from gpg_vl.rollout.hf import HFEngine
-    from gpg_vl.train.loop import sample_attempt, update
-    from gpg_vl.train.sample import collect_valid_groups
+    from gpg_vl.train.sample import collect_valid_groups, sample_attempt
+    from gpg_vl.train.update import Learner, update
 
     data = rows(args.prompts * (args.steps + 2), 224)
     task = hash_task(data)
     rollout = RolloutSettings(engine=engine_name, max_new_tokens=args.new_tokens, ignore_eos=True,
                               vllm={"gpu_memory_utilization": args.gpu_memory_utilization})
     trainer = TrainerSettings(group_size=args.group_size, batch_size=args.prompts, lr=1e-6, beta_th=0.0,
-                              max_attempts=1, gradient_checkpointing=False)
+                              max_attempts=1, gradient_checkpointing=False, reward_workers=1)
     accelerator = Accelerator(mixed_precision="no")
     model = policy.model
     model.train()
@@ -146,6 +145,8 @@ def run_engine(policy, engine_name: str, args) -> dict:
     engine = build_engine(rollout, policy, accelerator=accelerator)
     path = choose_scoring_path(policy.adapter, model, share_prompt=True, share_vision=True)
     stream = PromptStream(data, seed=0)
+    learner = Learner(policy, model, optimizer, scheduler, accelerator, trainer, temperature=rollout.temperature,
+                      path=path, correction=engine.correction)
     text = policy.model.config.text_config
     weights = perf.linear_weights(policy.model, skip=("visual", "vision"))
     layers, width = perf.attention_shape(text)
@@ -156,14 +157,13 @@ def run_engine(policy, engine_name: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         collected = collect_valid_groups(
-            lambda: sample_attempt(policy, task, stream, batch_size=args.prompts, group_size=args.group_size,
-                                   rollout=rollout, std_normalize=False, warn=print, engine=engine),
+            lambda: sample_attempt(policy, task, stream, engine=engine, trainer=trainer, rollout=rollout,
+                                   warn=print),
             lambda attempt: (attempt.valid.numel(), int(attempt.valid.sum())),
             beta_th=0.0, batch_size=args.prompts, max_attempts=1)
         torch.cuda.synchronize()
         rolled = time.perf_counter()
-        result = update(policy, model, optimizer, scheduler, accelerator, collected.attempts, settings=trainer,
-                        temperature=rollout.temperature, path=path, sampler_check=engine.returns_logps)
+        result = update(learner, collected.attempts)
         engine.sync(model)
         torch.cuda.synchronize()
         done = time.perf_counter()
@@ -190,7 +190,7 @@ def run_engine(policy, engine_name: str, args) -> dict:
         prompts = encode_prompts(policy, [task.messages(r) for r in data[:args.prompts]])
         greedy = Sampling(max_new_tokens=32, greedy=True)
         ours = engine.generate(prompts, 1, greedy).completion_ids.cpu()
-        theirs = HFEngine(policy, RolloutSettings()).generate(prompts, 1, greedy).completion_ids.cpu()
+        theirs = build_engine(RolloutSettings(), policy).generate(prompts, 1, greedy).completion_ids.cpu()
         width_ = min(ours.shape[1], theirs.shape[1])
         summary["greedy_rows_equal"] = int((ours[:, :width_] == theirs[:, :width_]).all(dim=1).sum())
         summary["greedy_rows"] = ours.shape[0]

@@ -58,13 +58,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def batch_gradients(policy, task, rows, *, group_size: int, rollout, age: bool) -> tuple[dict, dict]:
     """Sample one batch (G completions for each row) and return {estimator: flat gradient [P]} and stats."""
+    from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, policy_loss
-    from gpg_vl.train.loop import sample_attempt
+    from gpg_vl.rollout.engine import build_engine
+    from gpg_vl.train.sample import sample_attempt
 
     stream = PromptStream(rows, seed=0)
-    attempt = sample_attempt(policy, task, stream, batch_size=len(rows), group_size=group_size, rollout=rollout,
-                             warn=print)
+    trainer = TrainerSettings(batch_size=len(rows), group_size=group_size, reward_workers=1)
+    attempt = sample_attempt(policy, task, stream, engine=build_engine(rollout, policy), trainer=trainer,
+                             rollout=rollout, warn=print)
     mask = attempt.rollout.completion_mask  # [N, C]
     width = max(int(mask.sum(dim=1).max()), 1)
     mask, ids = mask[:, :width], attempt.rollout.completion_ids[:, :width]  # [N, C']
@@ -89,7 +92,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.compose import load_config
-    from gpg_vl.train.loop import RolloutSettings
+    from gpg_vl.config.schema import RolloutSettings
 
     cfg = load_config("train", ["task=shapes", f"model={args.model}"])
     task = build_task(cfg.task, cfg.data)

@@ -44,8 +44,9 @@ def _check_override(cfg: DictConfig, override: str) -> None:
     """Raise a UserError naming the valid keys when `key=value` sets a key the config does not have."""
     key = override.split("=", 1)[0].lstrip("~")
     parts = key.split(".")
-    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or parts[:2] == ["task", "options"]:
-        return  # task options are the task constructor's keywords: the task checks them itself
+    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or parts[:2] in (["task", "options"],
+                                                                                          ["trainer", "loss_options"]):
+        return  # task options are the task constructor's keywords, loss options the loss's: each checks its own
     node = cfg
     for depth, part in enumerate(parts):
         if not isinstance(node, DictConfig) or part not in node:
@@ -78,6 +79,8 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     overrides = [o if o not in plugin else "task=plugin" for o in overrides]
     if plugin:
         overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
+    # trainer.loss_options is a dict of the loss's own keywords (checked against the loss by the trainer): add or set
+    overrides = ["++" + o if o.startswith("trainer.loss_options.") else o for o in overrides]
     group_overrides = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
     register_schema()
     try:

@@ -50,6 +50,9 @@ class TrainerSettings:
     clip_high: float | None = None
     # beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)
     kl_coef: float = 0.0
+    # options of trainer.loss by name (a loss declares them as keyword arguments; clip_low, clip_high, kl_coef
+    # above and max_tokens = rollout.max_new_tokens fill those not given here)
+    loss_options: dict = field(default_factory=dict)
     # DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens (0 = off)
     overlong_cache: int = 0
     # the penalty at the length limit (it grows linearly over overlong_cache tokens)

@@ -43,6 +43,16 @@ class Sampling:
                    ignore_eos=rollout.ignore_eos)
 
 
+@dataclass(frozen=True)
+class Correction:
+    """What the update does with the sampler's own log-probs (gpg_vl/rollout/correction.py): `sampler_check`
+    compares them with the trainer's (`logp_mismatch_mean` / `_max`), and with `tis_cap` > 0 each token's loss
+    is weighted by its truncated importance weight. An engine that samples with the trained model (HF): neither."""
+
+    sampler_check: bool = False
+    tis_cap: float = 0.0
+
+
 @dataclass
 class EnginePrompts:
     """Prompts as they reach an engine: the family's encoded batch, and the messages it was encoded from
@@ -73,6 +83,15 @@ class Engine:
 
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         raise NotImplementedError
+
+    @property
+    def correction(self) -> Correction:
+        """The on-policy check and correction the update applies to this engine's rollouts (none by default)."""
+        return Correction()
+
+    def mismatch_warning(self, metrics: dict) -> str | None:
+        """A warning when a step's `logp_mismatch_mean` says the rollout was off-policy (None: nothing to say)."""
+        return None
 
     def sync(self, model) -> None:
         """Take the trained model's weights (after each optimizer step)."""

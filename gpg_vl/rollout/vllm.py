@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.engine import Correction, Engine, EnginePrompts, Sampling, register_engine
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
 
 BANNED_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]: a banned token's probability is exp(-100) of others
@@ -149,6 +149,19 @@ class VLLMEngine(Engine):
         self.llm, self.sampling_params = llm, sampling_params
         self.asleep, self.weights_awake = False, False
         self.sync(policy.model)  # load_format="dummy": the trainer's weights, whatever their source
+
+    # ---- the on-policy check --------------------------------------------------------------------
+    @property
+    def correction(self) -> Correction:
+        return Correction(sampler_check=True, tis_cap=self.settings.tis_cap)
+
+    def mismatch_warning(self, metrics: dict) -> str | None:
+        limit = self.settings.max_logp_mismatch
+        if metrics.get("logp_mismatch_mean", 0.0) > limit:
+            return (f"the sampler's log-probs differ from the trainer's by {metrics['logp_mismatch_mean']:.4f} per "
+                    f"token on average, over rollout.vllm.max_logp_mismatch={limit}: the rollout is off-policy; "
+                    "check the weight sync and dtype, or set rollout.vllm.tis_cap=2.")
+        return None
 
     # ---- rollout -------------------------------------------------------------------------------
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:

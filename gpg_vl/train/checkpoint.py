@@ -77,10 +77,11 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, step: int, accelerator, *,
-                    keep: int = 0, counters: dict | None = None, config: dict | None = None,
-                    record: dict | None = None) -> None:
-    """Write a complete checkpoint to `path` atomically (see the module doc); every process calls it.
+def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, counters: dict | None = None,
+                    config: dict | None = None, record: dict | None = None) -> None:
+    """Write a complete checkpoint of `learner` (gpg_vl/train/update.py: the policy, its prepared model,
+    optimizer and schedule) and `stream` at `step` to `path` atomically (see the module doc); every process
+    calls it.
 
     The main process writes the files; the RNG states of every process are gathered into the trainer state.
     `counters` (numbers) and `record` (the run's summary so far: its pre-training evaluation, its training
@@ -91,6 +92,8 @@ def save_checkpoint(path: Path, policy, model, optimizer, scheduler, stream, ste
     """
     from accelerate.utils import DistributedType, gather_object
 
+    policy, model, optimizer, scheduler = learner.policy, learner.model, learner.optimizer, learner.scheduler
+    accelerator = learner.accelerator
     path = Path(path)
     accelerator.wait_for_everyone()  # collective: no process still uses the previous checkpoint folder
     # Collective under FSDP / ZeRO-3 (each process holds a shard): every process gathers the full weights.

@@ -20,14 +20,13 @@ from pathlib import Path
 
 from PIL import Image
 
-from gpg_vl.data.task import prompt_text as _prompt_text
+from gpg_vl.data.task import prompt_text
 from gpg_vl.distributed import forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import Policy
 from gpg_vl.reward.pool import RewardBudget, score_within
 from gpg_vl.reward.primitives import extract_answer
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
-from gpg_vl.rollout.hf import HFEngine
 from gpg_vl.rollout.types import in_task_frame
 from gpg_vl.train.placeholder import placeholder_prompts
 
@@ -46,17 +45,24 @@ class Decoded:
     timed_out: bool = False  # not scored within the batch's reward budget
 
 
-def generate_greedy(
-    policy: Policy, task, rows: Sequence[dict], *, batch_size: int, max_new_tokens: int, rank: int = 0,
-    world_size: int = 1, gather=None, engine=None, reward_workers: int = 4, reward_budget_s: float = 0.0,
-) -> list[Decoded]:
-    """Greedy completions for `rows`, in order, decoded by `engine` (the run's; the HF engine's defaults when
-    None) and scored (see the module doc). Each process decodes and scores its own share of the rows; `gather`
-    (e.g. accelerate's gather_object) joins the shares when there are several processes."""
-    if engine is None:
-        from gpg_vl.config.schema import RolloutSettings
+@dataclass(frozen=True)
+class Share:
+    """Which share of the rows this process decodes: rows rank, rank + world_size, ...; `gather` (e.g.
+    accelerate's gather_object) joins the shares when there are several processes."""
 
-        engine = HFEngine(policy, RolloutSettings())
+    rank: int = 0
+    world_size: int = 1
+    gather: object = None
+
+
+def generate_greedy(
+    policy: Policy, task, rows: Sequence[dict], *, engine, batch_size: int, max_new_tokens: int,
+    share: Share = Share(), reward_workers: int = 4, reward_budget_s: float = 0.0,
+) -> list[Decoded]:
+    """Greedy completions for `rows`, in order, decoded by `engine` (`build_engine`'s: the run's, or
+    rollout.engine's) and scored (see the module doc). Each process decodes and scores its own `share` of the
+    rows."""
+    rank, world_size, gather = share.rank, share.world_size, share.gather
     greedy = Sampling(max_new_tokens=max_new_tokens, greedy=True)
     local = list(range(rank, len(rows), world_size))
     decoded: list[Decoded] = []
@@ -76,7 +82,7 @@ def generate_greedy(
         scored = _scoring_rows(task, [row for _, row in chunk], texts)
         rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
         zero = dict.fromkeys(task.reward_functions, 0.0)
-        decoded += [Decoded(i, text, _prompt_text(message), row, dict(zero) if score is None else score, score is None)
+        decoded += [Decoded(i, text, prompt_text(message), row, dict(zero) if score is None else score, score is None)
                     for (i, _), message, text, row, score in zip(chunk, messages, texts, scored, rewards, strict=True)]
     if world_size > 1 and gather is not None:
         decoded = gather(decoded)  # collective: every process reaches it once, after the same number of batches
@@ -91,7 +97,7 @@ def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict
     timeouts = sum(d.timed_out for d in decoded)
     if timeouts:
         metrics["reward_timeouts"] = float(timeouts)
-    if timeouts and kwargs.get("rank", 0) == 0:  # every process holds every row's scores: one warning
+    if timeouts and kwargs.get("share", Share()).rank == 0:  # every process holds every row's scores: one warning
         print(f"warning: {timeouts} of {len(decoded)} held-out completions were not scored within "
               f"eval.reward_budget_s={kwargs.get('reward_budget_s')} s of reward time per batch and scored 0; raise "
               "it (0 = no budget) or eval.reward_workers.")

@@ -1,4 +1,7 @@
-"""Threshold resampling (AGE's companion): collect enough groups that carry a learning signal.
+"""Sampling: one attempt (draw B prompts, roll out G completions each, score, advantage), and threshold
+resampling (AGE's companion): collect enough groups that carry a learning signal.
+
+Threshold resampling (AGE's companion): collect enough groups that carry a learning signal.
 
 A step wants B groups (B = prompts per step, over all processes). Roll out B prompts and score them.
 If the valid fraction (groups whose rewards are not all equal) is at least `beta_th`, update on the
@@ -15,31 +18,46 @@ which is exactly alpha = B / (B - M) applied to the mean over all sampled groups
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-Attempt = TypeVar("Attempt")
+import torch
+from accelerate import Accelerator
+
+from gpg_vl.config.schema import RolloutSettings, TrainerSettings
+from gpg_vl.data.stream import PromptStream
+from gpg_vl.distributed import forward_is_collective, require_images
+from gpg_vl.models.batch import PromptBatch
+from gpg_vl.models.load import Policy
+from gpg_vl.objective import get_advantage, overlong_penalty
+from gpg_vl.reward.pool import RewardBudget, score_completions
+from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
+from gpg_vl.rollout.types import Rollout, in_task_frame
+from gpg_vl.train.placeholder import placeholder_prompts
+
+A = TypeVar("A")
 
 
 @dataclass
-class Collected(Generic[Attempt]):
+class Collected(Generic[A]):
     """The attempts of one step and their global counts."""
 
-    attempts: list[Attempt] = field(default_factory=list)
+    attempts: list[A] = field(default_factory=list)
     groups_sampled: int = 0  # global, over all attempts
     groups_valid: int = 0  # global, over all attempts
     valid_fractions: list[float] = field(default_factory=list)  # one per attempt, global
 
 
 def collect_valid_groups(
-    sample_attempt: Callable[[], Attempt],
-    count_valid: Callable[[Attempt], tuple[int, int]],
+    sample_attempt: Callable[[], A],
+    count_valid: Callable[[A], tuple[int, int]],
     *,
     beta_th: float,
     batch_size: int,
     max_attempts: int,
-) -> Collected[Attempt]:
+) -> Collected[A]:
     """Run attempts until `groups_valid >= beta_th * batch_size` or `max_attempts` is reached.
 
     `sample_attempt()` draws, rolls out and scores this process's share of B fresh prompts.
@@ -48,7 +66,7 @@ def collect_valid_groups(
     """
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-    collected: Collected[Attempt] = Collected()
+    collected: Collected[A] = Collected()
     for _ in range(max_attempts):
         attempt = sample_attempt()
         groups, valid = count_valid(attempt)
@@ -59,3 +77,83 @@ def collect_valid_groups(
         if collected.groups_valid >= beta_th * batch_size:
             break
     return collected
+
+
+@dataclass
+class Attempt:
+    """One rollout of this process's share of B prompts, scored."""
+
+    rows: list[dict]
+    prompts: PromptBatch | None
+    rollout: Rollout | None
+    rewards: torch.Tensor  # [b, G]
+    components: dict[str, torch.Tensor]  # name -> [b, G]
+    advantages: torch.Tensor  # [b, G]
+    valid: torch.Tensor  # [b] bool
+    reward_timeouts: int = 0  # completions not scored within the step's reward budget (scored 0)
+
+
+def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, trainer: TrainerSettings,
+                   rollout: RolloutSettings, warn, reward_budget: RewardBudget | None = None) -> Attempt:
+    """Draw this process's share of trainer.batch_size prompts, roll out trainer.group_size completions each
+    through `engine` (`build_engine`'s, rollout.engine's), score them (on trainer.reward_workers threads, within
+    what is left of the step's `reward_budget`).
+
+    trainer.advantage names the estimator; with trainer.overlong_cache > 0 the reward gets DAPO's overlong
+    component "overlong" (0 down to -trainer.overlong_penalty over the last overlong_cache tokens)."""
+    batch_size, group_size, overlong_cache = trainer.batch_size, trainer.group_size, trainer.overlong_cache
+    drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
+    rows = [p.row for p in drawn]
+    prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
+    lengths = prompts.batch.inputs["attention_mask"].sum(dim=1).tolist()
+    keep = [i for i, n in enumerate(lengths) if n <= rollout.max_prompt_tokens]
+    for i in sorted(set(range(len(rows))) - set(keep)):
+        warn(f"skipped prompt {prompts.batch.ids[i]!r}: it has {lengths[i]} tokens, over rollout.max_prompt_tokens="
+             f"{rollout.max_prompt_tokens}; prompts with images are never truncated, so raise the limit or "
+             "lower model.max_pixels.")
+    if len(keep) < len(rows):
+        rows, prompts = [rows[i] for i in keep], prompts.select(keep) if keep else None
+    names = list(task.reward_functions)
+    if not rows:
+        # Under FSDP / ZeRO-3 generation is collective (weights gathered per module, synced_gpus): a process
+        # whose prompts were all skipped still makes this attempt's one generate call, on a placeholder whose
+        # completions it drops (the same call evaluation makes for a process out of rows, which is tested).
+        if forward_is_collective(policy.model):
+            engine.generate(EnginePrompts(placeholder_prompts(policy)), group_size, Sampling.from_settings(rollout))
+        empty = torch.zeros(0, group_size)
+        names += ["overlong"] if overlong_cache else []
+        return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
+    # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
+    require_images(prompts.batch.has_images, stream.world_size, "a batch of training prompts")
+    result = engine.generate(prompts, group_size, Sampling.from_settings(rollout))
+    prompts = prompts.batch
+    texts = in_task_frame(policy, task, result.texts, prompts, group_size)
+    scores, timeouts = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
+                                         workers=trainer.reward_workers, budget=reward_budget)
+    components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
+    rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
+    if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
+        lengths = result.completion_mask.sum(dim=1)  # [b * G]
+        penalty = trainer.overlong_penalty * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
+        components["overlong"] = penalty.view(len(rows), group_size).to(rewards.dtype)  # [b, G]
+        rewards = rewards + components["overlong"]
+    advantages, valid = get_advantage(trainer.advantage)(rewards)  # [b, G], [b]
+    valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
+    return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts)
+
+
+def attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:
+    """trainer.max_attempts, fewer when resampling would sample past trainer.max_completions (never < 1)."""
+    if not trainer.max_completions:
+        return trainer.max_attempts
+    left = math.ceil((trainer.max_completions - completions_sampled) / (trainer.batch_size * trainer.group_size))
+    return max(1, min(trainer.max_attempts, left))
+
+
+def global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int]:
+    """(groups, valid groups) of an attempt over all processes. Collective: collect_valid_groups calls it
+    once per attempt on every process, and stops on its result, the same everywhere."""
+    counts = accelerator.reduce(torch.tensor([attempt.valid.numel(), int(attempt.valid.sum())],
+                                             device=accelerator.device), "sum")
+    return int(counts[0]), int(counts[1])
+

@@ -84,7 +84,7 @@ def fixed_rollouts(policy, task):
 
 def attempt_for(groups, rows, prompts, ids, mask, rewards, advantages, valid):
     from gpg_vl.rollout.types import Rollout
-    from gpg_vl.train.loop import Attempt
+    from gpg_vl.train.sample import Attempt
 
     if not groups:
         empty = torch.zeros(0, GROUP_SIZE)
@@ -114,8 +114,9 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
     from transformers import get_scheduler
 
     from gpg_vl import get_task
+    from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.models.load import Policy, load_policy
-    from gpg_vl.train.loop import TrainerSettings, build_reference, place_reference, update
+    from gpg_vl.train.update import Learner, build_reference, place_reference, update
 
     accelerator = make_accelerator(engine)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -146,8 +147,9 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
         reference = place_reference(reference, accelerator)  # sharded like the policy under FSDP2
         if reference is not None and accelerator.distributed_type == DistributedType.FSDP:
             results["reference_sharded"] = isinstance(reference.model, FSDPModule)
-        metrics = [update(policy, model, optimizer, scheduler, accelerator, attempts, settings=case_settings,
-                          temperature=1.0, reference=reference) for _ in range(2)]
+        learner = Learner(policy, model, optimizer, scheduler, accelerator, case_settings, temperature=1.0,
+                          reference=reference)
+        metrics = [update(learner, attempts) for _ in range(2)]
         weights = full_weights(accelerator, model)
         if accelerator.is_main_process:
             torch.save(weights, out / f"{case}.pt")
@@ -166,7 +168,8 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
 
     from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.compose import load_config
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import RunSettings, setup_policy, train
 
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type)}
@@ -174,11 +177,11 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
         cfg = load_config("train", [*overrides, f"output_dir={out / run}", *extra])
         model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(cfg.resume)}) if cfg.resume else cfg.model
         container = OmegaConf.to_container(cfg, resolve=True)
-        result[run] = train(
-            build_policy(model_cfg, accelerator.device), build_task(cfg.task, cfg.data),
-            trainer=TrainerSettings(**container["trainer"]), rollout=RolloutSettings(**container["rollout"]),
-            evaluation=EvalSettings(**container["eval"]), output_dir=cfg.output_dir, seed=cfg.seed,
-            resume_from=cfg.resume, accelerator=accelerator, config=container)
+        settings = RunSettings(TrainerSettings(**container["trainer"]), RolloutSettings(**container["rollout"]),
+                               EvalSettings(**container["eval"]), output_dir=cfg.output_dir, seed=cfg.seed,
+                               resume_from=cfg.resume, config=container)
+        result[run] = train(setup_policy(build_policy(model_cfg, accelerator.device), build_task(cfg.task, cfg.data),
+                                         settings, accelerator=accelerator))
         accelerator.free_memory()  # forget run a's model: a real run prepares one (FSDP2 allows one at a time)
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result, indent=1, default=str))
 

@@ -14,8 +14,12 @@ import pytest
 import torch
 
 from gpg_vl.config.compose import load_config
+from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, sample_attempt, train, update
+from gpg_vl.rollout.engine import build_engine
+from gpg_vl.train.loop import RunSettings, setup_policy, train
+from gpg_vl.train.sample import sample_attempt
+from gpg_vl.train.update import Learner, update
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,8 +56,10 @@ def test_without_baseline_the_advantage_is_the_reward_and_valid_means_a_nonzero_
     from gpg_vl.data.stream import PromptStream
 
     stream = PromptStream(shapes.load("train"), seed=0)
-    attempt = sample_attempt(policy, shapes, stream, batch_size=3, group_size=2,
-                             rollout=RolloutSettings(max_new_tokens=12), warn=print, advantage="none")
+    rollout = RolloutSettings(max_new_tokens=12)
+    attempt = sample_attempt(policy, shapes, stream, engine=build_engine(rollout, policy), rollout=rollout,
+                             trainer=TrainerSettings(batch_size=3, group_size=2, advantage="none", reward_workers=1),
+                             warn=print)
     assert attempt.valid.tolist() == (attempt.rewards != 0).any(dim=1).tolist()
     expected = torch.where(attempt.valid.unsqueeze(1), attempt.rewards, torch.zeros_like(attempt.rewards))
     assert torch.equal(attempt.advantages, expected)
@@ -86,8 +92,9 @@ def test_without_age_only_the_normaliser_changes_to_every_sampled_sequence_acros
 
     stream = PromptStream(shapes.load("train"), seed=0)
     rollout = RolloutSettings(max_new_tokens=10)
-    drawn = [sample_attempt(policy, shapes, stream, batch_size=3, group_size=2, rollout=rollout,
-                            warn=print) for _ in range(2)]
+    drawn = [sample_attempt(policy, shapes, stream, engine=build_engine(rollout, policy), rollout=rollout,
+                            trainer=TrainerSettings(batch_size=3, group_size=2, reward_workers=1), warn=print)
+             for _ in range(2)]
     attempts = [_fake_attempt(drawn[0], [True, False, True], 1), _fake_attempt(drawn[1], [False, True, False], 2)]
     accelerator = Accelerator(cpu=True)
     grads, losses = {}, {}
@@ -96,8 +103,8 @@ def test_without_age_only_the_normaliser_changes_to_every_sampled_sequence_acros
         optimizer = RecordingSGD(model.parameters(), lr=1.0)
         scheduler = get_scheduler("constant", optimizer)
         settings = TrainerSettings(age=age, micro_batch_size=4, max_grad_norm=1e9)
-        result = update(dataclasses.replace(policy, model=model), model, optimizer, scheduler, accelerator, attempts,
-                        settings=settings, temperature=1.0)
+        result = update(Learner(dataclasses.replace(policy, model=model), model, optimizer, scheduler, accelerator,
+                                settings, temperature=1.0), attempts)
         losses[age], grads[age] = result["loss"], optimizer.grad
     assert grads[True].abs().max() > 0
     assert losses[False] == pytest.approx(0.5 * losses[True], rel=1e-5)
@@ -109,10 +116,10 @@ def test_logged_alpha_with_resampling_and_an_exact_completion_budget(tmp_path, p
     """beta_th=1 forces resampling; alpha is B_sampled / B_valid with AGE and 1 without; the run stops on the
     budget of sampled completions, resampled ones included, and never samples past it."""
     budget = 32  # 4 rollouts of B 4 x G 2
-    summary = train(policy, shapes, trainer=TrainerSettings(
+    summary = train(setup_policy(policy, shapes, RunSettings(trainer=TrainerSettings(
         max_steps=20, group_size=2, batch_size=4, lr=1e-4, beta_th=1.0, max_attempts=3, age=age,
         max_completions=budget, eval_before=False, eval_after=False),
-        rollout=RolloutSettings(max_new_tokens=10), evaluation=EvalSettings(), output_dir=tmp_path)
+        rollout=RolloutSettings(max_new_tokens=10), output_dir=tmp_path)))
     lines = metrics(tmp_path)
     assert summary["completions_sampled"] == budget == sum(m["groups_sampled"] * 2 for m in lines)
     assert [m["completions_sampled"] for m in lines][-1] == budget and summary["steps"] == len(lines)

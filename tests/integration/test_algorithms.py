@@ -8,8 +8,9 @@ from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
+from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+from gpg_vl.train.loop import RunSettings, setup_policy, train
 
 TINY = ["task=shapes", "model=tiny", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4",
         "trainer.group_size=4", "rollout.max_new_tokens=16"]
@@ -58,8 +59,8 @@ def test_grpo_takes_mu_times_mini_batches_steps_and_scores_old_and_reference_onc
                                lr=1e-3, eval_before=False, eval_after=False, beta_th=0.0,
                                advantage="std_normalized", loss="grpo", kl_coef=0.04, ppo_epochs=2,
                                ppo_mini_batch=8, age=False, lr_schedule="linear")
-    train(policy, shapes, trainer=settings, rollout=RolloutSettings(max_new_tokens=16), evaluation=EvalSettings(),
-          output_dir=tmp_path)
+    train(setup_policy(policy, shapes, RunSettings(trainer=settings, rollout=RolloutSettings(max_new_tokens=16),
+                                                   output_dir=tmp_path)))
     metrics = lines(tmp_path)
     for m in metrics:
         parts = -(-m["groups_used"] * 4 // 8)  # mini-batches of 8 sequences = 2 groups
@@ -87,9 +88,9 @@ def test_gpg_keeps_one_forward_per_micro_batch_and_no_loss_report(tmp_path, poli
         return original(model, *args, **kwargs)
 
     policy.adapter.token_logps = counting
-    train(policy, shapes, trainer=TrainerSettings(max_steps=2, group_size=4, batch_size=4, micro_batch_tokens=0,
-                                                  micro_batch_size=4, eval_before=False, eval_after=False, beta_th=0),
-          rollout=RolloutSettings(max_new_tokens=12), evaluation=EvalSettings(), output_dir=tmp_path)
+    trainer = TrainerSettings(max_steps=2, group_size=4, batch_size=4, micro_batch_tokens=0, micro_batch_size=4,
+                              eval_before=False, eval_after=False, beta_th=0)
+    train(setup_policy(policy, shapes, RunSettings(trainer, RolloutSettings(max_new_tokens=12), output_dir=tmp_path)))
     metrics = lines(tmp_path)
     assert all(calls) and len(calls) == sum(m["groups_used"] for m in metrics)  # 4 sequences = 1 group each
     assert all(m["optimizer_steps"] == (1.0 if m["groups_used"] else 0.0) for m in metrics if "optimizer_steps" in m)

@@ -327,14 +327,15 @@ def test_nan_losses_skip_the_step_and_too_many_in_a_row_stop_with_the_last_good_
 
 
 def test_an_infinite_gradient_skips_the_step_without_touching_the_weights(tmp_path, monkeypatch, policy, shapes):
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import RunSettings, setup_policy, train
 
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     first = next(p for p in policy.model.parameters() if p.requires_grad)
     first.register_hook(lambda grad: grad * math.inf)
-    train(policy, shapes, trainer=TrainerSettings(max_steps=2, group_size=4, batch_size=4, lr=1e-3,
-                                                  eval_before=False, eval_after=False, max_bad_steps=5),
-          rollout=RolloutSettings(max_new_tokens=24), evaluation=EvalSettings(), output_dir=tmp_path)
+    trainer = TrainerSettings(max_steps=2, group_size=4, batch_size=4, lr=1e-3, eval_before=False, eval_after=False,
+                              max_bad_steps=5)
+    train(setup_policy(policy, shapes, RunSettings(trainer, RolloutSettings(max_new_tokens=24), output_dir=tmp_path)))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m.get("nonfinite") for m in lines] == [1.0, 1.0] and not math.isfinite(lines[0]["grad_norm"])
     assert all(torch.equal(p, before[n]) for n, p in policy.model.named_parameters())

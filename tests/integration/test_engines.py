@@ -302,12 +302,16 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
     from accelerate import Accelerator
     from transformers import get_scheduler
 
+    from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.train.loop import TrainerSettings, sample_attempt, update
+    from gpg_vl.rollout.engine import Correction, build_engine
+    from gpg_vl.train.sample import sample_attempt
+    from gpg_vl.train.update import Learner, update
 
     stream = PromptStream(shapes.load("train")[:8], seed=0)
-    attempt = sample_attempt(policy, shapes, stream, batch_size=2, group_size=2,
-                             rollout=RolloutSettings(max_new_tokens=6), warn=print)
+    rollout = RolloutSettings(max_new_tokens=6)
+    attempt = sample_attempt(policy, shapes, stream, engine=build_engine(rollout, policy), rollout=rollout,
+                             trainer=TrainerSettings(batch_size=2, group_size=2, reward_workers=1), warn=print)
     attempt.advantages = torch.tensor([[1.0, -1.0], [0.5, -0.5]])
     attempt.valid = torch.tensor([True, True])
     settings = TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0, share_prompt=False)
@@ -319,8 +323,9 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
         attempt.rollout.sampler_logps = sampler
         accelerator = Accelerator(cpu=True)
         optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
-        result = update(policy, policy.model, optimizer, get_scheduler("constant", optimizer), accelerator, [attempt],
-                        settings=settings, temperature=1.0, sampler_check=sampler is not None, tis_cap=tis_cap)
+        learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), accelerator, settings,
+                          temperature=1.0, correction=Correction(sampler_check=sampler is not None, tis_cap=tis_cap))
+        result = update(learner, [attempt])
         return result, policy.model.lm_head.weight.grad
 
     grads = {}

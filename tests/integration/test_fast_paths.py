@@ -17,12 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import get_scheduler
 
+from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.load import PromptBatch
 from gpg_vl.models.scoring import ReservedLayer, completion_logps, reserve
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
 from gpg_vl.rollout.types import Rollout
-from gpg_vl.train.loop import Attempt, TrainerSettings, micro_batch_cost, update, update_chunks
+from gpg_vl.train.sample import Attempt
+from gpg_vl.train.update import Learner, micro_batch_cost, update, update_chunks
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
             "llava_onevision", "gemma3", "gemma4", "smolvlm", "internvl", "glm4v"]  # generic-family classes
@@ -70,8 +72,8 @@ def one_update_gradient(policy, attempt: Attempt, settings: TrainerSettings) -> 
     model.train()
     optimizer = RecordingSGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     scheduler = get_scheduler("constant", optimizer)
-    result = update(policy, model, optimizer, scheduler, Accelerator(cpu=True), [attempt], settings=settings,
-                    temperature=0.7)
+    result = update(Learner(policy, model, optimizer, scheduler, Accelerator(cpu=True), settings, temperature=0.7),
+                    [attempt])
     assert result["skipped"] == 0.0
     return optimizer.seen
 
@@ -305,8 +307,8 @@ def _weight_change(attempts_of, share_prompt: bool, accelerator: Accelerator) ->
     optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
     model, optimizer, scheduler = accelerator.prepare(policy.model, optimizer, get_scheduler("constant", optimizer))
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    update(Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, "tiny"), model, optimizer,
-           scheduler, accelerator, attempts, settings=settings, temperature=1.0)
+    update(Learner(Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, "tiny"), model,
+                   optimizer, scheduler, accelerator, settings, temperature=1.0), attempts)
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
 

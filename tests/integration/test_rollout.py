@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
-from gpg_vl.rollout.engine import Sampling
+from gpg_vl.rollout.engine import Sampling, build_engine
 from gpg_vl.rollout.hf import generate
 from gpg_vl.rollout.types import completion_mask_from_eos
-from gpg_vl.train.loop import RolloutSettings, sample_attempt
+from gpg_vl.train.sample import sample_attempt
 
 
 def encode(policy, task, rows):
@@ -97,8 +98,9 @@ def test_shared_vision_matches_per_sequence_vision_in_value_and_gradient(policy,
 def test_prompt_over_the_limit_is_skipped_with_a_sentence_naming_it(policy, shapes):
     warnings = []
     stream = PromptStream(shapes.load("train"), seed=0)
-    attempt = sample_attempt(policy, shapes, stream, batch_size=2, group_size=2,
-                             rollout=RolloutSettings(max_new_tokens=4, max_prompt_tokens=10),
+    rollout = RolloutSettings(max_new_tokens=4, max_prompt_tokens=10)
+    attempt = sample_attempt(policy, shapes, stream, engine=build_engine(rollout, policy), rollout=rollout,
+                             trainer=TrainerSettings(batch_size=2, group_size=2, reward_workers=1),
                              warn=warnings.append)
     assert attempt.rows == [] and attempt.valid.numel() == 0
     assert len(warnings) == 2 and "shapes-0-" in warnings[0] and "max_prompt_tokens=10" in warnings[0]

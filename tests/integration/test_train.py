@@ -63,7 +63,8 @@ def test_short_run_raises_held_out_accuracy(tmp_path):
 
 
 def test_only_valid_groups_are_forwarded_and_alpha_is_logged(tmp_path, policy, shapes):
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import RunSettings, setup_policy, train
 
     forwarded = []
     original = policy.adapter.token_logps
@@ -73,10 +74,9 @@ def test_only_valid_groups_are_forwarded_and_alpha_is_logged(tmp_path, policy, s
         return original(model, prompts, prompt_index, *args, **kwargs)
 
     policy.adapter.token_logps = counting
-    train(policy, shapes, trainer=TrainerSettings(max_steps=3, group_size=4, batch_size=4, micro_batch_size=6,
-                                                  micro_batch_tokens=0, lr=1e-4, eval_before=False, eval_after=False,
-                                                  beta_th=0.5),
-          rollout=RolloutSettings(max_new_tokens=16), evaluation=EvalSettings(), output_dir=tmp_path)
+    trainer = TrainerSettings(max_steps=3, group_size=4, batch_size=4, micro_batch_size=6, micro_batch_tokens=0,
+                              lr=1e-4, eval_before=False, eval_after=False, beta_th=0.5)
+    train(setup_policy(policy, shapes, RunSettings(trainer, RolloutSettings(max_new_tokens=16), output_dir=tmp_path)))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum(forwarded) == sum(m["groups_used"] * 4 for m in lines)  # invalid groups: no forward at all
     assert max(forwarded) <= 6  # micro-batches of at most micro_batch_size sequences

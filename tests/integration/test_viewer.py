@@ -20,6 +20,7 @@ import gpg_vl.train.loop
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config, run_cli
+from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.observe.rollout_log import (
     MAX_EDGE,
     MAX_STEP_BYTES,
@@ -31,7 +32,8 @@ from gpg_vl.observe.rollout_log import (
 )
 from gpg_vl.observe.viewer import write_rollouts_html
 from gpg_vl.rollout.types import Rollout
-from gpg_vl.train.loop import Attempt, EvalSettings, RolloutSettings, TrainerSettings, train
+from gpg_vl.train.loop import RunSettings, setup_policy, train
+from gpg_vl.train.sample import Attempt
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "<script>alert('x')</script>"
@@ -60,9 +62,9 @@ def run(tmp_path_factory):
         collected.append(original_collect(*args, **kwargs))
         return collected[-1]
 
-    def update(policy, model, optimizer, scheduler, accelerator, attempts, **kwargs):
+    def update(learner, attempts):
         updated.append((len(collected), list(attempts)))
-        return original_update(policy, model, optimizer, scheduler, accelerator, attempts, **kwargs)
+        return original_update(learner, attempts)
 
     trackers = ["tensorboard"] + (["wandb"] if wandb is not None else [])
     tables = []  # (step, wandb.Table) as the wandb run got them
@@ -85,12 +87,11 @@ def run(tmp_path_factory):
         policy = load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=50176)
         task = get_task("shapes", train_size=2000, test_size=40)
         accelerator = Accelerator(log_with=trackers, project_dir=str(output))
-        train(policy, task, trainer=TrainerSettings(max_steps=3, group_size=4, batch_size=4, micro_batch_tokens=0,
-                                                    lr=1e-5, eval_before=False, eval_after=False, beta_th=0.9,
-                                                    max_attempts=2, report_to="tensorboard", log_rollouts_every=1,
-                                                    log_rollouts_groups=6),
-              rollout=RolloutSettings(max_new_tokens=24), evaluation=EvalSettings(), output_dir=output,
-              accelerator=accelerator)
+        trainer = TrainerSettings(max_steps=3, group_size=4, batch_size=4, micro_batch_tokens=0, lr=1e-5,
+                                  eval_before=False, eval_after=False, beta_th=0.9, max_attempts=2,
+                                  report_to="tensorboard", log_rollouts_every=1, log_rollouts_groups=6)
+        train(setup_policy(policy, task, RunSettings(trainer, RolloutSettings(max_new_tokens=24), output_dir=output),
+                           accelerator=accelerator))
     return SimpleNamespace(output=output, collected=collected, updated=updated, policy=policy, task=task,
                            tables=tables)
 

@@ -164,9 +164,11 @@ def test_a_reward_that_returns_no_number_scores_zero_and_says_what_it_returned(c
 def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(policy):
     from accelerate import Accelerator
 
+    from gpg_vl.config.schema import RolloutSettings, TrainerSettings
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.train.loop import RolloutSettings, sample_attempt, step_metrics
-    from gpg_vl.train.sample import Collected
+    from gpg_vl.rollout.engine import build_engine
+    from gpg_vl.train.loop import step_metrics
+    from gpg_vl.train.sample import Collected, sample_attempt
 
     task = get_task("shapes", train_size=50, test_size=1)
     stream = PromptStream(task.load("train"), seed=0)
@@ -174,8 +176,9 @@ def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(poli
     task.reward_functions["odd"] = lambda completion, row: math.nan if row["id"].endswith(f"-{first}") else (
         math.inf if "x" in completion else len(completion) % 2)
     torch.manual_seed(0)
-    attempt = sample_attempt(policy, task, stream, batch_size=3, group_size=4,
-                             rollout=RolloutSettings(max_new_tokens=12), warn=print)
+    rollout = RolloutSettings(max_new_tokens=12)
+    attempt = sample_attempt(policy, task, stream, engine=build_engine(rollout, policy), rollout=rollout,
+                             trainer=TrainerSettings(batch_size=3, group_size=4, reward_workers=1), warn=print)
     finite = torch.isfinite(attempt.rewards).all(dim=1)
     assert not finite[0] and not attempt.valid[0] and task.reward_nonfinite["odd"] >= 4
     assert not (attempt.valid & ~finite).any()  # no group holding a NaN or inf reward goes into the update
@@ -185,13 +188,13 @@ def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(poli
 
 
 def test_a_run_goes_on_when_a_users_reward_raises(tmp_path, capsys, policy):
-    from gpg_vl.train.loop import EvalSettings, RolloutSettings, TrainerSettings, train
+    from gpg_vl.config.schema import RolloutSettings, TrainerSettings
+    from gpg_vl.train.loop import RunSettings, setup_policy, train
 
     task = get_task("shapes", train_size=100, test_size=1)
     task.reward_functions["mine"] = lambda completion, row: {"a completion never says just this": 1.0}[completion]
-    train(policy, task, trainer=TrainerSettings(max_steps=2, group_size=4, batch_size=2, beta_th=0,
-                                                eval_before=False, eval_after=False),
-          rollout=RolloutSettings(max_new_tokens=12), evaluation=EvalSettings(), output_dir=tmp_path)
+    trainer = TrainerSettings(max_steps=2, group_size=4, batch_size=2, beta_th=0, eval_before=False, eval_after=False)
+    train(setup_policy(policy, task, RunSettings(trainer, RolloutSettings(max_new_tokens=12), output_dir=tmp_path)))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2] and sum(m["reward_errors"] for m in lines) == 16
     assert json.loads((tmp_path / "summary.json").read_text())["reward_errors"] == 16

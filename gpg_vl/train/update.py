@@ -1,0 +1,540 @@
+"""The update: a rollout's valid groups in micro-batches (by count or by tokens of forward work), in
+mini-batches for the GRPO family's several optimizer steps, each optimizer step with its loss normalised over
+all processes, gradients averaged explicitly under DDP; the frozen reference of a KL loss; the optimizer.
+
+Every count that drives a decision (the loss normaliser, the number of forwards under FSDP / ZeRO-3) is
+all-reduced, so every process takes the same branches and reaches the same collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from gpg_vl.config.schema import TrainerSettings
+from gpg_vl.distributed import forward_is_collective, require_images
+from gpg_vl.errors import UserError
+from gpg_vl.models.batch import PromptBatch
+from gpg_vl.models.family import ScoringPath, choose_scoring_path
+from gpg_vl.models.load import Policy
+from gpg_vl.objective import (
+    LOSS_NORMALIZERS,
+    TOKEN_NORMALISED,
+    get_policy_loss,
+    loss_aggregation,
+    loss_needs,
+    loss_options,
+)
+from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.rollout.engine import Correction
+from gpg_vl.train.placeholder import placeholder_chunk
+from gpg_vl.train.sample import Attempt
+
+
+def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
+                  share_prompt: bool = False):
+    """Sequences of valid groups only, as `MicroBatch`es (prompts, prompt index, ids [n, C], mask [n, C], adv [n],
+    the sampler's log-probs [n, C] or None: engine-sampled log-probs for the on-policy check).
+
+    With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
+    forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
+    sequences longest first, so neighbours have similar lengths and little padding is computed. A
+    sequence over the budget on its own gets a micro-batch of its own. Otherwise `micro_batch_size`
+    sequences at a time, in order.
+    """
+    for attempt in attempts:
+        group_size = attempt.rollout.group_size if attempt.rollout else 1
+        groups = attempt.valid.nonzero().flatten().tolist()
+        if not groups:  # nothing to train on (an attempt of a process without prompts has no rollout)
+            continue
+        if micro_batch_tokens > 0:
+            batches = _token_budget_batches(attempt, groups, group_size, micro_batch_tokens, share_prompt)
+        else:
+            sequences = [b * group_size + g for b in groups for g in range(group_size)]
+            batches = [sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
+        for chosen in batches:
+            mask = attempt.rollout.completion_mask[chosen]  # [n, C]
+            width = max(int(mask.sum(dim=1).max()), 1)
+            sampler = attempt.rollout.sampler_logps
+            yield MicroBatch(attempt.prompts, [s // group_size for s in chosen],
+                             attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
+                             attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width])
+
+
+def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
+                          share_prompt: bool) -> list[list[int]]:
+    """Sequence indices of `groups`, longest group first and longest sequence first, cut at `budget` tokens."""
+    lengths = attempt.rollout.completion_mask.sum(dim=1).tolist()  # [b * G]
+    prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()  # [b]
+    members = {b: sorted(range(b * group_size, (b + 1) * group_size), key=lambda s: -lengths[s]) for b in groups}
+    batches, current = [], []
+    for sequence in (s for b in sorted(groups, key=lambda b: -lengths[members[b][0]]) for s in members[b]):
+        candidate = current + [sequence]
+        cost = micro_batch_cost([prompt_lengths[s // group_size] for s in candidate],
+                                [s // group_size for s in candidate], [lengths[s] for s in candidate],
+                                share_prompt=share_prompt)
+        if current and cost > budget:
+            batches.append(current)
+            candidate = [sequence]
+        current = candidate
+    return batches + ([current] if current else [])
+
+
+def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], completion_lengths: list[int], *,
+                     share_prompt: bool) -> int:
+    """Tokens one forward computes for these sequences, padding included: prompts are left-padded to the
+    longest, completions right-padded to the longest; with `share_prompt` each distinct prompt runs once."""
+    prompt_width, completion_width = max(prompt_lengths), max(max(completion_lengths), 1)
+    prompts = len(set(prompt_index)) if share_prompt else len(prompt_index)
+    return prompts * prompt_width + len(prompt_index) * completion_width
+
+
+class MicroBatch(NamedTuple):
+    """The sequences of one forward/backward: sequence n continues prompt `prompt_index[n]` of `prompts`."""
+
+    prompts: PromptBatch
+    prompt_index: list[int]
+    completion_ids: torch.Tensor  # [n, C]
+    completion_mask: torch.Tensor  # [n, C]
+    advantages: torch.Tensor  # [n]
+    sampler_logps: torch.Tensor | None = None  # [n, C]: the engine's own log-probs (vLLM), for the on-policy check
+
+
+@dataclass
+class Reference:
+    """The frozen reference model (the initial weights) for a loss with a KL term: a copy of them, or with
+    LoRA (`model` None) the policy itself with its adapters disabled (PEFT's `disable_adapter()`)."""
+
+    model: torch.nn.Module | None
+
+    def scoring(self, policy_model):
+        """(the model to score, the context to score it in)."""
+        if self.model is not None:
+            return self.model, contextlib.nullcontext()
+        return policy_model, getattr(policy_model, "module", policy_model).disable_adapter()  # under DDP's wrapper
+
+
+
+
+LOSS_REPORTS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean")  # token means, when a loss has them
+
+
+@dataclass
+class Learner:
+    """What the update trains and how: the policy and its prepared (possibly wrapped) `model` with their
+    optimizer and schedule on `accelerator`; the trainer's `settings`; the rollout's sampling `temperature`;
+    the run's scoring `path` (None: chosen from the settings); the frozen `reference` of a KL loss; the
+    completion limit `max_new_tokens` (a loss's max_tokens); the engine's `correction` (its on-policy check)."""
+
+    policy: Policy
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    accelerator: Accelerator
+    settings: TrainerSettings
+    temperature: float
+    path: ScoringPath | None = None
+    reference: Reference | None = None
+    max_new_tokens: int | None = None
+    correction: Correction = field(default_factory=Correction)
+
+
+@dataclass
+class StepInputs:
+    """One optimizer step's share of the update: its micro-batches and what the loss of each takes."""
+
+    chunks: list[MicroBatch]
+    loss_fn: object
+    old: list[torch.Tensor] | None  # the rollout policy's log-probs, one [n, C] per micro-batch
+    ref: list[torch.Tensor] | None  # the reference's
+    normalizer: float  # the loss's global denominator
+    steps_needed: int  # the most micro-batches any process has for this step
+    aggregation: str
+    options: dict  # the loss's keyword options (`loss_options`)
+    later: bool  # not the rollout's first optimizer step
+    sequences: int  # the step's valid sequences over all processes
+
+
+def trainer_loss_options(settings: TrainerSettings, max_new_tokens: int | None) -> dict:
+    """The keyword options of trainer.loss: trainer.loss_options, else the trainer settings of that name,
+    else max_tokens = the completion limit (objective.loss_options). Fails in one sentence on an option the
+    loss does not declare."""
+    defaults = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "kl_coef": settings.kl_coef,
+                "max_tokens": max_new_tokens}
+    return loss_options(get_policy_loss(settings.loss), dict(settings.loss_options or {}), defaults,
+                        name=settings.loss)
+
+
+def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
+    """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
+    mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
+
+    GPG (the default) takes one step and needs nothing but the current log-probs. A loss that declares
+    "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
+    when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
+    (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
+    `learner.correction`: the on-policy check of an engine that samples with its own weights (see
+    `_optimizer_step`).
+    """
+    settings, accelerator = learner.settings, learner.accelerator
+    if learner.path is None:
+        learner = replace(learner, path=choose_scoring_path(learner.policy.adapter, learner.model,
+                                                            share_prompt=settings.share_prompt,
+                                                            share_vision=settings.share_vision))
+    loss_fn = get_policy_loss(settings.loss)
+    aggregation = loss_aggregation(loss_fn, settings.aggregation)
+    parts = 1
+    if settings.ppo_mini_batch:  # collective: every process takes the same number of optimizer steps
+        valid = accelerator.reduce(torch.tensor(sum(int(a.valid.sum()) for a in attempts),
+                                                device=accelerator.device), "sum")
+        parts = max(1, math.ceil(int(valid) * settings.group_size / settings.ppo_mini_batch))
+    plan = [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
+                               share_prompt=learner.path.prompt_once)) for part in mini_batches(attempts, parts)]
+    counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
+    per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
+    require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
+    if int(per_part[..., 0].sum()) == 0:
+        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
+    column = 1 if aggregation in TOKEN_NORMALISED else 0  # the normaliser counts tokens, or sequences
+    counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
+    needs = loss_needs(loss_fn)
+    # Collective under FSDP / ZeRO-3 like the update's forwards: every process scores max-over-processes
+    # micro-batches per mini-batch, padding with placeholders whose log-probs are dropped.
+    calls = [int(per_part[:, part, 2].max()) for part in range(parts)]
+    old, ref = _old_and_ref(learner, plan, attempts, calls, needs, steps=settings.ppo_epochs * parts)
+    options = trainer_loss_options(settings, learner.max_new_tokens)
+    results, reports = [], []
+    for _epoch in range(settings.ppo_epochs):
+        for part, chunks in enumerate(plan):
+            valid_count = int(per_part[:, part, column].sum())
+            share = sampled_count if parts == 1 else sampled_count * valid_count / counted  # AGE off: pro rata
+            result, report = _optimizer_step(learner, attempts, StepInputs(
+                chunks, loss_fn, old=old[part] if old is not None else None,
+                ref=ref[part] if ref is not None else None,
+                normalizer=LOSS_NORMALIZERS[settings.age](valid_count, share),
+                steps_needed=int(per_part[:, part, 2].max()), aggregation=aggregation, options=options,
+                later=bool(results), sequences=int(per_part[:, part, 0].sum())))
+            results.append(result)
+            reports.append(report)
+            if result.get("nonfinite"):  # no weight changed in that step; the rollout's later steps are dropped
+                break
+        if results[-1].get("nonfinite"):
+            break
+    metrics = _combine_results(results)
+    if needs:  # the same on every process (it depends on the loss only): the collective below matches
+        metrics.update(_loss_reports(reports, accelerator))
+    return metrics
+
+
+def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelerator: Accelerator) -> torch.Tensor:
+    """Per process: for each mini-batch its sequences, tokens, micro-batches and micro-batches without images;
+    then every sampled sequence and token. Collective: train() calls update() on every process or on none (its
+    test uses global counts), and this gather runs first and unconditionally; every branch of the update
+    depends only on its result."""
+    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
+    local = torch.tensor([[*(value for chunks in plan for value in (
+        sum(len(c.advantages) for c in chunks), sum(int(c.completion_mask.sum()) for c in chunks), len(chunks),
+        sum(not c.prompts.has_images for c in chunks))),
+        sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=accelerator.device)
+    return accelerator.gather(local)  # [processes, 4 * parts + 2]
+
+
+def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt], calls: list[int],
+                 needs: tuple[str, ...], *, steps: int):
+    """The rollout policy's log-probs (a loss that declares "old", when the rollout takes more than one step)
+    and the reference's (one that declares "ref", with kl_coef > 0), per mini-batch and micro-batch."""
+    settings = learner.settings
+    old = _score_plan(learner, learner.model, plan, attempts, calls) if "old" in needs and steps > 1 else None
+    ref = None
+    if "ref" in needs and settings.kl_coef > 0:
+        if learner.reference is None:
+            raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
+        ref_model, scope = learner.reference.scoring(learner.model)
+        with scope:
+            ref = _score_plan(learner, ref_model, plan, attempts, calls)
+    return old, ref
+
+
+def _combine_results(results: list[dict]) -> dict[str, float]:
+    """The update's metrics from its optimizer steps' (means of loss and gradient norm over several)."""
+    metrics = dict(results[0]) if len(results) == 1 else {
+        "loss": sum(r["loss"] for r in results) / len(results),
+        "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
+        "skipped": float(all(r["skipped"] for r in results)),
+        **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
+        **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {}),
+        **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max") if k in results[0]}}
+    metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
+    return metrics
+
+
+def mini_batches(attempts: list[Attempt], parts: int) -> list[list[Attempt]]:
+    """This process's valid groups in `parts` contiguous mini-batches of near-equal size, each the attempts
+    with their valid masks cut down to its groups (one part: the attempts as they are)."""
+    if parts == 1:
+        return [attempts]
+    groups = [(a, b) for a, attempt in enumerate(attempts) for b in attempt.valid.nonzero().flatten().tolist()]
+    result = []
+    for chosen in np.array_split(np.arange(len(groups)), parts):
+        masks = [torch.zeros_like(attempt.valid) for attempt in attempts]
+        for index in chosen.tolist():
+            masks[groups[index][0]][groups[index][1]] = True
+        result.append([replace(attempt, valid=mask) for attempt, mask in zip(attempts, masks, strict=True)])
+    return result
+
+
+@torch.no_grad()
+def _score_plan(learner: Learner, model, plan: list[list[MicroBatch]], attempts: list[Attempt],
+                calls: list[int]) -> list[list[torch.Tensor]]:
+    """Log-probs [n, C] of every micro-batch of every mini-batch, without gradient (old or reference), with
+    `model` (the learner's, or the reference's). Where `model`'s forward is collective (FSDP / ZeRO-3),
+    mini-batch p runs `calls[p]` forwards on every process (the most micro-batches any process has), the
+    missing ones on placeholders, dropped here."""
+    policy, settings = learner.policy, learner.settings
+    device = next(model.parameters()).device
+
+    def score(c: MicroBatch) -> torch.Tensor:
+        return policy.adapter.token_logps(model, c.prompts.to(device), c.prompt_index, c.completion_ids.to(device),
+                                          c.completion_mask.to(device), temperature=learner.temperature,
+                                          path=learner.path, logits_chunk_tokens=settings.logits_chunk_tokens)
+
+    collective = forward_is_collective(model)
+    scored = []
+    for chunks, needed in zip(plan, calls, strict=True):
+        scored.append([score(c) for c in chunks])
+        for _ in range(needed - len(chunks) if collective else 0):
+            score(MicroBatch(*placeholder_chunk(policy, attempts, device)))
+    return scored
+
+
+def _loss_reports(reports: list[dict], accelerator: Accelerator) -> dict[str, float]:
+    """Token means over every optimizer step and process of the loss's own metrics (`LOSS_REPORTS`), the
+    largest ratio, and `logp_drift` (new minus old log-prob) over the steps after the first. Collective."""
+    keys = ("tokens", *LOSS_REPORTS, "later_tokens", "logp_drift")
+    local = torch.tensor([[sum(r.get(k, 0.0) for r in reports) for k in keys]
+                          + [max((r.get("ratio_max", 0.0) for r in reports), default=0.0)]],
+                         dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(local)  # [processes, len(keys) + 1]
+    totals = dict(zip(keys, gathered[:, :-1].sum(0).tolist(), strict=True))
+    result = {k: totals[k] / max(totals["tokens"], 1.0) for k in LOSS_REPORTS}
+    result["ratio_max"] = float(gathered[:, -1].max())
+    if totals["later_tokens"]:
+        result["logp_drift"] = totals["logp_drift"] / totals["later_tokens"]
+    return result
+
+
+@dataclass
+class _Sums:
+    """What one optimizer step's micro-batches add up on this process."""
+
+    loss: float = 0.0
+    logp: float = 0.0
+    tokens: int = 0
+    gap: float = 0.0  # the on-policy check: summed |logp - sampler logp|, its largest, its token count
+    gap_max: float = 0.0
+    gap_count: int = 0
+    report: dict = field(default_factory=dict)
+
+
+def _optimizer_step(learner: Learner, attempts: list[Attempt],
+                    step: StepInputs) -> tuple[dict[str, float], dict[str, float]]:
+    """One optimizer step on `step.chunks`, the loss their sum over the global `step.normalizer` (AGE: the
+    valid groups' count; without AGE every sampled sequence's, alpha = 1).
+
+    The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
+    process's loss is multiplied by the number of processes because gradients are then averaged over
+    processes: the update's gradient is the mean over every valid sequence of every process.
+    Under DDP the fast paths of `token_logps` run the bare model, outside DDP's hooks, so every
+    micro-batch runs under no_sync and the gradients are averaged once, explicitly, at the end. Under
+    FSDP and DeepSpeed every process runs the same number of forward/backward calls, each through the
+    vision tower (gpg_vl/distributed.py says why); a process short of micro-batches runs zero-weighted
+    placeholders. A NaN or infinite loss or gradient (on any process) skips the step: no weight changes.
+    `step.sequences`: the step's valid sequences over all processes (the MoE router loss is averaged over them).
+    `learner.path` is the run's scoring path (`choose_scoring_path`, chosen once in `setup`): the forward and the
+    micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
+    `learner.correction.sampler_check` (an engine that returns its own log-probs: vLLM; the same on every
+    process) adds the on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens; with its
+    `tis_cap` > 0 each token's loss is multiplied by its truncated importance weight min(p / q, tis_cap)
+    (gpg_vl/rollout/correction.py).
+    Returns (metrics, this process's token-weighted sums of the loss's own metrics).
+    """
+    model, accelerator, optimizer = learner.model, learner.accelerator, learner.optimizer
+    device = accelerator.device
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    sums = _backward_micro_batches(learner, attempts, step, ddp)
+    if ddp:
+        _average_gradients(model, accelerator)  # collective: every process calls it once per update
+    # Collective under FSDP (the norm of sharded gradients); the gradients are already reduced, so the
+    # norm, and the decision below, are the same on every process. Under DeepSpeed the engine clipped
+    # (its own gradient_clipping) and stepped in the last backward, and this only reads the norm back.
+    norm = accelerator.clip_grad_norm_(model.parameters(), learner.settings.max_grad_norm)
+    grad_norm = 0.0 if norm is None else float(norm)
+    # Collective, before any branch: every process reaches it exactly once per update.
+    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens], device=device,
+                                             dtype=torch.float64), "sum")
+    if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}, sums.report
+    optimizer.step()
+    learner.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
+              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+    if learner.correction.sampler_check:  # collective, on every process alike (the engine is the same everywhere)
+        gaps = accelerator.gather(torch.tensor([[sums.gap, sums.gap_max, sums.gap_count]], device=device,
+                                               dtype=torch.float64))  # [processes, 3]
+        result["logp_mismatch_mean"] = float(gaps[:, 0].sum() / max(float(gaps[:, 2].sum()), 1.0))
+        result["logp_mismatch_max"] = float(gaps[:, 1].max())
+    return result, sums.report
+
+
+def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: StepInputs, ddp: bool) -> _Sums:
+    """The forward and backward of every micro-batch of one optimizer step (placeholders included outside
+    DDP, up to `step.steps_needed`); gradients accumulate, synced on the last (see `_optimizer_step`)."""
+    policy, model, accelerator = learner.policy, learner.model, learner.accelerator
+    device, tis_cap = accelerator.device, learner.correction.tis_cap
+    chunks, old, ref = step.chunks, step.old, step.ref
+    real = len(chunks)
+    if step.steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one
+        chunks = chunks + [MicroBatch(*placeholder_chunk(policy, attempts, device))] * (step.steps_needed - real)
+    sums = _Sums()
+    try:
+        for index, (prompts, prompt_index, ids, mask, adv, sampler) in enumerate(chunks):
+            # The same index on every process outside DDP (len(chunks) == steps_needed there); DeepSpeed
+            # takes its optimizer step inside the backward that has sync_gradients set.
+            sync = index == len(chunks) - 1 and not ddp
+            accelerator.sync_gradients = sync
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                mask = mask.to(device)
+                # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
+                # forward steps_needed times, each with images (require_images), so the calls match.
+                logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
+                                                   temperature=learner.temperature, path=learner.path,
+                                                   logits_chunk_tokens=learner.settings.logits_chunk_tokens)  # [n, C]
+                if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
+                    sampler = sampler.to(device)
+                    total, worst, count = logp_mismatch(logps, sampler, mask)
+                    sums.gap, sums.gap_max, sums.gap_count = sums.gap + total, max(sums.gap_max, worst), \
+                        sums.gap_count + count
+                    if tis_cap > 0:
+                        logps = logps * truncated_is_weights(logps, sampler, mask, tis_cap)  # [n, C]
+                router = policy.adapter.router_aux_loss(model)  # MoE load balancing (None unless turned on)
+                if index >= real:  # placeholder: every parameter takes part, with a zero gradient
+                    loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
+                else:
+                    loss, info = step.loss_fn(logps, mask, adv.to(device),
+                                              old_logps=old[index] if old is not None else None,
+                                              ref_logps=ref[index] if ref is not None else None,
+                                              aggregation=step.aggregation, normalizer=step.normalizer,
+                                              **step.options)
+                    if router is not None:  # averaged over the micro-batches, weighted by their sequences
+                        loss = loss + router * (len(adv) / step.sequences)
+                    sums.loss += float(loss.detach())
+                    sums.logp += info["logp_mean"] * info["num_tokens"]
+                    sums.tokens += int(info["num_tokens"])
+                    _add_report(sums.report, info, later=step.later and old is not None)
+                # Collective on the last micro-batch (ZeRO all-reduce) or on each (FSDP reduce-scatter):
+                # a backward after a forward, the same count on every process. Local under DDP (no_sync).
+                accelerator.backward(loss * accelerator.num_processes)
+    finally:
+        accelerator.sync_gradients = True
+    return sums
+
+
+def _add_report(report: dict[str, float], info: dict[str, float], *, later: bool) -> None:
+    """Add one micro-batch's loss metrics (token-weighted) to this step's sums."""
+    if "ratio_mean" not in info:
+        return
+    tokens = info["num_tokens"]
+    report["tokens"] = report.get("tokens", 0.0) + tokens
+    for key in LOSS_REPORTS:
+        report[key] = report.get(key, 0.0) + info[key] * tokens
+    report["ratio_max"] = max(report.get("ratio_max", 0.0), info["ratio_max"])
+    if later:
+        report["later_tokens"] = report.get("later_tokens", 0.0) + tokens
+        report["logp_drift"] = report.get("logp_drift", 0.0) + info["logp_drift"] * tokens
+
+
+def _average_gradients(model, accelerator: Accelerator, bucket_elements: int = 1 << 25) -> None:
+    """Average gradients over DDP processes explicitly, as DDP's hooks would: `token_logps` runs the bare
+    model (outside those hooks), and a process without valid sequences runs no forward at all. Gradients
+    are flattened into buckets of one dtype (at most `bucket_elements` each): one all-reduce per bucket."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    filled: dict[torch.dtype, int] = {}  # elements in each dtype's last bucket
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            if parameter.grad is None:  # same parameters, same order on every process: the buckets match
+                parameter.grad = torch.zeros_like(parameter)
+            dtype, size = parameter.grad.dtype, parameter.grad.numel()
+            lists = buckets.setdefault(dtype, [[]])
+            if lists[-1] and filled[dtype] + size > bucket_elements:
+                lists.append([])
+                filled[dtype] = 0
+            lists[-1].append(parameter.grad)
+            filled[dtype] = filled.get(dtype, 0) + size
+    for bucket in (bucket for lists in buckets.values() for bucket in lists):
+        flat = _flatten_dense_tensors(bucket)
+        torch.distributed.all_reduce(flat)
+        flat.div_(accelerator.num_processes)
+        for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            grad.copy_(averaged)
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # devices torch has the fused AdamW kernel for
+
+
+def build_optimizer(model: torch.nn.Module, trainer: TrainerSettings) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters: fused (one kernel per parameter group instead of a dozen
+    elementwise passes, as transformers' Trainer defaults to) where torch has the fused kernel for the
+    parameters' device, else the multi-tensor one."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay, fused=fused or None)
+
+
+def needs_reference(trainer: TrainerSettings) -> bool:
+    """Whether trainer.loss scores a frozen reference model (it declares "ref" and trainer.kl_coef > 0)."""
+    return "ref" in loss_needs(get_policy_loss(trainer.loss)) and trainer.kl_coef > 0
+
+
+def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference: torch.nn.Module | None, *,
+                    resuming: bool) -> Reference | None:
+    """The frozen reference of `setup` (None when the loss needs none)."""
+    if not needs_reference(trainer):
+        return None
+    if hasattr(model, "disable_adapter"):  # a PEFT model: the base weights are the initial ones
+        return Reference(None)
+    if reference is None:
+        if resuming:
+            raise UserError(f"trainer.loss={trainer.loss} with trainer.kl_coef={trainer.kl_coef} scores a reference "
+                            "model, the initial weights, which a checkpoint does not hold: pass reference= (the "
+                            "command line rebuilds it from model.name_or_path).")
+        reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    reference.eval()
+    return Reference(reference)
+
+
+def place_reference(frozen: Reference | None, accelerator: Accelerator) -> Reference | None:
+    """Place a frozen reference copy like the policy: on each process's device (one copy each, as the
+    policy's weights under DDP), sharded across the processes under FSDP2 the way accelerate shards the
+    policy (its forwards are then collective: `_score_plan` keeps them in step). With LoRA (no copy) the
+    reference is the policy itself."""
+    if frozen is None or frozen.model is None:
+        return frozen
+    if getattr(accelerator, "is_fsdp2", False):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return Reference(fsdp2_prepare_model(accelerator, frozen.model.to(accelerator.device)))
+    frozen.model.to(accelerator.device)
+    return frozen
+
