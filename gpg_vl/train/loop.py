@@ -41,6 +41,7 @@ from gpg_vl.observe.report import write_curves
 from gpg_vl.observe.rollout_log import log_rollouts
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import build_engine
+from gpg_vl.train import build
 from gpg_vl.train.checkpoint import (
     compare_settings,
     later_checkpoints,
@@ -191,12 +192,11 @@ def setup(cfg) -> Run:
     a frozen vision tower, the reference a KL loss scores, then what `setup_policy` builds."""
     from omegaconf import OmegaConf
 
-    from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.validate import check_model_folder
 
     trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
-    task = build_task(cfg.task, cfg.data)
+    task = build.build_task(cfg.task, cfg.data)
     accelerator = _command_line_accelerator(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)  # after the output_dir is the same on every process
     held = contextlib.ExitStack()
@@ -206,12 +206,12 @@ def setup(cfg) -> Run:
         if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
         check_model_folder(model_cfg)  # before the weights load
-        policy = build_policy(model_cfg, accelerator.device)
+        policy = build.build_policy(model_cfg, accelerator.device)
         # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
         # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
         reference = None
         if needs_reference(trainer) and not int((cfg.model.get("lora") or {}).get("r") or 0):
-            reference = build_policy(cfg.model, accelerator.device).model
+            reference = build.build_policy(cfg.model, accelerator.device).model
         settings = RunSettings(trainer, RolloutSettings(**container["rollout"]), EvalSettings(**container["eval"]),
                                output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, config=container,
                                max_bad_fraction=cfg.data.max_bad_fraction)

@@ -20,12 +20,12 @@ def test_eval_writes_predictions_and_metrics_and_rescoring_needs_no_model(tmp_pa
     assert json.loads((tmp_path / "a" / "metrics.json").read_text()) == metrics
     assert metrics["accuracy"] == sum(r["rewards"]["accuracy"] for r in records) / 12
 
-    import gpg_vl.cli
+    import gpg_vl.train.build
 
     def no_model(*args, **kwargs):
         raise AssertionError("re-scoring must not load a model")
 
-    monkeypatch.setattr(gpg_vl.cli, "build_policy", no_model)
+    monkeypatch.setattr(gpg_vl.train.build, "build_policy", no_model)
     rescored = eval_main(load_config("eval", [f"output_dir={tmp_path / 'b'}",
                                               f"predictions={tmp_path / 'a' / 'predictions.jsonl'}"]))
     assert rescored == metrics

@@ -145,10 +145,10 @@ def no_policy(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the policy model was loaded")
 
-    import gpg_vl.cli
     import gpg_vl.models.load
+    import gpg_vl.train.build
 
-    monkeypatch.setattr(gpg_vl.cli, "load_policy", refuse)
+    monkeypatch.setattr(gpg_vl.train.build, "load_policy", refuse)
     monkeypatch.setattr(gpg_vl.models.load, "load_policy", refuse)
     monkeypatch.setattr("transformers.AutoModelForImageTextToText.from_pretrained", refuse)
 

@@ -38,7 +38,7 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the check")
 
-    monkeypatch.setattr("gpg_vl.cli.build_policy", refuse)
+    monkeypatch.setattr("gpg_vl.train.build.build_policy", refuse)
 
 
 def one_sentence(error) -> str:

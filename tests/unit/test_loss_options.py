@@ -64,8 +64,8 @@ def test_an_unknown_loss_option_fails_on_the_command_line_before_anything_loads(
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("gpg_vl.cli.build_policy", refuse)
-    monkeypatch.setattr("gpg_vl.cli.build_task", refuse)
+    monkeypatch.setattr("gpg_vl.train.build.build_policy", refuse)
+    monkeypatch.setattr("gpg_vl.train.build.build_task", refuse)
     with pytest.raises(UserError, match="trainer.loss_options.clip_lo: loss grpo has no option 'clip_lo'"):
         train_main(load_config("train", [f"output_dir={tmp_path}", "algorithm=grpo", "trainer.loss_options.clip_lo=1"]))
     assert not (tmp_path / "config.json").exists()

@@ -1,0 +1,78 @@
+"""The objects a config names, built from its sections: the task (`task.*`, `data.*`) and the policy of a model
+alias with its memory options (`model.*`). `setup` (gpg_vl/train/loop.py) and evaluation (gpg_vl/cli.py) call
+them; tests replace them through this module (`gpg_vl.train.build.build_policy`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from gpg_vl.data.task import get_task
+from gpg_vl.errors import UserError
+from gpg_vl.models.load import RAW_TEMPLATE, load_policy
+from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
+
+
+def build_policy(model_cfg: DictConfig, device):
+    """The policy of a model alias, with its memory options: LoRA (`model.lora.r > 0`) and a frozen vision tower.
+
+    A checkpoint holding a LoRA adapter loads its base model, then the adapter: trainable when LoRA is on
+    (resuming), merged into the weights otherwise (evaluating).
+    """
+    lora = model_cfg.get("lora") or {}
+    training_lora = int(lora.get("r") or 0) > 0
+    if training_lora and lora.get("save") not in ("adapter", "merged"):
+        raise UserError(f"unknown model.lora.save {lora.get('save')!r}; use adapter (the LoRA weights alone) "
+                        "or merged (full weights in Hugging Face format).")
+    name_or_path = model_cfg.name_or_path
+    adapter = adapter_folder(name_or_path) if Path(str(name_or_path)).is_dir() else None
+    if adapter is not None and not training_lora and (Path(name_or_path) / "config.json").is_file():
+        adapter = None  # merged weights sit next to the adapter: evaluate them as they are
+    if adapter is not None:
+        name_or_path = adapter_base(adapter)
+    policy = load_policy(
+        name_or_path, family=model_cfg.family, dtype=model_cfg.dtype, min_pixels=model_cfg.min_pixels,
+        max_pixels=model_cfg.max_pixels, trust_remote_code=model_cfg.trust_remote_code,
+        attn_implementation=model_cfg.attn_implementation, device=device,
+        prompt_style=model_cfg.get("prompt_style") or "chat",
+        raw_template=model_cfg.get("raw_template") or RAW_TEMPLATE,
+        enable_thinking=bool(model_cfg.get("enable_thinking", True)),
+        router_aux_loss_coef=float(model_cfg.get("router_aux_loss_coef") or 0.0),
+    )
+    if model_cfg.get("box_frame"):
+        policy.adapter.box_frame = _box_frame(model_cfg.box_frame)
+    model = policy.model
+    if adapter is not None:
+        model = load_adapter(model, adapter, trainable=training_lora)
+        if not training_lora:
+            model = model.merge_and_unload()
+    elif training_lora:
+        model = apply_lora(model, r=int(lora.r), alpha=float(lora.alpha), dropout=float(lora.dropout),
+                           target_modules=_plain(lora.target_modules), include_vision=bool(lora.include_vision),
+                           vision_modules=policy.adapter.vision_modules(model),
+                           target_parameters=_plain(lora.get("target_parameters")) or None)
+    if model_cfg.get("freeze_vision"):
+        freeze_vision(model, policy.adapter.vision_modules(model))
+    return replace(policy, model=model, save_format=str(lora.save) if training_lora else "full")
+
+
+def _box_frame(frame: str) -> str:
+    from gpg_vl.models.family import BOX_FRAMES
+
+    if frame not in BOX_FRAMES:
+        raise UserError(f"unknown model.box_frame {frame!r}; use one of {', '.join(BOX_FRAMES)} (null = the family's).")
+    return frame
+
+
+def _plain(value):
+    """A config list as a Python list (a string stays a string: a regular expression)."""
+    return OmegaConf.to_container(value) if isinstance(value, DictConfig | ListConfig) else value
+
+
+def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
+    options = OmegaConf.to_container(task_cfg.options, resolve=True) if task_cfg.options is not None else {}
+    data_cfg = data_cfg or {}
+    return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"),
+                    allow_outside_paths=bool(data_cfg.get("allow_outside_paths", False)), **options)
