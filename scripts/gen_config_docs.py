@@ -57,7 +57,7 @@ def keys() -> dict[str, dict[str, Field]]:
 
 def type_text(item: Field) -> str:
     hint, optional = value_type(item)
-    name = {bool: "bool", int: "int", float: "float", str: "str", typing.Any: "any"}.get(hint, str(hint))
+    name = "any" if hint is typing.Any else getattr(typing.get_origin(hint) or hint, "__name__", str(hint))
     return f"{name} or null" if optional else name
 
 
