@@ -164,7 +164,7 @@ def _cuda() -> bool:
 def eval_main(cfg: DictConfig) -> dict[str, float]:
     """Greedy evaluation of a model on a task split, or re-scoring of a saved predictions file."""
     from gpg_vl.observe.viewer import write_predictions_html
-    from gpg_vl.train.evaluate import evaluate, prediction_records, rescore
+    from gpg_vl.train.evaluate import evaluate, prediction_records, read_predictions, rescore
 
     task = build_task(cfg.task, cfg.data)
     split = cfg.eval.split or task.eval_split
@@ -172,15 +172,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(cfg.output_dir)
     check_output_dir(output_dir)  # before the model loads: the results are written at the end
     if cfg.predictions:
-        source = Path(cfg.predictions)
-        if not source.is_file():
-            raise UserError(f"predictions file {str(source)!r} does not exist; "
-                            "pass predictions=path/to/predictions.jsonl.")
-        try:
-            records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-        except json.JSONDecodeError as error:
-            raise UserError(f"predictions file {str(source)!r} is not JSON lines ({error}); "
-                            "pass a predictions.jsonl written by scripts/eval.py.") from None
+        records = read_predictions(cfg.predictions)
         _attach_segmenter(task, cfg)
         metrics, records = rescore(task, records, rows, reward_workers=cfg.eval.reward_workers)
     else:

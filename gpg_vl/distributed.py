@@ -5,12 +5,13 @@ forward is collective too: each wrapped module all-gathers its parameters when i
 must call the same modules, in the same order, the same number of times (a process that skips the
 vision tower while another runs it deadlocks both). The trainer keeps to that rule by
 
-* giving every process the same number of forward/backward calls in an update (`placeholder_chunk`
-  fills the ones a process has no data for, with a real sequence holding an image, weighted zero);
+* giving every process the same number of forward/backward calls in an update (`placeholder_chunk` in
+  gpg_vl/train/placeholder.py fills the ones a process has no data for, with a real sequence holding an
+  image, weighted zero);
 * requiring an image in every prompt batch and micro-batch when there are several processes
   (`require_images`), so that every forward runs the vision tower;
 * making every process call `generate` for every attempt and evaluation batch, even with no prompt of
-  its own (`placeholder_prompts`), with `synced_gpus` so that their decoding steps stay in step too;
+  its own (`placeholder_prompts`, ibid.), with `synced_gpus` so that their decoding steps stay in step too;
 * encoding images inside the wrapped forward in the update (models/base.py), and with the FSDP root's
   parameters gathered during generation (`gathered_for_generation`), since transformers encodes a
   prompt's images before its first forward.
@@ -19,15 +20,10 @@ vision tower while another runs it deadlocks both). The trainer keeps to that ru
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 
 from gpg_vl.errors import UserError
-
-if TYPE_CHECKING:  # annotations only: the models package imports this module, never the other way round
-    from gpg_vl.models.family import PromptBatch
-    from gpg_vl.models.load import Policy
 
 
 def forward_is_collective(model: torch.nn.Module) -> bool:
@@ -41,26 +37,6 @@ def forward_is_collective(model: torch.nn.Module) -> bool:
     # transformers recognises FSDP1 and its own FSDP2, not accelerate's FSDP2 modules: test those too
     sharded = is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or isinstance(model, FSDPModule)
     return torch.distributed.get_world_size() > 1 and sharded
-
-
-def placeholder_prompts(policy: Policy) -> PromptBatch:
-    """One prompt holding a blank image: what a process without data feeds the model so that it still runs
-    the same modules (the vision tower included) as the processes that have data (the family builds it)."""
-    return policy.adapter.placeholder_prompts()
-
-
-def placeholder_chunk(policy: Policy, attempts: list, device: torch.device):
-    """A micro-batch (prompts, prompt_index, ids [1, 1], mask [1, 1], adv [1]) with one real sequence of
-    this process (the first token of its first completion), or the blank-image prompt if it has none.
-    Its loss is multiplied by zero: it adds nothing to the gradient, but runs every module."""
-    for attempt in attempts:
-        if attempt.rollout is not None:
-            rollout = attempt.rollout
-            return (attempt.prompts, [0], rollout.completion_ids[:1, :1], rollout.completion_mask[:1, :1],
-                    torch.zeros(1))
-    prompts = placeholder_prompts(policy)
-    ids = torch.full((1, 1), policy.adapter.pad_id, dtype=torch.long)
-    return prompts, [0], ids, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1)
 
 
 def require_images(has_images: bool, num_processes: int, what: str) -> None:

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
-from gpg_vl.registry import load_reference
+from gpg_vl.registry import Registry
 
 GRPO_STD_EPS = 1e-4
 NEEDS = ("old", "ref")  # what a policy loss may declare: the rollout policy's and the reference's log-probs
@@ -67,39 +67,14 @@ AdvantageEstimator = Callable[[Tensor], tuple[Tensor, Tensor]]  # rewards [B, G]
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
 Normalizer = Callable[[float, float], float]  # (count over valid groups, count over all sampled groups) -> denominator
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "trainer.advantage")
+POLICY_LOSSES = Registry("policy loss", "trainer.loss")
 
 
 # ----------------------------------------------------------------------------- registries
-def _register(table: dict, kind: str, name: str, attributes: dict):
-    def decorator(function):
-        if name in table:
-            known = table[name]
-            raise UserError(f"{kind} {name!r} is already registered (by {known.__module__}.{known.__qualname__}); "
-                            "register yours under another name.")
-        for key, value in attributes.items():
-            setattr(function, key, value)
-        table[name] = function
-        return function
-    return decorator
-
-
-def _lookup(table: dict, kind: str, key: str, name: str):
-    if ":" in name:
-        function = load_reference(name, key)
-        if not callable(function):
-            raise UserError(f"{key}={name} is not a function; name a {kind} function after ':'.")
-        return function
-    if name not in table:
-        raise UserError(f"unknown {key} {name!r}; valid options: {', '.join(sorted(table))} "
-                        "(or module:function / path/to/file.py:function).")
-    return table[name]
-
-
 def register_advantage(name: str):
     """Register ``fn(rewards [B, G]) -> (advantages [B, G], valid [B])`` as ``trainer.advantage=<name>``."""
-    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, {})
+    return ADVANTAGE_ESTIMATORS.register(name)
 
 
 def register_policy_loss(name: str, *, needs: tuple[str, ...] = (), aggregation: str | None = None):
@@ -113,18 +88,18 @@ def register_policy_loss(name: str, *, needs: tuple[str, ...] = (), aggregation:
         raise UserError(f"policy loss {name!r} needs {', '.join(unknown)}; a loss can need: {', '.join(NEEDS)}.")
     if aggregation is not None and aggregation not in AGGREGATIONS:
         raise UserError(f"policy loss {name!r} fixes aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}.")
-    return _register(POLICY_LOSSES, "policy loss", name, {"needs": tuple(needs), "aggregation": aggregation})
+    return POLICY_LOSSES.register(name, needs=tuple(needs), aggregation=aggregation)
 
 
 def get_advantage(name: str) -> AdvantageEstimator:
     """The advantage estimator registered as `name`, or loaded from `module:fn` / `file.py:fn`."""
-    return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", "trainer.advantage", name)
+    return ADVANTAGE_ESTIMATORS.get(name)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss registered as `name`, or loaded from `module:fn` / `file.py:fn` (an undecorated
     function needs nothing and takes any aggregation)."""
-    return _lookup(POLICY_LOSSES, "policy loss", "trainer.loss", name)
+    return POLICY_LOSSES.get(name)
 
 
 def loss_needs(loss: PolicyLoss) -> tuple[str, ...]:
@@ -185,13 +160,13 @@ def raw_reward_advantages(rewards: Tensor, *, eps: float = 1e-5) -> tuple[Tensor
 # (trainer.baseline, trainer.std_normalize), the deprecated pair of keys -> trainer.advantage
 _ESTIMATOR_NAMES = {("group_mean", False): "group_mean", ("group_mean", True): "std_normalized",
                     ("none", False): "none"}
+BASELINES = sorted({baseline for baseline, _ in _ESTIMATOR_NAMES})  # what trainer.baseline may hold
 
 
 def estimator_name(baseline: str, std_normalize: bool) -> str:
     """The advantage estimator the deprecated keys ``trainer.baseline`` and ``trainer.std_normalize`` chose."""
-    baselines = sorted({b for b, _ in _ESTIMATOR_NAMES})
-    if baseline not in baselines:
-        raise UserError(f"unknown trainer.baseline {baseline!r}; valid options: {', '.join(baselines)} "
+    if baseline not in BASELINES:
+        raise UserError(f"unknown trainer.baseline {baseline!r}; valid options: {', '.join(BASELINES)} "
                         "(trainer.baseline is deprecated: use trainer.advantage).")
     if (baseline, bool(std_normalize)) not in _ESTIMATOR_NAMES:
         raise UserError("trainer.std_normalize=true divides by the group's std around its mean, which needs the "

@@ -80,7 +80,7 @@ def allowed_text(item: Field) -> str:
         return ("a string" if hint is str else "any") + (" or null" if optional and hint is str else "")
     if key is not None and isinstance(key.choices, str):  # a registry or a library: named, not imported
         text = CHOICE_SOURCES[key.choices]
-        text += ", or module:name / path/to/file.py:name" if key.references else ""
+        text += ", or module:name / path.py:name" if key.references else ""
         text += " or null" if rule.optional else ""
         return f"{text} ({rule.note})" if rule.note else text
     return rule.allowed()

@@ -214,8 +214,8 @@ class HFEngineSettings:
     prefill_once: bool = field(default=True, metadata=meta(
         "prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)"))
     static_cache: bool = field(default=False, metadata=meta(
-        "preallocate the decoding cache (a cache that cannot be, e.g. Qwen3.5's recurrent states, stays "
-        "dynamic); exact, but not measured faster on CPU"))
+        "preallocate the decoding cache (a cache that cannot be, e.g. one holding linear-attention "
+        "recurrent states, stays dynamic); exact, but not measured faster on CPU"))
     reserve_cache: bool = field(default=True, metadata=meta(
         "reserve the dynamic cache's room for the whole completion once (written in place, not copied per "
         "token; exact); static_cache takes precedence"))
@@ -256,7 +256,8 @@ class RolloutSettings:
     """`rollout.*`: sampling the G completions of each prompt, through the engine `engine` names."""
 
     engine: str = field(default="hf", metadata=meta(
-        "hf (transformers, any device) or vllm (CUDA; pip install -e \".[vllm]\")", choices="engines"))
+        "hf (transformers, any device) or vllm (CUDA; pip install -e \".[vllm]\")", choices="engines",
+        references=True))
     max_new_tokens: int = field(default=256, metadata=meta("completion length limit", low=1))
     temperature: float = field(default=1.0, metadata=meta(
         "sampling temperature (the update's log-probs use the same)", above=0,
@@ -334,7 +335,8 @@ class ModelSettings:
     name_or_path: str | None = field(default=None, metadata=meta(
         "hub id, local Hugging Face directory, embedded:<name> or tiny:<family>"))
     family: str = field(default="auto", metadata=meta(
-        "auto = from the model's config.json (model_type); or a family name", choices="families"))
+        "auto = from the model's config.json (model_type); or a family name", choices="families",
+        references=True))
     prompt_style: str = field(default="chat", metadata=meta(
         "chat (chat template) or raw (model.raw_template: base models)", choices=("chat", "raw")))
     enable_thinking: bool = field(default=True, metadata=meta(

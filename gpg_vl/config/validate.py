@@ -37,8 +37,8 @@ class Rule:
     high: float | None = None  # inclusive upper bound
     optional: bool = False  # null is allowed
     choices: Callable[[], Iterable[str]] | tuple[str, ...] = ()
-    references: bool = False  # `module:name` / `path/to/file.py:name` allowed too
     note: str = ""  # why, appended to what is allowed
+    references: bool = False  # a choice that also takes module:name / path.py:name (a plugin from outside)
 
     def allows(self, value) -> bool:
         if value is None:
@@ -65,8 +65,8 @@ class Rule:
         elif self.kind == "str":
             text = "a non-empty string"
         elif self.kind == "choice":
-            text = "one of " + ", ".join(self.options())
-            text += ", or module:name / path/to/file.py:name" if self.references else ""
+            outside = ", or module:name / path.py:name" if self.references else ""
+            text = "one of " + ", ".join(self.options()) + outside
         else:
             bounds = [f">= {_number(self.low)}" if self.low is not None else "",
                       f"> {_number(self.above)}" if self.above is not None else "",
@@ -94,15 +94,15 @@ def choices_of(source: str) -> list[str]:
     if source == "advantages":
         from gpg_vl.objective import ADVANTAGE_ESTIMATORS
 
-        return sorted(ADVANTAGE_ESTIMATORS)
+        return ADVANTAGE_ESTIMATORS.names()
     if source == "baselines":
-        from gpg_vl.objective import _ESTIMATOR_NAMES
+        from gpg_vl.objective import BASELINES
 
-        return sorted({baseline for baseline, _ in _ESTIMATOR_NAMES})
+        return list(BASELINES)
     if source == "losses":
         from gpg_vl.objective import POLICY_LOSSES
 
-        return sorted(POLICY_LOSSES)
+        return POLICY_LOSSES.names()
     if source == "aggregations":
         from gpg_vl.objective import AGGREGATIONS
 
@@ -110,15 +110,15 @@ def choices_of(source: str) -> list[str]:
     if source == "engines":
         from gpg_vl.rollout.engine import ENGINES
 
-        return sorted(ENGINES)
+        return ENGINES.names()
     if source == "decoders":
         from gpg_vl.rollout.hf import DECODERS
 
         return list(DECODERS)
     if source == "families":
-        from gpg_vl.models.load import FAMILIES
+        from gpg_vl.models.family import FAMILIES
 
-        return ["auto", *sorted(FAMILIES)]
+        return ["auto", *FAMILIES.names()]
     if source == "box_frames":
         from gpg_vl.models.family import BOX_FRAMES
 

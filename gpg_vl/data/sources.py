@@ -116,9 +116,12 @@ def _read_files(suffix: str, files: list[Path], where: Path) -> datasets.Dataset
 
 
 def _is_empty(file: Path) -> bool:
-    """Zero bytes, or (text formats) nothing but whitespace: the first non-blank byte is read, not the file."""
+    """Zero bytes; a parquet file whose footer counts no rows (pandas' empty frame, a table without columns);
+    or (text formats) nothing but whitespace: the first non-blank byte is read, not the file."""
     if file.stat().st_size == 0:
         return True
+    if BUILDERS.get(file.suffix.lower()) == "parquet":
+        return _parquet_rows(file) == 0
     if BUILDERS.get(file.suffix.lower()) not in ("json", "csv"):
         return False
     with file.open("rb") as handle:
@@ -126,6 +129,16 @@ def _is_empty(file: Path) -> bool:
             if chunk.strip():
                 return False
     return True
+
+
+def _parquet_rows(file: Path) -> int | None:
+    """The row count in a parquet file's footer (None when the footer cannot be read: `_read` then says why)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(file).metadata.num_rows
+    except Exception:  # a corrupt or truncated file: reported when it is read
+        return None
 
 
 def _read(where: Path, load: Callable[[], Any]) -> Any:

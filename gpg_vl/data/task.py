@@ -18,7 +18,6 @@ load from `module:ClassName` or `path/to/file.py:ClassName`; loading a file runs
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import math
 import re
@@ -30,16 +29,33 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from gpg_vl.errors import BadRow, UserError
-from gpg_vl.registry import load_reference
+from gpg_vl.registry import Registry
 from gpg_vl.reward.primitives import _as_box, extract_answer
 
 RewardFn = Callable[[str, dict], float]
 
 _NON_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", re.IGNORECASE)  # how str() writes a NaN or infinite float
 SCORING_MEMO_ROWS = 8  # rows whose scoring form `Task.scoring_row` keeps (a published ReasonSeg row holds its mask)
-_REGISTRY: dict[str, type[Task]] = {}
 _COUNTING = threading.Lock()  # guards the reward error counts of every task
-_BUILTINS_LOADED = False
+
+
+class NotAScore(TypeError):
+    """A reward function returned something that is not a number (a string such as "1.0", None, a list)."""
+
+    def __init__(self, value):
+        super().__init__(f"{value!r} is not a number")
+        self.value = value
+
+
+def _as_score(value) -> float:
+    """A reward's value as a float: numbers (bool, int, float, numpy and 0-d torch scalars) only; text such as
+    "1.0" is refused, never parsed."""
+    if isinstance(value, str | bytes) or value is None or not hasattr(value, "__float__"):
+        raise NotAScore(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise NotAScore(value) from None
 
 
 class Task:
@@ -74,7 +90,7 @@ class Task:
         raise NotImplementedError
 
     def messages(self, row: dict) -> list[dict]:
-        """Chat messages for one row, in the Qwen-VL format (`{"type": "image", "image": PIL.Image}`)."""
+        """Chat messages for one row, in the chat message format (`{"type": "image", "image": PIL.Image}`)."""
         raise NotImplementedError
 
     def check_row(self, row: dict) -> None:
@@ -144,15 +160,18 @@ class Task:
         scores = {}
         for name, fn in self.reward_functions.items():
             try:
-                score = float(fn(completion, row))
-            except Exception:  # a reward (often a user's own) that fails on odd output must not end the run
+                score = _as_score(fn(completion, row))
+            except Exception as error:  # a reward (often a user's own) that fails on odd output must not end the run
                 with _COUNTING:
                     errors[name] = errors.get(name, 0) + 1
                     first = errors[name] == 1
                 if first:
-                    print(f"warning: reward {name!r} of task {self.name!r} raised on a completion; it scores 0 "
-                          f"(counted as reward_errors in metrics.jsonl; this traceback is shown once):\n"
-                          f"{traceback.format_exc().rstrip()}", file=sys.stderr)
+                    why = (f"returned {error.value!r} (a {type(error.value).__name__}), not a number"
+                           if isinstance(error, NotAScore) else "raised on a completion")
+                    shown = "" if isinstance(error, NotAScore) else \
+                        f"; this traceback is shown once:\n{traceback.format_exc().rstrip()}"
+                    print(f"warning: reward {name!r} of task {self.name!r} {why}; it scores 0 (counted as "
+                          f"reward_errors in metrics.jsonl; a reward returns a float){shown}", file=sys.stderr)
                 score = 0.0
             if not math.isfinite(score):
                 with _COUNTING:
@@ -238,39 +257,35 @@ def image_question(image, text: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
 
 
+def prompt_text(messages: list[dict]) -> str:
+    """The text of chat messages, each image written `<image>` (what predictions files and the rollout log show)."""
+    parts = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            parts.append(content)
+        else:
+            parts += ["<image>" if part.get("type") == "image" else part.get("text", "") for part in content]
+    return "".join(parts)
+
+
+def _is_task(obj) -> bool:
+    return isinstance(obj, type) and issubclass(obj, Task)
+
+
+TASKS = Registry("task", "task.name", packages=("gpg_vl_tasks",), accepts=_is_task, expects="a Task subclass")
+
+
 def register_task(task_class: type[Task]) -> type[Task]:
     """Register a Task subclass under its `name`; usable as a class decorator. Duplicates raise."""
-    if not (isinstance(task_class, type) and issubclass(task_class, Task)) or not task_class.name:
+    if not _is_task(task_class) or not task_class.name:
         raise UserError(f"register_task needs a Task subclass with a `name`; got {task_class!r}.")
-    existing = _REGISTRY.get(task_class.name)
-    if existing is not None and existing is not task_class:
-        raise UserError(
-            f"a task named {task_class.name!r} is already registered ({existing.__module__}."
-            f"{existing.__qualname__}); pick another name."
-        )
-    _REGISTRY[task_class.name] = task_class
-    return task_class
-
-
-def _load_builtins() -> None:
-    global _BUILTINS_LOADED
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        importlib.import_module("gpg_vl_tasks")
+    return TASKS.register(task_class)
 
 
 def list_tasks() -> list[str]:
     """Names of every registered task, built-in ones included."""
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def _load_from_reference(reference: str) -> type[Task]:
-    """Import `module:Name` or `path/to/file.py:Name` (this runs the file's code)."""
-    task_class = load_reference(reference, "task.name")
-    if not (isinstance(task_class, type) and issubclass(task_class, Task)):
-        raise UserError(f"{reference!r} does not name a Task subclass; check the class name after ':'.")
-    return task_class
+    return TASKS.names()
 
 
 def get_task(name: str, *, data_path: str | None = None, image_root: str | None = None,
@@ -280,18 +295,9 @@ def get_task(name: str, *, data_path: str | None = None, image_root: str | None 
     `options` go to the task's constructor; `data_path` / `image_root` point it at a local copy of its data, and
     `allow_outside_paths` lets the data's image paths leave the image root (`Task.open_image`).
     """
-    if ":" in name:
-        task_class = _load_from_reference(name)
-        if task_class.name and task_class.name not in _REGISTRY:
-            register_task(task_class)
-    else:
-        _load_builtins()
-        if name not in _REGISTRY:
-            raise UserError(
-                f"unknown task {name!r}; known tasks: {', '.join(sorted(_REGISTRY))} "
-                "(or give module:ClassName / path/to/file.py:ClassName)."
-            )
-        task_class = _REGISTRY[name]
+    task_class = TASKS.get(name)
+    if ":" in name and task_class.name and task_class.name not in TASKS:
+        register_task(task_class)
     accepted = inspect.signature(task_class.__init__).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
         unknown = sorted(set(options) - set(accepted))

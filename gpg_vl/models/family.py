@@ -17,10 +17,12 @@ image rows), and answers every model-specific question the trainer, the rollout 
 - `completion_prefix`: text the chat template put at the end of the prompt that the task reads as part
   of the completion (an opened `<think>` block).
 
-Families register by name (`register_family`); `family_for` picks the one of a model type, with the
-generic family (models/generic.py) for any other `AutoModelForImageTextToText` model. `choose_scoring_path`
-decides once per run how the update scores sequences (prompt-once, shared vision, or plain), and
-everything that depends on that choice (the forward, the micro-batch cost) reads the same `ScoringPath`.
+Families register by name (`register_family`; `FAMILIES` imports the built-ins on first use); `family_for`
+picks the one of a model type, with the generic family (models/generic.py) for any other
+`AutoModelForImageTextToText` model. `PromptBatch` and the per-token helpers live in models/batch.py.
+`choose_scoring_path` decides once per run how the update scores sequences (prompt-once, shared vision, or
+plain), and everything that depends on that choice (the forward, the micro-batch cost) reads the same
+`ScoringPath`.
 """
 
 from __future__ import annotations
@@ -29,13 +31,23 @@ import contextlib
 import inspect
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from gpg_vl import distributed
+import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
 from gpg_vl.errors import UserError
+from gpg_vl.models.batch import (  # noqa: F401  (PromptBatch and unwrap re-exported)
+    PromptBatch,
+    extend_per_token,
+    image_order,
+    message_images,
+    per_token_keys,
+    trim_left_padding,
+    unwrap,
+)
+from gpg_vl.registry import Registry
 
 PROMPT_STYLES = ("chat", "raw")
 # The raw-text prompt of the paper's CV-Bench run with the base Qwen2-VL-2B (R1-V's), minus its forced
@@ -52,99 +64,6 @@ BOX_FRAMES = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# prompts
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class PromptBatch:
-    """Left-padded prompts and their images, as the processor returns them.
-
-    `rows[key][i]` says how many rows (first-dimension entries) of `inputs[key]` belong to prompt i: Qwen's
-    flattened patches, one entry per image, one per prompt; a key not in `rows` has one row per prompt.
-    So any subset of prompts can be selected or repeated (`select`) without knowing the family.
-    """
-
-    inputs: dict[str, Tensor]  # input_ids [B, P], attention_mask [B, P], pixel tensors, ...
-    images_per_prompt: list[int]
-    ids: list[str] = field(default_factory=list)
-    image_sizes: list[list[tuple[int, int, int, int]]] = field(default_factory=list)  # (W, H, w, h) per image
-    rows: dict[str, list[int]] = field(default_factory=dict)
-    texts: list[str] = field(default_factory=list)  # the rendered prompts
-
-    def __len__(self) -> int:
-        return self.inputs["input_ids"].shape[0]
-
-    @property
-    def has_images(self) -> bool:
-        return sum(self.images_per_prompt) > 0
-
-    def select(self, indices: list[int], *, drop: tuple[str, ...] = ()) -> PromptBatch:
-        """The prompts at `indices` (repeats allowed), with their images, in that order; `drop` leaves keys out."""
-        selected = {}
-        for key, value in self.inputs.items():
-            if key in drop:
-                continue
-            counts = self.rows.get(key)
-            if counts is None:
-                selected[key] = value[torch.tensor(indices, dtype=torch.long, device=value.device)]
-                continue
-            starts = [0]
-            for count in counts:
-                starts.append(starts[-1] + count)
-            picked = [r for i in indices for r in range(starts[i], starts[i + 1])]
-            selected[key] = value[torch.tensor(picked, dtype=torch.long, device=value.device)]
-        return PromptBatch(
-            selected, [self.images_per_prompt[i] for i in indices], [self.ids[i] for i in indices] if self.ids else [],
-            [self.image_sizes[i] for i in indices] if self.image_sizes else [],
-            {key: [counts[i] for i in indices] for key, counts in self.rows.items() if key not in drop},
-            [self.texts[i] for i in indices] if self.texts else [])
-
-    def to(self, device: torch.device) -> PromptBatch:
-        return PromptBatch({k: v.to(device) for k, v in self.inputs.items()}, self.images_per_prompt, self.ids,
-                           self.image_sizes, self.rows, self.texts)
-
-
-def per_token_keys(inputs: dict[str, Tensor]) -> list[str]:
-    """The inputs that hold one value per prompt token ([B, P], like input_ids)."""
-    shape = inputs["input_ids"].shape
-    return [key for key, value in inputs.items() if isinstance(value, Tensor) and value.shape == shape]
-
-
-def trim_left_padding(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Drop the leading columns that are padding in every row (a subset of a padded batch keeps them)."""
-    used = inputs["attention_mask"].any(dim=0).nonzero()  # [P] columns with a real token
-    start = int(used[0]) if used.numel() else 0
-    if start == 0:
-        return inputs
-    return {**inputs, **{key: inputs[key][:, start:] for key in per_token_keys(inputs)}}
-
-
-def extend_per_token(inputs: dict[str, Tensor], completion: Tensor, completion_mask: Tensor) -> dict[str, Tensor]:
-    """Prompt inputs [B, P] followed by completions [B, C]: ids and mask appended, other per-token keys
-    (token types) extended with zeros (text), per-image keys kept."""
-    full = dict(inputs)
-    for key in per_token_keys(inputs):
-        tail = {"input_ids": completion, "attention_mask": completion_mask.to(inputs["attention_mask"].dtype)}.get(
-            key, torch.zeros_like(completion, dtype=inputs[key].dtype))
-        full[key] = torch.cat([inputs[key], tail], dim=1)  # [B, P + C]
-    return full
-
-
-def image_order(prompts: PromptBatch, prompt_index: list[int]) -> list[int]:
-    """Indices into the images of `prompts.select(sorted(set(prompt_index)))`, listed per sequence."""
-    first_image, count = {}, 0
-    for prompt in sorted(set(prompt_index)):
-        first_image[prompt] = count
-        count += prompts.images_per_prompt[prompt]
-    return [first_image[prompt] + k for prompt in prompt_index for k in range(prompts.images_per_prompt[prompt])]
-
-
-def message_images(messages: list[dict]) -> list:
-    """The images of a prompt's messages, in order."""
-    return [part["image"] for message in messages if isinstance(message.get("content"), list)
-            for part in message["content"] if isinstance(part, dict) and part.get("image") is not None]
-
-
 _NUMBER = r"(-?\d+(?:\.\d+)?)"
 _BOX_PATTERNS = (
     re.compile(rf"\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]"),  # [x1, y1, x2, y2]
@@ -157,15 +76,6 @@ def _format_number(value: float) -> str:
     """Two decimals at most, none when they are zero: 50.0 -> '50', 12.345 -> '12.35'."""
     text = f"{value:.2f}".rstrip("0").rstrip(".")
     return "0" if text == "-0" else text
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare Hugging Face model under a DistributedDataParallel (or similar) wrapper and a PEFT wrapper.
-
-    PEFT injects its adapters into the base model's layers, so the base model runs them too."""
-    model = getattr(model, "module", model)
-    get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base_model() if get_base_model is not None else model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,9 +210,9 @@ class Family:
         the same modules (the vision tower included) as the processes that have data."""
         from PIL import Image
 
-        from gpg_vl.data.task import image_question
-
-        return self.encode([image_question(Image.new("RGB", self.placeholder_size), "")], ids=["placeholder"])
+        image = Image.new("RGB", self.placeholder_size)
+        messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": ""}]}]
+        return self.encode([messages], ids=["placeholder"])
 
     # ---- boxes: tasks work in original-image pixels, the model in its own frame ----------------------
     def box_scale(self, size: tuple[int, int, int, int]) -> tuple[float, float]:
@@ -620,22 +530,45 @@ def _router_recorder(bare: torch.nn.Module) -> list | None:
 # ---------------------------------------------------------------------------------------------
 # the registry
 # ---------------------------------------------------------------------------------------------
-FAMILIES: dict[str, type[Family]] = {}
-MODEL_TYPES: dict[str, str] = {}  # config.json model_type -> family name
+def _is_family(obj) -> bool:
+    return isinstance(obj, type) and issubclass(obj, Family)
+
+
 GENERIC = "generic"
+# The built-in families, imported on first use (`FAMILIES.get`): no module imports them just to register them.
+FAMILIES = Registry("model family", "model.family", builtins={
+    GENERIC: "gpg_vl.models.generic:GenericFamily",
+    "qwen2_5_vl": "gpg_vl.models.qwen:QwenVLAdapter",
+    "qwen2_vl": "gpg_vl.models.qwen:Qwen2VLAdapter",
+    "qwen3_vl": "gpg_vl.models.qwen:Qwen3VLAdapter",
+    "qwen3_5": "gpg_vl.models.qwen:Qwen3_5Adapter",
+}, accepts=_is_family, expects="a Family subclass")
 
 
 def register_family(family: type[Family]) -> type[Family]:
-    """Register a Family subclass under its `name` and its `model_types`; usable as a class decorator."""
-    FAMILIES[family.name] = family
-    for model_type in family.model_types:
-        MODEL_TYPES[model_type] = family.name
-    return family
+    """Register a Family subclass under its `name` (its `model_types` then map to it); usable as a class
+    decorator. A second family under a taken name raises."""
+    if not _is_family(family):
+        raise UserError(f"register_family needs a Family subclass with a `name`; got {family!r}.")
+    return FAMILIES.register(family)
+
+
+def model_types() -> dict[str, str]:
+    """config.json model_type -> family name, over every registered family (the built-ins imported)."""
+    return {model_type: name for name, family in FAMILIES.load_all().items() for model_type in family.model_types}
 
 
 def family_for(model_type: str) -> str:
     """The family of a model type: its own where one is registered, else the generic family."""
-    return MODEL_TYPES.get(model_type, GENERIC)
+    return model_types().get(model_type, GENERIC)
+
+
+def get_family(name: str) -> type[Family]:
+    """The family class `model.family` names: a registered name, a model type a family covers
+    (qwen3_vl_moe -> qwen3_vl), `module:Name` or `path.py:Name`; else one sentence listing the valid names."""
+    if ":" not in name and name not in FAMILIES:
+        name = model_types().get(name, name)
+    return FAMILIES.get(name)
 
 
 def _encode_shared_vision_in_forward(model: torch.nn.Module, family: Family) -> None:

@@ -2,8 +2,9 @@
 
 The trainer sees a `Policy`: the model, its processor and its family (gpg_vl/models/family.py), which
 turns chat messages into a `PromptBatch`, scores completions under the sampling distribution, and answers
-every other model-specific question. Families are registered by name: the Qwen-VL families
-(models/qwen.py) and the generic family for any other transformers vision-language model (models/generic.py).
+every other model-specific question. Families are registered by name (`FAMILIES`, whose built-ins are imported
+on first use): the Qwen-VL families (models/qwen.py) and the generic family for any other transformers
+vision-language model (models/generic.py).
 """
 
 from __future__ import annotations
@@ -15,20 +16,18 @@ import torch
 
 from gpg_vl.config.schema import ModelSettings
 from gpg_vl.errors import UserError
-from gpg_vl.models import generic, qwen  # noqa: F401  (registers the families)
 from gpg_vl.models.family import (  # noqa: F401  (re-exported)
     BOX_FRAMES,
     FAMILIES,
     GENERIC,
-    MODEL_TYPES,
     RAW_TEMPLATE,
     Family,
     PromptBatch,
     eval_mode,
     family_for,
+    get_family,
     unwrap,
 )
-from gpg_vl.models.qwen import Qwen2VLAdapter, Qwen3_5Adapter, Qwen3VLAdapter, QwenVLAdapter  # noqa: F401
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 EMBEDDED_PREFIX = "embedded:"
@@ -84,10 +83,7 @@ def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", 
     family = settings.family
     if family == "auto":
         family = family_for(_model_type_of(path))
-    family = MODEL_TYPES.get(family, family)  # a model type names its family (qwen3_vl_moe -> qwen3_vl)
-    if family not in FAMILIES:
-        raise UserError(f"unknown model family {family!r}; known: {', '.join(sorted(FAMILIES))} "
-                        "(set model.family=).")
+    family_class = get_family(family)  # a name, a model type (qwen3_vl_moe -> qwen3_vl), module:Name or file.py:Name
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
@@ -104,10 +100,9 @@ def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", 
         ) from None
     loaded.to(device)
     _set_router_aux_loss(loaded, settings.router_aux_loss_coef)
-    adapter = FAMILIES[family](processor, loaded.config, min_pixels=settings.min_pixels,
-                               max_pixels=settings.max_pixels, prompt_style=settings.prompt_style,
-                               raw_template=settings.raw_template or RAW_TEMPLATE,
-                               enable_thinking=settings.enable_thinking)
+    adapter = family_class(processor, loaded.config, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
+                           prompt_style=settings.prompt_style, raw_template=settings.raw_template or RAW_TEMPLATE,
+                           enable_thinking=settings.enable_thinking)
     if settings.box_frame:  # null = the family's own frame
         adapter.box_frame = settings.box_frame
     return Policy(model=loaded, processor=processor, adapter=adapter, name_or_path=path)
@@ -126,7 +121,7 @@ def _model_type_of(path: str) -> str:
         return AutoConfig.from_pretrained(path).model_type
     except (OSError, ValueError):
         raise UserError(f"{path!r} has no config.json, so its model family is unknown; "
-                        f"set model.family= to one of {', '.join(sorted(FAMILIES))}.") from None
+                        f"set model.family= to one of {', '.join(FAMILIES.names())}.") from None
 
 
 def _family_of(path: str) -> str:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicLayer
 
-from gpg_vl.models.family import PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
+from gpg_vl.models.batch import PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
 
 
 def _cache_of(outputs):

@@ -4,7 +4,7 @@ tested on CPU.
 Training FLOPs per token (forward + backward) follow the usual accounting (Kaplan et al.; PaLM, appendix B):
 6 x the weights every token multiplies (every linear layer of the language model, its output layer
 included; embeddings are lookups), plus 12 x layers x attention width x context for the score and value
-products of each full-attention layer (linear-attention layers, such as Qwen3.5's Gated DeltaNet, have
+products of each full-attention layer (linear-attention layers, such as Gated DeltaNet layers, have
 none that grows with the context). The vision tower's work is left out, so the MFU is a lower bound.
 """
 

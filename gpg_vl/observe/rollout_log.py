@@ -30,10 +30,10 @@ import torch
 from PIL import Image, ImageDraw
 
 from gpg_vl.data.sources import load_image
+from gpg_vl.data.task import prompt_text
 from gpg_vl.reward.primitives import extract_answer, parse_box
 from gpg_vl.rollout.types import in_task_frame
 from gpg_vl.train.checkpoint import write_atomic
-from gpg_vl.train.evaluate import _prompt_text
 
 MAX_EDGE = 256  # thumbnail side, pixels
 MAX_THUMB_BYTES = 64 * 1024  # one thumbnail's JPEG
@@ -80,7 +80,7 @@ def store_image(image: Image.Image, folder: Path) -> str:
 
 
 def message_images(messages: list[dict]) -> list[Image.Image]:
-    """The PIL images of chat messages, in order (Qwen-VL format: `{"type": "image", "image": ...}`)."""
+    """The PIL images of chat messages, in order (chat message format: `{"type": "image", "image": ...}`)."""
     images = []
     for message in messages:
         content = message["content"]
@@ -149,7 +149,7 @@ def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, ima
                 "tokens": tokens, "end": "eos" if ended else "cut",
                 **({"box": answer_box(text)} if task.uses_boxes else {}),
             })
-        prompt = _clipped(_prompt_text(messages), text_chars)
+        prompt = _clipped(prompt_text(messages), text_chars)
         records.append({
             "attempt": a, "group": b, "id": str(row.get("id", b)), "valid": bool(attempt.valid[b]),
             "prompt": prompt["text"], "prompt_chars": prompt["chars"], "prompt_truncated": prompt["truncated"],
@@ -195,10 +195,39 @@ def log_rollouts(step: int, attempts: Sequence, *, policy, task, output_dir: str
     return path
 
 
-def read_steps(output_dir: str | Path) -> list[dict]:
-    """Every `rollouts/step-<N>.json` of a run, by step."""
-    files = sorted((Path(output_dir) / "rollouts").glob("step-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-    return [json.loads(path.read_text()) for path in files]
+def read_steps(output_dir: str | Path, warn: Callable[[str], None] | None = None) -> list[dict]:
+    """Every readable `rollouts/step-<N>.json` of a run, by step. A damaged file (cut short, empty, not a step
+    record, a step that is not a whole number) is skipped, with one warning naming it, through `warn`."""
+    records = []
+    for path in sorted((Path(output_dir) / "rollouts").glob("step-*.json"), key=_step_order):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            problem = f"it is not readable JSON ({error})"
+        else:
+            problem = _record_problem(record)
+        if problem is None:
+            records.append(record)
+        elif warn is not None:
+            warn(f"skipped {path}: {problem}; the page shows the other steps.")
+    return records
+
+
+def _step_order(path: Path) -> tuple[int, str]:
+    number = path.stem.split("-", 1)[1]
+    return (int(number), path.name) if number.isdigit() else (-1, path.name)
+
+
+def _record_problem(record) -> str | None:
+    """Why `record` is not a step record the viewer can show (None when it is one)."""
+    if not isinstance(record, dict):
+        return f"it holds a JSON {type(record).__name__}, not a step record"
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"its step is {step!r}, not a whole number"
+    if not isinstance(record.get("groups"), list) or not all(isinstance(g, dict) for g in record["groups"]):
+        return "its groups are not a list of records"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

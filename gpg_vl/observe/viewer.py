@@ -21,7 +21,8 @@ import html
 import io
 import json
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,10 @@ RIGHT_ACCURACY = 0.5  # otherwise when its accuracy reward is >= 0.5 (the 0/1 re
 TRUTH_RGBA, PRED_RGBA = (22, 163, 74, 110), (217, 70, 239, 120)  # mask overlay colours
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def esc(value) -> str:
     """Text as HTML: every <, >, &, and quote escaped (attributes too)."""
     return html.escape(str(value), quote=True)
@@ -47,12 +52,13 @@ def esc(value) -> str:
 # ---------------------------------------------------------------------------------------------
 # rollouts.html
 # ---------------------------------------------------------------------------------------------
-def write_rollouts_html(output_dir: str | Path) -> Path:
-    """Write `output_dir/rollouts.html` (see the module doc); its path."""
+def write_rollouts_html(output_dir: str | Path, warn: Callable[[str], None] = _warn) -> Path:
+    """Write `output_dir/rollouts.html` (see the module doc); its path. A step file that cannot be read or shown
+    is left out, with one warning naming it (`warn`)."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         raise UserError(f"{str(output_dir)!r} is not a folder; pass a training run's output_dir to scripts/view.py.")
-    steps = read_steps(output_dir)
+    steps = read_steps(output_dir, warn)
     if not steps:
         raise UserError(f"{str(output_dir)!r} has no rollouts/step-<N>.json; train with trainer.log_rollouts_every=N "
                         "(N > 0, the default is 10) and view that run's output_dir.")
@@ -61,9 +67,21 @@ def write_rollouts_html(output_dir: str | Path) -> Path:
         steps = [s for s in steps if s["step"] <= metrics[-1]["step"]] or steps
     summary = _read_json(output_dir / "summary.json")
     images = output_dir / "rollouts" / "images"
+    by_step = {m.get("step"): m for m in metrics}
+    shown = []  # (record, its html): a record the page cannot show is left out, named in a warning
+    for record in steps:
+        try:
+            shown.append((record, step_html(record, by_step.get(record["step"], {}), images)))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OSError) as error:
+            warn(f"skipped rollouts/step-{record['step']}.json: it cannot be shown ({type(error).__name__}: "
+                 f"{error}); the page shows the other steps.")
+    if not shown:
+        raise UserError(f"no rollouts/step-<N>.json of {str(output_dir)!r} could be shown (see the warnings above); "
+                        "train again with trainer.log_rollouts_every=N to log new ones.")
+    steps = [record for record, _ in shown]
     body = [
         f"<h1>Rollouts: {esc(output_dir.name)}</h1>",
-        f"<div class='sub'>task {esc(steps[-1]['task'])}"
+        f"<div class='sub'>task {esc(steps[-1].get('task', '?'))}"
         + (f", model {esc(summary['model'])}" if summary.get("model") else "")
         + f"; {len(steps)} logged steps of {len(metrics) or '?'}; groups of the main process only</div>",
         curves_html(metrics, [s["step"] for s in steps]),
@@ -79,9 +97,7 @@ def write_rollouts_html(output_dir: str | Path) -> Path:
           "<span class='legend'>colour: advantage (<span style='color:#15803d'>+</span> / "
           "<span style='color:#b91c1c'>&minus;</span>)</span></div>",
     ]
-    by_step = {m.get("step"): m for m in metrics}
-    for record in steps:
-        body.append(step_html(record, by_step.get(record["step"], {}), images))
+    body.extend(page for _, page in shown)
     return _write_page(output_dir / "rollouts.html", f"rollouts: {output_dir.name}", body)
 
 

@@ -414,7 +414,7 @@ def _math_equal(gold: str, pred: str) -> bool:
 _NUMBER = r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*"
 _BRACKET_BOX = re.compile(rf"\[{_NUMBER},{_NUMBER},{_NUMBER},{_NUMBER}\]")  # [x1, y1, x2, y2]
 _CORNER_BOX = re.compile(rf"\({_NUMBER},{_NUMBER}\)\s*(?:,\s*)?\({_NUMBER},{_NUMBER}\)")  # (x1, y1), (x2, y2)
-_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)  # Qwen2.5-VL often fences its JSON
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)  # models often fence their JSON
 
 
 def _as_box(values: object) -> Box | None:

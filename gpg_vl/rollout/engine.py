@@ -6,10 +6,11 @@ completions, row b * G + g the g-th of prompt b). After every optimizer step the
 (an engine that keeps its own copy of the weights pushes the new ones in); `sleep()` / `wake()` free and
 take back an engine's memory around the update where it has such a mode.
 
-Engines register by name (`register_engine`) and `rollout.engine` picks one:
+Engines register by name (`register_engine`) and `rollout.engine` picks one (or loads one from outside:
+`module:Name`, `path.py:Name`); the built-ins are imported on first use:
 
-- `hf` (engines/hf.py): the trained model itself, through gpg-vl's decode loop or transformers' `generate`;
-- `vllm` (engines/vllm.py): a colocated vLLM engine in every training process (CUDA only).
+- `hf` (rollout/hf.py): the trained model itself, through gpg-vl's decode loop or transformers' `generate`;
+- `vllm` (rollout/vllm.py): a colocated vLLM engine in every training process (CUDA only).
 
 `require_engine` checks, when the settings are built (before any model loads), that the chosen engine can
 run here, and says in one sentence what is missing otherwise.
@@ -20,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import PromptBatch
+from gpg_vl.models.batch import PromptBatch
+from gpg_vl.registry import Registry
 from gpg_vl.rollout.types import Rollout
 
 
@@ -87,20 +89,29 @@ class Engine:
         return None
 
 
-ENGINES: dict[str, type[Engine]] = {}
+def _is_engine(obj) -> bool:
+    return isinstance(obj, type) and issubclass(obj, Engine)
+
+
+# The built-in engines, imported on first use (`ENGINES.get`): no module imports them just to register them.
+ENGINES = Registry("rollout engine", "rollout.engine", builtins={
+    "hf": "gpg_vl.rollout.hf:HFEngine",
+    "vllm": "gpg_vl.rollout.vllm:VLLMEngine",
+}, accepts=_is_engine, expects="an Engine subclass")
 
 
 def register_engine(engine: type[Engine]) -> type[Engine]:
-    """Register an Engine subclass under its `name`; usable as a class decorator."""
-    ENGINES[engine.name] = engine
-    return engine
+    """Register an Engine subclass under its `name`; usable as a class decorator. A second engine under a
+    taken name raises."""
+    if not _is_engine(engine):
+        raise UserError(f"register_engine needs an Engine subclass with a `name`; got {engine!r}.")
+    return ENGINES.register(engine)
 
 
 def require_engine(rollout) -> type[Engine]:
-    """The engine class `rollout.engine` names, after checking that it can run here (else one sentence)."""
+    """The engine class `rollout.engine` names (a registered name, `module:Name` or `file.py:Name`), after
+    checking that it can run here (else one sentence)."""
     engine = ENGINES.get(rollout.engine)
-    if engine is None:
-        raise UserError(f"unknown rollout.engine {rollout.engine!r}; use one of {', '.join(sorted(ENGINES))}.")
     reason = engine.unavailable(rollout)
     if reason is not None:
         raise UserError(reason)
@@ -111,6 +122,3 @@ def build_engine(rollout, policy, *, accelerator=None) -> Engine:
     """The engine of `rollout.*` for `policy` (the HF engine samples with `policy.model` itself)."""
     return require_engine(rollout)(policy, rollout, accelerator=accelerator)
 
-
-from gpg_vl.rollout import hf as _hf  # noqa: E402,F401  (registers "hf")
-from gpg_vl.rollout import vllm as _vllm  # noqa: E402,F401  (registers "vllm")

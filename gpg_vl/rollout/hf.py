@@ -24,7 +24,8 @@ from torch import Tensor
 from gpg_vl.distributed import forward_is_collective, gathered_for_generation
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
-from gpg_vl.models.family import PromptBatch, eval_mode, extend_per_token, unwrap
+from gpg_vl.models.batch import PromptBatch, extend_per_token, unwrap
+from gpg_vl.models.family import eval_mode
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos

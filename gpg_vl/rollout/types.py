@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gpg_vl.models.family import PromptBatch
+from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
 
 

@@ -12,13 +12,16 @@ metrics as `reward_timeouts`.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from PIL import Image
 
-from gpg_vl.distributed import forward_is_collective, placeholder_prompts
+from gpg_vl.data.task import prompt_text as _prompt_text
+from gpg_vl.distributed import forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import Policy
 from gpg_vl.reward.pool import RewardBudget, score_within
@@ -26,6 +29,7 @@ from gpg_vl.reward.primitives import extract_answer
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
 from gpg_vl.rollout.hf import HFEngine
 from gpg_vl.rollout.types import in_task_frame
+from gpg_vl.train.placeholder import placeholder_prompts
 
 _RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
 
@@ -111,6 +115,44 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dic
     } for d in decoded]
 
 
+def read_predictions(path: str | Path) -> list[dict]:
+    """The records of a predictions.jsonl written by scripts/eval.py, each checked for what `rescore` reads
+    (`index` a whole number >= 0, `id`, `completion` a string); a bad file or line fails in one sentence."""
+    source = Path(path)
+    if not source.is_file():
+        raise UserError(f"predictions file {str(source)!r} does not exist; pass predictions=path/to/predictions.jsonl.")
+    records = []
+    for number, line in enumerate(source.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"predictions file {str(source)!r} is not JSON lines ({error}); "
+                            "pass a predictions.jsonl written by scripts/eval.py.") from None
+        problem = _prediction_problem(record)
+        if problem:
+            raise UserError(f"line {number} of predictions file {str(source)!r} {problem}; pass a predictions.jsonl "
+                            "written by scripts/eval.py (each line holds index, id and completion).")
+        records.append(record)
+    return records
+
+
+def _prediction_problem(record) -> str | None:
+    """What is wrong with one predictions.jsonl record for re-scoring (None when nothing is)."""
+    if not isinstance(record, dict):
+        return f"holds a JSON {type(record).__name__}, not a record"
+    missing = [key for key in ("index", "id", "completion") if key not in record]
+    if missing:
+        return f"has no {', '.join(missing)}"
+    index = record["index"]
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        return f"has index {index!r}, not a row number (a whole number >= 0)"
+    if not isinstance(record["completion"], str):
+        return f"has a completion of type {type(record['completion']).__name__}, not text"
+    return None
+
+
 def rescore(task, records: Sequence[dict], rows: Sequence[dict], *,
             reward_workers: int = 4) -> tuple[dict[str, float], list[dict]]:
     """Score saved completions again against the dataset rows they name, on `reward_workers` threads and
@@ -157,14 +199,3 @@ def _saved_fields(row: dict) -> dict:
 
 def _without_images(row: dict) -> dict:
     return {key: value for key, value in row.items() if not isinstance(value, Image.Image)}
-
-
-def _prompt_text(messages: list[dict]) -> str:
-    parts = []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, str):
-            parts.append(content)
-        else:
-            parts += ["<image>" if part.get("type") == "image" else part.get("text", "") for part in content]
-    return "".join(parts)

@@ -29,7 +29,7 @@ from transformers import get_scheduler
 
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings  # noqa: F401  (declared once there)
 from gpg_vl.data.stream import PromptStream, Subset, scan_rows
-from gpg_vl.distributed import forward_is_collective, placeholder_chunk, placeholder_prompts, require_images
+from gpg_vl.distributed import forward_is_collective, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.models.family import PromptBatch, ScoringPath, choose_scoring_path
 from gpg_vl.models.load import Policy
@@ -63,6 +63,7 @@ from gpg_vl.train.checkpoint import (
 )
 from gpg_vl.train.evaluate import evaluate
 from gpg_vl.train.outdir import claim_output_dir
+from gpg_vl.train.placeholder import placeholder_chunk, placeholder_prompts
 from gpg_vl.train.sample import collect_valid_groups
 
 

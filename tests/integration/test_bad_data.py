@@ -305,7 +305,7 @@ def test_nan_losses_skip_the_step_and_too_many_in_a_row_stop_with_the_last_good_
         calls["n"] += 1
         return (loss * math.nan if calls["n"] > 2 else loss), info
 
-    monkeypatch.setitem(POLICY_LOSSES, "gpg", loss_nan_after_two_steps)
+    monkeypatch.setitem(POLICY_LOSSES._entries, "gpg", loss_nan_after_two_steps)  # the registered object, for this test
     out = tmp_path / "run"
     args = [f"output_dir={out}", "trainer.max_steps=8", "trainer.save_every=1", "trainer.max_bad_steps=3", *SHAPES]
     with pytest.raises(UserError) as stopped:
@@ -451,5 +451,15 @@ def test_an_empty_jsonl_fails_saying_which_file_is_empty(tmp_path, capsys):
     # a parquet file with the columns but no rows
     datasets.Dataset.from_dict({"image_path": [], "question": [], "ground_truth": []}).to_parquet(
         str(tmp_path / "none.parquet"))
-    with pytest.raises(UserError, match=r"none\.parquet' holds no rows"):
+    with pytest.raises(UserError, match=r"none\.parquet' is empty \(no rows\)"):
         geoqa(tmp_path / "none.parquet").load("test")
+    # pandas' empty frame, and a table without columns: the same sentence, not "could not read"
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pd.DataFrame({"question": ["q"]}).iloc[:0].to_parquet(tmp_path / "frame.parquet")
+    pq.write_table(pa.table({}), tmp_path / "columns.parquet")
+    for name in ("frame", "columns"):
+        with pytest.raises(UserError, match=rf"{name}\.parquet' is empty \(no rows\)"):
+            geoqa(tmp_path / f"{name}.parquet").load("test")

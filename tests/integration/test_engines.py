@@ -37,7 +37,7 @@ needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.
 # ---------------------------------------------------------------------------------------------
 def test_engines_are_registered_by_name_and_unknown_ones_fail_in_one_sentence():
     assert {"hf", "vllm"} <= set(ENGINES)
-    with pytest.raises(UserError, match=r"unknown rollout.engine 'sglang'; use one of hf, vllm\."):
+    with pytest.raises(UserError, match=r"unknown rollout.engine 'sglang'; valid options: hf, vllm \(or load"):
         RolloutSettings(engine="sglang")
     with pytest.raises(UserError, match="rollout.hf.decode"):
         RolloutSettings(hf={"decode": "fast"})

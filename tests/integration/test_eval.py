@@ -4,6 +4,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from gpg_vl.cli import eval_main, train_main
 from gpg_vl.config.compose import load_config, run_cli
 
@@ -35,6 +37,24 @@ def test_rescoring_a_file_from_another_split_fails_in_one_sentence(tmp_path, cap
     assert run_cli("eval", eval_main, [f"predictions={bad}", f"output_dir={tmp_path}"]) == 2
     assert "does not match" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ({"index": 0, "id": "0"}, "has no completion"),
+    ({"id": "0", "completion": "x"}, "has no index"),
+    ({"index": "zero", "id": "0", "completion": "x"}, "has index 'zero'"),
+    ({"index": float("nan"), "id": "0", "completion": "x"}, "has index nan"),
+    ({"index": -1, "id": "0", "completion": "x"}, "has index -1"),
+    ({"index": 0, "id": "0", "completion": 3}, "completion of type int"),
+    ([0, "x"], "holds a JSON list"),
+])
+def test_rescoring_a_malformed_predictions_line_fails_in_one_sentence(tmp_path, capsys, line, says):
+    bad = tmp_path / "p.jsonl"
+    good = {"index": 1, "id": "1", "completion": "<answer>x</answer>"}
+    bad.write_text(json.dumps(good) + "\n" + json.dumps(line) + "\n")
+    assert run_cli("eval", eval_main, [f"predictions={bad}", f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: line 2 of predictions file") and says in err and err.count("\n") == 1
 
 def test_the_docs_example_task_registers_and_trains_two_steps(tmp_path):
     page = (ROOT / "docs" / "adding-a-task.md").read_text()

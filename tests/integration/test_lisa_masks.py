@@ -332,7 +332,7 @@ def test_box_points_answer_prompt_and_rewards(reasonseg):
 
 
 def test_adapters_rewrite_seg_zero_points_into_original_pixels():
-    from gpg_vl.models.load import Qwen2VLAdapter, QwenVLAdapter
+    from gpg_vl.models.qwen import Qwen2VLAdapter, QwenVLAdapter
 
     text = '<answer>[{"bbox_2d": [100, 200, 500, 1000], "point_2d": [250,500]}]</answer>'
     qwen2 = object.__new__(Qwen2VLAdapter)  # the frame maths need no processor

@@ -12,8 +12,9 @@ from transformers import AutoModelForImageTextToText
 from gpg_vl.cli import build_policy, train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.errors import UserError
-from gpg_vl.models.load import FAMILIES, Qwen3VLAdapter, load_policy
+from gpg_vl.models.load import FAMILIES, load_policy
 from gpg_vl.models.lora import LANGUAGE_LINEARS, apply_lora
+from gpg_vl.models.qwen import Qwen3VLAdapter
 from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import generate

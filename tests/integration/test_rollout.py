@@ -122,7 +122,7 @@ def test_prompts_with_several_images_keep_their_images_when_selected_and_shared(
 
 
 def test_box_frames_round_trip_and_completions_are_rewritten_into_original_pixels(policy, shapes):
-    from gpg_vl.models.load import Qwen2VLAdapter, QwenVLAdapter
+    from gpg_vl.models.qwen import Qwen2VLAdapter, QwenVLAdapter
 
     size = (640, 480, 644, 476)  # original W, H; resized w, h
     box = (100.0, 50.0, 300.0, 200.0)

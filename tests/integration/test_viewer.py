@@ -277,6 +277,29 @@ def test_view_script_writes_the_page_or_names_a_folder_without_rollouts_in_one_s
     assert view([str(tmp_path)]) == 0 and (tmp_path / "rollouts.html").is_file()
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "list", "step_not_int", "bad_group"])
+def test_a_damaged_step_file_is_skipped_with_a_warning_naming_it(tmp_path, capsys, damage):
+    view = runpy.run_path(str(ROOT / "scripts" / "view.py"))["main"]
+    policy = SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2]))
+    for step in (1, 10):
+        log_rollouts(step, [fake_attempt(["a", "b"], 1, 2)], policy=policy, task=NoiseTask(size=32, images=1),
+                     output_dir=tmp_path, every=10, groups=8)
+    damaged = tmp_path / "rollouts" / "step-10.json"
+    record = json.loads(damaged.read_text())
+    damaged.write_text({"truncated": damaged.read_text()[:40], "empty": "", "list": "[1, 2]",
+                        "step_not_int": json.dumps({**record, "step": "one"}),
+                        "bad_group": json.dumps({**record, "groups": [{"completions": 3}]})}[damage])
+    assert view([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: skipped") == 1 and "step-10.json" in err and "Traceback" not in err
+    page = (tmp_path / "rollouts.html").read_text()
+    assert re.findall(r"<section class='step' data-step='(\d+)'>", page) == ["1"]
+    damaged.write_text("")  # with every step file damaged: one sentence, exit 2
+    (tmp_path / "rollouts" / "step-1.json").write_text("[]")
+    assert view([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: ")
+
+
 # ---------------------------------------------------------------- grounding: boxes in original pixels
 
 @pytest.fixture()

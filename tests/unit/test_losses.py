@@ -189,4 +189,4 @@ def test_registries_reject_duplicates_list_valid_names_and_load_outside_function
         with pytest.raises(UserError, match="cannot import module 'no_such_module_x'"):
             get_policy_loss("no_such_module_x:f")
     finally:
-        POLICY_LOSSES.pop("plugin_test_loss", None)
+        POLICY_LOSSES.unregister("plugin_test_loss")

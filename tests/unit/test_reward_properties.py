@@ -144,6 +144,23 @@ def test_a_reward_that_raises_scores_zero_is_counted_and_its_first_traceback_sho
     assert "ZeroDivisionError" in err
 
 
+
+@pytest.mark.parametrize("value", ["1.0", None, [1.0], b"1"])
+def test_a_reward_that_returns_no_number_scores_zero_and_says_what_it_returned(capsys, value):
+    import numpy as np
+    import torch
+
+    task = get_task("shapes", train_size=1, test_size=1)
+    task.reward_functions["mine"] = lambda completion, row: value
+    assert task.reward_components("x", {"answer": "red"})["mine"] == 0.0  # never parsed: "1.0" is not 1.0
+    assert task.reward_components("y", {"answer": "red"})["mine"] == 0.0 and task.reward_errors == {"mine": 2}
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "Traceback" not in err
+    assert f"reward 'mine' of task 'shapes' returned {value!r} (a {type(value).__name__}), not a number" in err
+    for number in (True, 1, np.float32(0.5), torch.tensor(0.25)):  # numbers of any kind are taken as they are
+        task.reward_functions["mine"] = lambda completion, row, n=number: n
+        assert task.reward_components("z", {"answer": "red"})["mine"] == float(number)
+
 def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(policy):
     from accelerate import Accelerator
 

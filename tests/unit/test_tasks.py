@@ -14,7 +14,7 @@ def test_registry_rejects_duplicates_and_lists_known_names_for_unknown_ones():
 
     with pytest.raises(UserError, match="already registered"):
         register_task(Other)
-    with pytest.raises(UserError, match="known tasks: .*shapes"):
+    with pytest.raises(UserError, match="unknown task.name 'no-such-task'; valid options: .*shapes"):
         get_task("no-such-task")
     with pytest.raises(UserError, match="train_size"):
         get_task("shapes", colour_count=3)
