@@ -1,7 +1,8 @@
 """Train a vision-language model with GPG.
 
     python scripts/train.py                                  # tiny model, synthetic task, CPU, minutes
-    python scripts/train.py task=geoqa model=qwen2.5-vl-7b   # a paper experiment
+    python scripts/train.py +experiment=geoqa-paper          # a paper recipe: task, the paper's model, settings
+    python scripts/train.py task=geoqa model=qwen2.5-vl-7b   # the task's paper settings on another model
     python scripts/train.py trainer.max_steps=10 --cfg job   # print the resolved config
 """
 

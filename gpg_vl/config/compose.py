@@ -1,6 +1,7 @@
 """The command line: Hydra config groups composed from `configs/`, with errors a user can act on.
 
 `python scripts/train.py task=geoqa model=qwen2.5-vl-7b trainer.lr=1e-6 --cfg job`
+`python scripts/train.py +experiment=geoqa-paper` (a paper recipe: its task, model and settings)
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
         if "=" not in override:
             raise UserError(f"cannot read argument {override!r}; write overrides as key=value.")
         key, value = override.split("=", 1)
-        if key in GROUPS and value not in group_options(key) and not (key == "task" and ":" in value):
+        key = "experiment" if key == "+experiment" else key  # a paper recipe: configs/experiment/<name>.yaml
+        if key in (*GROUPS, "experiment") and value not in group_options(key) and not (key == "task" and ":" in value):
             hint = " or a model directory" if key == "model" else ""
             raise UserError(f"unknown {key} {value!r}; known: {', '.join(group_options(key))}{hint} "
                             f"(files in configs/{key}/).")
@@ -81,7 +83,7 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
         overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
     # trainer.loss_options is a dict of the loss's own keywords (checked against the loss by the trainer): add or set
     overrides = ["++" + o if o.startswith("trainer.loss_options.") else o for o in overrides]
-    group_overrides = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+    group_overrides = [o for o in overrides if o.split("=", 1)[0] in (*GROUPS, "+experiment")]
     register_schema()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

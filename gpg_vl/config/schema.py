@@ -1,91 +1,173 @@
-"""The training settings, declared once: these dataclasses are both the trainer's settings and the schema
-that Hydra checks the composed config against (registered in its ConfigStore as `train_schema`, the first
-entry of configs/train.yaml's defaults list). configs/train.yaml holds no copy of these defaults; task
-configs may override them. A key that is not declared here, or a value of the wrong type, fails at
-composition with one sentence naming the key, the value and the expected type (gpg_vl/config/compose.py); values
-out of range fail right after, in gpg_vl/config/validate.py's table, before any model is loaded.
+"""The settings, declared once: these dataclasses are both the trainer's settings and the schema that Hydra
+checks the composed config against (registered in its ConfigStore as `train_schema` and `eval_schema`, the
+first entry of configs/train.yaml's and configs/eval.yaml's defaults lists). Each field carries its type, its
+default, its range or choices and its one-line meaning (`meta`); nothing else restates them:
 
+- Hydra rejects an undeclared key or a value of the wrong type at composition, in one sentence
+  (gpg_vl/config/compose.py);
+- gpg_vl/config/validate.py derives every per-key value check from the metadata, before any model is loaded;
+- scripts/gen_config_docs.py writes docs/configuration.md from it.
+
+configs/*.yaml hold no copy of these defaults; model aliases and task configs set what differs.
 `python scripts/train.py --cfg job` prints every setting with its value.
+
+This module imports nothing heavy (no torch, no transformers): choices that come from a registry or a library
+are named here (`choices="engines"`) and read lazily, in gpg_vl/config/validate.py's `choices_of`.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
 from gpg_vl.errors import UserError
+
+
+@dataclass(frozen=True)
+class Key:
+    """What one setting means and allows, beyond its type (bool, int, float, str; `| None`: null allowed)."""
+
+    help: str  # its one-line meaning
+    low: float | None = None  # inclusive lower bound
+    above: float | None = None  # exclusive lower bound
+    high: float | None = None  # inclusive upper bound
+    choices: tuple[str, ...] | str = ()  # the names allowed, or the name of a lazy source (`CHOICE_SOURCES`)
+    references: bool = False  # `module:name` / `path/to/file.py:name` is allowed too (a plugin)
+    nonempty: bool = False  # a string with something in it
+    note: str = ""  # why, appended to what is allowed in an error
+
+
+def meta(help: str, **allowed) -> dict:
+    """A field's metadata: `field(default=1e-6, metadata=meta("AdamW learning rate", above=0))`."""
+    return {"key": Key(help, **allowed)}
+
+
+def key_of(item: Field) -> Key | None:
+    return item.metadata.get("key")
+
+
+# The choices read lazily (gpg_vl/config/validate.py's `choices_of`), and how the reference page names them.
+CHOICE_SOURCES = {
+    "schedules": "a transformers scheduler name (`transformers.SchedulerType`)",
+    "trackers": "none, or an accelerate tracker (`accelerate.utils.LoggerType`)",
+    "advantages": "a registered advantage estimator (`gpg_vl/objective.py`)",
+    "baselines": "group_mean or none",
+    "losses": "a registered policy loss (`gpg_vl/objective.py`)",
+    "aggregations": "a loss aggregation (`gpg_vl/objective.py`)",
+    "engines": "a registered rollout engine (`gpg_vl/rollout/engine.py`)",
+    "decoders": "loop or generate (`gpg_vl/rollout/hf.py`)",
+    "families": "auto, or a registered model family (`gpg_vl/models/family.py`)",
+    "box_frames": "a box frame (`gpg_vl/models/family.py`): relative-1000, resized-pixels, relative-1, none",
+    "segmenters": "a segmenter (`gpg_vl/reward/segment.py`): box, sam, sam2",
+}
+
+
+def declared(cls, prefix: str = "") -> list[tuple[str, Field]]:
+    """Every leaf setting of a settings dataclass as (dotted key, field), sections expanded, in order."""
+    keys = []
+    for item in fields(cls):
+        nested = item.default_factory if item.default_factory is not MISSING else None
+        if isinstance(nested, type) and hasattr(nested, "__dataclass_fields__"):
+            keys += declared(nested, f"{prefix}{item.name}.")
+        else:
+            keys.append((f"{prefix}{item.name}", item))
+    return keys
+
+
+def default_of(item: Field):
+    if item.default is not MISSING:
+        return item.default
+    return item.default_factory() if item.default_factory is not MISSING else None
 
 
 @dataclass
 class TrainerSettings:
     """`trainer.*`: the optimisation, the GPG objective, the update's throughput paths, checkpoints."""
 
-    max_steps: int = 100                        # optimizer steps
-    # if set, passes over the train split (at B prompts per step) replace max_steps
-    epochs: float | None = None
-    group_size: int = 8                         # G: completions sampled per prompt
-    batch_size: int = 8                         # B: prompts per step, over all processes
-    micro_batch_size: int = 16                  # sequences per forward/backward (gradient accumulation over the rest)
-    # micro-batches by forward tokens, padding counted, instead (0 = by micro_batch_size)
-    micro_batch_tokens: int = 8192
-    lr: float = 1e-06                           # AdamW learning rate (the paper's multimodal runs)
-    # any transformers scheduler name: constant, constant_with_warmup, cosine, linear
-    lr_schedule: str = 'constant'
-    warmup_steps: int = 0                       # warm-up steps for *_with_warmup, cosine and linear schedules
-    weight_decay: float = 0.0                   # AdamW weight decay
-    max_grad_norm: float = 1.0                  # gradient clipping
-    # resample until this fraction of B groups has differing rewards (0 = never)
-    beta_th: float = 0.4
-    max_attempts: int = 8                       # most rollouts per step while resampling
-    # stop after this many sampled completions, resampled ones included (ablations)
-    max_completions: int | None = None
-    # group_mean: r - mean(r) (GPG); std_normalized: (r - mean) / (sample std + 1e-4) (GRPO); none: r; or module:fn
-    advantage: str = 'group_mean'
-    # policy loss: gpg, grpo, dr_grpo, dapo, or module:fn (gpg_vl/objective.py); the algorithm=<name> presets set it
-    loss: str = 'gpg'
-    # mu: passes over each rollout (losses with a ratio: grpo, dr_grpo, dapo)
-    ppo_epochs: int = 1
-    # sequences per optimizer step, over all processes, a multiple of group_size (0 = the whole rollout)
-    ppo_mini_batch: int = 0
-    clip_low: float = 0.2                       # ratio clipped below at 1 - clip_low
-    # ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)
-    clip_high: float | None = None
-    # beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)
-    kl_coef: float = 0.0
-    # options of trainer.loss by name (a loss declares them as keyword arguments; clip_low, clip_high, kl_coef
-    # above and max_tokens = rollout.max_new_tokens fill those not given here)
-    loss_options: dict = field(default_factory=dict)
-    # DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens (0 = off)
-    overlong_cache: int = 0
-    # the penalty at the length limit (it grows linearly over overlong_cache tokens)
-    overlong_penalty: float = 1.0
-    std_normalize: bool | None = None        # deprecated: trainer.advantage=std_normalized (one warning)
-    baseline: str | None = None              # deprecated: trainer.advantage=group_mean or none (one warning)
-    # AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)
-    age: bool = True
-    # or token_mean (mean over all tokens of the batch), seq_mean_token_sum (token sums over max_new_tokens: Dr. GRPO)
-    aggregation: str = 'seq_mean_token_mean'
-    gradient_checkpointing: bool = False        # trade compute for memory on large models
-    # encode each prompt's images once per group in the update (false = once per sequence)
-    share_vision: bool = True
-    # run each prompt once per group in the update, completions on its cache (false = per sequence; off under
-    # gradient_checkpointing, FSDP and ZeRO-3)
-    share_prompt: bool = True
-    # score completions through the output layer this many tokens at a time (0 = all at once)
-    logits_chunk_tokens: int = 1024
-    save_every: int = 0                         # write checkpoint-<step>/ every N steps (0 = only final/)
-    keep_checkpoints: int = 2                   # how many checkpoint-<step>/ folders to keep
-    # stop after this many steps in a row with a NaN/inf loss or gradient (0 = never)
-    max_bad_steps: int = 10
-    # completions of a step scored at once (threads; math checks run in child processes)
-    reward_workers: int = 4
-    # reward time per step; completions not scored by then score 0 (reward_timeouts; 0 = no budget)
-    reward_budget_s: float = 60.0
-    report_to: str = 'none'                     # none, tensorboard or wandb (through accelerate's trackers)
-    # write rollouts/step-<N>.json (and send them to the tracker) every N steps and at step 1 (0 = never)
-    log_rollouts_every: int = 10
-    # groups (prompt, images, G completions, rewards, advantages) recorded per logged step
-    log_rollouts_groups: int = 8
-    eval_before: bool = True                    # evaluate the held-out split before training
-    eval_after: bool = True                     # and after
+    max_steps: int = field(default=100, metadata=meta("optimizer steps", low=1))
+    epochs: float | None = field(default=None, metadata=meta(
+        "if set, passes over the train split (at B prompts per step) replace max_steps", above=0))
+    group_size: int = field(default=8, metadata=meta(
+        "G: completions sampled per prompt", low=1, note="at least 2 with a group baseline"))
+    batch_size: int = field(default=8, metadata=meta("B: prompts per step, over all processes", low=1))
+    micro_batch_size: int = field(default=16, metadata=meta(
+        "sequences per forward/backward (gradient accumulation over the rest)", low=0))
+    micro_batch_tokens: int = field(default=8192, metadata=meta(
+        "micro-batches by forward tokens, padding counted, instead (0 = by micro_batch_size)", low=0))
+    lr: float = field(default=1e-06, metadata=meta("AdamW learning rate (the paper's multimodal runs)", above=0))
+    lr_schedule: str = field(default="constant", metadata=meta(
+        "learning-rate schedule: constant, constant_with_warmup, cosine, linear, ...", choices="schedules"))
+    warmup_steps: int = field(default=0, metadata=meta(
+        "warm-up steps for *_with_warmup, cosine and linear schedules", low=0))
+    weight_decay: float = field(default=0.0, metadata=meta("AdamW weight decay", low=0))
+    max_grad_norm: float = field(default=1.0, metadata=meta("gradient clipping", above=0))
+    beta_th: float = field(default=0.4, metadata=meta(
+        "resample until this fraction of B groups has differing rewards (0 = never)", low=0, high=1))
+    max_attempts: int = field(default=8, metadata=meta("most rollouts per step while resampling", low=1))
+    max_completions: int | None = field(default=None, metadata=meta(
+        "stop after this many sampled completions, resampled ones included (ablations)", low=1))
+    advantage: str = field(default="group_mean", metadata=meta(
+        "group_mean: r - mean(r) (GPG); std_normalized: (r - mean) / (sample std + 1e-4) (GRPO); none: r",
+        choices="advantages", references=True))
+    loss: str = field(default="gpg", metadata=meta(
+        "policy loss: gpg, grpo, dr_grpo, dapo (the algorithm=<name> presets set it)", choices="losses",
+        references=True))
+    ppo_epochs: int = field(default=1, metadata=meta(
+        "mu: passes over each rollout (losses with a ratio: grpo, dr_grpo, dapo)", low=1))
+    ppo_mini_batch: int = field(default=0, metadata=meta(
+        "sequences per optimizer step, over all processes, a multiple of group_size (0 = the whole rollout)",
+        low=0, note="0 = the whole rollout"))
+    clip_low: float = field(default=0.2, metadata=meta("ratio clipped below at 1 - clip_low", low=0, high=1))
+    clip_high: float | None = field(default=None, metadata=meta(
+        "ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)", low=0,
+        note="null = clip_low"))
+    kl_coef: float = field(default=0.0, metadata=meta(
+        "beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)", low=0))
+    loss_options: dict = field(default_factory=dict, metadata=meta(
+        "options of trainer.loss by name (a loss declares them as keyword arguments; clip_low, clip_high, kl_coef "
+        "and max_tokens = rollout.max_new_tokens fill those not given here)"))
+    overlong_cache: int = field(default=0, metadata=meta(
+        "DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens "
+        "(0 = off)", low=0, note="0 = off"))
+    overlong_penalty: float = field(default=1.0, metadata=meta(
+        "the penalty at the length limit (it grows linearly over overlong_cache tokens)", low=0))
+    std_normalize: bool | None = field(default=None, metadata=meta(
+        "deprecated: trainer.advantage=std_normalized (one warning)", note="deprecated: trainer.advantage"))
+    baseline: str | None = field(default=None, metadata=meta(
+        "deprecated: trainer.advantage=group_mean or none (one warning)", choices="baselines",
+        note="deprecated: trainer.advantage"))
+    age: bool = field(default=True, metadata=meta(
+        "AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)"))
+    aggregation: str = field(default="seq_mean_token_mean", metadata=meta(
+        "seq_mean_token_mean; token_mean (mean over all tokens of the batch); seq_mean_token_sum (token sums "
+        "over max_new_tokens: Dr. GRPO)", choices="aggregations"))
+    gradient_checkpointing: bool = field(default=False, metadata=meta("trade compute for memory on large models"))
+    share_vision: bool = field(default=True, metadata=meta(
+        "encode each prompt's images once per group in the update (false = once per sequence)"))
+    share_prompt: bool = field(default=True, metadata=meta(
+        "run each prompt once per group in the update, completions on its cache (false = per sequence; off "
+        "under gradient_checkpointing, FSDP and ZeRO-3)"))
+    logits_chunk_tokens: int = field(default=1024, metadata=meta(
+        "score completions through the output layer this many tokens at a time (0 = all at once)", low=0))
+    save_every: int = field(default=0, metadata=meta(
+        "write checkpoint-<step>/ every N steps (0 = only final/)", low=0, note="0 = only final/"))
+    keep_checkpoints: int = field(default=2, metadata=meta(
+        "how many checkpoint-<step>/ folders to keep", low=0, note="0 = keep all"))
+    max_bad_steps: int = field(default=10, metadata=meta(
+        "stop after this many steps in a row with a NaN/inf loss or gradient (0 = never)", low=0,
+        note="0 = never stop"))
+    reward_workers: int = field(default=4, metadata=meta(
+        "completions of a step scored at once (threads; math checks run in child processes)", low=1))
+    reward_budget_s: float = field(default=60.0, metadata=meta(
+        "reward time per step; completions not scored by then score 0 (reward_timeouts; 0 = no budget)", low=0,
+        note="0 = no budget"))
+    report_to: str = field(default="none", metadata=meta(
+        "none, tensorboard or wandb (through accelerate's trackers)", choices="trackers"))
+    log_rollouts_every: int = field(default=10, metadata=meta(
+        "write rollouts/step-<N>.json (and send them to the tracker) every N steps and at step 1 (0 = never)",
+        low=0, note="0 = never"))
+    log_rollouts_groups: int = field(default=8, metadata=meta(
+        "groups (prompt, images, G completions, rewards, advantages) recorded per logged step", low=1))
+    eval_before: bool = field(default=True, metadata=meta("evaluate the held-out split before training"))
+    eval_after: bool = field(default=True, metadata=meta("evaluate the held-out split after training"))
 
     def __post_init__(self) -> None:
         from gpg_vl.objective import (
@@ -132,36 +214,41 @@ class TrainerSettings:
 class HFEngineSettings:
     """`rollout.hf.*`: the Hugging Face engine (gpg_vl/rollout/hf.py), sampling with the trained model itself."""
 
-    # prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)
-    prefill_once: bool = True
-    # preallocate the decoding cache (no reallocation per token; a cache that cannot be, e.g. one holding
-    # linear-attention recurrent states, stays dynamic); exact, but not measured faster on CPU (README, Throughput)
-    static_cache: bool = False
-    # reserve the dynamic cache's room for the whole completion once (each token is written in place instead
-    # of the cache being copied per token; the same attention, exact); it holds from the start the memory a
-    # completion of max_new_tokens would take; static_cache takes precedence
-    reserve_cache: bool = True
-    # loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate
-    decode: str = 'loop'
+    prefill_once: bool = field(default=True, metadata=meta(
+        "prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)"))
+    static_cache: bool = field(default=False, metadata=meta(
+        "preallocate the decoding cache (a cache that cannot be, e.g. one holding linear-attention "
+        "recurrent states, stays dynamic); exact, but not measured faster on CPU"))
+    reserve_cache: bool = field(default=True, metadata=meta(
+        "reserve the dynamic cache's room for the whole completion once (written in place, not copied per "
+        "token; exact); static_cache takes precedence"))
+    decode: str = field(default="loop", metadata=meta(
+        "loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate",
+        choices="decoders"))
 
 
 @dataclass
 class VLLMEngineSettings:
     """`rollout.vllm.*`: the vLLM engine (gpg_vl/rollout/vllm.py), colocated: one engine in every training process."""
 
-    gpu_memory_utilization: float = 0.4         # the share of GPU memory vLLM takes for weights and its KV cache
-    tensor_parallel_size: int = 1               # processes that shard one engine (within the training processes)
-    # free vLLM's memory while the update runs (sleep level 1, woken per rollout)
-    enable_sleep_mode: bool = True
-    # prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens)
-    max_model_len: int | None = None
-    max_images: int = 4                         # most images in one prompt (vLLM plans its encoder memory for them)
-    enforce_eager: bool = False                 # no CUDA graphs (slower decoding, faster start, less memory)
-    # warn once when a step's mean |vLLM log-prob - trainer log-prob| is above this
-    max_logp_mismatch: float = 0.05
-    # > 0: token-level truncated importance weight min(p_trainer / p_vllm, cap) multiplies the loss (0 = off)
-    tis_cap: float = 0.0
-    seed: int = 0                               # vLLM's sampling seed (each process adds its rank)
+    gpu_memory_utilization: float = field(default=0.4, metadata=meta(
+        "the share of GPU memory vLLM takes for weights and its KV cache", low=0.01, high=1))
+    tensor_parallel_size: int = field(default=1, metadata=meta(
+        "processes that shard one engine (within the training processes)", low=1))
+    enable_sleep_mode: bool = field(default=True, metadata=meta(
+        "free vLLM's memory while the update runs (sleep level 1, woken per rollout)"))
+    max_model_len: int | None = field(default=None, metadata=meta(
+        "prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens)", low=1))
+    max_images: int = field(default=4, metadata=meta(
+        "most images in one prompt (vLLM plans its encoder memory for them)", low=1))
+    enforce_eager: bool = field(default=False, metadata=meta(
+        "no CUDA graphs (slower decoding, faster start, less memory)"))
+    max_logp_mismatch: float = field(default=0.05, metadata=meta(
+        "warn once when a step's mean |vLLM log-prob - trainer log-prob| is above this", low=0))
+    tis_cap: float = field(default=0.0, metadata=meta(
+        "> 0: token-level truncated importance weight min(p_trainer / p_vllm, cap) multiplies the loss (0 = off)",
+        low=0, note="0 = off"))
+    seed: int = field(default=0, metadata=meta("vLLM's sampling seed (each process adds its rank)", low=0))
 
 
 ROLLOUT_ALIASES = {"prefill_once": "hf.prefill_once", "static_cache": "hf.static_cache"}  # deprecated -> new key
@@ -171,16 +258,23 @@ ROLLOUT_ALIASES = {"prefill_once": "hf.prefill_once", "static_cache": "hf.static
 class RolloutSettings:
     """`rollout.*`: sampling the G completions of each prompt, through the engine `engine` names."""
 
-    engine: str = 'hf'                          # hf (transformers, any device) or vllm (CUDA; pip install -e ".[vllm]")
-    max_new_tokens: int = 256                   # completion length limit
-    temperature: float = 1.0                    # sampling temperature (the update's log-probs use the same)
-    top_p: float = 1.0                          # nucleus sampling
-    ignore_eos: bool = False                    # always generate max_new_tokens (benchmarks)
-    max_prompt_tokens: int = 4096               # longer prompts are skipped with a warning, never truncated
+    engine: str = field(default="hf", metadata=meta(
+        "hf (transformers, any device) or vllm (CUDA; pip install -e \".[vllm]\")", choices="engines",
+        references=True))
+    max_new_tokens: int = field(default=256, metadata=meta("completion length limit", low=1))
+    temperature: float = field(default=1.0, metadata=meta(
+        "sampling temperature (the update's log-probs use the same)", above=0,
+        note="sampling needs it; the update's log-probs divide by it"))
+    top_p: float = field(default=1.0, metadata=meta("nucleus sampling", above=0, high=1))
+    ignore_eos: bool = field(default=False, metadata=meta("always generate max_new_tokens (benchmarks)"))
+    max_prompt_tokens: int = field(default=4096, metadata=meta(
+        "longer prompts are skipped with a warning, never truncated", low=1))
     hf: HFEngineSettings = field(default_factory=HFEngineSettings)
     vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)
-    prefill_once: bool | None = None         # deprecated: rollout.hf.prefill_once
-    static_cache: bool | None = None         # deprecated: rollout.hf.static_cache
+    prefill_once: bool | None = field(default=None, metadata=meta(
+        "deprecated: rollout.hf.prefill_once", note="deprecated: rollout.hf.prefill_once"))
+    static_cache: bool | None = field(default=None, metadata=meta(
+        "deprecated: rollout.hf.static_cache", note="deprecated: rollout.hf.static_cache"))
 
     def __post_init__(self) -> None:
         import warnings
@@ -203,28 +297,119 @@ class RolloutSettings:
 
 @dataclass
 class EvalSettings:
-    """`eval.*`: greedy evaluation of the held-out split during training."""
+    """`eval.*`: greedy evaluation of the held-out split (during training, and by scripts/eval.py)."""
 
-    split: str | None = None                 # held-out split (null = the task's eval split)
-    limit: int | None = None                 # evaluate only the first N rows
-    batch_size: int = 32                        # prompts per greedy decoding batch
-    max_new_tokens: int | None = None        # null = rollout.max_new_tokens
-    reward_workers: int = 4                     # completions of a batch scored at once (threads)
-    # reward time per decoding batch; completions not scored by then score 0 (reward_timeouts; 0 = no budget)
-    reward_budget_s: float = 120.0
+    split: str | None = field(default=None, metadata=meta(
+        "held-out split (null = the task's eval split)", nonempty=True))
+    limit: int | None = field(default=None, metadata=meta("evaluate only the first N rows", low=1))
+    batch_size: int = field(default=32, metadata=meta("prompts per greedy decoding batch", low=1))
+    max_new_tokens: int | None = field(default=None, metadata=meta(
+        "completion length limit (null = rollout.max_new_tokens)", low=1))
+    reward_workers: int = field(default=4, metadata=meta("completions of a batch scored at once (threads)", low=1))
+    reward_budget_s: float = field(default=120.0, metadata=meta(
+        "reward time per decoding batch; completions not scored by then score 0 (reward_timeouts; 0 = no budget)",
+        low=0, note="0 = no budget"))
+
+
+@dataclass
+class LoraSettings:
+    """`model.lora.*`: LoRA through PEFT (gpg_vl/models/lora.py)."""
+
+    r: int = field(default=0, metadata=meta("LoRA rank; 0 = full fine-tuning", low=0))
+    alpha: float = field(default=32.0, metadata=meta("LoRA scale is alpha / r", above=0))
+    dropout: float = field(default=0.0, metadata=meta("dropout on the LoRA input", low=0, high=1))
+    target_modules: Any = field(  # a list of names, or one regular expression
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata=meta("the modules that get an adapter: a list of names, or one regular expression"))
+    include_vision: bool = field(default=False, metadata=meta(
+        "false = the vision tower gets no adapter (and stays frozen)"))
+    target_parameters: Any = field(default_factory=list, metadata=meta(
+        "parameter tensors to adapt too, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (MoE experts)"))
+    save: str = field(default="adapter", metadata=meta(
+        "checkpoints hold the adapter alone, or merged = full weights in Hugging Face format",
+        choices=("adapter", "merged")))
+
+
+@dataclass
+class ModelSettings:
+    """`model.*`: which model (an alias, configs/model/<alias>.yaml, sets what differs from these defaults), how it
+    is loaded (gpg_vl/models/load.py's `load_policy` takes these settings) and how it is trained."""
+
+    name_or_path: str | None = field(default=None, metadata=meta(
+        "hub id, local Hugging Face directory, embedded:<name> or tiny:<family>"))
+    family: str = field(default="auto", metadata=meta(
+        "auto = from the model's config.json (model_type); or a family name", choices="families",
+        references=True))
+    prompt_style: str = field(default="chat", metadata=meta(
+        "chat (chat template) or raw (model.raw_template: base models)", choices=("chat", "raw")))
+    enable_thinking: bool = field(default=True, metadata=meta(
+        "false = the chat template's thinking off (Qwen3.5), where it allows"))
+    box_frame: str | None = field(default=None, metadata=meta(
+        "the frame of the model's boxes (null = the family's)", choices="box_frames"))
+    router_aux_loss_coef: float = field(default=0.0, metadata=meta(
+        "mixture-of-experts router auxiliary loss (0 = off, as TRL's GPG)", low=0))
+    dtype: str = field(default="auto", metadata=meta(
+        "weights' dtype; auto = bfloat16 on a GPU that has it, else float32",
+        choices=("auto", "float32", "bfloat16", "float16")))
+    min_pixels: int | None = field(default=3136, metadata=meta(
+        "images are resized to at least this many pixels", low=1))
+    max_pixels: int | None = field(default=401408, metadata=meta(
+        "and at most this many (the paper's setting)", low=1))
+    trust_remote_code: bool = field(default=False, metadata=meta(
+        "run code from the model repository (only if you trust it)"))
+    attn_implementation: str | None = field(default="sdpa", metadata=meta(
+        "attention kernel (null = transformers' choice)",
+        choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")))
+    raw_template: str | None = field(default=None, metadata=meta(
+        "prompt_style=raw: text around {prompt} (the question, images inline); null = R1-V's"))
+    freeze_vision: bool = field(default=False, metadata=meta(
+        "true = the vision tower is not trained (not in the optimizer)"))
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # ModelSettings(**container): the section arrives as a plain dict
+            self.lora = LoraSettings(**self.lora)
+
+
+@dataclass
+class DataSettings:
+    """`data.*`: where the task's data is read from, and how many bad rows a run tolerates."""
+
+    path: str | None = field(default=None, metadata=meta(
+        "a local copy of the task's data (file, folder of files, or save_to_disk folder); null = the task's hub copy"))
+    image_root: str | None = field(default=None, metadata=meta(
+        "where relative image paths in the data resolve (null = next to the data file)"))
+    allow_outside_paths: bool = field(default=False, metadata=meta(
+        "true: image paths may point outside the image root ('../x.png', absolute paths)"))
+    max_bad_fraction: float = field(default=0.05, metadata=meta(
+        "bad rows are skipped and counted; stop when more than this fraction of rows seen are bad", low=0, high=1))
+
+
+@dataclass
+class TaskSettings:
+    """`task.*`: the task plugin (configs/task/<name>.yaml sets both)."""
+
+    name: str | None = field(default=None, metadata=meta(
+        "registered task name, or module:ClassName, or path/to/file.py:ClassName"))
+    options: Any = field(default=None, metadata=meta(
+        "keyword arguments of the task's constructor (task.options.<key>=; see the task's config)"))
+
 
 @dataclass
 class TrainSchema:
-    """configs/train.yaml as a whole: the typed sections above, and the untyped ones (a model alias, a task
-    and its constructor's options, the data paths) whose keys the model and task groups declare."""
+    """configs/train.yaml as a whole: the top-level keys and the typed sections."""
 
-    output_dir: str = "outputs"
-    seed: int = 0
-    resume: str | None = None
-    overwrite: bool = False
-    model: Any = None
-    task: Any = None
-    data: Any = None
+    output_dir: str = field(default="outputs", metadata=meta(
+        "metrics.jsonl, summary.json, curves.png, checkpoints (train.yaml: outputs/<task>/<time>)", nonempty=True))
+    seed: int = field(default=0, metadata=meta(
+        "seeds python, numpy, torch and the prompt order", low=0, high=2**31 - 1))
+    resume: str | None = field(default=None, metadata=meta(
+        "auto = the newest intact checkpoint in output_dir (if any), a checkpoint folder, or null"))
+    overwrite: bool = field(default=False, metadata=meta(
+        "true = a new run in an output_dir holding a previous run moves its files to previous-<time>/"))
+    model: ModelSettings = field(default_factory=ModelSettings)
+    task: TaskSettings = field(default_factory=TaskSettings)
+    data: DataSettings = field(default_factory=DataSettings)
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
@@ -236,15 +421,22 @@ class EvalSchema:
     keys, and rollout.* as in training (the engine that decodes; rollout.max_new_tokens when
     eval.max_new_tokens is null). A task config's trainer.* defaults are accepted and ignored."""
 
-    output_dir: str = "outputs/eval"
-    seed: int = 0
-    predictions: str | None = None           # a predictions.jsonl to re-score without loading the policy model
-    segmenter: str = "sam"                      # lisa's mask metrics: sam, sam2 or box
-    segmenter_model: str | None = None       # null = the segmenter's default checkpoint; a hub id or a folder
-    segmenter_batch_size: int = 8               # images (one box each) per segmenter forward pass
-    model: Any = None
-    task: Any = None
-    data: Any = None
+    output_dir: str = field(default="outputs/eval", metadata=meta(
+        "predictions.jsonl, metrics.json, predictions.html (eval.yaml: outputs/eval/<task>/<time>)", nonempty=True))
+    seed: int = field(default=0, metadata=meta("seeds torch", low=0, high=2**31 - 1))
+    predictions: str | None = field(default=None, metadata=meta(
+        "a predictions.jsonl to re-score without loading the policy model"))
+    segmenter: str = field(default="sam", metadata=meta(
+        "lisa's mask metrics (gIoU, cIoU): sam (the paper's, SAM ViT-H), sam2, or box (the filled box: no model)",
+        choices="segmenters"))
+    segmenter_model: str | None = field(default=None, metadata=meta(
+        "null = the segmenter's default checkpoint (facebook/sam-vit-huge, facebook/sam2.1-hiera-large); a hub id "
+        "or a folder"))
+    segmenter_batch_size: int = field(default=8, metadata=meta(
+        "images (one box each) per segmenter forward pass", low=1))
+    model: ModelSettings = field(default_factory=ModelSettings)
+    task: TaskSettings = field(default_factory=TaskSettings)
+    data: DataSettings = field(default_factory=DataSettings)
     trainer: Any = None
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)

@@ -1,10 +1,12 @@
 """Config values checked once, on the composed config, before anything loads.
 
-`RULES` says, for each key, what is allowed; `check_values` applies it (and the few rules that tie two keys
-together) and fails with ONE sentence that names every offending key, its value and what is allowed. Types and
-ranges are both checked here, so a wrong value fails before the model, the data or the output folder is touched
-(`trainer.lr=abc` would otherwise fail after the model loaded, `eval.batch_size=0` after training).
-`check_model_folder` reads a local model's config.json (with transformers, no weights) for the same reason.
+Every per-key check is derived from the schema (gpg_vl/config/schema.py): a field's type says what kind of value
+it holds (`| None`: null allowed) and its metadata (`meta`) the range or the choices. `check_values` applies
+them (and the few rules that tie two keys together, `_cross_problems`) and fails with ONE sentence that names
+every offending key, its value and what is allowed. So a wrong value fails before the model, the data or the
+output folder is touched (`trainer.lr=abc` would otherwise fail after the model loaded, `eval.batch_size=0`
+after training). `check_model_folder` reads a local model's config.json (with transformers, no weights) for the
+same reason.
 
 A key absent from the config (e.g. `trainer.*` in eval.yaml) is not checked.
 """
@@ -12,12 +14,16 @@ A key absent from the config (e.g. `trainer.*` in eval.yaml) is not checked.
 from __future__ import annotations
 
 import math
+import types
+import typing
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import Field, dataclass
+from functools import cache
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpg_vl.config.schema import EvalSchema, Key, TrainSchema, declared, key_of
 from gpg_vl.errors import UserError
 
 
@@ -74,167 +80,94 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def integer(low=None, high=None, *, optional=False, note="") -> Rule:
-    return Rule("int", low=low, high=high, optional=optional, note=note)
+def choices_of(source: str) -> list[str]:
+    """The names a lazy choice (`Key.choices` naming a source in schema.CHOICE_SOURCES) allows now: the registries
+    (plugins included) and the libraries' lists, imported here on first use so the schema stays light."""
+    if source == "schedules":
+        from transformers import SchedulerType
+
+        return [s.value for s in SchedulerType]
+    if source == "trackers":
+        from accelerate.utils import LoggerType
+
+        return ["none", *(t.value for t in LoggerType)]
+    if source == "advantages":
+        from gpg_vl.objective import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS.names()
+    if source == "baselines":
+        from gpg_vl.objective import BASELINES
+
+        return list(BASELINES)
+    if source == "losses":
+        from gpg_vl.objective import POLICY_LOSSES
+
+        return POLICY_LOSSES.names()
+    if source == "aggregations":
+        from gpg_vl.objective import AGGREGATIONS
+
+        return sorted(AGGREGATIONS)
+    if source == "engines":
+        from gpg_vl.rollout.engine import ENGINES
+
+        return ENGINES.names()
+    if source == "decoders":
+        from gpg_vl.rollout.hf import DECODERS
+
+        return list(DECODERS)
+    if source == "families":
+        from gpg_vl.models.family import FAMILIES
+
+        return ["auto", *FAMILIES.names()]
+    if source == "box_frames":
+        from gpg_vl.models.family import BOX_FRAMES
+
+        return list(BOX_FRAMES)
+    if source == "segmenters":
+        from gpg_vl.reward.segment import SEGMENTERS
+
+        return list(SEGMENTERS)
+    raise ValueError(f"unknown choice source {source!r}")
 
 
-def number(low=None, high=None, *, above=None, optional=False, note="") -> Rule:
-    return Rule("number", low=low, above=above, high=high, optional=optional, note=note)
+def value_type(item: Field) -> tuple[object, bool]:
+    """A field's type without `None`, and whether null is allowed (`X | None`)."""
+    hint = item.type
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = typing.get_args(hint)
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Any), len(rest) < len(args)
+    return hint, False
 
 
-def one_of(choices, *, optional=False, note="", references=False) -> Rule:
-    return Rule("choice", choices=choices, optional=optional, note=note, references=references)
+def rule_for(item: Field) -> Rule | None:
+    """What a schema field allows, from its type and its metadata (None: its type says all, e.g. a free string)."""
+    key = key_of(item) or Key("")
+    hint, optional = value_type(item)
+    common = {"optional": optional, "note": key.note}
+    if key.choices:
+        choices = key.choices
+        source = (lambda: choices_of(choices)) if isinstance(choices, str) else tuple(choices)
+        return Rule("choice", choices=source, references=key.references, **common)
+    if hint is bool:
+        return Rule("bool", **common)
+    if hint in (int, float):
+        return Rule("int" if hint is int else "number", low=key.low, above=key.above, high=key.high, **common)
+    if hint is str and key.nonempty:
+        return Rule("str", **common)
+    return None
 
 
-BOOL = Rule("bool")
-TEXT = Rule("str")
-
-
-def _schedules() -> list[str]:
-    from transformers import SchedulerType
-
-    return [s.value for s in SchedulerType]
-
-
-def _trackers() -> list[str]:
-    from accelerate.utils import LoggerType
-
-    return ["none", *(t.value for t in LoggerType)]
-
-
-def _aggregations() -> list[str]:
-    from gpg_vl.objective import AGGREGATIONS
-
-    return sorted(AGGREGATIONS)
-
-
-def _baselines() -> list[str]:
-    from gpg_vl.objective import BASELINES
-
-    return list(BASELINES)
-
-
-def _engines() -> list[str]:
-    from gpg_vl.rollout.engine import ENGINES
-
-    return ENGINES.names()
-
-
-def _decoders() -> list[str]:
-    from gpg_vl.rollout.hf import DECODERS
-
-    return list(DECODERS)
-
-
-def _box_frames() -> list[str]:
-    from gpg_vl.models.family import BOX_FRAMES
-
-    return list(BOX_FRAMES)
-
-
-def _segmenters() -> list[str]:
-    from gpg_vl.reward.segment import SEGMENTERS
-
-    return list(SEGMENTERS)
-
-
-def _families() -> list[str]:
-    from gpg_vl.models.family import FAMILIES
-
-    return ["auto", *FAMILIES.names()]
-
-
-RULES: dict[str, Rule] = {
-    "output_dir": TEXT,
-    "seed": integer(0, 2**31 - 1),
-    "overwrite": BOOL,
-    "model.family": one_of(_families, references=True),
-    "model.prompt_style": one_of(("chat", "raw")),
-    "model.dtype": one_of(("auto", "float32", "bfloat16", "float16")),
-    "model.min_pixels": integer(1, optional=True),
-    "model.max_pixels": integer(1, optional=True),
-    "model.trust_remote_code": BOOL,
-    "model.enable_thinking": BOOL,
-    "model.box_frame": one_of(_box_frames, optional=True),
-    "model.router_aux_loss_coef": number(0),
-    "model.attn_implementation": one_of(("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"),
-                                        optional=True),
-    "model.freeze_vision": BOOL,
-    "model.lora.r": integer(0),
-    "model.lora.alpha": number(above=0),
-    "model.lora.dropout": number(0, 1),
-    "model.lora.include_vision": BOOL,
-    "model.lora.save": one_of(("adapter", "merged")),
-    "data.max_bad_fraction": number(0, 1),
-    "trainer.max_steps": integer(1),
-    "trainer.epochs": number(above=0, optional=True),
-    "trainer.group_size": integer(1, note="at least 2 with a group baseline"),
-    "trainer.batch_size": integer(1),
-    "trainer.micro_batch_size": integer(0),
-    "trainer.micro_batch_tokens": integer(0),
-    "trainer.lr": number(above=0),
-    "trainer.lr_schedule": one_of(_schedules),
-    "trainer.warmup_steps": integer(0),
-    "trainer.weight_decay": number(0),
-    "trainer.max_grad_norm": number(above=0),
-    "trainer.beta_th": number(0, 1),
-    "trainer.max_attempts": integer(1),
-    "trainer.max_completions": integer(1, optional=True),
-    "trainer.std_normalize": Rule("bool", optional=True, note="deprecated: trainer.advantage"),
-    "trainer.baseline": one_of(_baselines, optional=True, note="deprecated: trainer.advantage"),
-    "trainer.ppo_epochs": integer(1),
-    "trainer.ppo_mini_batch": integer(0, note="0 = the whole rollout"),
-    "trainer.clip_low": number(0, 1),
-    "trainer.clip_high": number(0, optional=True, note="null = clip_low"),
-    "trainer.kl_coef": number(0),
-    "trainer.overlong_cache": integer(0, note="0 = off"),
-    "trainer.overlong_penalty": number(0),
-    "trainer.age": BOOL,
-    "trainer.aggregation": one_of(_aggregations),
-    "trainer.gradient_checkpointing": BOOL,
-    "trainer.share_vision": BOOL,
-    "trainer.share_prompt": BOOL,
-    "trainer.logits_chunk_tokens": integer(0),
-    "trainer.save_every": integer(0, note="0 = only final/"),
-    "trainer.keep_checkpoints": integer(0, note="0 = keep all"),
-    "trainer.max_bad_steps": integer(0, note="0 = never stop"),
-    "trainer.report_to": one_of(_trackers),
-    "trainer.eval_before": BOOL,
-    "trainer.eval_after": BOOL,
-    "trainer.reward_workers": integer(1),
-    "trainer.reward_budget_s": number(0, note="0 = no budget"),
-    "trainer.log_rollouts_every": integer(0, note="0 = never"),
-    "trainer.log_rollouts_groups": integer(1),
-    "rollout.max_new_tokens": integer(1),
-    "rollout.temperature": number(above=0, note="sampling needs it; the update's log-probs divide by it"),
-    "rollout.top_p": number(high=1, above=0),
-    "rollout.ignore_eos": BOOL,
-    "rollout.max_prompt_tokens": integer(1),
-    "rollout.prefill_once": Rule("bool", optional=True, note="deprecated: rollout.hf.prefill_once"),
-    "rollout.static_cache": Rule("bool", optional=True, note="deprecated: rollout.hf.static_cache"),
-    "rollout.engine": one_of(_engines, references=True),
-    "rollout.hf.prefill_once": BOOL,
-    "rollout.hf.static_cache": BOOL,
-    "rollout.hf.reserve_cache": BOOL,
-    "rollout.hf.decode": one_of(_decoders),
-    "rollout.vllm.gpu_memory_utilization": number(0.01, 1),
-    "rollout.vllm.tensor_parallel_size": integer(1),
-    "rollout.vllm.enable_sleep_mode": BOOL,
-    "rollout.vllm.max_model_len": integer(1, optional=True),
-    "rollout.vllm.max_images": integer(1),
-    "rollout.vllm.enforce_eager": BOOL,
-    "rollout.vllm.max_logp_mismatch": number(0),
-    "rollout.vllm.tis_cap": number(0, note="0 = off"),
-    "rollout.vllm.seed": integer(0),
-    "eval.split": Rule("str", optional=True),
-    "eval.limit": integer(1, optional=True),
-    "eval.batch_size": integer(1),
-    "eval.max_new_tokens": integer(1, optional=True),
-    "eval.reward_workers": integer(1),
-    "eval.reward_budget_s": number(0, note="0 = no budget"),
-    "segmenter": one_of(_segmenters),
-    "segmenter_batch_size": integer(1),
-}
+@cache
+def rules() -> dict[str, Rule]:
+    """Every checked key of train.yaml and eval.yaml (dotted) and its rule, in the schema's order."""
+    table = {}
+    for schema in (TrainSchema, EvalSchema):
+        for name, item in declared(schema):
+            rule = rule_for(item)
+            if rule is not None:
+                table.setdefault(name, rule)
+    return table
 
 
 def _cross_problems(cfg: DictConfig) -> list[str]:
@@ -256,9 +189,9 @@ def _cross_problems(cfg: DictConfig) -> list[str]:
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Raise one UserError naming every config value outside what `RULES` allows (and the cross-key rules)."""
+    """Raise one UserError naming every config value outside what the schema allows (and the cross-key rules)."""
     problems = []
-    for key, rule in RULES.items():
+    for key, rule in rules().items():
         value = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
         if value is _ABSENT or isinstance(value, DictConfig | ListConfig):
             continue
@@ -276,7 +209,7 @@ _ABSENT = object()
 def check_model_folder(model_cfg: DictConfig) -> None:
     """For a local model folder (not a hub id): its config.json must load (valid JSON, fields of the right types,
     checked by transformers without reading weights), and `model.family` must agree with its model_type."""
-    from gpg_vl.models.load import FAMILIES, TINY_PREFIX, resolve_path
+    from gpg_vl.models.load import TINY_PREFIX, resolve_path
 
     name = str(model_cfg.name_or_path)
     if name.startswith(TINY_PREFIX):
@@ -295,6 +228,6 @@ def check_model_folder(model_cfg: DictConfig) -> None:
                         f"({type(error).__name__}: {detail}); restore the folder from its source, or fix "
                         "config.json.") from None
     family, model_type = str(model_cfg.get("family") or "auto"), getattr(loaded, "model_type", None)
-    if family != "auto" and model_type in FAMILIES and model_type != family:
+    if family != "auto" and model_type in choices_of("families") and model_type != family:
         raise UserError(f"model.family={family} contradicts {str(config)!r}, whose model_type is {model_type!r}; "
                         f"set model.family={model_type} (or auto, to read it from config.json).")

@@ -9,13 +9,15 @@ vision-language model (models/generic.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from gpg_vl.config.schema import ModelSettings
 from gpg_vl.errors import UserError
 from gpg_vl.models.family import (  # noqa: F401  (re-exported)
+    BOX_FRAMES,
     FAMILIES,
     GENERIC,
     RAW_TEMPLATE,
@@ -62,37 +64,48 @@ def resolve_path(name_or_path: str) -> str:
     return name_or_path
 
 
-def load_policy(
-    name_or_path: str, *, family: str = "qwen2_5_vl", dtype: str = "auto", min_pixels: int | None = None,
-    max_pixels: int | None = None, trust_remote_code: bool = False, attn_implementation: str | None = None,
-    device: torch.device | str = "cpu", prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE,
-    enable_thinking: bool = True, router_aux_loss_coef: float = 0.0,
-) -> Policy:
-    """Load model + processor from a hub id or a local directory; a failed download is one sentence."""
+def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", **changes) -> Policy:
+    """Load model + processor as `model` (the `model.*` settings, gpg_vl/config/schema.py) says, from a hub id or a
+    local directory; a failed download is one sentence.
+
+    A name stands for `ModelSettings(name_or_path=name)`, and keywords change the settings' fields, so tests can
+    write `load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", max_pixels=50176)`. LoRA and
+    `freeze_vision` are applied by the caller (gpg_vl/cli.py's `build_policy`); everything else is here.
+    """
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path = resolve_path(name_or_path)
+    settings = ModelSettings(name_or_path=model) if isinstance(model, str) else model
+    settings = replace(settings, **changes) if changes else settings
+    if settings.box_frame not in (None, *BOX_FRAMES):
+        raise UserError(f"unknown model.box_frame {settings.box_frame!r}; use one of {', '.join(BOX_FRAMES)} "
+                        "(null = the family's).")
+    path = resolve_path(str(settings.name_or_path))
+    family = settings.family
     if family == "auto":
         family = family_for(_model_type_of(path))
     family_class = get_family(family)  # a name, a model type (qwen3_vl_moe -> qwen3_vl), module:Name or file.py:Name
+    dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-    kwargs = {"trust_remote_code": trust_remote_code}
+    kwargs = {"trust_remote_code": settings.trust_remote_code}
     try:
         processor = AutoProcessor.from_pretrained(path, **kwargs)
-        model = AutoModelForImageTextToText.from_pretrained(
-            path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **kwargs)
+        loaded = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=getattr(torch, dtype), attn_implementation=settings.attn_implementation, **kwargs)
     except OSError as error:
         where = "local directory" if Path(path).exists() else "Hugging Face Hub id"
         raise UserError(
             f"could not load the model {path!r} as a {where} ({str(error).splitlines()[0][:160]}); "
             "without network access, download it elsewhere and pass model.name_or_path=/path/to/local/copy."
         ) from None
-    model.to(device)
-    _set_router_aux_loss(model, router_aux_loss_coef)
-    adapter = family_class(processor, model.config, min_pixels=min_pixels, max_pixels=max_pixels,
-                               prompt_style=prompt_style, raw_template=raw_template, enable_thinking=enable_thinking)
-    return Policy(model=model, processor=processor, adapter=adapter, name_or_path=path)
+    loaded.to(device)
+    _set_router_aux_loss(loaded, settings.router_aux_loss_coef)
+    adapter = family_class(processor, loaded.config, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
+                           prompt_style=settings.prompt_style, raw_template=settings.raw_template or RAW_TEMPLATE,
+                           enable_thinking=settings.enable_thinking)
+    if settings.box_frame:  # null = the family's own frame
+        adapter.box_frame = settings.box_frame
+    return Policy(model=loaded, processor=processor, adapter=adapter, name_or_path=path)
 
 
 def _model_type_of(path: str) -> str:

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from gpg_vl.models.batch import PromptBatch
-from gpg_vl.models.load import Policy
 
 
 @dataclass
@@ -35,9 +34,11 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_ids: list[int], *, igno
     return ~eos_seen_before
 
 
-def in_task_frame(policy: Policy, task, texts: list[str], prompts: PromptBatch, group_size: int) -> list[str]:
+def in_task_frame(policy, task, texts: list[str], prompts: PromptBatch, group_size: int) -> list[str]:
     """Completions as the task scores them: with what the chat template opened in the prompt for them (a
-    think block), and boxes moved from the model's frame into original pixels."""
+    think block), and boxes moved from the model's frame into original pixels. `policy` is a
+    gpg_vl.models.load.Policy (not imported: models.load reads the settings schema, whose rollout check reads
+    the engines, which import this module)."""
     prefixes = [policy.adapter.completion_prefix(text) for text in prompts.texts] if prompts.texts else []
     if prefixes:
         texts = [prefixes[i // group_size] + text for i, text in enumerate(texts)]

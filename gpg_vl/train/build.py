@@ -9,9 +9,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpg_vl.config.schema import ModelSettings
 from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
-from gpg_vl.models.load import RAW_TEMPLATE, load_policy
+from gpg_vl.models.load import load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
 
 
@@ -32,17 +33,8 @@ def build_policy(model_cfg: DictConfig, device):
         adapter = None  # merged weights sit next to the adapter: evaluate them as they are
     if adapter is not None:
         name_or_path = adapter_base(adapter)
-    policy = load_policy(
-        name_or_path, family=model_cfg.family, dtype=model_cfg.dtype, min_pixels=model_cfg.min_pixels,
-        max_pixels=model_cfg.max_pixels, trust_remote_code=model_cfg.trust_remote_code,
-        attn_implementation=model_cfg.attn_implementation, device=device,
-        prompt_style=model_cfg.get("prompt_style") or "chat",
-        raw_template=model_cfg.get("raw_template") or RAW_TEMPLATE,
-        enable_thinking=bool(model_cfg.get("enable_thinking", True)),
-        router_aux_loss_coef=float(model_cfg.get("router_aux_loss_coef") or 0.0),
-    )
-    if model_cfg.get("box_frame"):
-        policy.adapter.box_frame = _box_frame(model_cfg.box_frame)
+    policy = load_policy(ModelSettings(**OmegaConf.to_container(model_cfg, resolve=True)), device,
+                         name_or_path=str(name_or_path))
     model = policy.model
     if adapter is not None:
         model = load_adapter(model, adapter, trainable=training_lora)
@@ -56,14 +48,6 @@ def build_policy(model_cfg: DictConfig, device):
     if model_cfg.get("freeze_vision"):
         freeze_vision(model, policy.adapter.vision_modules(model))
     return replace(policy, model=model, save_format=str(lora.save) if training_lora else "full")
-
-
-def _box_frame(frame: str) -> str:
-    from gpg_vl.models.family import BOX_FRAMES
-
-    if frame not in BOX_FRAMES:
-        raise UserError(f"unknown model.box_frame {frame!r}; use one of {', '.join(BOX_FRAMES)} (null = the family's).")
-    return frame
 
 
 def _plain(value):

@@ -221,7 +221,7 @@ def test_remote_code_runs_only_when_the_user_asks(monkeypatch):
     monkeypatch.setattr(Model, "from_pretrained", record(Model.from_pretrained))
     load_policy("embedded:tiny-qwen2.5-vl", dtype="float32")
     assert calls == [False, False]
-    for alias in (ROOT / "configs" / "model").glob("[!_]*.yaml"):  # _base / _tiny are what aliases share
+    for alias in (ROOT / "configs" / "model").glob("[!_]*.yaml"):  # _tiny is what tiny aliases share
         assert load_config("train", [f"model={alias.stem}"]).model.trust_remote_code is False, alias.name
 
 

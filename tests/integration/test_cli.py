@@ -130,14 +130,19 @@ def test_eval_yaml_is_typed_by_the_same_settings():
         assert "\n" not in message and all(w in message for w in words), message
 
 
-def test_every_model_alias_resolves_and_is_a_short_diff_over_the_family_base():
-    from gpg_vl.config.compose import group_options
+def test_every_model_alias_resolves_and_is_a_short_diff_over_the_schema_defaults():
+    from dataclasses import asdict
 
+    from gpg_vl.config.compose import group_options
+    from gpg_vl.config.schema import ModelSettings
+
+    defaults = asdict(ModelSettings())  # the one home of the model defaults
     for alias in group_options("model"):
         if alias == "local":
             continue
         raw = yaml.safe_load((ROOT / "configs" / "model" / f"{alias}.yaml").read_text())
-        assert raw["defaults"][0] in ("_base", "_tiny") and len(raw) <= 5, alias
+        assert raw.pop("defaults", ["_tiny", "_self_"]) == ["_tiny", "_self_"] and len(raw) <= 3, alias
+        assert all(key in defaults and value != defaults[key] for key, value in raw.items()), alias  # what differs
         model = load_config("train", [f"model={alias}"]).model
         assert model.name_or_path and model.family and model.dtype in ("auto", "float32"), alias
     printed = subprocess.run([sys.executable, "scripts/train.py", "model=qwen3.5-35b-a3b", "--cfg", "job"], cwd=ROOT,

@@ -228,11 +228,15 @@ def test_lisa_train_split_needs_data_path():
 @pytest.mark.parametrize("name", ["classification", "lisa"])
 def test_task_configs_compose_with_the_papers_settings(name):
     for config in ("train", "eval"):
-        cfg = load_config(config, [f"task={name}"])
-        assert cfg.task.name == name and cfg.model.name_or_path == "Qwen/Qwen2-VL-2B-Instruct"
-        assert cfg.trainer.group_size == 8 and cfg.trainer.lr == 1e-6 and cfg.trainer.beta_th == 0.4
-        assert cfg.rollout.max_new_tokens == 256 and cfg.rollout.temperature == 1.0
-        assert cfg.eval.max_new_tokens == (256 if name == "classification" else 128)
+        for overrides in ([f"task={name}"], [f"+experiment={name}-paper"]):
+            cfg = load_config(config, overrides)
+            assert cfg.task.name == name
+            assert cfg.trainer.group_size == 8 and cfg.trainer.lr == 1e-6 and cfg.trainer.beta_th == 0.4
+            assert cfg.rollout.max_new_tokens == 256 and cfg.rollout.temperature == 1.0
+            assert cfg.eval.max_new_tokens == (256 if name == "classification" else 128)
+        # the task alone keeps the model (tiny by default); the paper's recipe sets the paper's model
+        assert load_config(config, [f"task={name}"]).model.name_or_path == "embedded:tiny-qwen2.5-vl"
+        assert load_config(config, [f"+experiment={name}-paper"]).model.name_or_path == "Qwen/Qwen2-VL-2B-Instruct"
     assert load_config("eval", [f"task={name}", "model=tiny"]).model.name_or_path == "embedded:tiny-qwen2.5-vl"
 
 

@@ -189,12 +189,16 @@ def test_published_sat_and_cv_bench_rows_score_as_prepared(cvbench_data):
 
 def test_cvbench_config_is_the_papers_and_composes_for_eval_too():
     for config in ("train", "eval"):
-        cfg = load_config(config, ["task=cvbench"])
-        assert cfg.task.name == "cvbench" and cfg.task.options.train_limit == 15000
-        assert cfg.model.name_or_path == "Qwen/Qwen2-VL-2B"
-        assert cfg.trainer.group_size == 8 and cfg.trainer.lr == 1e-6 and cfg.trainer.beta_th == 0.4
-        assert cfg.rollout.max_new_tokens == 700 and cfg.eval.max_new_tokens == 1024
-    assert load_config("train", ["task=cvbench", "model=tiny"]).model.name_or_path.startswith("embedded:")
+        for overrides in (["task=cvbench"], ["+experiment=cvbench-paper"]):
+            cfg = load_config(config, overrides)
+            assert cfg.task.name == "cvbench" and cfg.task.options.train_limit == 15000
+            assert cfg.trainer.group_size == 8 and cfg.trainer.lr == 1e-6 and cfg.trainer.beta_th == 0.4
+            assert cfg.rollout.max_new_tokens == 700 and cfg.eval.max_new_tokens == 1024
+        assert load_config(config, ["task=cvbench"]).model.name_or_path.startswith("embedded:")  # the task alone
+        paper = load_config(config, ["+experiment=cvbench-paper"]).model  # the paper's recipe: the base model
+        assert paper.name_or_path == "Qwen/Qwen2-VL-2B" and paper.prompt_style == "raw"
+    base = load_config("eval", ["task=cvbench", "model=qwen2-vl-2b"])  # a task's settings on a named model
+    assert base.model.name_or_path == "Qwen/Qwen2-VL-2B" and base.eval.max_new_tokens == 1024
 
 
 def run_eval(tmp_path, overrides):
@@ -285,11 +289,20 @@ def test_geoqa_test_split_without_data_path_fails_in_one_sentence_naming_it():
 
 def test_geoqa_config_is_the_papers_and_the_model_can_be_overridden():
     for config in ("train", "eval"):
-        cfg = load_config(config, ["task=geoqa"])
-        assert cfg.model.name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
-        assert cfg.trainer.group_size == 8 and cfg.trainer.lr == 1e-6 and cfg.trainer.epochs == 1
-        assert cfg.rollout.max_new_tokens == 256 and cfg.eval.max_new_tokens == 1024
+        for overrides in (["task=geoqa"], ["+experiment=geoqa-paper"]):
+            cfg = load_config(config, overrides)
+            assert cfg.task.name == "geoqa"
+            assert cfg.trainer.group_size == 8 and cfg.trainer.lr == 1e-6 and cfg.trainer.epochs == 1
+            assert cfg.rollout.max_new_tokens == 256 and cfg.eval.max_new_tokens == 1024
+        assert load_config(config, ["task=geoqa"]).model.name_or_path == "embedded:tiny-qwen2.5-vl"  # model=tiny kept
+        paper = load_config(config, ["+experiment=geoqa-paper"])
+        assert paper.model.name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
+        assert config == "eval" or paper.trainer.loss == "gpg"  # GPG, train.yaml's default algorithm
     assert load_config("train", ["task=geoqa", "model=qwen2.5-vl-7b"]).model.name_or_path.endswith("7B-Instruct")
+    named = load_config("train", ["+experiment=geoqa-paper", "model=qwen2.5-vl-7b"])  # the command line wins
+    assert named.model.name_or_path.endswith("7B-Instruct")
+    with pytest.raises(UserError, match="unknown experiment 'geoqa'; known: classification-paper"):
+        load_config("train", ["+experiment=geoqa"])
 
 
 def test_geoqa_evaluates_on_the_tiny_model(tmp_path):
