@@ -19,7 +19,8 @@ def test_quick_comparison_writes_tables_curves_claims_and_spends_equal_budgets(t
     for run in report["runs"]:
         assert run["completions_sampled"] == settings["budget"]  # the same budget for every algorithm
         assert f"algorithm={run['variant']}" in run["overrides"]
-        assert run["wall_seconds"] > 0 and run["seconds_per_step"] > 0 and run["peak_mib"] >= 0
+        assert run["wall_seconds"] > 0 and run["seconds_per_step"] > 0
+        assert run["peak_mib"] > 0  # the run loads a model and steps inside the meter: memory above its start
         assert 0.0 <= run["accuracy_after"] <= 1.0
     assert [p["variant"] for p in report["paired_vs_gpg"]] == ["grpo", "dr_grpo", "dapo"]
     assert [c["claim"] for c in report["claims"]] == ["GPG ≥ GRPO at equal samples", "GPG ≥ Dr. GRPO / DAPO",
