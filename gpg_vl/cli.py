@@ -39,6 +39,7 @@ def train_main(cfg: DictConfig) -> dict:
     try:
         summary = train(run)
     except KeyboardInterrupt:
+        run.bar.close()  # the message on a line of its own
         raise Interrupted(_interrupted(run)) from None
     if run.main and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"
