@@ -77,7 +77,8 @@ def main() -> None:
         cpu_all.append(cpu)
         shown = first if len(first) <= 110 else first[:107] + "..."
         command = f"`{script}.py {' '.join(overrides)}`"
-        print(f"| {command} | {cpu:.2f} | {wall:.2f} | {code} | {shown.replace('|', '/')} |", flush=True)
+        shown = shown.replace("|", "/").replace("`", "'")  # a Markdown table cell
+        print(f"| {command} | {cpu:.2f} | {wall:.2f} | {code} | {shown} |", flush=True)
     print(f"\n{len(COMMANDS)} commands: CPU s median {statistics.median(cpu_all):.2f}, max {max(cpu_all):.2f}")
 
 
