@@ -11,8 +11,10 @@ default, its range or choices and its one-line meaning (`meta`); nothing else re
 configs/*.yaml hold no copy of these defaults; model aliases and task configs set what differs.
 `python scripts/train.py --cfg job` prints every setting with its value.
 
-This module imports nothing heavy (no torch, no transformers): choices that come from a registry or a library
-are named here (`choices="engines"`) and read lazily, in gpg_vl/config/validate.py's `choices_of`.
+This module imports nothing heavy (no torch, no transformers), and neither do the settings' checks on built-in
+names: choices that come from a registry or a library are named here (`choices="engines"`) and read in
+gpg_vl/config/validate.py's `choices_of` from gpg_vl/config/names.py, which also holds what the built-in losses
+declare; a plugin (`module:name`) is loaded to be checked.
 """
 
 from dataclasses import MISSING, Field, dataclass, field, fields
