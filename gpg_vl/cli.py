@@ -1,4 +1,9 @@
-"""Entry points behind scripts/train.py and scripts/eval.py: load the config, `setup(cfg)`, `train(run)`; evaluation."""
+"""Entry points behind scripts/train.py and scripts/eval.py: load the config, `setup(cfg)`, `train(run)`; evaluation.
+
+Nothing heavy is imported at module level: scripts/train.py reads and checks the config (gpg_vl/config/) before
+torch, transformers or the model code load, so a bad key or value is refused in well under a second
+(docs/robustness.md, "Errors in a second").
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,50 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from gpg_vl.config.validate import check_model_folder
-from gpg_vl.errors import UserError
-from gpg_vl.train import build
-from gpg_vl.train.checkpoint import write_failure
-from gpg_vl.train.loop import setup, train
-from gpg_vl.train.outdir import check_output_dir
+from gpg_vl.errors import Interrupted, UserError
+
+_LAZY = {"build_policy": "gpg_vl.train.build", "build_task": "gpg_vl.train.build"}
+
+
+def __getattr__(name: str):
+    """`from gpg_vl.cli import build_policy, build_task` (scripts, tests): imported on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gpg_vl.cli' has no attribute {name!r}")
 
 
 def train_main(cfg: DictConfig) -> dict:
     """Train from a composed config: build the run once (gpg_vl/train/loop.py's `setup`), train it, and end
-    the process group; a UserError reaches scripts/train.py, which prints its sentence."""
-    run = setup(cfg)
-    summary = train(run)
+    the process group; a UserError reaches scripts/train.py, which prints its sentence. Ctrl-C ends the run
+    with `Interrupted` (the output folder released): one line naming the step and how to continue."""
+    from gpg_vl.train.loop import setup, train
+
+    try:
+        run = setup(cfg)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted before training started; nothing was trained in {cfg.output_dir}.") from None
+    try:
+        summary = train(run)
+    except KeyboardInterrupt:
+        run.bar.close()  # the message on a line of its own
+        raise Interrupted(_interrupted(run)) from None
     if run.main and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"
               f"  ({cfg.output_dir}/summary.json)")
     _close_process_group(run.accelerator)
     return summary
+
+
+def _interrupted(run) -> str:
+    """Where an interrupted run stopped: its step, its folder, the newest intact checkpoint it can continue from."""
+    from gpg_vl.train.checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(run.output_dir)
+    kept = f"the newest intact checkpoint is {newest}" if newest else "no checkpoint was written yet (step 0)"
+    return (f"interrupted at step {run.state.step}; continue with resume=auto (output_dir={run.output_dir}; "
+            f"{kept}).")
 
 
 def _close_process_group(accelerator) -> None:
@@ -44,8 +75,12 @@ def _cuda() -> bool:
 
 def eval_main(cfg: DictConfig) -> dict[str, float]:
     """Greedy evaluation of a model on a task split, or re-scoring of a saved predictions file."""
+    from gpg_vl.config.validate import check_model_folder
     from gpg_vl.observe.viewer import write_predictions_html
+    from gpg_vl.train import build
+    from gpg_vl.train.checkpoint import write_failure
     from gpg_vl.train.evaluate import evaluate, prediction_records, read_predictions, rescore
+    from gpg_vl.train.outdir import check_output_dir
 
     task = build.build_task(cfg.task, cfg.data)
     split = cfg.eval.split or task.eval_split

@@ -21,3 +21,10 @@ class BadRow(UserError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a run: the message says where it stopped and how to continue; the command line prints it
+    as one line (no traceback) and exits with 130, as a shell does for SIGINT."""
+
+    exit_code = 130

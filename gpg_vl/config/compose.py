@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpg_vl.config.schema import register_schema
 from gpg_vl.config.validate import check_values
-from gpg_vl.errors import UserError
+from gpg_vl.errors import Interrupted, UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ("task", "model", "algorithm")
@@ -140,7 +140,8 @@ def parse_argv(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def run_cli(config_name: str, main, argv: list[str] | None = None) -> int:
-    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2."""
+    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2. Ctrl-C
+    prints one line (`Interrupted`'s, saying how to continue, when `main` gives one) and exits with 130."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         overrides, print_only = parse_argv(argv)
@@ -152,4 +153,7 @@ def run_cli(config_name: str, main, argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as error:
+        print(str(error) if isinstance(error, Interrupted) else "interrupted.", file=sys.stderr)
+        return Interrupted.exit_code
     return 0

@@ -11,8 +11,10 @@ default, its range or choices and its one-line meaning (`meta`); nothing else re
 configs/*.yaml hold no copy of these defaults; model aliases and task configs set what differs.
 `python scripts/train.py --cfg job` prints every setting with its value.
 
-This module imports nothing heavy (no torch, no transformers): choices that come from a registry or a library
-are named here (`choices="engines"`) and read lazily, in gpg_vl/config/validate.py's `choices_of`.
+This module imports nothing heavy (no torch, no transformers), and neither do the settings' checks on built-in
+names: choices that come from a registry or a library are named here (`choices="engines"`) and read in
+gpg_vl/config/validate.py's `choices_of` from gpg_vl/config/names.py, which also holds what the built-in losses
+declare; a plugin (`module:name`) is loaded to be checked.
 """
 
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -170,34 +172,34 @@ class TrainerSettings:
     eval_after: bool = field(default=True, metadata=meta("evaluate the held-out split after training"))
 
     def __post_init__(self) -> None:
-        from gpg_vl.objective import (
-            AGGREGATIONS,
-            advantage_from_deprecated,
-            get_advantage,
-            get_policy_loss,
-            loss_aggregation,
-            loss_needs,
-        )
+        from gpg_vl.config import names
 
-        # an unknown variant, or a contradiction between keys, fails before any work
-        self.advantage = advantage_from_deprecated(self.advantage, self.baseline, self.std_normalize)
+        # an unknown variant, or a contradiction between keys, fails before any work; a built-in name is read
+        # from gpg_vl/config/names.py (no torch), a plugin (`module:fn`, or a registry already imported) from its
+        # registry, and the deprecated keys through gpg_vl/objective.py (their one warning)
+        if self.baseline is not None or self.std_normalize is not None:
+            from gpg_vl.objective import advantage_from_deprecated
+
+            self.advantage = advantage_from_deprecated(self.advantage, self.baseline, self.std_normalize)
         self.baseline = self.std_normalize = None
-        get_advantage(self.advantage)
-        loss = get_policy_loss(self.loss)
-        if self.aggregation not in AGGREGATIONS:
+        if self.advantage not in names.REGISTRIES["advantages"][2] or names.imported("advantages"):
+            from gpg_vl.objective import get_advantage
+
+            get_advantage(self.advantage)
+        needs, fixed = names.loss_declaration(self.loss)
+        if self.aggregation not in names.AGGREGATIONS:
             raise UserError(f"unknown trainer.aggregation {self.aggregation!r}; valid options: "
-                            f"{', '.join(AGGREGATIONS)}.")
-        if loss_aggregation(loss, self.aggregation) != self.aggregation:
-            raise UserError(f"trainer.loss={self.loss} aggregates as {loss_aggregation(loss, self.aggregation)}; set "
-                            f"trainer.aggregation={loss_aggregation(loss, self.aggregation)} (algorithm={self.loss} "
-                            "sets both).")
-        if self.kl_coef > 0 and "ref" not in loss_needs(loss):
+                            f"{', '.join(names.AGGREGATIONS)}.")
+        if fixed is not None and fixed != self.aggregation:
+            raise UserError(f"trainer.loss={self.loss} aggregates as {fixed}; set trainer.aggregation={fixed} "
+                            f"(algorithm={self.loss} sets both).")
+        if self.kl_coef > 0 and "ref" not in needs:
             raise UserError(f"trainer.kl_coef={self.kl_coef} needs a loss with a KL term; trainer.loss={self.loss} "
                             "has none: set trainer.loss=grpo or trainer.kl_coef=0.")
         if self.ppo_mini_batch % self.group_size:
             raise UserError(f"trainer.ppo_mini_batch={self.ppo_mini_batch} is not a multiple of trainer.group_size="
                             f"{self.group_size}; mini-batches hold whole groups.")
-        if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in loss_needs(loss):
+        if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in needs:
             raise UserError(f"trainer.ppo_epochs / trainer.ppo_mini_batch take several optimizer steps per rollout, "
                             f"which needs a loss with a ratio to the rollout policy; trainer.loss={self.loss} has "
                             "none: set trainer.loss=grpo (or dr_grpo, dapo), or trainer.ppo_epochs=1 and "
@@ -290,6 +292,10 @@ class RolloutSettings:
                               FutureWarning, stacklevel=2)
                 setattr(self.hf, new.split(".")[1], value)
                 setattr(self, old, None)
+        from gpg_vl.config import names
+
+        if self.engine == "hf" and not names.imported("engines"):
+            return  # runs anywhere; hf.decode is checked by the config, and again by build_engine
         from gpg_vl.rollout.engine import require_engine
 
         require_engine(self)  # an unknown engine, or vllm without a GPU or the package: one sentence, before any model

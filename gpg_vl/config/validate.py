@@ -23,6 +23,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from gpg_vl.config import names
 from gpg_vl.config.schema import EvalSchema, Key, TrainSchema, declared, key_of
 from gpg_vl.errors import UserError
 
@@ -82,52 +83,18 @@ def _number(value: float) -> str:
 
 def choices_of(source: str) -> list[str]:
     """The names a lazy choice (`Key.choices` naming a source in schema.CHOICE_SOURCES) allows now: the registries
-    (plugins included) and the libraries' lists, imported here on first use so the schema stays light."""
-    if source == "schedules":
-        from transformers import SchedulerType
-
-        return [s.value for s in SchedulerType]
-    if source == "trackers":
-        from accelerate.utils import LoggerType
-
-        return ["none", *(t.value for t in LoggerType)]
-    if source == "advantages":
-        from gpg_vl.objective import ADVANTAGE_ESTIMATORS
-
-        return ADVANTAGE_ESTIMATORS.names()
-    if source == "baselines":
-        from gpg_vl.objective import BASELINES
-
-        return list(BASELINES)
-    if source == "losses":
-        from gpg_vl.objective import POLICY_LOSSES
-
-        return POLICY_LOSSES.names()
-    if source == "aggregations":
-        from gpg_vl.objective import AGGREGATIONS
-
-        return sorted(AGGREGATIONS)
-    if source == "engines":
-        from gpg_vl.rollout.engine import ENGINES
-
-        return ENGINES.names()
-    if source == "decoders":
-        from gpg_vl.rollout.hf import DECODERS
-
-        return list(DECODERS)
-    if source == "families":
-        from gpg_vl.models.family import FAMILIES
-
-        return ["auto", *FAMILIES.names()]
-    if source == "box_frames":
-        from gpg_vl.models.family import BOX_FRAMES
-
-        return list(BOX_FRAMES)
-    if source == "segmenters":
-        from gpg_vl.reward.segment import SEGMENTERS
-
-        return list(SEGMENTERS)
-    raise ValueError(f"unknown choice source {source!r}")
+    (plugins included) and the libraries' lists, read from gpg_vl/config/names.py so that checking a config
+    imports none of torch, transformers or accelerate."""
+    if source in names.REGISTRIES:
+        found = names.registered(source)
+        return ["auto", *found] if source == "families" else found
+    lists = {"schedules": list(names.SCHEDULES), "trackers": ["none", *names.TRACKERS],
+             "baselines": list(names.BASELINES), "aggregations": sorted(names.AGGREGATIONS),
+             "decoders": list(names.DECODERS), "box_frames": list(names.BOX_FRAMES),
+             "segmenters": list(names.SEGMENTERS)}
+    if source not in lists:
+        raise ValueError(f"unknown choice source {source!r}")
+    return lists[source]
 
 
 def value_type(item: Field) -> tuple[object, bool]:
@@ -181,6 +148,11 @@ def _cross_problems(cfg: DictConfig) -> list[str]:
     if trainer.get("micro_batch_size") == 0 and trainer.get("micro_batch_tokens") == 0:
         problems.append("trainer.micro_batch_size=0 with trainer.micro_batch_tokens=0, allowed: micro_batch_size "
                         ">= 1, or micro_batch_tokens >= 1 to cut micro-batches by tokens")
+    cache, limit = trainer.get("overlong_cache"), (cfg.get("rollout") or {}).get("max_new_tokens")
+    if isinstance(cache, int) and isinstance(limit, int) and cache > limit:
+        problems.append(f"trainer.overlong_cache={cache} above rollout.max_new_tokens={limit}, allowed: "
+                        "overlong_cache <= max_new_tokens (DAPO's penalty ramps over the last overlong_cache tokens "
+                        "before the length limit; 0 = off)")
     model = cfg.get("model") or {}
     low, high = model.get("min_pixels"), model.get("max_pixels")
     if isinstance(low, int) and isinstance(high, int) and low > high:

@@ -285,8 +285,14 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     _resume(run)
     _held_out(run)
     run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,
-                   desc=trainer.loss.upper(), dynamic_ncols=True)
+                   desc=bar_label(trainer.loss), dynamic_ncols=True)
     return run
+
+
+def bar_label(loss: str) -> str:
+    """The progress bar's label: a built-in loss upper-cased (GPG, DAPO), a plugin's function name as it is
+    (`path/to/file.py:my_loss` and `module:my_loss` show `my_loss`)."""
+    return loss.rpartition(":")[2] if ":" in loss else loss.upper()
 
 
 def _start_process(accelerator: Accelerator, settings: RunSettings) -> None:
@@ -356,10 +362,11 @@ def _held_out(run: Run) -> None:
     summary's start."""
     task, evaluation, trainer = run.data.task, run.settings.evaluation, run.trainer
     accelerator, adapter = run.accelerator, run.learner.policy.adapter
-    eval_rows = task.load(evaluation.split or task.eval_split)
+    evaluated = (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after
+    eval_rows = task.load(evaluation.split or task.eval_split) if evaluated else []  # evaluation off: never read
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
     eval_data = None
-    if (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after:
+    if evaluated:
         good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=run.settings.max_bad_fraction,
                                     max_aspect_ratio=adapter.max_aspect_ratio)
         if eval_data.bad:
@@ -543,9 +550,8 @@ def log_step(run: Run, metrics: dict, attempts: list[Attempt]) -> None:
                  "of reward time per step; they scored 0 and are counted per step as reward_timeouts in "
                  "metrics.jsonl (raise the budget or trainer.reward_workers, or make the task's rewards faster).")
     if metrics["rewards_nonfinite"]:
-        names = sorted(getattr(run.data.task, "reward_nonfinite", {})) or ["on another process"]
-        run.warn(f"some completions got a NaN or infinite reward (reward {', '.join(names)}); their groups are left "
-                 "out of the update and counted per step as rewards_nonfinite in metrics.jsonl.")
+        run.warn(f"some completions got a NaN or infinite reward ({_nonfinite_rewards(run, attempts)}); their groups "
+                 "are left out of the update and counted per step as rewards_nonfinite in metrics.jsonl.")
     state.history.append(metrics)
     if run.main:  # a line cut short by a full disk is dropped by the resume (truncate_metrics)
         with writing(f"append step {state.step} to metrics.jsonl", run.output_dir), \
@@ -560,6 +566,20 @@ def log_step(run: Run, metrics: dict, attempts: list[Attempt]) -> None:
         log_rollouts(state.step, attempts, policy=run.learner.policy, task=run.data.task, output_dir=run.output_dir,
                      every=trainer.log_rollouts_every, groups=trainer.log_rollouts_groups,
                      accelerator=run.accelerator)
+
+
+def _nonfinite_rewards(run: Run, attempts: list[Attempt]) -> str:
+    """Which rewards were NaN or infinite: the names this process saw (its completions' reward components, and the
+    task's count); "on another process" only when this process saw none and there are others."""
+    names = set(getattr(run.data.task, "reward_nonfinite", {}))
+    for attempt in attempts:
+        names.update(name for name, values in (getattr(attempt, "components", None) or {}).items()
+                     if torch.is_tensor(values) and not torch.isfinite(values).all())
+    if names:
+        return f"reward {', '.join(sorted(names))}"
+    if run.accelerator.num_processes > 1:
+        return "on another process"
+    return "the weighted sum of the task's rewards"
 
 
 def stop_on_bad_steps(run: Run) -> None:
