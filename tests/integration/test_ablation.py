@@ -208,7 +208,8 @@ def test_grad_variance_machinery(tmp_path, capsys):
     assert set(report["results"]) == {"none/G=2", "group_mean/G=2", "std_normalized/G=2"}
     for entry in report["results"].values():
         assert entry["mean_squared_distance"] > 0  # two batches of sampled completions give different gradients
-        assert entry["relative_variance"] == pytest.approx(entry["mean_squared_distance"] / entry["mean_grad_norm"] ** 2)
+        spread, signal = entry["mean_squared_distance"], entry["mean_grad_norm"] ** 2
+        assert entry["relative_variance"] == pytest.approx(spread / signal)
         assert entry["largest_batch_share"] == pytest.approx(0.5)  # K = 2: both batches are equally far
     assert (tmp_path / "grad_variance.png").stat().st_size > 0
     assert "| group_mean |" in capsys.readouterr().out
