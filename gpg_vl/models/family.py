@@ -237,6 +237,11 @@ class Family:
         sx, sy = self.box_scale(size)
         return (box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy)
 
+    def fit_image(self, image):
+        """An image a tool returns, resized as this family's processor would see it within its pixel limits
+        (so its size as the model sees it is known). Unchanged where the processor resizes on its own."""
+        return image
+
     def completion_to_original(self, text: str, sizes: list[tuple[int, int, int, int]]) -> str:
         """Rewrite the boxes (and Seg-Zero `"point_2d": [x, y]` points) of a completion from the model's frame
         into original pixels of its first image."""
