@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -70,6 +71,81 @@ _BOX_PATTERNS = (
     re.compile(rf"\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)\s*,\s*\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)"),  # (x1,y1),(x2,y2)
 )
 _POINT_PATTERN = re.compile(rf'("point_2d"\s*:\s*)\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]')  # Seg-Zero's "point_2d": [x, y]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """The tool call a model segment ends with: a name and its arguments, or `error`, the sentence that says
+    why the call could not be read (the observation the model then gets)."""
+
+    name: str | None = None
+    arguments: dict | None = None
+    error: str | None = None
+
+
+_TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_XML_FUNCTION = re.compile(r"^\s*<function=([^>\s]+)>(.*?)</function>\s*$", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _last_call_body(text: str) -> str | ToolCall | None:
+    """The text inside the segment's last `<tool_call>` block, a ToolCall error when it is not closed, or None."""
+    start = text.rfind(_TOOL_CALL_OPEN)
+    if start < 0:
+        return None
+    body = text[start + len(_TOOL_CALL_OPEN):]
+    end = body.find(_TOOL_CALL_CLOSE)
+    if end < 0:
+        return ToolCall(error="the tool call is not closed with </tool_call>.")
+    return body[:end]
+
+
+def parse_hermes_call(text: str) -> ToolCall | None:
+    """The last `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of a segment (Hermes JSON: Qwen2.5-VL,
+    Qwen3-VL), None when there is none; a malformed one is a ToolCall with `error`."""
+    body = _last_call_body(text)
+    if body is None or isinstance(body, ToolCall):
+        return body
+    try:
+        call = json.loads(body.strip())
+    except ValueError as error:
+        return ToolCall(error=f"the tool call is not valid JSON ({error}).")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCall(error='the tool call must be a JSON object {"name": ..., "arguments": {...}}.')
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(call["name"], error="the tool call's arguments must be a JSON object.")
+    return ToolCall(call["name"], arguments)
+
+
+def parse_xml_call(text: str) -> ToolCall | None:
+    """The last `<tool_call><function=NAME><parameter=ARG>value</parameter></function></tool_call>` of a segment
+    (Qwen3.5's format; a value is read as JSON where it is JSON, else as text), None when there is none."""
+    body = _last_call_body(text)
+    if body is None or isinstance(body, ToolCall):
+        return body
+    function = _XML_FUNCTION.match(body)
+    if function is None:
+        return ToolCall(error="the tool call must be <function=NAME><parameter=ARG>value</parameter></function>.")
+    name, inner = function.groups()
+    arguments = {}
+    for key, raw in _XML_PARAMETER.findall(inner):
+        value = raw.strip("\n")
+        try:
+            arguments[key] = json.loads(value)
+        except ValueError:
+            arguments[key] = value
+    if _XML_PARAMETER.sub("", inner).strip():
+        return ToolCall(name, error="the tool call has text outside its <parameter=...> blocks.")
+    return ToolCall(name, arguments)
+
+
+TOOL_CALL_PARSERS = {"hermes": parse_hermes_call, "xml": parse_xml_call}
 
 
 def _format_number(value: float) -> str:
@@ -152,6 +228,8 @@ class Family:
     max_aspect_ratio = 200.0  # images more elongated than this are bad rows
     placeholder_size = (32, 32)  # the blank image of `placeholder_prompts`
     processor_kwargs: dict = {}  # extra keywords of the processor call
+    tool_call_format = "hermes"  # how the model writes tool calls: a key of TOOL_CALL_PARSERS
+    tool_stop_strings: tuple[str, ...] = (_TOOL_CALL_CLOSE,)  # a model segment ends after one of these
 
     def __init__(self, processor, config, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE, enable_thinking: bool = True) -> None:
@@ -204,6 +282,12 @@ class Family:
         if stripped.endswith("<think>"):
             return "<think>" + prompt_text[len(stripped):]
         return ""
+
+    # ---- tool calls (multi-turn rollouts) ---------------------------------------------------------
+    def parse_tool_call(self, text: str) -> ToolCall | None:
+        """The tool call a model segment ends with (only the last call of a segment runs), None when it has
+        none; a call that cannot be read is a ToolCall with `error`."""
+        return TOOL_CALL_PARSERS[self.tool_call_format](text)
 
     def placeholder_prompts(self) -> PromptBatch:
         """One prompt holding a blank image: what a process without data feeds the model so that it still runs

@@ -163,6 +163,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
 
     name = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_moe")
+    tool_call_format = "xml"  # <tool_call><function=NAME><parameter=ARG>value</parameter></function></tool_call>
 
     def fork_cache(self, model, cache, index: Tensor):
         cache = super().fork_cache(model, cache, index)

@@ -231,3 +231,11 @@ def zoom_in(context: ToolContext, bbox_2d, label: str | None = None, source=None
     fitted = context.family.fit_image(crop)
     new_view = ImageView(fitted, view.original, tuple(float(v) for v in box), (*crop.size, *fitted.size))
     return ToolResult("", [fitted], [new_view])
+
+
+def answer_call(call, context: ToolContext, *, allowed: tuple[str, ...] | None = None) -> ToolResult:
+    """The observation for a parsed call (`Family.parse_tool_call`): its error sentence when the call could not
+    be read, else what `run_tool` returns. Never raises."""
+    if call.error is not None:
+        return ToolResult(f"Error: {call.error}", error=True)
+    return run_tool(call.name, call.arguments, context, allowed=allowed)
