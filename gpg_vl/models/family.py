@@ -289,6 +289,61 @@ class Family:
         none; a call that cannot be read is a ToolCall with `error`."""
         return TOOL_CALL_PARSERS[self.tool_call_format](text)
 
+    def has_tool_role(self) -> bool:
+        """Whether the chat template renders `tool` messages itself (Qwen3-VL's and Qwen3.5's: a user
+        `<tool_response>` block, images kept); otherwise observations are user turns (`observation_messages`)."""
+        template = getattr(self.processor, "chat_template", None) or ""
+        return "tool_response" in template
+
+    def observation_messages(self, text: str, images: list) -> list[dict]:
+        """The chat message of an observation: a `tool` message where the template has the role, else a user
+        turn holding `<tool_response>` + its images + its text + `</tool_response>` (DeepEyes' form)."""
+        parts = [{"type": "image", "image": image} for image in images]
+        if text:
+            parts.append({"type": "text", "text": text})
+        if self.has_tool_role():
+            return [{"role": "tool", "content": parts}]
+        return [{"role": "user", "content": [{"type": "text", "text": "<tool_response>\n"}, *parts,
+                                             {"type": "text", "text": "\n</tool_response>"}]}]
+
+    def render_observation(self, text: str, images: list) -> str:
+        """The text that follows a model segment ending in a tool call: the end of the assistant's turn, the
+        observation's turn and the next generation prompt, each as the chat template writes them."""
+        marker = "GPGVLSEGMENTMARKER"
+        before = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": marker}]}]
+        extra = {} if self.enable_thinking else {"enable_thinking": False}
+        closed = self.processor.apply_chat_template(before, tokenize=False, add_generation_prompt=False, **extra)
+        full = self.processor.apply_chat_template(before + self.observation_messages(text, images), tokenize=False,
+                                                  add_generation_prompt=True, **extra)
+        if not full.startswith(closed) or marker not in closed:
+            raise UserError(f"the {self.name} family's chat template renders earlier turns differently once a "
+                            "tool's observation follows, so a trajectory cannot continue its tokens; keep "
+                            "rollout.max_turns=1 for this model.")
+        return closed[closed.index(marker) + len(marker):] + full[len(closed):]
+
+    def encode_observation(self, text: str, images: list) -> tuple[list[int], dict[str, Tensor]]:
+        """(token ids to append after a segment, the processor's image inputs for its new images, e.g.
+        pixel values and grid): the observation through the processor, images resized as `fit_image` does."""
+        images = [self.fit_image(image) for image in images]
+        rendered = self.render_observation(text, images)
+        kwargs = {"images": images} if images else {}
+        inputs = dict(self.processor(text=[rendered], return_tensors="pt", add_special_tokens=False, **kwargs,
+                                     **self.processor_kwargs))
+        ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask", None)
+        return ids, {key: value for key, value in inputs.items() if isinstance(value, Tensor)}
+
+    def multi_turn_unsupported(self) -> str | None:
+        """Why this family cannot carry images in a later turn (rollout.max_turns > 1), or None when it can."""
+        if self.prompt_style != "chat":
+            return "model.prompt_style=raw has no turns to put a tool's observation in; use the chat style"
+        try:
+            self.render_observation("probe", [])
+        except UserError as error:
+            return str(error)
+        return None
+
     def placeholder_prompts(self) -> PromptBatch:
         """One prompt holding a blank image: what a process without data feeds the model so that it still runs
         the same modules (the vision tower included) as the processes that have data."""

@@ -72,7 +72,7 @@ class Trajectory:
     segments: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each model segment
     observations: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each observation
     images: list = field(default_factory=list)  # the observations' images, as the model saw them
-    image_inputs: list[dict] = field(default_factory=list)  # processor outputs (pixels, grid) of each observation
+    observation_inputs: list[dict] = field(default_factory=list)  # each observation's processor outputs
     calls: list[ToolCallRecord] = field(default_factory=list)
     limit: str = "none"  # the limit that ended the trajectory: none, turn, image or token
     finished: bool = False
@@ -91,14 +91,15 @@ class Trajectory:
         self.loss_mask.extend([1] * len(ids))
         self.segments.append((start, len(self.token_ids)))
 
-    def add_observation(self, ids: list[int], images: list, image_inputs: dict | None) -> None:
+    def add_observation(self, ids: list[int], images: list, inputs: dict | None = None) -> None:
+        """Append an observation: its token ids, its images and its processor outputs (pixels, grid, token
+        types), as `Family.encode_observation` gives them."""
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.observations.append((start, len(self.token_ids)))
         self.images.extend(images)
-        if image_inputs:
-            self.image_inputs.append(image_inputs)
+        self.observation_inputs.append(dict(inputs or {}))
 
 
 def pad_trajectories(trajectories: list[Trajectory], pad_id: int, *, on_limit: str = "score",
@@ -121,3 +122,38 @@ def pad_trajectories(trajectories: list[Trajectory], pad_id: int, *, on_limit: s
     if device is not None:
         ids, attention, loss = ids.to(device), attention.to(device), loss.to(device)
     return ids, attention, loss
+
+
+# keys of processor outputs that count images per prompt (summed, not stacked, when observations add images)
+_COUNT_KEYS = ("batch_num_images",)
+
+
+def sequence_inputs(prompt_inputs: dict[str, Tensor], trajectory: Trajectory) -> dict[str, Tensor]:
+    """The model inputs [1, P + T] of one prompt row (left padding trimmed) followed by its trajectory: ids and
+    attention appended, other per-token keys (token types) from each observation's processor output and 0 on
+    generated tokens, and the image inputs of the prompt and of every observation, in order."""
+    ids = prompt_inputs["input_ids"]  # [1, P]
+    tail = torch.tensor([trajectory.token_ids], dtype=ids.dtype, device=ids.device)  # [1, T]
+    full = {"input_ids": torch.cat([ids, tail], dim=1)}
+    per_token = [key for key, value in prompt_inputs.items() if isinstance(value, Tensor) and value.shape == ids.shape]
+    extras = trajectory.observation_inputs
+    for key in per_token:
+        if key == "input_ids":
+            continue
+        values = prompt_inputs[key].new_zeros(1, tail.shape[1]) if key != "attention_mask" else \
+            prompt_inputs[key].new_ones(1, tail.shape[1])
+        if key != "attention_mask":
+            for (start, end), extra in zip(trajectory.observations, extras, strict=True):
+                if key in extra:
+                    values[:, start:end] = extra[key].to(values.device)
+        full[key] = torch.cat([prompt_inputs[key], values], dim=1)
+    image_keys = [key for key, value in prompt_inputs.items() if isinstance(value, Tensor) and key not in full]
+    for extra, (start, end) in zip(extras, trajectory.observations, strict=True):
+        image_keys += [key for key, value in extra.items() if key not in image_keys and key not in full
+                       and tuple(value.shape) != (1, end - start)]
+    for key in image_keys:
+        parts = [value for value in [prompt_inputs.get(key)] + [extra.get(key) for extra in extras]
+                 if value is not None]
+        parts = [value.to(ids.device) for value in parts]
+        full[key] = sum(parts) if key in _COUNT_KEYS else torch.cat(parts, dim=0)
+    return full
