@@ -28,6 +28,7 @@ from gpg_vl.models.batch import PromptBatch, extend_per_token, unwrap
 from gpg_vl.models.family import eval_mode
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
 
 DECODERS = ("loop", "generate")
@@ -41,6 +42,9 @@ class HFEngine(Engine):
 
     def __init__(self, policy: Policy, rollout, *, accelerator=None) -> None:
         self.policy, self.settings = policy, rollout.hf
+        # multi-turn settings and the tools offered (None: every registered tool); max_turns=1 samples as before
+        self.multiturn: MultiTurnSettings = getattr(rollout, "multiturn", None) or MultiTurnSettings()
+        self.tools: tuple[str, ...] | None = None
 
     @classmethod
     def unavailable(cls, rollout) -> str | None:
@@ -49,6 +53,11 @@ class HFEngine(Engine):
         return None
 
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
+        if self.multiturn.multi_turn:
+            from gpg_vl.rollout.multiturn import generate_trajectories
+
+            return generate_trajectories(self.policy, prompts, group_size=group_size, sampling=sampling,
+                                         settings=self.multiturn, tools=self.tools)
         return generate(self.policy, prompts.batch, group_size=group_size, sampling=sampling,
                         prefill_once=self.settings.prefill_once, static_cache=self.settings.static_cache,
                         reserve_cache=self.settings.reserve_cache, decode=self.settings.decode)

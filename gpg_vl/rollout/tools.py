@@ -39,7 +39,7 @@ class ImageView:
     pixels), and its size (W, H, w, h): the region's size in original pixels, then as the model saw it."""
 
     image: object  # PIL image, as fed to the model
-    original: int  # index among the prompt's images
+    original: int  # index among the prompt's images (-1: an image a tool made, cropped from itself)
     box: tuple[float, float, float, float]  # (x1, y1, x2, y2) in that original's pixels
     size: tuple[int, int, int, int]
 
@@ -227,7 +227,8 @@ def zoom_in(context: ToolContext, bbox_2d, label: str | None = None, source=None
         raise ToolError(f"the box's aspect ratio is {max(width, height) / min(width, height):.0f}; it must be at "
                         f"most {settings.zoom_max_aspect_ratio:g}.")
     box = (round(x1), round(y1), round(x2), round(y2))
-    crop = context.originals[view.original].crop(box)
+    source_image = context.originals[view.original] if view.original >= 0 else view.image
+    crop = source_image.crop(box)
     fitted = context.family.fit_image(crop)
     new_view = ImageView(fitted, view.original, tuple(float(v) for v in box), (*crop.size, *fitted.size))
     return ToolResult("", [fitted], [new_view])
