@@ -486,9 +486,11 @@ class Family:
     def token_logps(
         self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
         completion_mask: Tensor, *, temperature: float = 1.0, share_vision: bool = True, share_prompt: bool = False,
-        logits_chunk_tokens: int = 0, path: ScoringPath | None = None,
+        logits_chunk_tokens: int = 0, path: ScoringPath | None = None, observations: list | None = None,
     ) -> Tensor:
         """Log-probs [N, C] of `completion_ids` [N, C]; sequence n continues prompt `prompt_index[n]`.
+        `observations[n]`: trajectory n of a multi-turn rollout (its completion holds observations, whose
+        token types and images go in with it; rollout/trajectory.py), or None for single-turn completions.
 
         `path` (chosen once per run by `choose_scoring_path`, or here from `share_vision` / `share_prompt`)
         says how: prompt-once runs each distinct prompt once, with gradient, its G sequences' completions on
@@ -508,12 +510,16 @@ class Family:
         chunked = logits_chunk_tokens > 0 and not path.wrapped
         if path.prompt_once:
             hidden = scoring.prompt_once_hidden(self, model, prompts, prompt_index, completion_ids,
-                                               completion_mask)  # [N, C, H]
+                                               completion_mask, observations)  # [N, C, H]
             return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
                                       chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
-        shared = path.shared_vision and prompts.has_images
+        shared = path.shared_vision and prompts.has_images and observations is None
         sequences = trim_left_padding(prompts.select(prompt_index, drop=self.pixel_keys if shared else ()).inputs)
-        full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, P + C] per-token keys
+        if observations is None:
+            full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, P + C] per-token keys
+        else:  # multi-turn: the observations' token types and images inside the completions
+            full = scoring.with_observations(prompts, prompt_index, sequences, completion_ids, completion_mask,
+                                             observations)
         if shared and path.wrapped:  # encoded inside the wrapped model's forward, see _encode_shared_vision_in_forward
             _encode_shared_vision_in_forward(model, self)
             full[SHARED_VISION] = (prompts, prompt_index)

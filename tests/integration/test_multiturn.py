@@ -116,3 +116,33 @@ def test_sampling_logps_equal_the_whole_sequence_in_one_forward(policy):
         logps = family.logps_from_logits(logits[:, width - 1:-1], ids)[0]  # [T]
         generated = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
         assert torch.allclose(logps[generated], torch.tensor(trajectory.logps)[generated], atol=1e-5), row
+
+
+def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
+    """The update's log-probs of 2-turn trajectories: prompt-once (the prompt once per group, completions with
+    their observations on its forked cache) equals the plain whole-sequence path, in value and gradient, and
+    both equal what the sampler recorded."""
+    from gpg_vl.models.family import ScoringPath
+
+    batch, rollout = sample(policy, "incremental")
+    family, model = policy.adapter, policy.model
+    index = [row // 2 for row in range(len(rollout.trajectories))]
+    loss_mask = rollout.loss_mask.bool()
+    recorded = torch.zeros_like(rollout.loss_mask)
+    for row, trajectory in enumerate(rollout.trajectories):
+        recorded[row, :len(trajectory.logps)] = torch.tensor(trajectory.logps)
+    results = {}
+    for name, path in (("plain", ScoringPath()), ("prompt_once", ScoringPath(prompt_once=True)),
+                       ("chunked", ScoringPath(prompt_once=True))):
+        model.zero_grad()
+        logps = family.token_logps(model, batch.batch, index, rollout.completion_ids, rollout.completion_mask,
+                                   path=path, observations=rollout.trajectories,
+                                   logits_chunk_tokens=7 if name == "chunked" else 0)
+        (logps * loss_mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = (logps.detach(), grads)
+        assert torch.allclose(logps.detach()[loss_mask], recorded[loss_mask], atol=1e-5), name
+    for name in ("prompt_once", "chunked"):
+        assert torch.allclose(results[name][0][loss_mask], results["plain"][0][loss_mask], atol=1e-5)
+        assert torch.allclose(results[name][1], results["plain"][1], atol=1e-4, rtol=1e-4), name
+    model.zero_grad()
