@@ -159,3 +159,21 @@ def sequence_inputs(prompt_inputs: dict[str, Tensor], trajectory: Trajectory) ->
         parts = [value.to(ids.device) for value in parts]
         full[key] = sum(parts) if key in _COUNT_KEYS else torch.cat(parts, dim=0)
     return full
+
+
+def trajectory_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """A step's multi-turn metrics: turns, tool calls, tool errors, images per trajectory, limit hits (turn,
+    image, token), and generated against observation tokens."""
+    count = max(len(trajectories), 1)
+    generated = sum(sum(t.loss_mask) for t in trajectories)
+    metrics = {
+        "turns_mean": sum(t.turns for t in trajectories) / count,
+        "tool_calls_mean": sum(len(t.calls) for t in trajectories) / count,
+        "tool_errors": float(sum(t.tool_errors for t in trajectories)),
+        "images_per_trajectory_mean": sum(len(t.images) for t in trajectories) / count,
+        "generated_tokens": float(generated),
+        "observation_tokens": float(sum(len(t.token_ids) for t in trajectories) - generated),
+    }
+    for limit in LIMITS:
+        metrics[f"limit_hits_{limit}"] = float(sum(t.limit == limit for t in trajectories))
+    return metrics

@@ -54,3 +54,16 @@ def test_settings_fail_in_one_sentence():
                       ({"hf_multiturn": "fast"}, "rollout.hf.multiturn")):
         with pytest.raises(UserError, match=says):
             MultiTurnSettings(**bad)
+
+
+def test_metrics_count_turns_calls_errors_images_limits_and_tokens():
+    from gpg_vl.rollout.trajectory import ToolCallRecord, trajectory_metrics
+
+    good, cut, short = two_turns(), two_turns("token"), Trajectory()
+    good.calls.append(ToolCallRecord(0, "zoom_in", {"bbox_2d": [0, 0, 9, 9]}, "", images=1))
+    cut.calls.append(ToolCallRecord(0, "zoom_in", {}, "Error: needs bbox_2d", error=True))
+    short.add_segment([1, 2])
+    metrics = trajectory_metrics([good, cut, short])
+    assert metrics == {"turns_mean": 5 / 3, "tool_calls_mean": 2 / 3, "tool_errors": 1.0,
+                       "images_per_trajectory_mean": 2 / 3, "generated_tokens": 12.0, "observation_tokens": 8.0,
+                       "limit_hits_turn": 0.0, "limit_hits_image": 0.0, "limit_hits_token": 1.0}
