@@ -31,7 +31,7 @@ from torch import Tensor
 
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
-from gpg_vl.models.batch import extend_per_token, trim_left_padding, unwrap
+from gpg_vl.models.batch import extend_per_token, per_token_keys, trim_left_padding, unwrap
 from gpg_vl.models.family import eval_mode
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.hf import next_tokens
@@ -103,12 +103,7 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
         family.reset_positions(bare)
         for row in rows:
             row.positions = _positions(family, bare, row, sampling.max_new_tokens)
-        forked = scoring.prefill_once(family, bare, batch.inputs, group_size=group_size,
-                                     max_new_tokens=sampling.max_new_tokens, static_cache=False, reserve_cache=False)
-        if forked is None:
-            raise UserError("rollout.max_turns > 1 needs prompts that can be prefilled once (longer than one "
-                            "token, not ending in an image).")
-        cache, attention = forked["cache"], forked["attention_mask"][:, :-1]  # [N, P - 1]
+        cache, attention = _prefill_prompts(family, bare, batch.inputs, group_size, sampling.max_new_tokens)
         for row in rows:
             row.fed = row.prompt_inputs["input_ids"].shape[1] - 1
         last = [[int(row.prompt_inputs["input_ids"][0, -1])] for row in rows]
@@ -136,6 +131,26 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
             else:
                 logits, cache, attention = _prefill_whole(family, bare, continuing, device=device)
     return _rollout(family, rows, group_size, settings)
+
+
+def _prefill_prompts(family, bare, inputs: dict[str, Tensor], group_size: int, room: int):
+    """The prompts' cache (all tokens but the last, each prompt once, its images through the vision tower
+    once), forked G ways, and its attention mask [N, P - 1]. Positions are explicit (the family's rule on the
+    left-padded batch), so a padded prompt's tokens sit where the later turns' positions expect them."""
+    per_token = per_token_keys(inputs)
+    ids = inputs["input_ids"]  # [B, P]
+    filler = ids.new_full((ids.shape[0], room), family.pad_id)
+    positions = family.position_ids(bare, extend_per_token(inputs, filler, inputs["attention_mask"].new_ones(
+        ids.shape[0], room)))
+    if positions is None or ids.shape[1] < 2:
+        raise UserError("rollout.max_turns > 1 needs a family with explicit positions and prompts longer than "
+                        "one token; set rollout.max_turns=1.")
+    head = {**inputs, **{key: inputs[key][:, :-1] for key in per_token}}  # [B, P - 1] each
+    family.reset_positions(bare)
+    out = bare(**head, position_ids=positions[..., :ids.shape[1] - 1], use_cache=True, logits_to_keep=1)
+    index = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(group_size)  # [N]
+    cache = family.fork_cache(bare, scoring._cache_of(out), index)
+    return cache, inputs["attention_mask"][index][:, :-1]
 
 
 def _positions(family, bare, row: _Row, room: int) -> Tensor:

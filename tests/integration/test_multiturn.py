@@ -13,7 +13,7 @@ from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn import generate_trajectories
 from gpg_vl.rollout.trajectory import MultiTurnSettings, sequence_inputs
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]  # generic: GLM-4.1V, InternVL
 MAX_NEW = 100  # per segment: a scripted call is about 85 tokens of the tiny byte-level BPE
 
 
