@@ -34,7 +34,7 @@ from gpg_vl.models import scoring
 from gpg_vl.models.batch import extend_per_token, per_token_keys, trim_left_padding, unwrap
 from gpg_vl.models.family import eval_mode
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.hf import next_tokens
+from gpg_vl.rollout.sampling import next_tokens
 from gpg_vl.rollout.tools import ImageView, ToolContext, ToolResult, answer_call
 from gpg_vl.rollout.trajectory import MultiTurnSettings, ToolCallRecord, Trajectory, pad_trajectories, sequence_inputs
 from gpg_vl.rollout.types import Rollout
