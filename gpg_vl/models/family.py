@@ -486,11 +486,9 @@ class Family:
     def token_logps(
         self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
         completion_mask: Tensor, *, temperature: float = 1.0, share_vision: bool = True, share_prompt: bool = False,
-        logits_chunk_tokens: int = 0, path: ScoringPath | None = None, observations: list | None = None,
+        logits_chunk_tokens: int = 0, path: ScoringPath | None = None,
     ) -> Tensor:
         """Log-probs [N, C] of `completion_ids` [N, C]; sequence n continues prompt `prompt_index[n]`.
-        `observations[n]`: trajectory n of a multi-turn rollout (its completion holds observations, whose
-        token types and images go in with it; rollout/trajectory.py), or None for single-turn completions.
 
         `path` (chosen once per run by `choose_scoring_path`, or here from `share_vision` / `share_prompt`)
         says how: prompt-once runs each distinct prompt once, with gradient, its G sequences' completions on
@@ -502,10 +500,26 @@ class Family:
         trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs whole sequences
         (images still encoded once per group, inside its forward) and full completion logits are computed.
         """
-        from gpg_vl.models import scoring
-
         if path is None:
             path = choose_scoring_path(self, model, share_prompt=share_prompt, share_vision=share_vision)
+        return self._scored(model, prompts, prompt_index, completion_ids, completion_mask, None, path=path,
+                            temperature=temperature, logits_chunk_tokens=logits_chunk_tokens)
+
+    def trajectory_logps(self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                         completion_mask: Tensor, observations: list, *, path: ScoringPath,
+                         temperature: float = 1.0, logits_chunk_tokens: int = 0) -> Tensor:
+        """`token_logps` of multi-turn trajectories: `observations[n]` is trajectory n (rollout/trajectory.py),
+        whose completion holds observations; their token types and images go in with it, on every path
+        (prompt-once too: the prompt once per group, the completions with their observations on its cache).
+        `completion_mask` covers every token of a trajectory (the loss mask is the caller's)."""
+        return self._scored(model, prompts, prompt_index, completion_ids, completion_mask, observations, path=path,
+                            temperature=temperature, logits_chunk_tokens=logits_chunk_tokens)
+
+    def _scored(self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                completion_mask: Tensor, observations: list | None, *, path: ScoringPath, temperature: float,
+                logits_chunk_tokens: int) -> Tensor:
+        from gpg_vl.models import scoring
+
         bare = unwrap(model)
         chunked = logits_chunk_tokens > 0 and not path.wrapped
         if path.prompt_once:

@@ -109,11 +109,11 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
         last = [[int(row.prompt_inputs["input_ids"][0, -1])] for row in rows]
         logits, cache, attention = _feed(family, bare, rows, last, cache, attention, device=device)
         live = list(range(len(rows)))  # indices into rows of the trajectories still going, in batch order
+        decoding = _Decoding(family, bare, sampling, settings, suppressed, eos, scripted, device)
         for turn in range(settings.max_turns):
-            cache, attention = _decode_segment(family, bare, [rows[i] for i in live], live, turn, logits, cache,
-                                               attention,
-                            sampling=sampling, settings=settings, suppressed=suppressed, eos=eos, scripted=scripted,
-                            device=device)
+            state = _State(cache, attention, logits)
+            _decode_segment(decoding, [rows[i] for i in live], live, turn, state)
+            cache, attention = state.cache, state.attention
             keep = _answer_segments(family, [rows[i] for i in live], turn, settings, tools)
             live = [i for i, going in zip(live, keep, strict=True) if going]
             if not live:
@@ -228,21 +228,43 @@ def _prefill_whole(family, bare, rows: list[_Row], *, device) -> tuple[Tensor, o
     return out.logits[:, -1].float(), scoring._cache_of(out), batch["attention_mask"]
 
 
-def _decode_segment(family, bare, rows: list[_Row], row_ids: list[int], turn: int, logits: Tensor, cache,
-                    attention: Tensor, *, sampling: Sampling, settings: MultiTurnSettings,
-                    suppressed: Tensor | None, eos: set[int], scripted, device):
-    """Sample one segment for every row (in place: `row.segment`, `row.ended_by`, `row.pending`, the logps);
-    returns the cache and attention mask, which hold every segment token but each row's last (`pending`)."""
+@dataclass
+class _Decoding:
+    """What every segment of one rollout decodes with."""
+
+    family: object
+    bare: torch.nn.Module
+    sampling: Sampling
+    settings: MultiTurnSettings
+    suppressed: Tensor | None  # ids never sampled
+    eos: set[int]
+    scripted: Callable[[int, int], list[int] | None] | None
+    device: torch.device
+
+
+@dataclass
+class _State:
+    """The batched cache, its attention mask [n, L] and the logits [n, V] that draw each row's next token."""
+
+    cache: object
+    attention: Tensor
+    logits: Tensor
+
+
+def _decode_segment(decoding: _Decoding, rows: list[_Row], row_ids: list[int], turn: int, state: _State) -> None:
+    """Sample one segment for every row (in place: `row.segment`, `row.ended_by`, `row.pending`, the logps, and
+    `state`, whose cache then holds every segment token but each row's last, `pending`)."""
+    family, sampling, scripted = decoding.family, decoding.sampling, decoding.scripted
     forced = [scripted(i, turn) if scripted is not None else None for i in row_ids]
     for row in rows:
         row.segment, row.ended_by, row.pending = [], "", None
     active = [True] * len(rows)
     for step in range(sampling.max_new_tokens):
-        chosen = next_tokens(logits, sampling, suppressed)  # [n]
+        chosen = next_tokens(state.logits, sampling, decoding.suppressed)  # [n]
         for i, script in enumerate(forced):
             if active[i] and script is not None and step < len(script):
                 chosen[i] = script[step]
-        logps = family.logps_from_logits(logits.unsqueeze(1), chosen.unsqueeze(1), temperature=1.0 if
+        logps = family.logps_from_logits(state.logits.unsqueeze(1), chosen.unsqueeze(1), temperature=1.0 if
                                          sampling.greedy else sampling.temperature)[:, 0]  # [n]
         chunks = []
         for i, row in enumerate(rows):
@@ -252,16 +274,16 @@ def _decode_segment(family, bare, rows: list[_Row], row_ids: list[int], turn: in
             token = int(chosen[i])
             row.segment.append(token)
             row.trajectory.logps.append(float(logps[i]))
-            row.ended_by = _segment_end(family, row, token, eos, sampling, settings)
+            row.ended_by = _segment_end(family, row, token, decoding.eos, sampling, decoding.settings)
             if row.ended_by:
                 active[i], row.pending = False, token
                 chunks.append([])
             else:
                 chunks.append([token])
         if not any(active):
-            return cache, attention
-        logits, cache, attention = _feed(family, bare, rows, chunks, cache, attention, device=device)
-    return cache, attention
+            return
+        state.logits, state.cache, state.attention = _feed(family, decoding.bare, rows, chunks, state.cache,
+                                                           state.attention, device=decoding.device)
 
 
 def _segment_end(family, row: _Row, token: int, eos: set[int], sampling: Sampling,

@@ -135,9 +135,9 @@ def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
     for name, path in (("plain", ScoringPath()), ("prompt_once", ScoringPath(prompt_once=True)),
                        ("chunked", ScoringPath(prompt_once=True))):
         model.zero_grad()
-        logps = family.token_logps(model, batch.batch, index, rollout.completion_ids, rollout.completion_mask,
-                                   path=path, observations=rollout.trajectories,
-                                   logits_chunk_tokens=7 if name == "chunked" else 0)
+        logps = family.trajectory_logps(model, batch.batch, index, rollout.completion_ids, rollout.completion_mask,
+                                        rollout.trajectories, path=path,
+                                        logits_chunk_tokens=7 if name == "chunked" else 0)
         (logps * loss_mask).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results[name] = (logps.detach(), grads)
