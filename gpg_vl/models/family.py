@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -70,6 +71,81 @@ _BOX_PATTERNS = (
     re.compile(rf"\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)\s*,\s*\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)"),  # (x1,y1),(x2,y2)
 )
 _POINT_PATTERN = re.compile(rf'("point_2d"\s*:\s*)\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]')  # Seg-Zero's "point_2d": [x, y]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """The tool call a model segment ends with: a name and its arguments, or `error`, the sentence that says
+    why the call could not be read (the observation the model then gets)."""
+
+    name: str | None = None
+    arguments: dict | None = None
+    error: str | None = None
+
+
+_TOOL_CALL_OPEN, _TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_XML_FUNCTION = re.compile(r"^\s*<function=([^>\s]+)>(.*?)</function>\s*$", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _last_call_body(text: str) -> str | ToolCall | None:
+    """The text inside the segment's last `<tool_call>` block, a ToolCall error when it is not closed, or None."""
+    start = text.rfind(_TOOL_CALL_OPEN)
+    if start < 0:
+        return None
+    body = text[start + len(_TOOL_CALL_OPEN):]
+    end = body.find(_TOOL_CALL_CLOSE)
+    if end < 0:
+        return ToolCall(error="the tool call is not closed with </tool_call>.")
+    return body[:end]
+
+
+def parse_hermes_call(text: str) -> ToolCall | None:
+    """The last `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of a segment (Hermes JSON: Qwen2.5-VL,
+    Qwen3-VL), None when there is none; a malformed one is a ToolCall with `error`."""
+    body = _last_call_body(text)
+    if body is None or isinstance(body, ToolCall):
+        return body
+    try:
+        call = json.loads(body.strip())
+    except ValueError as error:
+        return ToolCall(error=f"the tool call is not valid JSON ({error}).")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCall(error='the tool call must be a JSON object {"name": ..., "arguments": {...}}.')
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(call["name"], error="the tool call's arguments must be a JSON object.")
+    return ToolCall(call["name"], arguments)
+
+
+def parse_xml_call(text: str) -> ToolCall | None:
+    """The last `<tool_call><function=NAME><parameter=ARG>value</parameter></function></tool_call>` of a segment
+    (Qwen3.5's format; a value is read as JSON where it is JSON, else as text), None when there is none."""
+    body = _last_call_body(text)
+    if body is None or isinstance(body, ToolCall):
+        return body
+    function = _XML_FUNCTION.match(body)
+    if function is None:
+        return ToolCall(error="the tool call must be <function=NAME><parameter=ARG>value</parameter></function>.")
+    name, inner = function.groups()
+    arguments = {}
+    for key, raw in _XML_PARAMETER.findall(inner):
+        value = raw.strip("\n")
+        try:
+            arguments[key] = json.loads(value)
+        except ValueError:
+            arguments[key] = value
+    if _XML_PARAMETER.sub("", inner).strip():
+        return ToolCall(name, error="the tool call has text outside its <parameter=...> blocks.")
+    return ToolCall(name, arguments)
+
+
+TOOL_CALL_PARSERS = {"hermes": parse_hermes_call, "xml": parse_xml_call}
 
 
 def _format_number(value: float) -> str:
@@ -152,6 +228,8 @@ class Family:
     max_aspect_ratio = 200.0  # images more elongated than this are bad rows
     placeholder_size = (32, 32)  # the blank image of `placeholder_prompts`
     processor_kwargs: dict = {}  # extra keywords of the processor call
+    tool_call_format = "hermes"  # how the model writes tool calls: a key of TOOL_CALL_PARSERS
+    tool_stop_strings: tuple[str, ...] = (_TOOL_CALL_CLOSE,)  # a model segment ends after one of these
 
     def __init__(self, processor, config, *, min_pixels: int | None = None, max_pixels: int | None = None,
                  prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE, enable_thinking: bool = True) -> None:
@@ -205,6 +283,67 @@ class Family:
             return "<think>" + prompt_text[len(stripped):]
         return ""
 
+    # ---- tool calls (multi-turn rollouts) ---------------------------------------------------------
+    def parse_tool_call(self, text: str) -> ToolCall | None:
+        """The tool call a model segment ends with (only the last call of a segment runs), None when it has
+        none; a call that cannot be read is a ToolCall with `error`."""
+        return TOOL_CALL_PARSERS[self.tool_call_format](text)
+
+    def has_tool_role(self) -> bool:
+        """Whether the chat template renders `tool` messages itself (Qwen3-VL's and Qwen3.5's: a user
+        `<tool_response>` block, images kept); otherwise observations are user turns (`observation_messages`)."""
+        template = getattr(self.processor, "chat_template", None) or ""
+        return "tool_response" in template
+
+    def observation_messages(self, text: str, images: list) -> list[dict]:
+        """The chat message of an observation: a `tool` message where the template has the role, else a user
+        turn holding `<tool_response>` + its images + its text + `</tool_response>` (DeepEyes' form)."""
+        parts = [{"type": "image", "image": image} for image in images]
+        if text:
+            parts.append({"type": "text", "text": text})
+        if self.has_tool_role():
+            return [{"role": "tool", "content": parts}]
+        return [{"role": "user", "content": [{"type": "text", "text": "<tool_response>\n"}, *parts,
+                                             {"type": "text", "text": "\n</tool_response>"}]}]
+
+    def render_observation(self, text: str, images: list) -> str:
+        """The text that follows a model segment ending in a tool call: the end of the assistant's turn, the
+        observation's turn and the next generation prompt, each as the chat template writes them."""
+        marker = "GPGVLSEGMENTMARKER"
+        before = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": marker}]}]
+        extra = {} if self.enable_thinking else {"enable_thinking": False}
+        closed = self.processor.apply_chat_template(before, tokenize=False, add_generation_prompt=False, **extra)
+        full = self.processor.apply_chat_template(before + self.observation_messages(text, images), tokenize=False,
+                                                  add_generation_prompt=True, **extra)
+        if not full.startswith(closed) or marker not in closed:
+            raise UserError(f"the {self.name} family's chat template renders earlier turns differently once a "
+                            "tool's observation follows, so a trajectory cannot continue its tokens; keep "
+                            "rollout.max_turns=1 for this model.")
+        return closed[closed.index(marker) + len(marker):] + full[len(closed):]
+
+    def encode_observation(self, text: str, images: list) -> tuple[list[int], dict[str, Tensor]]:
+        """(token ids to append after a segment, the processor's image inputs for its new images, e.g.
+        pixel values and grid): the observation through the processor, images resized as `fit_image` does."""
+        images = [self.fit_image(image) for image in images]
+        rendered = self.render_observation(text, images)
+        kwargs = {"images": images} if images else {}
+        inputs = dict(self.processor(text=[rendered], return_tensors="pt", add_special_tokens=False, **kwargs,
+                                     **self.processor_kwargs))
+        ids = inputs.pop("input_ids")[0].tolist()
+        inputs.pop("attention_mask", None)
+        return ids, {key: value for key, value in inputs.items() if isinstance(value, Tensor)}
+
+    def multi_turn_unsupported(self) -> str | None:
+        """Why this family cannot carry images in a later turn (rollout.max_turns > 1), or None when it can."""
+        if self.prompt_style != "chat":
+            return "model.prompt_style=raw has no turns to put a tool's observation in; use the chat style"
+        try:
+            self.render_observation("probe", [])
+        except UserError as error:
+            return str(error)
+        return None
+
     def placeholder_prompts(self) -> PromptBatch:
         """One prompt holding a blank image: what a process without data feeds the model so that it still runs
         the same modules (the vision tower included) as the processes that have data."""
@@ -236,6 +375,11 @@ class Family:
     def to_original_frame(self, box, size: tuple[int, int, int, int]) -> tuple[float, float, float, float]:
         sx, sy = self.box_scale(size)
         return (box[0] / sx, box[1] / sy, box[2] / sx, box[3] / sy)
+
+    def fit_image(self, image):
+        """An image a tool returns, resized as this family's processor would see it within its pixel limits
+        (so its size as the model sees it is known). Unchanged where the processor resizes on its own."""
+        return image
 
     def completion_to_original(self, text: str, sizes: list[tuple[int, int, int, int]]) -> str:
         """Rewrite the boxes (and Seg-Zero `"point_2d": [x, y]` points) of a completion from the model's frame
@@ -356,20 +500,40 @@ class Family:
         trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs whole sequences
         (images still encoded once per group, inside its forward) and full completion logits are computed.
         """
-        from gpg_vl.models import scoring
-
         if path is None:
             path = choose_scoring_path(self, model, share_prompt=share_prompt, share_vision=share_vision)
+        return self._scored(model, prompts, prompt_index, completion_ids, completion_mask, None, path=path,
+                            temperature=temperature, logits_chunk_tokens=logits_chunk_tokens)
+
+    def trajectory_logps(self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                         completion_mask: Tensor, observations: list, *, path: ScoringPath,
+                         temperature: float = 1.0, logits_chunk_tokens: int = 0) -> Tensor:
+        """`token_logps` of multi-turn trajectories: `observations[n]` is trajectory n (rollout/trajectory.py),
+        whose completion holds observations; their token types and images go in with it, on every path
+        (prompt-once too: the prompt once per group, the completions with their observations on its cache).
+        `completion_mask` covers every token of a trajectory (the loss mask is the caller's)."""
+        return self._scored(model, prompts, prompt_index, completion_ids, completion_mask, observations, path=path,
+                            temperature=temperature, logits_chunk_tokens=logits_chunk_tokens)
+
+    def _scored(self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                completion_mask: Tensor, observations: list | None, *, path: ScoringPath, temperature: float,
+                logits_chunk_tokens: int) -> Tensor:
+        from gpg_vl.models import scoring
+
         bare = unwrap(model)
         chunked = logits_chunk_tokens > 0 and not path.wrapped
         if path.prompt_once:
             hidden = scoring.prompt_once_hidden(self, model, prompts, prompt_index, completion_ids,
-                                               completion_mask)  # [N, C, H]
+                                               completion_mask, observations)  # [N, C, H]
             return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
                                       chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
-        shared = path.shared_vision and prompts.has_images
+        shared = path.shared_vision and prompts.has_images and observations is None
         sequences = trim_left_padding(prompts.select(prompt_index, drop=self.pixel_keys if shared else ()).inputs)
-        full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, P + C] per-token keys
+        if observations is None:
+            full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, P + C] per-token keys
+        else:  # multi-turn: the observations' token types and images inside the completions
+            full = scoring.with_observations(prompts, prompt_index, sequences, completion_ids, completion_mask,
+                                             observations)
         if shared and path.wrapped:  # encoded inside the wrapped model's forward, see _encode_shared_vision_in_forward
             _encode_shared_vision_in_forward(model, self)
             full[SHARED_VISION] = (prompts, prompt_index)

@@ -26,6 +26,12 @@ VISION_TOKENS = ("<image>", "<image_soft_token>", "<start_of_image>", "<end_of_i
                  "</img>", "<fake_token_around_image>", "<global-img>", "<|image|>", "<|begin_of_image|>",
                  "<|end_of_image|>", "<video>", "<|video|>", "<|image_pad|>", "<|vision_start|>",
                  "<|vision_end|>", "<|image_soft_token|>", "<|image>", "<image|>")
+# Model types whose later-turn images do not match their placeholders (measured on the tiny models,
+# tests/integration/test_observations.py): they refuse rollout.max_turns > 1.
+NO_LATER_IMAGES = {
+    "llava_onevision": "its processor counts a tool image's tokens as a lone image's (any-resolution tiles) while "
+                       "the model reads a conversation's several images without tiles, so they would not match",
+}
 EOS_TOKENS = ("<end_of_turn>", "<|im_end|>", "<end_of_utterance>", "<|endoftext|>", "<|user|>", "<eos>",
               "<turn|>")
 
@@ -57,6 +63,12 @@ class GenericFamily(Family):
         sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
         return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes,
                            _row_layout(inputs, images_per_prompt, self._image_token_id()), texts)
+
+    def multi_turn_unsupported(self) -> str | None:
+        reason = NO_LATER_IMAGES.get(getattr(self.config, "model_type", ""))
+        if reason is not None:
+            return f"a {self.config.model_type} model cannot take images in a later turn ({reason})"
+        return super().multi_turn_unsupported()
 
     def _image_token_id(self) -> int | None:
         token_id = getattr(self.processor, "image_token_id", None)

@@ -11,7 +11,7 @@ template that opens a think block by default.
 from __future__ import annotations
 
 import torch
-from qwen_vl_utils import process_vision_info
+from qwen_vl_utils import fetch_image, process_vision_info
 from qwen_vl_utils.vision_process import MAX_RATIO
 from torch import Tensor
 
@@ -83,6 +83,11 @@ class QwenVLAdapter(Family):
                     for m in messages]
         images, _ = process_vision_info(messages, image_patch_size=self.image_patch_size)
         return images or []
+
+    def fit_image(self, image):
+        """Resized by qwen-vl-utils' rule (whole merged patches, within min/max pixels), as `encode` resizes."""
+        limits = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
+        return fetch_image({"image": image.convert("RGB"), **limits}, image_patch_size=self.image_patch_size)
 
     def engine_processor_kwargs(self) -> dict:
         return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
@@ -158,6 +163,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
 
     name = "qwen3_5"
     model_types = ("qwen3_5", "qwen3_5_moe")
+    tool_call_format = "xml"  # <tool_call><function=NAME><parameter=ARG>value</parameter></function></tool_call>
 
     def fork_cache(self, model, cache, index: Tensor):
         cache = super().fork_cache(model, cache, index)

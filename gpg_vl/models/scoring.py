@@ -114,16 +114,64 @@ def reserve(cache, *, capacity: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# multi-turn completions: observations (their token types and images) inside the completion
+# ---------------------------------------------------------------------------------------------
+def with_observations(prompts: PromptBatch, prompt_index: list[int], sequences: dict[str, Tensor],
+                      completion_ids: Tensor, completion_mask: Tensor, observations: list) -> dict[str, Tensor]:
+    """Full inputs [N, P + C]: `sequences` (the selected prompts [N, P]) followed by completions that hold
+    observations. `observations[n]` is trajectory n (rollout/trajectory.py: `observations`, the [start, end)
+    of each observation in the completion, and `observation_inputs`, its processor outputs). Per-token keys
+    (token types) take each observation's values; image keys list, per sequence in order, its prompt's
+    images and then its observations' (the order in which the model meets their placeholders)."""
+    full = extend_per_token(sequences, completion_ids, completion_mask)
+    width = sequences["input_ids"].shape[1]
+    token_keys = set(per_token_keys(full))
+    for key in token_keys - {"input_ids", "attention_mask"}:
+        for n, trajectory in enumerate(observations):
+            for (start, end), extra in zip(trajectory.observations, trajectory.observation_inputs, strict=True):
+                if key in extra:
+                    full[key][n, width + start:width + end] = extra[key][0].to(full[key].device)
+    image_keys = [key for key in prompts.inputs if key not in token_keys and key in prompts.rows]
+    for trajectory in observations:
+        for (start, end), extra in zip(trajectory.observations, trajectory.observation_inputs, strict=True):
+            image_keys += [key for key, value in extra.items() if key not in image_keys and key not in token_keys
+                           and tuple(value.shape) != (1, end - start)]
+    for key in image_keys:
+        parts = []
+        for n, trajectory in enumerate(observations):
+            if key in prompts.inputs:
+                parts.append(prompts.select([prompt_index[n]]).inputs[key])
+            parts += [extra[key] for extra in trajectory.observation_inputs if key in extra]
+        device = sequences["input_ids"].device
+        full[key] = torch.cat([part.to(device) for part in parts], dim=0)
+    return full
+
+
+def observation_images(observations: list, device) -> dict[str, Tensor]:
+    """The observations' image inputs of N trajectories, in sequence order (for a forward of completions only);
+    keys that hold one value per completion token are left out."""
+    images: dict[str, list[Tensor]] = {}
+    for trajectory in observations:
+        for (start, end), extra in zip(trajectory.observations, trajectory.observation_inputs, strict=True):
+            for key, value in extra.items():
+                if tuple(value.shape) != (1, end - start):
+                    images.setdefault(key, []).append(value.to(device))
+    return {key: torch.cat(values, dim=0) for key, values in images.items()}
+
+
+# ---------------------------------------------------------------------------------------------
 # update: the prompt once per group, the G completions on its cache
 # ---------------------------------------------------------------------------------------------
 def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
-                       completion_mask: Tensor) -> Tensor:
+                       completion_mask: Tensor, observations: list | None = None) -> Tensor:
     """Final hidden states [N, C, H]; row n, column t is the state that predicts completion_ids[n, t].
 
     Each distinct prompt of `prompt_index` runs forward once (its images through the vision tower
     once) with gradient; its cache is indexed out to the sequences that continue it, and the
     completions (all but their last token, which predicts nothing) run on that cache. Column 0 is the
-    prompt's last state (left padding puts every prompt's last token in the last column).
+    prompt's last state (left padding puts every prompt's last token in the last column). With
+    `observations` (multi-turn trajectories), the completions carry their observations' token types and
+    images, and the positions come from the family's rule over each whole interleaved sequence.
     """
     bare = unwrap(model)
     distinct = sorted(set(prompt_index))
@@ -133,9 +181,22 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
     prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]  # [B, P]
     width, length = prompt_ids.shape[1], completion_ids.shape[1]
     # positions of prompt + completion, from the family's rule on the full sequence
-    filler = prompt_ids.new_full((len(distinct), length), family.pad_id)
-    full = extend_per_token(inputs, filler, prompt_mask.new_ones(len(distinct), length))
-    positions = family.position_ids(bare, full)  # [..., B, P + C]: [B, L], or [3, B, L] multimodal
+    completion_extra = {}
+    if observations is None:
+        filler = prompt_ids.new_full((len(distinct), length), family.pad_id)
+        full = extend_per_token(inputs, filler, prompt_mask.new_ones(len(distinct), length))
+        positions = family.position_ids(bare, full)  # [..., B, P + C]: [B, L], or [3, B, L] multimodal
+        completion_positions = positions.index_select(-2, expand)[..., width:width + length - 1]
+    else:  # each sequence's own observations decide its positions after the prompt
+        sequences = {key: inputs[key][expand] for key in per_token_keys(inputs)}  # [N, P] each
+        full = with_observations(prompts, prompt_index, sequences, completion_ids, completion_mask, observations)
+        every = family.position_ids(bare, full)  # [..., N, P + C]
+        first = [prompt_index.index(p) for p in distinct]
+        positions = every.index_select(-2, torch.tensor(first, device=every.device))
+        completion_positions = every[..., width:width + length - 1]
+        completion_extra = {key: full[key][:, width:width + length - 1] for key in per_token_keys(full)
+                            if key not in ("input_ids", "attention_mask")}
+        completion_extra.update(observation_images(observations, completion_ids.device))
     # the router loss counts a prompt token once per sequence that continues it, as the plain path does
     family.weigh_router_tokens(bare, lambda: prompt_mask * torch.bincount(expand, minlength=len(distinct))[:, None])
     prompt_out = bare.model(**inputs, position_ids=positions[..., :width], use_cache=True)
@@ -146,8 +207,7 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
     mask = torch.cat([prompt_mask[expand], completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1)  # [N, P + C - 1]
     family.weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
     completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
-                                position_ids=positions.index_select(-2, expand)[..., width:width + length - 1],
-                                cache=cache, use_cache=True)
+                                position_ids=completion_positions, cache=cache, use_cache=True, **completion_extra)
     return torch.cat([last, completion_out.last_hidden_state], dim=1)  # [N, C, H]
 
 

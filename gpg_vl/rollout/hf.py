@@ -28,6 +28,8 @@ from gpg_vl.models.batch import PromptBatch, extend_per_token, unwrap
 from gpg_vl.models.family import eval_mode
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.sampling import next_tokens, process_logits  # noqa: F401  (process_logits re-exported)
+from gpg_vl.rollout.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
 
 DECODERS = ("loop", "generate")
@@ -41,6 +43,9 @@ class HFEngine(Engine):
 
     def __init__(self, policy: Policy, rollout, *, accelerator=None) -> None:
         self.policy, self.settings = policy, rollout.hf
+        # multi-turn settings and the tools offered (None: every registered tool); max_turns=1 samples as before
+        self.multiturn: MultiTurnSettings = getattr(rollout, "multiturn", None) or MultiTurnSettings()
+        self.tools: tuple[str, ...] | None = None
 
     @classmethod
     def unavailable(cls, rollout) -> str | None:
@@ -49,6 +54,11 @@ class HFEngine(Engine):
         return None
 
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
+        if self.multiturn.multi_turn:
+            from gpg_vl.rollout.multiturn import generate_trajectories
+
+            return generate_trajectories(self.policy, prompts, group_size=group_size, sampling=sampling,
+                                         settings=self.multiturn, tools=self.tools)
         return generate(self.policy, prompts.batch, group_size=group_size, sampling=sampling,
                         prefill_once=self.settings.prefill_once, static_cache=self.settings.static_cache,
                         reserve_cache=self.settings.reserve_cache, decode=self.settings.decode)
@@ -168,29 +178,3 @@ def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sa
                 break
         token = chosen.unsqueeze(1)
     return out[:, :done]
-
-
-def process_logits(logits: Tensor, sampling: Sampling, suppressed: Tensor | None) -> Tensor:
-    """The scores tokens are drawn from, as `generate` computes them: suppressed ids at -inf, then (when
-    sampling) divided by the temperature and cut to the top-p nucleus. logits [N, V] float -> [N, V]."""
-    if suppressed is not None:
-        logits = logits.index_fill(-1, suppressed, float("-inf"))
-    if sampling.greedy:
-        return logits
-    if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
-    if sampling.top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=False)  # [N, V] ascending
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
-        drop = cumulative <= (1 - sampling.top_p)
-        drop[..., -1:] = False  # the most likely token always stays
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return logits
-
-
-def next_tokens(logits: Tensor, sampling: Sampling, suppressed: Tensor | None) -> Tensor:
-    """Token ids [N] from last-position logits [N, V]: argmax when greedy, else one multinomial draw each."""
-    scores = process_logits(logits, sampling, suppressed)
-    if sampling.greedy:
-        return scores.argmax(dim=-1)
-    return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)

@@ -23,6 +23,10 @@ class Rollout:
     group_size: int
     # [B * G, C] the sampler's log-prob of each sampled token (an engine with its own weights: vLLM), or None
     sampler_logps: Tensor | None = None
+    # multi-turn (rollout.max_turns > 1): [B * G, C] float, 1 on generated tokens only (observations 0, and a
+    # whole trajectory 0 when a limit cut it under on_limit=mask); None: completion_mask is the loss mask
+    loss_mask: Tensor | None = None
+    trajectories: list | None = None  # B * G Trajectory (rollout/trajectory.py), or None for single turns
 
 
 def completion_mask_from_eos(completion_ids: Tensor, eos_ids: list[int], *, ignore_eos: bool = False) -> Tensor:

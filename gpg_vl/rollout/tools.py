@@ -1,0 +1,242 @@
+"""Tools a model may call during a rollout: registered Python functions with a JSON schema.
+
+A tool is a function `tool(context, **arguments)` registered with `register_tool(name, description=...,
+parameters=...)` (`parameters`: the JSON schema of its arguments, an OpenAI function's `parameters`). It
+returns text, images or both (a `ToolResult`, a string, a PIL image, or a list of strings and images); it
+raises `ToolError` with a sentence for a call it refuses. `run_tool` never raises: an unknown tool, arguments
+that do not fit the schema, a refused call, an exception or a call past its time budget all come back as an
+error observation (`ToolResult.error`), which the trajectory shows the model and the metrics count.
+
+`TOOLS` is the registry (`zoom_in` built in); a task offers tools by name, and out-of-tree tools load as
+tasks do: `module:name` or `path.py:name`.
+
+`zoom_in` is DeepEyes' crop: `bbox_2d` = [x1, y1, x2, y2] in the model's own box frame of the image it names
+(`source`: 0 or "original_image" for the prompt's first image, k or "observation_k" for the k-th image the
+model has seen, Mini-o3), converted by the family into original pixels; the crop is always cut from the
+ORIGINAL image (a crop of a crop is the same region cut again at full resolution), the box clamped to the
+source image, refused when its short side is at most `zoom_min_side` pixels or its aspect ratio above
+`zoom_max_aspect_ratio`, and the crop resized within the family's pixel limits.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+from gpg_vl.errors import UserError
+from gpg_vl.registry import Registry
+from gpg_vl.rollout.trajectory import MultiTurnSettings
+
+
+class ToolError(Exception):
+    """A call the tool refuses; its message (one sentence) becomes the observation the model reads."""
+
+
+@dataclass(frozen=True)
+class ImageView:
+    """An image the model has seen in a trajectory: which original it shows, which region of it (original
+    pixels), and its size (W, H, w, h): the region's size in original pixels, then as the model saw it."""
+
+    image: object  # PIL image, as fed to the model
+    original: int  # index among the prompt's images (-1: an image a tool made, cropped from itself)
+    box: tuple[float, float, float, float]  # (x1, y1, x2, y2) in that original's pixels
+    size: tuple[int, int, int, int]
+
+
+@dataclass
+class ToolContext:
+    """What a tool may read: the prompt's original images, every image the model has seen so far (the
+    prompt's first, then each observation's), the family (box frame, pixel limits) and the settings."""
+
+    originals: list
+    views: list[ImageView]
+    family: object
+    settings: MultiTurnSettings = field(default_factory=MultiTurnSettings)
+
+    @classmethod
+    def for_prompt(cls, images: list, sizes: list[tuple[int, int, int, int]], family,
+                   settings: MultiTurnSettings) -> ToolContext:
+        """The context of a prompt's trajectory: its images (original pixels) with their (W, H, w, h) sizes."""
+        views = [ImageView(image, i, (0.0, 0.0, float(size[0]), float(size[1])), tuple(size))
+                 for i, (image, size) in enumerate(zip(images, sizes, strict=True))]
+        return cls(list(images), views, family, settings)
+
+    def view(self, source) -> ImageView:
+        """The image `source` names: None / 0 / "original_image" the prompt's first, k / "observation_k" the
+        k-th image seen (0-based over the prompt's images and then the observations')."""
+        if source is None or source == "original_image":
+            index = 0
+        elif isinstance(source, str) and source.startswith("observation_") and source[12:].isdigit():
+            index = int(source[12:])
+        elif isinstance(source, int) and not isinstance(source, bool):
+            index = source
+        else:
+            raise ToolError(f"source {source!r} names no image; use \"original_image\" or \"observation_k\".")
+        if not 0 <= index < len(self.views):
+            raise ToolError(f"source {source!r} names no image; there are {len(self.views)} images so far "
+                            f"(0 to {len(self.views) - 1}).")
+        return self.views[index]
+
+
+@dataclass
+class ToolResult:
+    """What a call returned: text, images (with their views, for crops), and whether it is an error."""
+
+    text: str = ""
+    images: list = field(default_factory=list)
+    views: list[ImageView] = field(default_factory=list)
+    error: bool = False
+
+
+def _is_tool(obj) -> bool:
+    return callable(obj) and isinstance(getattr(obj, "parameters", None), dict)
+
+
+TOOLS = Registry("tool", "task.tools", builtins={"zoom_in": "gpg_vl.rollout.tools:zoom_in"}, accepts=_is_tool,
+                 expects="a tool (a function registered with register_tool)")
+
+
+def register_tool(name: str, *, description: str, parameters: dict):
+    """Decorator: register `function(context, **arguments)` as the tool `name` with its JSON schema."""
+    if parameters.get("type") != "object" or not isinstance(parameters.get("properties"), dict):
+        raise UserError(f"tool {name!r}: parameters must be a JSON schema of type object with properties.")
+
+    def decorate(function):
+        function.name, function.description, function.parameters = name, description, parameters
+        return TOOLS.add(name, function)
+
+    return decorate
+
+
+def tool_schema(tool) -> dict:
+    """The OpenAI / Hermes function schema of a tool, as chat templates take it in `tools=`."""
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": tool.parameters}}
+
+
+# ---------------------------------------------------------------------------------------------
+# running a call
+# ---------------------------------------------------------------------------------------------
+_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
+               "object": (dict,), "null": (type(None),)}
+
+
+def check_arguments(tool, arguments) -> None:
+    """Raise ToolError when `arguments` do not fit the tool's schema (required keys, unknown keys, types)."""
+    if not isinstance(arguments, dict):
+        raise ToolError(f"the arguments of {tool.name} must be an object, not {type(arguments).__name__}.")
+    properties = tool.parameters.get("properties", {})
+    missing = [key for key in tool.parameters.get("required", []) if key not in arguments]
+    if missing:
+        raise ToolError(f"{tool.name} needs the argument(s) {', '.join(missing)}.")
+    unknown = [key for key in arguments if key not in properties]
+    if unknown:
+        raise ToolError(f"{tool.name} takes no argument(s) {', '.join(unknown)}; it takes {', '.join(properties)}.")
+    for key, value in arguments.items():
+        kinds = properties[key].get("type")
+        allowed = [kinds] if isinstance(kinds, str) else list(kinds or [])
+        if allowed and not any(isinstance(value, _JSON_TYPES.get(kind, object)) and not (
+                kind in ("integer", "number") and isinstance(value, bool)) for kind in allowed):
+            raise ToolError(f"argument {key} of {tool.name} must be of type {' or '.join(allowed)}, not {value!r}.")
+
+
+def _as_result(value) -> ToolResult:
+    if isinstance(value, ToolResult):
+        return value
+    parts = value if isinstance(value, list | tuple) else [value]
+    result = ToolResult()
+    for part in parts:
+        if isinstance(part, str):
+            result.text += part
+        elif hasattr(part, "size") and hasattr(part, "crop"):  # a PIL image
+            result.images.append(part)
+        else:
+            raise ToolError(f"returned {type(part).__name__}; a tool returns text and/or images.")
+    return result
+
+
+def run_tool(name: str, arguments, context: ToolContext, *, allowed: tuple[str, ...] | None = None,
+             seconds: float | None = None) -> ToolResult:
+    """Run one call within `seconds` (default: the settings' `tool_seconds`) on a daemon thread; anything
+    that goes wrong comes back as an error observation, never an exception. `allowed`: the tools offered."""
+    seconds = context.settings.tool_seconds if seconds is None else seconds
+    if allowed is not None and name not in allowed:
+        offered = ", ".join(allowed) or "none"
+        return ToolResult(f"Error: there is no tool {name!r}; the tools are: {offered}.", error=True)
+    try:
+        tool = TOOLS.get(name)
+    except UserError:
+        return ToolResult(f"Error: there is no tool {name!r}.", error=True)
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            check_arguments(tool, arguments)
+            outcome["result"] = _as_result(tool(context, **arguments))
+        except ToolError as error:
+            outcome["result"] = ToolResult(f"Error: {error}", error=True)
+        except Exception as error:  # noqa: BLE001  a tool's own failure is the trajectory's, never the run's
+            outcome["result"] = ToolResult(f"Error: {name} failed ({type(error).__name__}: {error}).", error=True)
+
+    worker = threading.Thread(target=call, name=f"tool-{name}", daemon=True)  # never joined past the budget
+    worker.start()
+    worker.join(seconds if seconds and seconds > 0 else None)
+    if "result" not in outcome:
+        return ToolResult(f"Error: {name} took longer than {seconds:g} s.", error=True)
+    return outcome["result"]
+
+
+# ---------------------------------------------------------------------------------------------
+# zoom_in (DeepEyes' image_zoom_in_tool)
+# ---------------------------------------------------------------------------------------------
+ZOOM_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "bbox_2d": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4,
+                    "description": "The region to zoom into, [x1, y1, x2, y2], in your own box coordinates."},
+        "label": {"type": "string", "description": "What the region shows (optional)."},
+        "source": {"type": ["string", "integer"],
+                   "description": "The image to crop: \"original_image\" (default) or \"observation_k\"."},
+    },
+    "required": ["bbox_2d"],
+}
+
+
+@register_tool("zoom_in", description="Zoom in on a region of the image: returns that region, cropped and enlarged.",
+               parameters=ZOOM_PARAMETERS)
+def zoom_in(context: ToolContext, bbox_2d, label: str | None = None, source=None) -> ToolResult:
+    view = context.view(source)
+    if len(bbox_2d) != 4 or not all(isinstance(v, int | float) and math.isfinite(v) for v in bbox_2d):
+        raise ToolError(f"bbox_2d must be four numbers [x1, y1, x2, y2], not {bbox_2d!r}.")
+    try:
+        x1, y1, x2, y2 = context.family.to_original_frame([float(v) for v in bbox_2d], view.size)
+    except UserError as error:
+        raise ToolError(str(error)) from None
+    left, top, right, bottom = view.box  # the source's region of its original: its frame's origin
+    x1, x2 = sorted((left + x1, left + x2))
+    y1, y2 = sorted((top + y1, top + y2))
+    x1, x2 = min(max(x1, left), right), min(max(x2, left), right)  # clamped to the source image
+    y1, y2 = min(max(y1, top), bottom), min(max(y2, top), bottom)
+    width, height = x2 - x1, y2 - y1
+    settings = context.settings
+    if min(width, height) <= settings.zoom_min_side:
+        raise ToolError(f"the box is {width:.0f} x {height:.0f} pixels after clamping to the image; its short side "
+                        f"must be more than {settings.zoom_min_side} pixels.")
+    if max(width, height) / min(width, height) > settings.zoom_max_aspect_ratio:
+        raise ToolError(f"the box's aspect ratio is {max(width, height) / min(width, height):.0f}; it must be at "
+                        f"most {settings.zoom_max_aspect_ratio:g}.")
+    box = (round(x1), round(y1), round(x2), round(y2))
+    source_image = context.originals[view.original] if view.original >= 0 else view.image
+    crop = source_image.crop(box)
+    fitted = context.family.fit_image(crop)
+    new_view = ImageView(fitted, view.original, tuple(float(v) for v in box), (*crop.size, *fitted.size))
+    return ToolResult("", [fitted], [new_view])
+
+
+def answer_call(call, context: ToolContext, *, allowed: tuple[str, ...] | None = None) -> ToolResult:
+    """The observation for a parsed call (`Family.parse_tool_call`): its error sentence when the call could not
+    be read, else what `run_tool` returns. Never raises."""
+    if call.error is not None:
+        return ToolResult(f"Error: {call.error}", error=True)
+    return run_tool(call.name, call.arguments, context, allowed=allowed)

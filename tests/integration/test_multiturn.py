@@ -1,0 +1,148 @@
+"""Multi-turn rollouts on the HF engine (gpg_vl/rollout/multiturn.py), on tiny models steered by scripted segments:
+a trajectory with a crop, incremental == naive re-prefill, and the log-probs recorded while sampling equal those
+of the whole interleaved sequence in one forward (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from gpg_vl.models.batch import trim_left_padding
+from gpg_vl.rollout.engine import EnginePrompts, Sampling
+from gpg_vl.rollout.multiturn import generate_trajectories
+from gpg_vl.rollout.trajectory import MultiTurnSettings, sequence_inputs
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]  # generic: GLM-4.1V, InternVL
+MAX_NEW = 100  # per segment: a scripted call is about 85 tokens of the tiny byte-level BPE
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def policy(request, tmp_path_factory):
+    from gpg_vl.models.load import load_policy
+    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
+
+    path = EMBEDDED_TINY
+    if request.param != "qwen2_5_vl":
+        path = tmp_path_factory.mktemp("tiny") / request.param
+        build_tiny_family(path, request.param)
+    torch.manual_seed(0)
+    return load_policy(str(path), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)
+
+
+def prompts(policy) -> EnginePrompts:
+    """Two prompts of different lengths, one image each (different sizes)."""
+    messages = [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", size, color)},
+                                              {"type": "text", "text": text}]}]
+                for size, color, text in (((200, 150), (0, 90, 0), "What is it?"),
+                                          ((160, 240), (90, 0, 0), "Which shape is red? Look closely."))]
+    return EnginePrompts(policy.adapter.encode(messages), messages)
+
+
+def call_tokens(policy, box) -> list[int]:
+    family = policy.adapter
+    if family.tool_call_format == "xml":
+        text = f"<tool_call>\n<function=zoom_in>\n<parameter=bbox_2d>\n{box}\n</parameter>\n</function>\n</tool_call>"
+    else:
+        text = f'<tool_call>\n{{"name": "zoom_in", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
+    ids = family.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) < MAX_NEW
+    return ids
+
+
+def script(policy, batch):
+    """Row 0: a good crop then free text; row 1: free text; row 2: a box too small (an error); row 3: a crop."""
+    family = policy.adapter
+
+    def box(prompt, region):
+        return "[" + ", ".join(str(round(v)) for v in family.to_model_frame(region, batch.image_sizes[prompt][0])) + "]"
+
+    segments = {(0, 0): call_tokens(policy, box(0, (10, 10, 150, 120))),
+                (2, 0): call_tokens(policy, box(1, (0, 0, 20, 20))),
+                (3, 0): call_tokens(policy, box(1, (20, 40, 140, 200)))}
+    return lambda row, turn: segments.get((row, turn))
+
+
+def sample(policy, mode: str, **settings):
+    batch = prompts(policy)
+    settings = MultiTurnSettings(**{"max_turns": 2, "hf_multiturn": mode, **settings})
+    sampling = Sampling(max_new_tokens=MAX_NEW, greedy=True)
+    return batch, generate_trajectories(policy, batch, group_size=2, sampling=sampling, settings=settings,
+                                        tools=("zoom_in",), scripted=script(policy, batch.batch))
+
+
+def test_a_two_turn_trajectory_with_a_crop_and_its_masks(policy):
+    _, rollout = sample(policy, "incremental")
+    first, free, refused, crop = rollout.trajectories
+    assert first.turns == 2 and len(first.images) == 1 and not first.calls[0].error
+    assert first.loss_mask[slice(*first.observations[0])] == [0] * (first.observations[0][1] - first.observations[0][0])
+    assert all(first.loss_mask[i] == 1 for s, e in first.segments for i in range(s, e))
+    assert free.turns == 1 and free.calls == []
+    assert refused.calls[0].error and "short side" in refused.calls[0].text and refused.images == []
+    assert crop.turns == 2 and len(crop.images) == 1 and crop.calls[0].images == 1
+    ids, attention, loss = rollout.completion_ids, rollout.completion_mask, rollout.loss_mask
+    for row, trajectory in enumerate(rollout.trajectories):
+        n = len(trajectory.token_ids)
+        assert ids[row, :n].tolist() == trajectory.token_ids and attention[row].sum() == n
+        assert loss[row, :n].tolist() == trajectory.loss_mask
+    # limits: no room for an image, or for a second turn; under on_limit=mask a cut trajectory has no loss
+    _, cut = sample(policy, "incremental", on_limit="mask", max_images=0)
+    assert cut.trajectories[0].limit == "image" and cut.loss_mask[0].sum() == 0
+    assert cut.trajectories[1].limit == "none" and cut.loss_mask[1].sum() > 0
+    _, cut = sample(policy, "incremental", max_turns=1)  # the call is not run: the turn limit ends it, scored
+    assert (cut.trajectories[0].limit, cut.trajectories[0].turns, cut.trajectories[0].calls) == ("turn", 1, [])
+    assert cut.loss_mask[0].sum() == len(cut.trajectories[0].token_ids)
+
+
+def test_greedy_incremental_equals_naive_re_prefill(policy):
+    _, incremental = sample(policy, "incremental")
+    _, naive = sample(policy, "naive")
+    assert [t.token_ids for t in incremental.trajectories] == [t.token_ids for t in naive.trajectories]
+    for a, b in zip(incremental.trajectories, naive.trajectories, strict=True):
+        assert torch.allclose(torch.tensor(a.logps), torch.tensor(b.logps), atol=1e-5)
+
+
+def test_sampling_logps_equal_the_whole_sequence_in_one_forward(policy):
+    batch, rollout = sample(policy, "incremental")
+    family, bare = policy.adapter, policy.model
+    for row, trajectory in enumerate(rollout.trajectories):
+        prompt = trim_left_padding(batch.batch.select([row // 2]).inputs)
+        full = sequence_inputs(prompt, trajectory)
+        positions = family.position_ids(bare, full)
+        with torch.no_grad():
+            logits = bare(**full, position_ids=positions).logits.float()  # [1, P + T, V]
+        width = prompt["input_ids"].shape[1]
+        ids = torch.tensor([trajectory.token_ids])
+        logps = family.logps_from_logits(logits[:, width - 1:-1], ids)[0]  # [T]
+        generated = torch.tensor(trajectory.loss_mask, dtype=torch.bool)
+        assert torch.allclose(logps[generated], torch.tensor(trajectory.logps)[generated], atol=1e-5), row
+
+
+def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
+    """The update's log-probs of 2-turn trajectories: prompt-once (the prompt once per group, completions with
+    their observations on its forked cache) equals the plain whole-sequence path, in value and gradient, and
+    both equal what the sampler recorded."""
+    from gpg_vl.models.family import ScoringPath
+
+    batch, rollout = sample(policy, "incremental")
+    family, model = policy.adapter, policy.model
+    index = [row // 2 for row in range(len(rollout.trajectories))]
+    loss_mask = rollout.loss_mask.bool()
+    recorded = torch.zeros_like(rollout.loss_mask)
+    for row, trajectory in enumerate(rollout.trajectories):
+        recorded[row, :len(trajectory.logps)] = torch.tensor(trajectory.logps)
+    results = {}
+    for name, path in (("plain", ScoringPath()), ("prompt_once", ScoringPath(prompt_once=True)),
+                       ("chunked", ScoringPath(prompt_once=True))):
+        model.zero_grad()
+        logps = family.trajectory_logps(model, batch.batch, index, rollout.completion_ids, rollout.completion_mask,
+                                        rollout.trajectories, path=path,
+                                        logits_chunk_tokens=7 if name == "chunked" else 0)
+        (logps * loss_mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results[name] = (logps.detach(), grads)
+        assert torch.allclose(logps.detach()[loss_mask], recorded[loss_mask], atol=1e-5), name
+    for name in ("prompt_once", "chunked"):
+        assert torch.allclose(results[name][0][loss_mask], results["plain"][0][loss_mask], atol=1e-5)
+        assert torch.allclose(results[name][1], results["plain"][1], atol=1e-4, rtol=1e-4), name
+    model.zero_grad()

@@ -1,0 +1,81 @@
+"""Observations rendered by each family: after every turn of a trajectory, the image placeholder tokens of the
+whole sequence match the features of its images (none dropped or doubled), and the model runs on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from gpg_vl.models.batch import trim_left_padding
+from gpg_vl.rollout.trajectory import Trajectory, sequence_inputs
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "gemma3", "gemma4", "smolvlm", "llava_onevision",
+            "internvl"]
+REFUSED = {"llava_onevision": "cannot take images in a later turn"}  # families that refuse max_turns > 1
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def policy(request, tmp_path_factory):
+    from gpg_vl.models.load import load_policy
+    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
+
+    path = EMBEDDED_TINY
+    if request.param != "qwen2_5_vl":
+        path = tmp_path_factory.mktemp("tiny") / request.param
+        build_tiny_family(path, request.param)
+    torch.manual_seed(0)
+    return load_policy(str(path), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)
+
+
+def image_token_id(policy) -> int:
+    config = policy.model.config
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return policy.adapter._image_token_id()
+
+
+def count_features(encoded) -> int:
+    pooled = getattr(encoded, "pooler_output", encoded)
+    pooled = pooled if isinstance(pooled, list | tuple) else [pooled]
+    return sum(part.reshape(-1, part.shape[-1]).shape[0] for part in pooled)
+
+
+def test_every_turns_images_match_their_placeholder_tokens(policy):
+    family, bare = policy.adapter, policy.model
+    if family.config.model_type in REFUSED:
+        assert REFUSED[family.config.model_type] in family.multi_turn_unsupported()
+        return
+    assert family.multi_turn_unsupported() is None
+    messages = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (96, 64), (0, 90, 0))},
+                                             {"type": "text", "text": "What is in the image?"}]}]
+    prompt = trim_left_padding(family.encode([messages]).inputs)
+    features: list[int] = []
+    encoder = bare.model.get_image_features
+
+    def recording(*args, **kwargs):
+        encoded = encoder(*args, **kwargs)
+        features.append(count_features(encoded))
+        return encoded
+
+    bare.model.get_image_features = recording
+    try:
+        trajectory = Trajectory()
+        pad = image_token_id(policy)
+        for turn, size in enumerate([(120, 90), (64, 160)]):
+            call = f'<tool_call>{{"name": "zoom_in", "arguments": {{"bbox_2d": [0, 0, {turn + 5}0, 50]}}}}</tool_call>'
+            trajectory.add_segment(family.tokenizer(call, add_special_tokens=False)["input_ids"])
+            ids, inputs = family.encode_observation("", [Image.new("RGB", size, (200, 0, turn * 90))])
+            trajectory.add_observation(ids, [None], inputs)
+            full = sequence_inputs(prompt, trajectory)
+            features.clear()
+            with torch.no_grad():
+                bare(**full, **({"position_ids": p} if (p := family.position_ids(bare, full)) is not None else {}))
+            placeholders = int((full["input_ids"] == pad).sum())
+            assert sum(features) == placeholders, (turn, features, placeholders)
+            assert int((torch.tensor(ids) == pad).sum()) > 0  # the observation holds its image
+        assert trajectory.loss_mask == [1 if any(s <= i < e for s, e in trajectory.segments) else 0
+                                        for i in range(len(trajectory.token_ids))]
+    finally:
+        bare.model.get_image_features = encoder

@@ -1,0 +1,191 @@
+"""Tools (gpg_vl/rollout/tools.py): the registry, the schema check, the time budget, and zoom_in's rules."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from PIL import Image
+
+from gpg_vl.errors import UserError
+from gpg_vl.models.family import Family
+from gpg_vl.rollout.tools import TOOLS, ToolContext, ToolError, register_tool, run_tool, tool_schema
+from gpg_vl.rollout.trajectory import MultiTurnSettings
+
+
+class StubFamily:
+    """The family protocol's box conversions on a chosen frame; `fit_image` halves each side (a visible resize)."""
+
+    name = "stub"
+    box_scale, to_original_frame = Family.box_scale, Family.to_original_frame
+
+    def __init__(self, frame: str) -> None:
+        self.box_frame = frame
+
+    def fit_image(self, image):
+        return image.resize((max(1, image.width // 2), max(1, image.height // 2)))
+
+
+def gradient(width: int, height: int) -> Image.Image:
+    """An image whose pixel (x, y) is (x % 256, y % 256, 0): a crop says where it was cut from."""
+    image = Image.new("RGB", (width, height))
+    image.putdata([(x % 256, y % 256, 0) for y in range(height) for x in range(width)])
+    return image
+
+
+def context(frame="relative-1000", size=(1000, 500), resized=None, **settings) -> ToolContext:
+    image = gradient(*size)
+    resized = resized or size
+    return ToolContext.for_prompt([image], [(*size, *resized)], StubFamily(frame), MultiTurnSettings(**settings))
+
+
+def test_zoom_in_reads_the_model_frame_through_the_family_and_crops_the_original():
+    ctx = context("relative-1000", (1000, 500))
+    result = run_tool("zoom_in", {"bbox_2d": [100, 100, 500, 600]}, ctx)  # 0-1000 relative
+    assert not result.error, result.text
+    (view,) = result.views
+    assert view.box == (100, 50, 500, 300)  # original pixels
+    assert view.size == (400, 250, 200, 125)  # cut 400 x 250, seen at half size (the family's resize)
+    assert result.images[0].size == (200, 125)
+    # resized-pixels (Qwen2.5-VL): the prompt image was seen at 500 x 250
+    result = run_tool("zoom_in", {"bbox_2d": [50, 25, 250, 150]}, context("resized-pixels", (1000, 500), (500, 250)))
+    assert result.views[0].box == (100, 50, 500, 300)
+
+
+def test_a_crop_of_a_crop_is_cut_again_from_the_original():
+    ctx = context("relative-1000", (1000, 500))
+    first = run_tool("zoom_in", {"bbox_2d": [100, 100, 500, 600]}, ctx)
+    ctx.views.extend(first.views)
+    # the right half of the first crop, named as Mini-o3 does and by index
+    for source in ("observation_1", 1):
+        second = run_tool("zoom_in", {"bbox_2d": [500, 0, 1000, 1000], "source": source}, ctx)
+        assert not second.error, second.text
+        assert second.views[0].box == (300, 50, 500, 300)
+        assert second.views[0].original == 0
+    direct = ctx.originals[0].crop((300, 50, 500, 300))
+    assert second.images[0].tobytes() == direct.resize((100, 125)).tobytes()  # from the original, one resize
+    bad = run_tool("zoom_in", {"bbox_2d": [0, 0, 500, 500], "source": "observation_7"}, ctx)
+    assert bad.error and "observation_7" in bad.text
+
+
+def test_a_box_is_clamped_to_the_image():
+    result = run_tool("zoom_in", {"bbox_2d": [-200, -50, 1500, 700]}, context("relative-1000", (1000, 500)))
+    assert result.views[0].box == (0, 0, 1000, 350)
+    swapped = run_tool("zoom_in", {"bbox_2d": [500, 600, 100, 100]}, context("relative-1000", (1000, 500)))
+    assert swapped.views[0].box == (100, 50, 500, 300)
+
+
+@pytest.mark.parametrize(("side", "refused"), [(30, True), (31, False)])
+def test_a_box_whose_short_side_is_at_most_the_minimum_is_refused(side, refused):
+    result = run_tool("zoom_in", {"bbox_2d": [0, 0, 200, side]}, context("resized-pixels", (1000, 1000)))
+    assert result.error is refused
+    if refused:
+        assert "short side" in result.text and "30" in result.text
+
+
+def test_the_minimum_side_and_the_aspect_ratio_are_configurable():
+    assert run_tool("zoom_in", {"bbox_2d": [0, 0, 200, 40]}, context("resized-pixels", zoom_min_side=50)).error
+    assert not run_tool("zoom_in", {"bbox_2d": [0, 0, 200, 40]}, context("resized-pixels", zoom_min_side=10)).error
+    wide = context("resized-pixels", (4000, 100))
+    result = run_tool("zoom_in", {"bbox_2d": [0, 0, 3200, 31]}, wide)  # ratio 103 > 100
+    assert result.error and "aspect ratio" in result.text
+    assert not run_tool("zoom_in", {"bbox_2d": [0, 0, 3000, 31]}, wide).error  # ratio 96.8
+    assert not run_tool("zoom_in", {"bbox_2d": [0, 0, 3200, 31]},
+                        context("resized-pixels", (4000, 100), zoom_max_aspect_ratio=200)).error
+
+
+def test_a_family_without_a_box_frame_gets_an_error_observation():
+    result = run_tool("zoom_in", {"bbox_2d": [0, 0, 100, 100]}, context("none"))
+    assert result.error and "box frame" in result.text
+
+
+@pytest.mark.parametrize(("arguments", "says"), [
+    ({}, "needs the argument(s) bbox_2d"),
+    ({"bbox_2d": [0, 0, 100, 100], "zoom": 2}, "takes no argument(s) zoom"),
+    ({"bbox_2d": "0, 0, 100, 100"}, "must be of type array"),
+    ({"bbox_2d": [0, 0, 100]}, "four numbers"),
+    ({"bbox_2d": [0, 0, "a", 100]}, "four numbers"),
+    ([0, 0, 100, 100], "must be an object"),
+])
+def test_bad_arguments_are_error_observations(arguments, says):
+    result = run_tool("zoom_in", arguments, context("resized-pixels"))
+    assert result.error and says in result.text
+
+
+def test_unknown_and_not_offered_tools_are_error_observations():
+    assert run_tool("teleport", {}, context()).error
+    result = run_tool("zoom_in", {"bbox_2d": [0, 0, 100, 100]}, context(), allowed=("search",))
+    assert result.error and "search" in result.text
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def add(name, function, **schema):
+        names.append(name)
+        return register_tool(name, description=f"test tool {name}",
+                             parameters=schema or {"type": "object", "properties": {}})(function)
+
+    yield add
+    for name in names:
+        TOOLS.unregister(name)
+
+
+def test_a_tool_that_raises_or_hangs_costs_an_error_observation_not_the_run(registered):
+    def broken(context):
+        raise RuntimeError("disk on fire")
+
+    def hanging(context):
+        time.sleep(30)
+
+    registered("broken", broken)
+    registered("hanging", hanging)
+    result = run_tool("broken", {}, context())
+    assert result.error and "RuntimeError: disk on fire" in result.text
+    started = time.monotonic()
+    result = run_tool("hanging", {}, context(), seconds=0.2)
+    assert time.monotonic() - started < 5
+    assert result.error and "longer than 0.2 s" in result.text
+    result = run_tool("hanging", {}, context(tool_seconds=0.1))  # the settings' budget
+    assert result.error and "longer than 0.1 s" in result.text
+
+
+def test_a_tool_returns_text_images_or_both_and_its_schema_is_a_function_schema(registered):
+    def echo(context, word: str):
+        return [f"you said {word}", context.originals[0]]
+
+    registered("echo", echo, type="object", properties={"word": {"type": "string"}}, required=["word"])
+    result = run_tool("echo", {"word": "hi"}, context())
+    assert (result.text, len(result.images), result.error) == ("you said hi", 1, False)
+    assert tool_schema(TOOLS.get("echo")) == {"type": "function", "function": {
+        "name": "echo", "description": "test tool echo",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+    assert tool_schema(TOOLS.get("zoom_in"))["function"]["parameters"]["required"] == ["bbox_2d"]
+    with pytest.raises(UserError, match="already registered"):
+        registered("echo", lambda context: "again")
+
+
+def test_out_of_tree_tools_load_from_a_file_or_a_module(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(
+        "from gpg_vl.rollout.tools import register_tool\n"
+        "@register_tool('shout', description='upper case', parameters={'type': 'object', 'properties': "
+        "{'text': {'type': 'string'}}})\n"
+        "def shout(context, text=''):\n    return text.upper()\n")
+    try:
+        tool = TOOLS.get(f"{path}:shout")
+        assert tool.name == "shout" and run_tool("shout", {"text": "hey"}, context()).text == "HEY"
+        assert TOOLS.get("gpg_vl.rollout.tools:zoom_in") is TOOLS.get("zoom_in")
+        with pytest.raises(UserError, match="is not a tool"):
+            TOOLS.get("gpg_vl.rollout.tools:run_tool")
+    finally:
+        TOOLS.unregister("shout")
+
+
+def test_a_refusal_raised_as_tool_error_reads_as_its_sentence(registered):
+    def picky(context):
+        raise ToolError("only on Tuesdays.")
+
+    registered("picky", picky)
+    assert run_tool("picky", {}, context()).text == "Error: only on Tuesdays."
