@@ -176,7 +176,11 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
     mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
 
-    GPG (the default) takes one step and needs nothing but the current log-probs. A loss that declares
+    GPG (the default) takes one step, on the valid groups only, and needs nothing but the current log-probs.
+    A loss whose KL to the reference is on (`kl_on_every_group`) forwards every sampled group instead, the
+    invalid ones with zero advantages (only their KL acts), normalised over all sampled sequences as TRL's and
+    R1-V's GRPO do, and steps even when no group is valid; its metrics then say `groups_used` (every group
+    forwarded), `groups_kl_only` (those forwarded for their KL alone) and `alpha` 1. A loss that declares
     "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
     when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
     (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
@@ -184,6 +188,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     `_optimizer_step`).
     """
     settings, accelerator = learner.settings, learner.accelerator
+    kl_everywhere = kl_on_every_group(settings)
+    if kl_everywhere:  # the KL acts on every sampled sequence, as in TRL's and R1-V's GRPO: invalid groups too
+        attempts, kl_only = _every_group(attempts, accelerator)
     if learner.path is None:
         learner = replace(learner, path=choose_scoring_path(learner.policy.adapter, learner.model,
                                                             share_prompt=settings.share_prompt,
@@ -228,9 +235,34 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
         if results[-1].get("nonfinite"):
             break
     metrics = _combine_results(results)
+    if kl_everywhere:  # every sampled group forwarded, normalised over all of them (alpha 1)
+        metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
+                        "groups_kl_only": kl_only, "alpha": 1.0})
     if needs:  # the same on every process (it depends on the loss only): the collective below matches
         metrics.update(_loss_reports(reports, accelerator))
     return metrics
+
+
+def kl_on_every_group(settings: TrainerSettings) -> bool:
+    """Whether trainer.loss's KL to the reference is on (it declares "ref" and its kl_coef > 0): its KL term then
+    acts on every sampled sequence, and the update forwards the groups without signal too (TRL, R1-V)."""
+    return needs_reference(settings)
+
+
+def _every_group(attempts: list[Attempt], accelerator: Accelerator) -> tuple[list[Attempt], int]:
+    """The attempts with every group marked for the update, the invalid ones with zero advantages, and the
+    number of those (over all processes). Collective: update() calls it on every process or on none."""
+    widened, invalid = [], 0
+    for attempt in attempts:
+        if attempt.rollout is None:  # a process without prompts in this attempt
+            widened.append(attempt)
+            continue
+        keep = attempt.valid.unsqueeze(1)  # [b, 1]
+        invalid += int((~attempt.valid).sum())
+        widened.append(replace(attempt, valid=torch.ones_like(attempt.valid), advantages=torch.where(
+            keep, attempt.advantages, torch.zeros_like(attempt.advantages))))
+    total = accelerator.reduce(torch.tensor(invalid, device=accelerator.device), "sum")
+    return widened, int(total)
 
 
 def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelerator: Accelerator) -> torch.Tensor:
@@ -253,7 +285,7 @@ def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[
     settings = learner.settings
     old = _score_plan(learner, learner.model, plan, attempts, calls) if "old" in needs and steps > 1 else None
     ref = None
-    if "ref" in needs and settings.kl_coef > 0:
+    if "ref" in needs and needs_reference(settings):
         if learner.reference is None:
             raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
         ref_model, scope = learner.reference.scoring(learner.model)
@@ -502,8 +534,11 @@ def build_optimizer(model: torch.nn.Module, trainer: TrainerSettings) -> torch.o
 
 
 def needs_reference(trainer: TrainerSettings) -> bool:
-    """Whether trainer.loss scores a frozen reference model (it declares "ref" and trainer.kl_coef > 0)."""
-    return "ref" in loss_needs(get_policy_loss(trainer.loss)) and trainer.kl_coef > 0
+    """Whether trainer.loss scores a frozen reference model (it declares "ref" and its kl_coef > 0:
+    trainer.loss_options.kl_coef, else trainer.kl_coef)."""
+    if "ref" not in loss_needs(get_policy_loss(trainer.loss)):
+        return False
+    return float(trainer_loss_options(trainer, None).get("kl_coef", trainer.kl_coef) or 0.0) > 0
 
 
 def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference: torch.nn.Module | None, *,
