@@ -461,7 +461,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
-                    loss, info = step.loss_fn(logps, mask, adv.to(device),
+                    loss, info = checked_loss(learner.settings.loss, step.loss_fn, logps, mask, adv.to(device),
                                               old_logps=old[index] if old is not None else None,
                                               ref_logps=ref[index] if ref is not None else None,
                                               aggregation=step.aggregation, normalizer=step.normalizer,
@@ -478,6 +478,54 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
     finally:
         accelerator.sync_gradients = True
     return sums
+
+
+LOSS_METRICS = ("num_tokens", "logp_mean")  # what the trainer reads from every loss's metrics
+LOSS_CONTRACT = ("it must return (loss, metrics): a 0-d tensor with grad, and a dict of numbers holding at least "
+                 f"{', '.join(LOSS_METRICS)} (and with ratio_mean also {', '.join(LOSS_REPORTS[:3])}, ratio_max, "
+                 "logp_drift)")
+
+
+def checked_loss(name: str, loss_fn, *args, **kwargs) -> tuple[torch.Tensor, dict]:
+    """trainer.loss=`name` called on one micro-batch, its contract checked here (`LOSS_CONTRACT`): a raise, or
+    anything else returned, fails in one sentence naming the setting and what came back."""
+    try:
+        result = loss_fn(*args, **kwargs)
+    except (UserError, torch.OutOfMemoryError):
+        raise
+    except Exception as error:  # a plugin's own failure, told in one sentence
+        raise UserError(f"trainer.loss={name} raised {type(error).__name__}: {error}; {LOSS_CONTRACT}.") from error
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        what = "a bare tensor" if isinstance(result, torch.Tensor) else f"a {type(result).__name__}"
+        raise UserError(f"trainer.loss={name} returned {what}; {LOSS_CONTRACT}.")
+    loss, metrics = result
+    problem = None
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        problem = f"a loss of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+            f"a loss of type {type(loss).__name__}"
+    elif not loss.requires_grad:
+        problem = "a loss without grad (detached, or computed under no_grad)"
+    elif not isinstance(metrics, dict):
+        problem = f"metrics of type {type(metrics).__name__}"
+    else:
+        required = LOSS_METRICS + ((*LOSS_REPORTS, "ratio_max", "logp_drift") if "ratio_mean" in metrics else ())
+        missing = [key for key in required if key not in metrics]
+        wrong = [key for key in required if key in metrics and not _is_number(metrics[key])]
+        if missing:
+            problem = f"metrics without {', '.join(missing)}"
+        elif wrong:
+            problem = f"metrics whose {', '.join(wrong)} is not a number"
+    if problem:
+        raise UserError(f"trainer.loss={name} returned {problem}; {LOSS_CONTRACT}.")
+    return loss, metrics
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return not isinstance(value, str | bytes)
 
 
 def _add_report(report: dict[str, float], info: dict[str, float], *, later: bool) -> None:
