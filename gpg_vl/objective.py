@@ -86,7 +86,8 @@ def register_policy_loss(name: str, *, needs: tuple[str, ...] = (), aggregation:
     """Register a policy loss as ``trainer.loss=<name>`` (signature in the module doc).
 
     `needs` lists what the trainer must compute for it ("old", "ref"); `aggregation`, when set, is the only
-    aggregation the loss takes (the trainer normalises by that aggregation's count).
+    aggregation the loss takes (the trainer normalises by that aggregation's count), and its default when the
+    loss is called directly.
     """
     unknown = sorted(set(needs) - set(NEEDS))
     if unknown:
