@@ -158,13 +158,14 @@ def checked_advantages(name: str, rewards: torch.Tensor) -> tuple[torch.Tensor, 
         raise UserError(f"trainer.advantage={name} raised {type(error).__name__}: {error}; "
                         f"{ADVANTAGE_CONTRACT}.") from error
     if not (isinstance(result, tuple | list) and len(result) == 2):
-        raise UserError(f"trainer.advantage={name} returned {_described(result)}; {ADVANTAGE_CONTRACT}.")
+        what = f"one tensor {_described(result)}" if isinstance(result, torch.Tensor) else \
+            f"a {type(result).__name__}" + (f" of {len(result)}" if isinstance(result, tuple | list) else "")
+        raise UserError(f"trainer.advantage={name} returned {what}; {ADVANTAGE_CONTRACT}.")
     advantages, valid = result
     problem = None
-    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) != tuple(rewards.shape):
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) != tuple(rewards.shape) or \
+            not advantages.is_floating_point():
         problem = f"advantages {_described(advantages)} for rewards of shape {list(rewards.shape)}"
-    elif not advantages.is_floating_point():
-        problem = f"advantages of dtype {advantages.dtype}"
     elif not isinstance(valid, torch.Tensor) or tuple(valid.shape) != (rewards.shape[0],) or \
             valid.dtype != torch.bool:
         problem = f"valid {_described(valid)} for {rewards.shape[0]} groups"
@@ -174,12 +175,10 @@ def checked_advantages(name: str, rewards: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def _described(value) -> str:
-    """What a plugin returned, in a few words: a tensor's shape and dtype, else its type."""
+    """A tensor's shape and dtype ("of shape [4] (float32)"), else the value's type ("of type list")."""
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {list(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
-    if isinstance(value, tuple | list):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
+        return f"of shape {list(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
+    return f"of type {type(value).__name__}"
 
 
 def attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:

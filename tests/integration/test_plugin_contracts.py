@@ -21,11 +21,11 @@ ADVANTAGES = {
                "raised ValueError: no baseline today; it must map rewards [b, G] to (advantages [b, G], valid [b] "
                "bool)."),
     "one_tensor": ("def fn(rewards):\n    return rewards - rewards.mean(dim=1, keepdim=True)\n",
-                   "returned a tensor of shape [2, 2] (float32); it must map rewards"),
+                   "returned one tensor of shape [2, 2] (float32); it must map rewards"),
     "flat": ("def fn(rewards):\n    return rewards.flatten(), rewards[:, 0] > 0\n",
-             "returned advantages a tensor of shape [4] (float32) for rewards of shape [2, 2]; it must map"),
+             "returned advantages of shape [4] (float32) for rewards of shape [2, 2]; it must map"),
     "valid_floats": ("def fn(rewards):\n    return rewards * 0, rewards[:, 0] * 0 + 1\n",
-                     "returned valid a tensor of shape [2] (float32) for 2 groups; it must map"),
+                     "returned valid of shape [2] (float32) for 2 groups; it must map"),
 }
 
 LOSS_HEAD = ("import torch\nfrom gpg_vl.objective import policy_loss\n"
