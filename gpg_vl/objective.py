@@ -27,7 +27,10 @@ outside the project.  The public contract::
 
     get_advantage(name)    # -> fn(rewards [B, G]) -> (advantages [B, G], valid [B])
     get_policy_loss(name)  # -> fn(token_logps, completion_mask, advantages, *, old_logps=None, ref_logps=None,
-                           #       aggregation="seq_mean_token_mean", normalizer=None, **options) -> (loss, metrics)
+                           #       aggregation=<registered>, normalizer=None, **options) -> (loss, metrics)
+
+A loss registered with an aggregation takes it as its default (and refuses any other), so a direct call
+computes what the trainer computes; without one, the default is "seq_mean_token_mean".
 
 A loss declares what it needs (``needs``: "old" = the rollout policy's log-probs, "ref" = the frozen
 reference model's) and may fix its aggregation; the trainer computes only what the chosen loss declares.
@@ -50,6 +53,7 @@ reference model's) and may fix its aggregation; the trainer computes only what t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -82,14 +86,34 @@ def register_policy_loss(name: str, *, needs: tuple[str, ...] = (), aggregation:
     """Register a policy loss as ``trainer.loss=<name>`` (signature in the module doc).
 
     `needs` lists what the trainer must compute for it ("old", "ref"); `aggregation`, when set, is the only
-    aggregation the loss takes (the trainer normalises by that aggregation's count).
+    aggregation the loss takes (the trainer normalises by that aggregation's count), and its default when the
+    loss is called directly.
     """
     unknown = sorted(set(needs) - set(NEEDS))
     if unknown:
         raise UserError(f"policy loss {name!r} needs {', '.join(unknown)}; a loss can need: {', '.join(NEEDS)}.")
     if aggregation is not None and aggregation not in AGGREGATIONS:
         raise UserError(f"policy loss {name!r} fixes aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}.")
-    return POLICY_LOSSES.register(name, needs=tuple(needs), aggregation=aggregation)
+
+    def register(loss: PolicyLoss) -> PolicyLoss:
+        fixed = loss if aggregation is None else _with_aggregation(loss, name, aggregation)
+        return POLICY_LOSSES.register(name, needs=tuple(needs), aggregation=aggregation)(fixed)
+
+    return register
+
+
+def _with_aggregation(loss: PolicyLoss, name: str, fixed: str) -> PolicyLoss:
+    """`loss` with its registered aggregation as the default, so a direct call (`get_policy_loss(name)(...)`)
+    computes what the trainer computes; another aggregation fails in one sentence."""
+
+    @functools.wraps(loss)
+    def aggregated(*args, aggregation: str = fixed, **kwargs):
+        if aggregation != fixed:
+            raise UserError(f"policy loss {name} aggregates as {fixed} only; it was called with "
+                            f"aggregation={aggregation!r}.")
+        return loss(*args, aggregation=fixed, **kwargs)
+
+    return aggregated
 
 
 def get_advantage(name: str) -> AdvantageEstimator:
@@ -337,6 +361,9 @@ def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tenso
                  clip_high: float | None = None, max_tokens: int | None = None, **inputs):
     """Dr. GRPO: the clipped ratio, each sequence's token sum over the constant `max_tokens` (the trainer
     passes rollout.max_new_tokens), no KL."""
+    if not max_tokens:
+        raise UserError("policy loss dr_grpo needs the option max_tokens (the completion length limit each "
+                        "sequence's token sum is divided by; the trainer passes rollout.max_new_tokens).")
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
                              max_tokens=max_tokens, **{**inputs, "kl_coef": 0.0})
 

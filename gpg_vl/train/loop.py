@@ -62,6 +62,7 @@ from gpg_vl.train.update import (
     Learner,
     build_optimizer,
     build_reference,
+    kl_on_every_group,
     needs_reference,
     place_reference,
     trainer_loss_options,
@@ -460,8 +461,8 @@ def step(run: Run) -> dict:
     rolled = time.perf_counter()
     state.attempts = collected.attempts
     state.counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
-    # loss + step, on valid groups only
-    if collected.groups_valid > 0:
+    # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
+    if collected.groups_valid > 0 or kl_on_every_group(trainer):
         result = update(run.learner, collected.attempts)
         if not result.get("skipped"):
             run.engine.sync(run.learner.model)  # an engine with its own weights takes the stepped ones (HF: none)

@@ -29,6 +29,7 @@ from accelerate import Accelerator
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.distributed import forward_is_collective, require_images
+from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
 from gpg_vl.objective import get_advantage, overlong_penalty
@@ -137,9 +138,47 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
         penalty = trainer.overlong_penalty * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
         components["overlong"] = penalty.view(len(rows), group_size).to(rewards.dtype)  # [b, G]
         rewards = rewards + components["overlong"]
-    advantages, valid = get_advantage(trainer.advantage)(rewards)  # [b, G], [b]
+    advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts)
+
+
+ADVANTAGE_CONTRACT = "it must map rewards [b, G] to (advantages [b, G], valid [b] bool)"
+
+
+def checked_advantages(name: str, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """trainer.advantage=`name` on `rewards` [b, G], its contract checked here: (advantages [b, G] float, valid [b]
+    bool). A raise, or anything else returned, fails in one sentence naming the setting and what came back."""
+    estimator = get_advantage(name)
+    try:
+        result = estimator(rewards)
+    except UserError:
+        raise
+    except Exception as error:  # a plugin's own failure, told in one sentence
+        raise UserError(f"trainer.advantage={name} raised {type(error).__name__}: {error}; "
+                        f"{ADVANTAGE_CONTRACT}.") from error
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        what = f"one tensor {_described(result)}" if isinstance(result, torch.Tensor) else \
+            f"a {type(result).__name__}" + (f" of {len(result)}" if isinstance(result, tuple | list) else "")
+        raise UserError(f"trainer.advantage={name} returned {what}; {ADVANTAGE_CONTRACT}.")
+    advantages, valid = result
+    problem = None
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) != tuple(rewards.shape) or \
+            not advantages.is_floating_point():
+        problem = f"advantages {_described(advantages)} for rewards of shape {list(rewards.shape)}"
+    elif not isinstance(valid, torch.Tensor) or tuple(valid.shape) != (rewards.shape[0],) or \
+            valid.dtype != torch.bool:
+        problem = f"valid {_described(valid)} for {rewards.shape[0]} groups"
+    if problem:
+        raise UserError(f"trainer.advantage={name} returned {problem}; {ADVANTAGE_CONTRACT}.")
+    return advantages, valid
+
+
+def _described(value) -> str:
+    """A tensor's shape and dtype ("of shape [4] (float32)"), else the value's type ("of type list")."""
+    if isinstance(value, torch.Tensor):
+        return f"of shape {list(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
+    return f"of type {type(value).__name__}"
 
 
 def attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:

@@ -176,7 +176,11 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
     mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
 
-    GPG (the default) takes one step and needs nothing but the current log-probs. A loss that declares
+    GPG (the default) takes one step, on the valid groups only, and needs nothing but the current log-probs.
+    A loss whose KL to the reference is on (`kl_on_every_group`) forwards every sampled group instead, the
+    invalid ones with zero advantages (only their KL acts), normalised over all sampled sequences as TRL's and
+    R1-V's GRPO do, and steps even when no group is valid; its metrics then say `groups_used` (every group
+    forwarded), `groups_kl_only` (those forwarded for their KL alone) and `alpha` 1. A loss that declares
     "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
     when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
     (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
@@ -184,6 +188,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     `_optimizer_step`).
     """
     settings, accelerator = learner.settings, learner.accelerator
+    kl_everywhere = kl_on_every_group(settings)
+    if kl_everywhere:  # the KL acts on every sampled sequence, as in TRL's and R1-V's GRPO: invalid groups too
+        attempts, kl_only = _every_group(attempts, accelerator)
     if learner.path is None:
         learner = replace(learner, path=choose_scoring_path(learner.policy.adapter, learner.model,
                                                             share_prompt=settings.share_prompt,
@@ -228,9 +235,34 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
         if results[-1].get("nonfinite"):
             break
     metrics = _combine_results(results)
+    if kl_everywhere:  # every sampled group forwarded, normalised over all of them (alpha 1)
+        metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
+                        "groups_kl_only": kl_only, "alpha": 1.0})
     if needs:  # the same on every process (it depends on the loss only): the collective below matches
         metrics.update(_loss_reports(reports, accelerator))
     return metrics
+
+
+def kl_on_every_group(settings: TrainerSettings) -> bool:
+    """Whether trainer.loss's KL to the reference is on (it declares "ref" and its kl_coef > 0): its KL term then
+    acts on every sampled sequence, and the update forwards the groups without signal too (TRL, R1-V)."""
+    return needs_reference(settings)
+
+
+def _every_group(attempts: list[Attempt], accelerator: Accelerator) -> tuple[list[Attempt], int]:
+    """The attempts with every group marked for the update, the invalid ones with zero advantages, and the
+    number of those (over all processes). Collective: update() calls it on every process or on none."""
+    widened, invalid = [], 0
+    for attempt in attempts:
+        if attempt.rollout is None:  # a process without prompts in this attempt
+            widened.append(attempt)
+            continue
+        keep = attempt.valid.unsqueeze(1)  # [b, 1]
+        invalid += int((~attempt.valid).sum())
+        widened.append(replace(attempt, valid=torch.ones_like(attempt.valid), advantages=torch.where(
+            keep, attempt.advantages, torch.zeros_like(attempt.advantages))))
+    total = accelerator.reduce(torch.tensor(invalid, device=accelerator.device), "sum")
+    return widened, int(total)
 
 
 def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelerator: Accelerator) -> torch.Tensor:
@@ -253,7 +285,7 @@ def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[
     settings = learner.settings
     old = _score_plan(learner, learner.model, plan, attempts, calls) if "old" in needs and steps > 1 else None
     ref = None
-    if "ref" in needs and settings.kl_coef > 0:
+    if "ref" in needs and needs_reference(settings):
         if learner.reference is None:
             raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
         ref_model, scope = learner.reference.scoring(learner.model)
@@ -429,7 +461,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
-                    loss, info = step.loss_fn(logps, mask, adv.to(device),
+                    loss, info = checked_loss(learner.settings.loss, step.loss_fn, logps, mask, adv.to(device),
                                               old_logps=old[index] if old is not None else None,
                                               ref_logps=ref[index] if ref is not None else None,
                                               aggregation=step.aggregation, normalizer=step.normalizer,
@@ -446,6 +478,54 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
     finally:
         accelerator.sync_gradients = True
     return sums
+
+
+LOSS_METRICS = ("num_tokens", "logp_mean")  # what the trainer reads from every loss's metrics
+LOSS_CONTRACT = ("it must return (loss, metrics): a 0-d tensor with grad, and a dict of numbers holding at least "
+                 f"{', '.join(LOSS_METRICS)} (and with ratio_mean also {', '.join(LOSS_REPORTS[:3])}, ratio_max, "
+                 "logp_drift)")
+
+
+def checked_loss(name: str, loss_fn, *args, **kwargs) -> tuple[torch.Tensor, dict]:
+    """trainer.loss=`name` called on one micro-batch, its contract checked here (`LOSS_CONTRACT`): a raise, or
+    anything else returned, fails in one sentence naming the setting and what came back."""
+    try:
+        result = loss_fn(*args, **kwargs)
+    except (UserError, torch.OutOfMemoryError):
+        raise
+    except Exception as error:  # a plugin's own failure, told in one sentence
+        raise UserError(f"trainer.loss={name} raised {type(error).__name__}: {error}; {LOSS_CONTRACT}.") from error
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        what = "a bare tensor" if isinstance(result, torch.Tensor) else f"a {type(result).__name__}"
+        raise UserError(f"trainer.loss={name} returned {what}; {LOSS_CONTRACT}.")
+    loss, metrics = result
+    problem = None
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        problem = f"a loss of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+            f"a loss of type {type(loss).__name__}"
+    elif not loss.requires_grad:
+        problem = "a loss without grad (detached, or computed under no_grad)"
+    elif not isinstance(metrics, dict):
+        problem = f"metrics of type {type(metrics).__name__}"
+    else:
+        required = LOSS_METRICS + ((*LOSS_REPORTS, "ratio_max", "logp_drift") if "ratio_mean" in metrics else ())
+        missing = [key for key in required if key not in metrics]
+        wrong = [key for key in required if key in metrics and not _is_number(metrics[key])]
+        if missing:
+            problem = f"metrics without {', '.join(missing)}"
+        elif wrong:
+            problem = f"metrics whose {', '.join(wrong)} is not a number"
+    if problem:
+        raise UserError(f"trainer.loss={name} returned {problem}; {LOSS_CONTRACT}.")
+    return loss, metrics
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return not isinstance(value, str | bytes)
 
 
 def _add_report(report: dict[str, float], info: dict[str, float], *, later: bool) -> None:
@@ -502,8 +582,11 @@ def build_optimizer(model: torch.nn.Module, trainer: TrainerSettings) -> torch.o
 
 
 def needs_reference(trainer: TrainerSettings) -> bool:
-    """Whether trainer.loss scores a frozen reference model (it declares "ref" and trainer.kl_coef > 0)."""
-    return "ref" in loss_needs(get_policy_loss(trainer.loss)) and trainer.kl_coef > 0
+    """Whether trainer.loss scores a frozen reference model (it declares "ref" and its kl_coef > 0:
+    trainer.loss_options.kl_coef, else trainer.kl_coef)."""
+    if "ref" not in loss_needs(get_policy_loss(trainer.loss)):
+        return False
+    return float(trainer_loss_options(trainer, None).get("kl_coef", trainer.kl_coef) or 0.0) > 0
 
 
 def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference: torch.nn.Module | None, *,

@@ -190,3 +190,42 @@ def test_registries_reject_duplicates_list_valid_names_and_load_outside_function
             get_policy_loss("no_such_module_x:f")
     finally:
         POLICY_LOSSES.unregister("plugin_test_loss")
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_a_registered_loss_called_directly_equals_the_trainers_use_of_it(name):
+    """Through the public names: called with its options only, a loss computes what the trainer computes with
+    it (the registered aggregation, the batch's own count as normaliser): the same loss and gradient."""
+    from gpg_vl.config.schema import TrainerSettings
+    from gpg_vl.train.update import trainer_loss_options
+
+    torch.manual_seed(3)
+    logps = -torch.rand(4, 6, dtype=F64) * 2
+    old, ref = logps + 0.2 * torch.randn(4, 6, dtype=F64), logps + 0.3 * torch.randn(4, 6, dtype=F64)
+    mask = torch.tensor([[t < n for t in range(6)] for n in (6, 2, 4, 1)])
+    advs = torch.randn(4, dtype=F64)
+    settings = TrainerSettings(loss=name, aggregation=loss_aggregation(POLICY_LOSSES[name], "seq_mean_token_mean"),
+                               kl_coef=0.04 if "ref" in loss_needs(POLICY_LOSSES[name]) else 0.0)
+    options = trainer_loss_options(settings, max_new_tokens=8)
+    inputs = {"old_logps": old, "ref_logps": ref}
+    trained = logps.clone().requires_grad_(True)
+    loss_fn = get_policy_loss(name)
+    aggregation = loss_aggregation(loss_fn, settings.aggregation)
+    count = int(mask.sum()) if aggregation == "token_mean" else mask.shape[0]
+    expected, _ = loss_fn(trained, mask, advs, **inputs, aggregation=aggregation, normalizer=count, **options)
+    expected.backward()
+    direct = logps.clone().requires_grad_(True)
+    loss, _ = POLICY_LOSSES[name](direct, mask, advs, **inputs, **options)
+    loss.backward()
+    assert float(loss) == float(expected) and torch.equal(direct.grad, trained.grad)
+
+
+def test_dr_grpo_without_max_tokens_and_a_fixed_loss_with_another_aggregation_fail_in_one_sentence():
+    logps, mask, advs = torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=torch.bool), torch.ones(1, dtype=F64)
+    with pytest.raises(UserError, match=r"^policy loss dr_grpo needs the option max_tokens \(the completion"):
+        get_policy_loss("dr_grpo")(logps, mask, advs)
+    with pytest.raises(UserError, match="^policy loss dapo aggregates as token_mean only; it was called with "
+                                        "aggregation='seq_mean_token_mean'.$"):
+        get_policy_loss("dapo")(logps, mask, advs, aggregation="seq_mean_token_mean")
+    assert float(get_policy_loss("dapo")(logps, mask, advs)[0]) == float(
+        get_policy_loss("dapo")(logps, mask, advs, aggregation="token_mean")[0])
