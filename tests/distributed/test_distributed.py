@@ -309,18 +309,22 @@ def test_deepspeed_zero_update_gives_the_one_process_weights(stage, one_process_
 
 @pytest.mark.slow
 def test_zero3_final_checkpoint_reloads_with_transformers_alone(tmp_path):
-    """scripts/train.py under configs/accelerate/zero3.yaml (the model loaded partitioned, zero3_init_flag) on 2
-    CPU processes, 2 steps: final/ is written through the gathered 16-bit state dict (zero3_save_16bit_model; the
-    weights are float32 here) and reloads with transformers alone, equal to the trained weights (each parameter gathered
-    before the save, by the worker)."""
+    """scripts/train.py algorithm=grpo under configs/accelerate/zero3.yaml (the model and the KL's reference
+    loaded partitioned, zero3_init_flag) on 2 CPU processes, 2 steps: final/ is written through the gathered
+    16-bit state dict (zero3_save_16bit_model; the weights are float32 here) and reloads with transformers alone,
+    equal to the trained weights (each parameter gathered before the save, by the worker)."""
     require_deepspeed()
     from transformers import AutoModelForImageTextToText
 
     run, views = tmp_path / "run", tmp_path / "views"
-    launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={run}", "trainer.max_steps=2",
-           "trainer.eval_before=false", "trainer.eval_after=false", "trainer.beta_th=0.5", *TINY_RUN,
-           config="zero3.yaml")
-    assert sum(m["groups_used"] for m in metrics_lines(run)) > 0  # some step had valid groups: the weights moved
+    launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={run}", "algorithm=grpo",
+           "trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.beta_th=0.5",
+           *TINY_RUN, config="zero3.yaml")
+    lines = metrics_lines(run)
+    assert sum(m["groups_used"] for m in lines) > 0  # some step had valid groups: the weights moved
+    # GRPO's KL scores the frozen reference, loaded partitioned like the policy: it runs as a DeepSpeed engine
+    # (place_reference), and the policy drifts from it after the first step
+    assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6) and lines[-1]["kl"] > 0
     rank0, rank1 = (json.loads((views / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["engine"] == rank1["engine"] == "DistributedType.DEEPSPEED"
     assert (rank0["saves"], rank1["saves"]) == (3, 0)  # checkpoint-1, -2 and final, by the main process only
