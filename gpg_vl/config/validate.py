@@ -251,6 +251,7 @@ def _check_model_files(folder: Path) -> None:
                             "trusted environment (AutoModelForImageTextToText.from_pretrained(folder)"
                             ".save_pretrained(folder)), or use a copy that ships model.safetensors.")
     if not any(any(folder.glob(pattern)) for pattern in TOKENIZER_FILES):
-        raise UserError(f"the model folder {str(folder)!r} has no tokenizer files (tokenizer.json, tokenizer_config.json "
-                        "or a vocabulary), so its prompts cannot be tokenized with their image tokens: copy the "
-                        "tokenizer files from the model's source (the same hub repository) into the folder.")
+        raise UserError(f"the model folder {str(folder)!r} has no tokenizer files (tokenizer.json, "
+                        "tokenizer_config.json or a vocabulary), so its prompts cannot be tokenized with their "
+                        "image tokens: copy the tokenizer files from the model's source (the same hub repository) "
+                        "into the folder.")
