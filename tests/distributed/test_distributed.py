@@ -216,7 +216,7 @@ def assert_update_matches(reference: Path, out: Path, engine: str, cases: tuple[
     rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     single = json.loads((reference / "rank0.json").read_text())
     assert (single["world"], rank0["world"], rank0["engine"]) == (1, 2, engine)
-    assert sorted(rank0["cases"]) == sorted(cases)
+    assert set(cases) <= set(rank0["cases"])  # the worker ran (at least) the cases compared
     for case in cases:
         one, two = torch.load(reference / f"{case}.pt"), torch.load(out / f"{case}.pt")
         print(f"{engine} {case}: sha256 1 process {single['cases'][case]['sha256']}, "
