@@ -178,9 +178,9 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
     resumed from OUT/a/checkpoint-1: a resume on the same number of processes must end on the same weights."""
     from omegaconf import OmegaConf
 
-    from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.compose import load_config
     from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+    from gpg_vl.train.build import build_policy, build_task
     from gpg_vl.train.loop import RunSettings, setup_policy, train
 
     accelerator = make_accelerator(engine)
