@@ -203,3 +203,27 @@ def check_model_folder(model_cfg: DictConfig) -> None:
     if family != "auto" and model_type in choices_of("families") and model_type != family:
         raise UserError(f"model.family={family} contradicts {str(config)!r}, whose model_type is {model_type!r}; "
                         f"set model.family={model_type} (or auto, to read it from config.json).")
+    _check_model_files(folder)
+
+
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "*.tiktoken")
+
+
+def _check_model_files(folder: Path) -> None:
+    """A local model folder needs safetensors weights (a pickled pytorch_model.bin runs code when it is read)
+    and its tokenizer (without it the processor cannot turn the prompts' image placeholders into tokens)."""
+    if not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern))
+        if pickled:
+            raise UserError(f"the model folder {str(folder)!r} holds its weights only as {', '.join(pickled[:3])}, a "
+                            "pickle, and reading a pickle runs whatever code it holds (transformers refuses it or "
+                            "loads it weights-only), so gpg-vl does not read it: convert it to safetensors in a "
+                            "trusted environment (AutoModelForImageTextToText.from_pretrained(folder)"
+                            ".save_pretrained(folder)), or use a copy that ships model.safetensors.")
+    if not any(any(folder.glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise UserError(f"the model folder {str(folder)!r} has no tokenizer files (tokenizer.json, "
+                        "tokenizer_config.json or a vocabulary), so its prompts cannot be tokenized with their "
+                        "image tokens: copy the tokenizer files from the model's source (the same hub repository) "
+                        "into the folder.")

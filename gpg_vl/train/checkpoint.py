@@ -117,7 +117,10 @@ def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, co
                                                            "config": config or {}}, default=str))
             _fsync_tree(partial)
             _replace(partial, path)
-        except OSError as error:
+        except UserError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        except Exception as error:  # an OSError, and what torch.save / safetensors raise for a short write
             shutil.rmtree(partial, ignore_errors=True)  # frees the space the failed save took
             raise unwritable(f"save {path.name}", path.parent, error) from None
         if keep > 0:
@@ -126,14 +129,32 @@ def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, co
     accelerator.wait_for_everyone()  # collective: the checkpoint exists for every process once this returns
 
 
-def write_failure(error: OSError, subject: str = "it") -> str:
-    """Why a write failed, for a sentence: "the disk is full (No space left on device)", or "`subject` could not
-    be written (...)"."""
-    why = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else f"{subject} could not be written"
-    return f"{why} ({error.strerror or error})"
+# How writers other than the OS report a full disk: safetensors ("SafetensorError: ... No space left on
+# device (os error 28)"), and torch.save, whose zip writer finds its file shorter than what it wrote
+# ("RuntimeError: [enforce fail at inline_container.cc:...] . unexpected pos 123 vs 456" or "... file write failed").
+_DISK_FULL = ("no space left on device", "disk quota exceeded")
+_SHORT_WRITE = ("unexpected pos", "file write failed")
 
 
-def unwritable(what: str, output_dir: Path, error: OSError) -> UserError:
+def write_failure(error: BaseException, subject: str = "it") -> str:
+    """Why a write failed, for a sentence: "the disk is full (No space left on device)", "the write was cut short,
+    most often by a full disk (...)", or "`subject` could not be written (...)". `error` is an OSError or what
+    torch.save and safetensors raise (a RuntimeError, a SafetensorError), judged by its errno or message."""
+    detail = (getattr(error, "strerror", None) or str(error) or type(error).__name__).strip().splitlines()
+    detail = " ".join(line.strip() for line in detail)[-160:]
+    if not isinstance(error, OSError):
+        detail = f"{type(error).__name__}: {detail}"
+    message = str(error).lower()
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(m in message for m in _DISK_FULL):
+        why = "the disk is full"
+    elif any(m in message for m in _SHORT_WRITE):
+        why = "the write was cut short, most often by a full disk"
+    else:
+        why = f"{subject} could not be written"
+    return f"{why} ({detail.rstrip('.')})"
+
+
+def unwritable(what: str, output_dir: Path, error: BaseException) -> UserError:
     """The one sentence for a run's file that could not be written (most often: the disk is full), naming
     the newest intact checkpoint, from which resume=auto continues."""
     intact = latest_checkpoint(output_dir)
@@ -145,7 +166,8 @@ def unwritable(what: str, output_dir: Path, error: OSError) -> UserError:
 @contextlib.contextmanager
 def writing(what: str, output_dir: Path):
     """Write a run's file (metrics.jsonl, summary.json, curves, rollouts) inside this block: an OSError ends
-    the run in `unwritable`'s sentence instead of a traceback."""
+    the run in `unwritable`'s sentence instead of a traceback (a checkpoint's save catches more: see
+    `save_checkpoint`)."""
     try:
         yield
     except OSError as error:

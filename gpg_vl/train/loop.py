@@ -56,7 +56,7 @@ from gpg_vl.train.checkpoint import (
     writing,
 )
 from gpg_vl.train.evaluate import Share, evaluate
-from gpg_vl.train.outdir import claim_output_dir
+from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.sample import Attempt, attempts_allowed, collect_valid_groups, global_counts, sample_attempt
 from gpg_vl.train.update import (
     Learner,
@@ -350,7 +350,8 @@ def _resume(run: Run) -> None:
     if run.main:  # what an interrupted save or an earlier continuation of this run left behind
         for leftover in remove_partials(run.output_dir):
             accelerator.print(f"removed {leftover.name}, left by an interrupted save")
-        truncate_metrics(run.metrics_file, state.start_step)
+        with writing("cut metrics.jsonl back to the resumed step", run.output_dir):  # a full disk: one sentence
+            truncate_metrics(run.metrics_file, state.start_step)
         if state.start_step:
             for later in later_checkpoints(run.output_dir, state.start_step):
                 remove_checkpoint(later)
@@ -396,8 +397,16 @@ def _command_line_accelerator(cfg) -> Accelerator:
     # Several processes and no GPU (`accelerate launch --multi_gpu --num_processes 2` or torchrun on a CPU
     # machine): cpu=True makes accelerate join them with gloo; otherwise each would train alone.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
+    # A DeepSpeed launch (configs/accelerate/zero*.yaml) without a GPU: cpu=True would turn DeepSpeed off, and
+    # without it accelerate keeps DeepSpeed but finds no process-group backend for the CPU (each process then
+    # counts 1 process while DeepSpeed counts all). Name gloo, as DeepSpeed's CPU accelerator does without oneCCL.
+    from accelerate.utils import InitProcessGroupKwargs
+
+    deepspeed_on_cpu = (launched > 1 and not torch.cuda.is_available()
+                        and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true")
     accelerator = Accelerator(mixed_precision=mixed, project_dir=str(cfg.output_dir),
-                              cpu=launched > 1 and not torch.cuda.is_available(),
+                              cpu=launched > 1 and not torch.cuda.is_available() and not deepspeed_on_cpu,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else None,
                               log_with=None if report_to == "none" else report_to)
     if accelerator.num_processes != launched:
         raise UserError(f"{launched} processes were launched but accelerate joined {accelerator.num_processes}; "
@@ -417,6 +426,8 @@ def _claim(held: contextlib.ExitStack, cfg, container: dict) -> Path | None:
     resume = resolve_resume(cfg.resume, cfg.output_dir)  # resume=auto: the newest intact checkpoint, if any
     if str(cfg.resume) == "auto" and resume is None:
         print(f"resume=auto: no complete checkpoint in {cfg.output_dir}; starting at step 0")
+        # what a previous run left (a final/ without its checkpoint.json, metrics) is kept aside, not replaced
+        set_aside_previous_run(Path(cfg.output_dir), "resume=auto starts over")
     changes = compare_settings(resume, container) if resume is not None else []
     if changes:
         print(f"resuming {resume} with changed settings: {'; '.join(changes)}")

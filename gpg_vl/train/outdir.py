@@ -49,14 +49,30 @@ def claim_output_dir(output_dir: str | os.PathLike, *, resume=None, overwrite: b
     if key in _HELD:
         yield
         return
-    descriptor = _lock(output_dir, warn)
+    try:
+        descriptor = _lock(output_dir, warn)
+    except OSError as error:  # writing the holder's name into the lock file on a full disk, most often
+        raise _unusable(output_dir, f"take {LOCK_FILE}", error) from None
     _HELD[key] = descriptor
     try:
-        _refuse_previous_run(output_dir, resume, overwrite, warn)
+        try:
+            _refuse_previous_run(output_dir, resume, overwrite, warn)
+        except OSError as error:  # moving a previous run aside on a full or read-only disk
+            raise _unusable(output_dir, "set the previous run aside", error) from None
         yield
     finally:
         del _HELD[key]
         _unlock(descriptor)
+
+
+def _unusable(output_dir: Path, what: str, error: OSError) -> UserError:
+    """One sentence for an output folder the run cannot write in (most often: the disk is full)."""
+    from gpg_vl.train.checkpoint import latest_checkpoint, write_failure
+
+    intact = latest_checkpoint(output_dir)
+    kept = f"; its newest intact checkpoint, {intact}, is untouched" if intact else ""
+    return UserError(f"could not {what} in output_dir {str(output_dir)!r}: {write_failure(error)}{kept}: free "
+                     "space or fix the folder, then run again (resume=auto continues).")
 
 
 def check_output_dir(output_dir: Path) -> None:
@@ -70,6 +86,8 @@ def check_output_dir(output_dir: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _unusable(output_dir, "write", error) from None
         raise UserError(f"output_dir {str(output_dir)!r} is not writable ({error.strerror or error}); "
                         "pass an output_dir this user can write to.") from None
 
@@ -97,6 +115,15 @@ def _refuse_previous_run(output_dir: Path, resume, overwrite: bool, warn) -> Non
         raise UserError(f"output_dir {str(output_dir)!r} holds a previous run ({shown}); continue it with "
                         "resume=auto, start afresh with overwrite=true (its files move to "
                         f"{PREVIOUS}<time>/ inside it, nothing is deleted), or pass another output_dir.")
+    set_aside_previous_run(output_dir, "overwrite=true", warn)
+
+
+def set_aside_previous_run(output_dir: Path, why: str, warn=print) -> Path | None:
+    """Move everything a previous run left in `output_dir` (its lock aside) into `previous-<time>/` (nothing is
+    deleted), saying so after `why`; None when there was nothing to move. The caller holds the folder's lock."""
+    output_dir = Path(output_dir)
+    if not previous_run(output_dir):
+        return None
     aside = output_dir / f"{PREVIOUS}{datetime.now():%Y%m%d-%H%M%S}"
     while aside.exists():
         aside = aside.with_name(aside.name + "-1")
@@ -104,7 +131,8 @@ def _refuse_previous_run(output_dir: Path, resume, overwrite: bool, warn) -> Non
     moved = [p for p in output_dir.iterdir() if p != aside and p.name != LOCK_FILE and not p.name.startswith(PREVIOUS)]
     for path in moved:
         path.rename(aside / path.name)
-    warn(f"overwrite=true: moved the previous run's {len(moved)} files and folders to {aside}")
+    warn(f"{why}: moved the previous run's {len(moved)} files and folders to {aside}")
+    return aside
 
 
 # ---------------------------------------------------------------------------------------------

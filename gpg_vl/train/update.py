@@ -618,6 +618,14 @@ def place_reference(frozen: Reference | None, accelerator: Accelerator) -> Refer
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         return Reference(fsdp2_prepare_model(accelerator, frozen.model.to(accelerator.device)))
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:  # loaded partitioned (zero.Init): only an engine gathers it
+        import deepspeed  # no optimizer; its forwards are collective like the policy's (as TRL's prepare_deepspeed)
+
+        config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+        engine = deepspeed.initialize(model=frozen.model, config=config)[0]
+        engine.eval()  # DeepSpeedEngine.eval() returns None
+        return Reference(engine)
     frozen.model.to(accelerator.device)
     return frozen
 

@@ -15,6 +15,7 @@ CPU): configs/accelerate/fsdp_offload.yaml.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import runpy
@@ -48,7 +49,14 @@ def make_accelerator(engine: str):
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
     # A collective that never completes fails after 120 s instead of hanging the test run.
-    accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=120))])
+    timeout = timedelta(seconds=120)
+    if engine.startswith("zero"):  # launched with configs/accelerate/zero2.yaml / zero3.yaml: DeepSpeed on gloo
+        accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo", timeout=timeout)])
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["gradient_clipping"] = 0.0  # plain SGD without clipping, as one process runs it (run_update)
+        config["train_micro_batch_size_per_gpu"] = 1  # bookkeeping, as the trainer's _check_engine sets it
+        return accelerator
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
     if engine.startswith("fsdp") and accelerator.num_processes > 1:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT",
@@ -96,8 +104,8 @@ def attempt_for(groups, rows, prompts, ids, mask, rewards, advantages, valid):
 
 
 def full_weights(accelerator, model) -> dict[str, torch.Tensor]:
-    state = accelerator.get_state_dict(model)  # collective under FSDP: called by every process
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
+    state = accelerator.get_state_dict(model)  # collective under FSDP / ZeRO-3: called by every process
+    return {k: v.detach().cpu().clone() for k, v in (state or {}).items()}  # ZeRO-3: the main process's only
 
 
 def digest(weights: dict[str, torch.Tensor]) -> str:
@@ -108,7 +116,7 @@ def digest(weights: dict[str, torch.Tensor]) -> str:
     return sha.hexdigest()
 
 
-def run_update(out: Path, engine: str, dtype: str) -> None:
+def run_update(out: Path, engine: str, dtype: str, cases: list[str] | None = None) -> None:
     from accelerate.utils import DistributedType
     from torch.distributed.fsdp import FSDPModule
     from transformers import get_scheduler
@@ -127,6 +135,8 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
     settings = TrainerSettings(group_size=GROUP_SIZE, micro_batch_size=4, lr=0.1, max_grad_norm=1e9)
     results = {"world": world, "engine": str(accelerator.distributed_type), "cases": {}}
     for case, attempts_by_process in CASES.items():
+        if cases and case not in cases:
+            continue
         torch.manual_seed(0)
         policy = load_policy("embedded:tiny-qwen2.5-vl", dtype=dtype, min_pixels=3136, max_pixels=50176)
         fixed = fixed_rollouts(policy, task)
@@ -153,7 +163,9 @@ def run_update(out: Path, engine: str, dtype: str) -> None:
         weights = full_weights(accelerator, model)
         if accelerator.is_main_process:
             torch.save(weights, out / f"{case}.pt")
-        moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights) if weights else None
+        # (ZeRO-3 loads the model partitioned: `initial` holds empty shards there, so no change is measured)
+        moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights) \
+            if weights and engine != "zero3" else None
         results["cases"][case] = {"metrics": metrics, "sha256": digest(weights) if weights else None,
                                   "largest_change": moved}
         accelerator.free_memory()
@@ -166,9 +178,9 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
     resumed from OUT/a/checkpoint-1: a resume on the same number of processes must end on the same weights."""
     from omegaconf import OmegaConf
 
-    from gpg_vl.cli import build_policy, build_task
     from gpg_vl.config.compose import load_config
     from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+    from gpg_vl.train.build import build_policy, build_task
     from gpg_vl.train.loop import RunSettings, setup_policy, train
 
     accelerator = make_accelerator(engine)
@@ -184,6 +196,15 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
                                          settings, accelerator=accelerator))
         accelerator.free_memory()  # forget run a's model: a real run prepares one (FSDP2 allows one at a time)
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def gathered(parameter: torch.nn.Parameter):
+    """A ZeRO-3 parameter (partitioned: it has a ds_id) whole inside the block; any other as it is."""
+    if hasattr(parameter, "ds_id"):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([parameter], modifier_rank=None)
+    return contextlib.nullcontext()
 
 
 def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
@@ -212,6 +233,22 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
         "attempts": len(c.attempts)})
     wrap("step_metrics", "step_metrics", dict)
     wrap("update", "update", dict)
+    save_checkpoint = trainer.save_checkpoint
+
+    def gathered_then_saved(path, learner, *args, **kwargs):
+        """Before the final save, the trained weights as every process holds them, gathered parameter by
+        parameter (ZeRO-3: deepspeed.zero.GatheredParameters), apart from the save's own gathering."""
+        if Path(path).name == "final":
+            seen["engine"] = str(learner.accelerator.distributed_type)
+            trained = {}
+            for name, parameter in learner.policy.model.named_parameters():
+                with gathered(parameter):  # collective under ZeRO-3: every process, in the same order
+                    trained[name] = parameter.detach().clone()
+            if learner.accelerator.is_main_process:
+                torch.save(trained, out / "trained.pt")
+        return save_checkpoint(path, learner, *args, **kwargs)
+
+    trainer.save_checkpoint = gathered_then_saved
     save_pretrained = PreTrainedModel.save_pretrained
 
     def counted_save(self, *args, **kwargs):
@@ -237,7 +274,8 @@ def main() -> None:
     options, extra = rest[:split], rest[split + 1:]
     engine = options[options.index("--engine") + 1] if "--engine" in options else "default"
     if mode == "update":
-        run_update(out, engine, "float64" if "--float64" in options else "float32")
+        cases = options[options.index("--cases") + 1].split(",") if "--cases" in options else None
+        run_update(out, engine, "float64" if "--float64" in options else "float32", cases)
     elif mode == "train":
         run_train(out, engine, extra)
     elif mode == "record":
