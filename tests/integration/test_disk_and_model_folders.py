@@ -11,25 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import train_run as run
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from gpg_vl.cli import train_main
-from gpg_vl.config.compose import load_config
 from gpg_vl.errors import UserError
 from gpg_vl.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4", "trainer.group_size=4",
-        "rollout.max_new_tokens=16", "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.beta_th=0"]
 # What the writers say when the disk fills (issue 28's probes): torch.save's zip writer finds its file shorter
 # than what it wrote; safetensors passes the OS error on in its own exception type.
 TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 20971520 vs 20971419"
 SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
-
-
-def run(output_dir, *overrides):
-    return train_main(load_config("train", [f"output_dir={output_dir}", *TINY, *overrides]))
 
 
 @pytest.fixture()

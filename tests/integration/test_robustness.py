@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import train_run as run
 from safetensors.torch import load_file
 
-from gpg_vl.cli import eval_main, train_main
+from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.errors import UserError
 from gpg_vl.reward.pool import RewardBudget, score_completions
@@ -24,12 +25,6 @@ from gpg_vl.train.checkpoint import load_trainer_state, resolve_resume, verify_c
 from gpg_vl.train.outdir import LOCK_FILE, claim_output_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4", "trainer.group_size=4",
-        "rollout.max_new_tokens=16", "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.beta_th=0"]
-
-
-def run(output_dir, *overrides):
-    return train_main(load_config("train", [f"output_dir={output_dir}", *TINY, *overrides]))
 
 
 @pytest.fixture()
@@ -57,6 +52,8 @@ def final_weights(folder: Path) -> dict:
 HOLD = """
 import sys
 from gpg_vl.train.outdir import claim_output_dir
+
+
 with claim_output_dir(sys.argv[1]):
     print("held", flush=True)
     sys.stdin.read()
@@ -347,7 +344,6 @@ def test_a_full_disk_during_a_save_fails_in_one_sentence_naming_the_intact_check
     assert "could not save checkpoint-2" in message and "the disk is full (No space left on device)" in message
     assert f"the newest intact checkpoint is {tmp_path / 'checkpoint-1'}" in message
     assert not list(tmp_path.glob("*.partial"))  # the failed save's files are gone: they took the space
-
 
 
 def fill_the_disk_on(monkeypatch, name: str, mode: str, at_call: int) -> None:

@@ -7,15 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from PIL import Image
+from runs import QUICK_RUN as TINY
 
 from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.errors import UserError
 from gpg_vl.train import loop
 from gpg_vl.train.outdir import LOCK_FILE, claim_output_dir
-
-TINY = ["trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4", "trainer.group_size=4",
-        "rollout.max_new_tokens=16", "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.beta_th=0"]
 
 
 def test_ctrl_c_ends_the_run_in_one_line_naming_the_step_and_the_checkpoint_and_frees_the_folder(tmp_path,
