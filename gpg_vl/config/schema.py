@@ -349,7 +349,7 @@ class ModelSettings:
     prompt_style: str = field(default="chat", metadata=meta(
         "chat (chat template) or raw (model.raw_template: base models)", choices=("chat", "raw")))
     enable_thinking: bool = field(default=True, metadata=meta(
-        "false = the chat template's thinking off (Qwen3.5), where it allows"))
+        "false = the chat template's thinking off, where the template has that switch"))
     box_frame: str | None = field(default=None, metadata=meta(
         "the frame of the model's boxes (null = the family's)", choices="box_frames"))
     router_aux_loss_coef: float = field(default=0.0, metadata=meta(

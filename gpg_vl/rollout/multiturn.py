@@ -13,7 +13,7 @@ Each prompt is prefilled once and its cache forked G ways (as a single turn is).
   images through the vision tower) are prefilled onto each continuing row's cache, ragged rows padded with
   masked columns, positions from the family's rule over the row's whole interleaved sequence; the
   conversation is never prefilled again. `naive` re-prefills every continuing row's whole conversation
-  instead (for the bench). Models with linear-attention layers (Qwen3.5) take `naive`: their recurrent
+  instead (for the bench). Models with linear-attention layers (a hybrid family) take `naive`: their recurrent
   states cannot step over a masked column.
 
 The log-prob of every generated token under the sampling distribution (suppressed ids removed, the
