@@ -25,14 +25,6 @@ TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 2097152
 SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
-@pytest.fixture()
-def no_model(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the check")
-
-    monkeypatch.setattr("gpg_vl.train.build.build_policy", refuse)
-
-
 def one_sentence(error) -> str:
     message = str(error.value)
     assert "\n" not in message and message.endswith("."), message

@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runs import tiny_family_policy
 from transformers import get_scheduler
 
 from gpg_vl.config.schema import TrainerSettings
@@ -33,15 +34,7 @@ FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qw
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_policy(request, tmp_path_factory):
     """A float32 tiny model of each family: the embedded Qwen2.5-VL, the random others built here."""
-    from gpg_vl.models.load import load_policy
-    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
-
-    path = EMBEDDED_TINY
-    if request.param != "qwen2_5_vl":
-        path = tmp_path_factory.mktemp("tiny") / request.param
-        build_tiny_family(path, request.param)
-    torch.manual_seed(0)
-    return load_policy(str(path), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)
+    return tiny_family_policy(request.param, tmp_path_factory)
 
 
 def mixed_prompts(policy, shapes) -> PromptBatch:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
+from runs import tiny_family_policy
 
 from gpg_vl.models.batch import trim_left_padding
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
@@ -19,15 +20,7 @@ MAX_NEW = 100  # per segment: a scripted call is about 85 tokens of the tiny byt
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def policy(request, tmp_path_factory):
-    from gpg_vl.models.load import load_policy
-    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
-
-    path = EMBEDDED_TINY
-    if request.param != "qwen2_5_vl":
-        path = tmp_path_factory.mktemp("tiny") / request.param
-        build_tiny_family(path, request.param)
-    torch.manual_seed(0)
-    return load_policy(str(path), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)
+    return tiny_family_policy(request.param, tmp_path_factory)
 
 
 def prompts(policy) -> EnginePrompts:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
+from runs import tiny_family_policy
 
 from gpg_vl.models.batch import trim_left_padding
 from gpg_vl.rollout.trajectory import Trajectory, sequence_inputs
@@ -17,15 +18,7 @@ REFUSED = {"llava_onevision": "cannot take images in a later turn"}  # families 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def policy(request, tmp_path_factory):
-    from gpg_vl.models.load import load_policy
-    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
-
-    path = EMBEDDED_TINY
-    if request.param != "qwen2_5_vl":
-        path = tmp_path_factory.mktemp("tiny") / request.param
-        build_tiny_family(path, request.param)
-    torch.manual_seed(0)
-    return load_policy(str(path), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)
+    return tiny_family_policy(request.param, tmp_path_factory)
 
 
 def image_token_id(policy) -> int:

@@ -27,15 +27,6 @@ from gpg_vl.train.outdir import LOCK_FILE, claim_output_dir
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture()
-def no_model(monkeypatch):
-    """Fail the test if the policy model starts loading: the checks under test must come first."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the check")
-
-    monkeypatch.setattr("gpg_vl.train.build.build_policy", refuse)
-
-
 def one_sentence(error) -> str:
     message = str(error.value)
     assert "\n" not in message and message.endswith("."), message
