@@ -20,12 +20,25 @@ SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant
 # accelerate.utils.LoggerType, in its order (trainer.report_to, after "none")
 TRACKERS = ("all", "aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
 
+# The built-in rollout engines and model families, each imported on first use: declared here alone (the
+# registries in gpg_vl/rollout/engine.py and gpg_vl/models/family.py take these tables).
+ENGINE_BUILTINS = {
+    "hf": "gpg_vl.rollout.hf:HFEngine",
+    "vllm": "gpg_vl.rollout.vllm:VLLMEngine",
+}
+FAMILY_BUILTINS = {
+    "generic": "gpg_vl.models.generic:GenericFamily",
+    "qwen2_5_vl": "gpg_vl.models.qwen:QwenVLAdapter",
+    "qwen2_vl": "gpg_vl.models.qwen:Qwen2VLAdapter",
+    "qwen3_vl": "gpg_vl.models.qwen:Qwen3VLAdapter",
+    "qwen3_5": "gpg_vl.models.qwen:Qwen3_5Adapter",
+}
 # registry -> (its module, its attribute, the built-in names)
 REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", ("group_mean", "none", "std_normalized")),
     "losses": ("gpg_vl.objective", "POLICY_LOSSES", ("dapo", "dr_grpo", "gpg", "grpo")),
-    "engines": ("gpg_vl.rollout.engine", "ENGINES", ("hf", "vllm")),
-    "families": ("gpg_vl.models.family", "FAMILIES", ("generic", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")),
+    "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
+    "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
 }
 # what each built-in loss declares (gpg_vl/objective.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
+from gpg_vl.config.names import FAMILY_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import (  # noqa: F401  (PromptBatch and unwrap re-exported)
     PromptBatch,
@@ -700,13 +701,8 @@ def _is_family(obj) -> bool:
 
 GENERIC = "generic"
 # The built-in families, imported on first use (`FAMILIES.get`): no module imports them just to register them.
-FAMILIES = Registry("model family", "model.family", builtins={
-    GENERIC: "gpg_vl.models.generic:GenericFamily",
-    "qwen2_5_vl": "gpg_vl.models.qwen:QwenVLAdapter",
-    "qwen2_vl": "gpg_vl.models.qwen:Qwen2VLAdapter",
-    "qwen3_vl": "gpg_vl.models.qwen:Qwen3VLAdapter",
-    "qwen3_5": "gpg_vl.models.qwen:Qwen3_5Adapter",
-}, accepts=_is_family, expects="a Family subclass")
+FAMILIES = Registry("model family", "model.family", builtins=FAMILY_BUILTINS, accepts=_is_family,
+                    expects="a Family subclass")
 
 
 def register_family(family: type[Family]) -> type[Family]:

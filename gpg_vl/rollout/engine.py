@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpg_vl.config.names import ENGINE_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.registry import Registry
@@ -113,10 +114,8 @@ def _is_engine(obj) -> bool:
 
 
 # The built-in engines, imported on first use (`ENGINES.get`): no module imports them just to register them.
-ENGINES = Registry("rollout engine", "rollout.engine", builtins={
-    "hf": "gpg_vl.rollout.hf:HFEngine",
-    "vllm": "gpg_vl.rollout.vllm:VLLMEngine",
-}, accepts=_is_engine, expects="an Engine subclass")
+ENGINES = Registry("rollout engine", "rollout.engine", builtins=ENGINE_BUILTINS, accepts=_is_engine,
+                   expects="an Engine subclass")
 
 
 def register_engine(engine: type[Engine]) -> type[Engine]:
