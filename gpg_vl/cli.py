@@ -14,6 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from gpg_vl.errors import Interrupted, UserError
 
+# the rollout keys evaluation decodes with: the engine, and the multi-turn keys (greedy trajectories with tools)
+ENGINE_KEYS = ("engine", "hf", "vllm", "max_turns", "max_images", "max_total_tokens", "on_limit", "tool_seconds",
+               "zoom_min_side", "zoom_max_aspect_ratio")
 _LAZY = {"build_policy": "gpg_vl.train.build", "build_task": "gpg_vl.train.build"}
 
 
@@ -101,12 +104,12 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         from gpg_vl.rollout.engine import build_engine
 
         chosen = OmegaConf.to_container(cfg.rollout, resolve=True)  # the engine, checked before the model loads
-        engine_settings = RolloutSettings(**{k: v for k, v in chosen.items() if k in ("engine", "hf", "vllm")})
+        engine_settings = RolloutSettings(**{k: v for k, v in chosen.items() if k in ENGINE_KEYS})
         check_model_folder(cfg.model)
         policy = build.build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
                                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                                    engine=build_engine(engine_settings, policy),
+                                    engine=build_engine(engine_settings, policy, tools=task.tools),
                                     reward_workers=cfg.eval.reward_workers, reward_budget_s=cfg.eval.reward_budget_s)
         records = prediction_records(task, decoded, split)
     try:

@@ -73,3 +73,12 @@ def loss_declaration(name: str) -> tuple[tuple[str, ...], str | None]:
 
     loss = get_policy_loss(name)
     return loss_needs(loss), getattr(loss, "aggregation", None)
+
+
+# The multi-turn keys' defaults (rollout.max_turns, ...): read by the schema and by rollout/trajectory.py's
+# MultiTurnSettings, which is what the engines take.
+MULTITURN_DEFAULTS = {"max_turns": 1, "max_images": 8, "max_total_tokens": 4096, "on_limit": "score",
+                      "tool_seconds": 10.0, "zoom_min_side": 30, "zoom_max_aspect_ratio": 100.0,
+                      "hf_multiturn": "incremental"}
+ON_LIMIT = ("score", "mask")
+MULTITURN_MODES = ("incremental", "naive")

@@ -20,6 +20,7 @@ declare; a plugin (`module:name`) is loaded to be checked.
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
+from gpg_vl.config.names import MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
 from gpg_vl.errors import UserError
 
 
@@ -227,6 +228,10 @@ class HFEngineSettings:
     decode: str = field(default="loop", metadata=meta(
         "loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate",
         choices="decoders"))
+    multiturn: str = field(default=MULTITURN_DEFAULTS["hf_multiturn"], metadata=meta(
+        "multi-turn rollouts (rollout.max_turns > 1): incremental prefills each observation onto the trajectory's "
+        "cache; naive re-prefills the whole conversation every turn (for comparison)",
+        choices=MULTITURN_MODES))
 
 
 @dataclass
@@ -271,6 +276,23 @@ class RolloutSettings:
     ignore_eos: bool = field(default=False, metadata=meta("always generate max_new_tokens (benchmarks)"))
     max_prompt_tokens: int = field(default=4096, metadata=meta(
         "longer prompts are skipped with a warning, never truncated", low=1))
+    max_turns: int = field(default=MULTITURN_DEFAULTS["max_turns"], metadata=meta(
+        "model segments per trajectory: > 1 lets the model call the task's tools (thinking with images) and "
+        "continue after each observation; 1 = one completion per rollout", low=1))
+    max_images: int = field(default=MULTITURN_DEFAULTS["max_images"], metadata=meta(
+        "images the tools may add to one trajectory, in all (an observation past it ends the trajectory)", low=0))
+    max_total_tokens: int = field(default=MULTITURN_DEFAULTS["max_total_tokens"], metadata=meta(
+        "tokens after the prompt of one trajectory (segments and observations), in all; each segment has at most "
+        "max_new_tokens", low=1))
+    on_limit: str = field(default=MULTITURN_DEFAULTS["on_limit"], metadata=meta(
+        "a trajectory cut by a limit (turns, images, tokens): score it as it is (DeepEyes) or mask its loss, "
+        "keeping its reward in the group's mean (Mini-o3)", choices=ON_LIMIT))
+    tool_seconds: float = field(default=MULTITURN_DEFAULTS["tool_seconds"], metadata=meta(
+        "time budget of one tool call; past it the call is an error observation", above=0))
+    zoom_min_side: int = field(default=MULTITURN_DEFAULTS["zoom_min_side"], metadata=meta(
+        "zoom_in refuses a box whose short side, in original pixels, is at most this (DeepEyes: 30)", low=0))
+    zoom_max_aspect_ratio: float = field(default=MULTITURN_DEFAULTS["zoom_max_aspect_ratio"], metadata=meta(
+        "zoom_in refuses a box more elongated than this (DeepEyes: 100)", above=0))
     hf: HFEngineSettings = field(default_factory=HFEngineSettings)
     vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)
     prefill_once: bool | None = field(default=None, metadata=meta(

@@ -1,4 +1,4 @@
-"""Tasks are data + prompt + rewards + metrics, and a registry to find them by name.
+"""Tasks are data + prompt + tools + rewards + metrics, and a registry to find them by name.
 
 A task never touches the model, the optimizer or the trainer. The trainer asks it for rows, turns each
 row into chat messages with `messages`, scores completions with `reward_components`, and summarises an
@@ -71,6 +71,8 @@ class Task:
     eval_split: ClassVar[str] = "test"
     uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model adapter maps them to original pixels
     group_columns: ClassVar[tuple[str, ...]] = ()  # row columns whose values evaluation breaks accuracy down by
+    # the tools the model may call (registered names, gpg_vl/rollout/tools.py), with rollout.max_turns > 1
+    tools: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         if options:

@@ -24,6 +24,7 @@ from gpg_vl.config.names import ENGINE_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.registry import Registry
+from gpg_vl.rollout.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout
 
 
@@ -81,6 +82,10 @@ class Engine:
 
     name = "engine"
     returns_logps = False  # whether Rollout.sampler_logps is filled (the trainer then checks it is on-policy)
+    multi_turn = False  # whether it can roll out trajectories with tools (rollout.max_turns > 1)
+    # set by `build_engine`: the multi-turn settings (rollout.max_turns, ...) and the tools the task offers
+    multiturn: MultiTurnSettings = MultiTurnSettings()
+    tools: tuple[str, ...] = ()
 
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         raise NotImplementedError
@@ -102,6 +107,11 @@ class Engine:
 
     def wake(self) -> None:
         """Take the memory back before the next rollout."""
+
+    def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
+        """Take the run's multi-turn settings and the task's tools (an engine checks here, in one sentence, that its
+        model can run them)."""
+        self.multiturn, self.tools = settings, tuple(tools)
 
     @classmethod
     def unavailable(cls, settings) -> str | None:
@@ -136,7 +146,29 @@ def require_engine(rollout) -> type[Engine]:
     return engine
 
 
-def build_engine(rollout, policy, *, accelerator=None) -> Engine:
-    """The engine of `rollout.*` for `policy` (the HF engine samples with `policy.model` itself)."""
-    return require_engine(rollout)(policy, rollout, accelerator=accelerator)
+def build_engine(rollout, policy, *, accelerator=None, tools: tuple[str, ...] = ()) -> Engine:
+    """The engine of `rollout.*` for `policy` (the HF engine samples with `policy.model` itself). With
+    rollout.max_turns > 1 it rolls out trajectories that may call `tools` (the task's `Task.tools`); an engine that
+    cannot, a tool that is not registered or a task without tools: one sentence, before any sampling."""
+    engine_class = require_engine(rollout)
+    settings = MultiTurnSettings.from_rollout(rollout)
+    if settings.multi_turn:
+        require_tools(rollout, engine_class, tools)
+    engine = engine_class(policy, rollout, accelerator=accelerator)
+    engine.take_tools(settings, tools)
+    return engine
+
+
+def require_tools(rollout, engine_class: type[Engine], tools: tuple[str, ...]) -> None:
+    """rollout.max_turns > 1 needs an engine that rolls out trajectories and a task offering registered tools."""
+    from gpg_vl.rollout.tools import TOOLS
+
+    if not engine_class.multi_turn:
+        raise UserError(f"rollout.engine={rollout.engine} cannot roll out trajectories with tools "
+                        f"(rollout.max_turns={rollout.max_turns}); use rollout.engine=hf or rollout.max_turns=1.")
+    if not tools:
+        raise UserError(f"rollout.max_turns={rollout.max_turns} needs a task that offers tools (Task.tools), and "
+                        "this one offers none; set rollout.max_turns=1 or pick a task with tools.")
+    for name in tools:
+        TOOLS.get(name)  # an unknown tool: one sentence naming it and the registered ones
 

@@ -40,12 +40,17 @@ class HFEngine(Engine):
     """Samples with `policy.model`: nothing to sync (the sampler is the trained model), no sleep mode."""
 
     name = "hf"
+    multi_turn = True
 
     def __init__(self, policy: Policy, rollout, *, accelerator=None) -> None:
         self.policy, self.settings = policy, rollout.hf
-        # multi-turn settings and the tools offered (None: every registered tool); max_turns=1 samples as before
-        self.multiturn: MultiTurnSettings = getattr(rollout, "multiturn", None) or MultiTurnSettings()
-        self.tools: tuple[str, ...] | None = None
+
+    def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
+        if settings.multi_turn:
+            from gpg_vl.rollout.multiturn import require_multi_turn
+
+            require_multi_turn(self.policy.adapter, self.policy.model, settings)
+        super().take_tools(settings, tools)
 
     @classmethod
     def unavailable(cls, rollout) -> str | None:

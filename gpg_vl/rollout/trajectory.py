@@ -5,9 +5,8 @@ are the segments and the observations interleaved; `loss_mask` is 1 on every tok
 segment) and 0 on observation tokens (their text and their image placeholders). It keeps the images of every
 observation (as the model saw them), the tool calls and their results, and which limit ended it, if one did.
 
-`MultiTurnSettings` holds the multi-turn settings an engine takes; with `max_turns=1` (the default) an engine
-samples one completion per row exactly as it always has. (The settings schema and the training loop pick
-them up in the loop-integration phase.)
+`MultiTurnSettings` holds the multi-turn settings an engine takes (`rollout.max_turns`, ...); with `max_turns=1`
+(the default) an engine samples one completion per row exactly as it always has.
 """
 
 from __future__ import annotations
@@ -17,25 +16,37 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from gpg_vl.config.names import MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
 from gpg_vl.errors import UserError
 
-ON_LIMIT = ("score", "mask")
-MULTITURN_MODES = ("incremental", "naive")
 LIMITS = ("turn", "image", "token")  # what can cut a trajectory short
+
+
+def _default(key: str):
+    """The default of a multi-turn key (config/names.py holds them for the schema and for this class)."""
+    return MULTITURN_DEFAULTS[key]
 
 
 @dataclass(frozen=True)
 class MultiTurnSettings:
-    """How a trajectory may go on: the rollout.* multi-turn keys (declared here until the schema takes them)."""
+    """How a trajectory may go on: the multi-turn keys of `rollout.*` (their meaning in config/schema.py)."""
 
-    max_turns: int = 1  # model segments per trajectory; 1 = one completion, as without tools
-    max_images: int = 8  # images the tools may add to one trajectory, in all
-    max_total_tokens: int = 4096  # tokens after the prompt (segments and observations), in all
-    on_limit: str = "score"  # a trajectory cut by a limit: score it as it is (DeepEyes), or mask its loss (Mini-o3)
-    tool_seconds: float = 10.0  # time budget of one tool call; past it the call is an error observation
-    zoom_min_side: int = 30  # zoom_in refuses a box whose short side (original pixels) is <= this (DeepEyes)
-    zoom_max_aspect_ratio: float = 100.0  # zoom_in refuses a box more elongated than this (DeepEyes)
-    hf_multiturn: str = "incremental"  # HF engine: observations prefilled onto the cache, or `naive` re-prefill
+    max_turns: int = _default("max_turns")  # model segments per trajectory; 1 = one completion, as without tools
+    max_images: int = _default("max_images")  # images the tools may add to one trajectory, in all
+    max_total_tokens: int = _default("max_total_tokens")  # tokens after the prompt, segments and observations
+    on_limit: str = _default("on_limit")  # a trajectory cut by a limit: score it (DeepEyes) or mask its loss (Mini-o3)
+    tool_seconds: float = _default("tool_seconds")  # time budget of one tool call; past it, an error observation
+    zoom_min_side: int = _default("zoom_min_side")  # zoom_in refuses a box whose short side is <= this (DeepEyes)
+    zoom_max_aspect_ratio: float = _default("zoom_max_aspect_ratio")  # ... or more elongated than this (DeepEyes)
+    hf_multiturn: str = _default("hf_multiturn")  # HF engine: observations prefilled onto the cache, or `naive`
+
+    @classmethod
+    def from_rollout(cls, rollout) -> MultiTurnSettings:
+        """The multi-turn settings of `rollout.*` (RolloutSettings)."""
+        return cls(max_turns=rollout.max_turns, max_images=rollout.max_images,
+                   max_total_tokens=rollout.max_total_tokens, on_limit=rollout.on_limit,
+                   tool_seconds=rollout.tool_seconds, zoom_min_side=rollout.zoom_min_side,
+                   zoom_max_aspect_ratio=rollout.zoom_max_aspect_ratio, hf_multiturn=rollout.hf.multiturn)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:

@@ -265,7 +265,8 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
         settings = replace(settings, trainer=trainer)
     learner = _build_learner(policy, trainer, settings.rollout, accelerator, reference,
                              resuming=settings.resume_from is not None)
-    engine = build_engine(settings.rollout, learner.policy, accelerator=accelerator)  # samples, and evaluates
+    # samples, and evaluates; with rollout.max_turns > 1 trajectories that may call the task's tools
+    engine = build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
     learner = replace(learner, correction=engine.correction)
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(settings.config or {}))
