@@ -383,6 +383,12 @@ class ModelSettings:
         "images are resized to at least this many pixels", low=1))
     max_pixels: int | None = field(default=401408, metadata=meta(
         "and at most this many (the paper's setting)", low=1))
+    video_min_pixels: int | None = field(default=None, metadata=meta(
+        "video frames are resized to at least this many pixels each (null = min_pixels)", low=1))
+    video_max_pixels: int | None = field(default=100352, metadata=meta(
+        "and at most this many each (Video-R1's 128 x 28 x 28; null = max_pixels)", low=1))
+    video_total_pixels: int | None = field(default=None, metadata=meta(
+        "and at most this many over a video's frames together (null = qwen-vl-utils' budget)", low=1))
     trust_remote_code: bool = field(default=False, metadata=meta(
         "run code from the model repository (only if you trust it)"))
     attn_implementation: str | None = field(default="sdpa", metadata=meta(
@@ -411,6 +417,8 @@ class DataSettings:
         "true: image paths may point outside the image root ('../x.png', absolute paths)"))
     max_bad_fraction: float = field(default=0.05, metadata=meta(
         "bad rows are skipped and counted; stop when more than this fraction of rows seen are bad", low=0, high=1))
+    max_video_frames: int = field(default=16, metadata=meta(
+        "the most frames sampled from one video of a prompt (Video-R1 trains on 16)", low=2))
 
 
 @dataclass

@@ -36,7 +36,8 @@ def prepare_prompt(task, rows: Sequence, index: int, max_aspect_ratio: float = M
     """Row `index` of `rows` as chat messages; raises `BadRow` (with its reason) when the row cannot be used.
 
     Reading the row, the task's `check_row` and `messages` may each find a problem; images in the messages
-    must have pixels and an aspect ratio within `max_aspect_ratio` (the model family's processor limit).
+    must have pixels and an aspect ratio within `max_aspect_ratio` (the model family's processor limit);
+    videos are read and sampled here, once per prompt (data/video.py), and one that cannot be read is bad.
     Any other exception from the task's code is a bad row too (reason "error"; `KeyError` is "missing
     column"), so one odd row never ends a run.
     """
@@ -62,7 +63,21 @@ def prepare_prompt(task, rows: Sequence, index: int, max_aspect_ratio: float = M
                     raise BadRow("extreme aspect ratio", f"row {index} has a {width}x{height} image, over the "
                                                          f"{max_aspect_ratio:g}:1 aspect ratio the model's processor "
                                                          "accepts.")
-    return Prompt(index, row, messages)
+    return Prompt(index, row, _with_videos(task, messages, index))
+
+
+def _with_videos(task, messages: list[dict], index: int) -> list[dict]:
+    """The messages with their videos read and sampled once (data/video.py), within data.max_video_frames;
+    a video that cannot be read raises BadRow with its reason."""
+    from gpg_vl.data.video import decode_videos, message_videos
+
+    if not message_videos(messages):
+        return messages
+    from gpg_vl.data.sources import data_image_root
+
+    return decode_videos(messages, max_frames=getattr(task, "max_video_frames", None),
+                         root=data_image_root(getattr(task, "image_root", None), getattr(task, "data_path", None)),
+                         allow_outside=getattr(task, "allow_outside_paths", False), row=index)
 
 
 class BadRowLog:

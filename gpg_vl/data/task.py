@@ -84,6 +84,7 @@ class Task:
         self.data_path: str | None = None  # data.path: a local copy that replaces the hub dataset
         self.image_root: str | None = None  # data.image_root: where relative image paths resolve
         self.allow_outside_paths = False  # data.allow_outside_paths: image paths may leave the image root
+        self.max_video_frames: int | None = None  # data.max_video_frames: the most frames sampled from a video
         self.reward_errors: dict[str, int] = {}  # reward name -> completions on which it raised (scored 0)
         self.reward_nonfinite: dict[str, int] = {}  # reward name -> NaN or infinite scores
 
@@ -291,11 +292,12 @@ def list_tasks() -> list[str]:
 
 
 def get_task(name: str, *, data_path: str | None = None, image_root: str | None = None,
-             allow_outside_paths: bool = False, **options: Any) -> Task:
+             allow_outside_paths: bool = False, max_video_frames: int | None = None, **options: Any) -> Task:
     """Build the task called `name` (a registered name, `module:Name` or `file.py:Name`).
 
     `options` go to the task's constructor; `data_path` / `image_root` point it at a local copy of its data, and
-    `allow_outside_paths` lets the data's image paths leave the image root (`Task.open_image`).
+    `allow_outside_paths` lets the data's image paths leave the image root (`Task.open_image`);
+    `max_video_frames` bounds the frames sampled from each video of a prompt (data/video.py).
     """
     task_class = TASKS.get(name)
     if ":" in name and task_class.name and task_class.name not in TASKS:
@@ -313,4 +315,5 @@ def get_task(name: str, *, data_path: str | None = None, image_root: str | None 
     if image_root is not None:
         task.image_root = str(image_root)
     task.allow_outside_paths = bool(allow_outside_paths)
+    task.max_video_frames = max_video_frames
     return task

@@ -28,6 +28,7 @@ class PromptBatch:
     image_sizes: list[list[tuple[int, int, int, int]]] = field(default_factory=list)  # (W, H, w, h) per image
     rows: dict[str, list[int]] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)  # the rendered prompts
+    videos_per_prompt: list[int] = field(default_factory=list)  # empty: no prompt holds a video
 
     def __len__(self) -> int:
         return self.inputs["input_ids"].shape[0]
@@ -35,6 +36,10 @@ class PromptBatch:
     @property
     def has_images(self) -> bool:
         return sum(self.images_per_prompt) > 0
+
+    @property
+    def has_videos(self) -> bool:
+        return sum(self.videos_per_prompt) > 0
 
     def select(self, indices: list[int], *, drop: tuple[str, ...] = ()) -> PromptBatch:
         """The prompts at `indices` (repeats allowed), with their images, in that order; `drop` leaves keys out."""
@@ -55,11 +60,12 @@ class PromptBatch:
             selected, [self.images_per_prompt[i] for i in indices], [self.ids[i] for i in indices] if self.ids else [],
             [self.image_sizes[i] for i in indices] if self.image_sizes else [],
             {key: [counts[i] for i in indices] for key, counts in self.rows.items() if key not in drop},
-            [self.texts[i] for i in indices] if self.texts else [])
+            [self.texts[i] for i in indices] if self.texts else [],
+            [self.videos_per_prompt[i] for i in indices] if self.videos_per_prompt else [])
 
     def to(self, device: torch.device) -> PromptBatch:
         return PromptBatch({k: v.to(device) for k, v in self.inputs.items()}, self.images_per_prompt, self.ids,
-                           self.image_sizes, self.rows, self.texts)
+                           self.image_sizes, self.rows, self.texts, self.videos_per_prompt)
 
 
 def per_token_keys(inputs: dict[str, Tensor]) -> list[str]:
@@ -88,13 +94,15 @@ def extend_per_token(inputs: dict[str, Tensor], completion: Tensor, completion_m
     return full
 
 
-def image_order(prompts: PromptBatch, prompt_index: list[int]) -> list[int]:
-    """Indices into the images of `prompts.select(sorted(set(prompt_index)))`, listed per sequence."""
+def image_order(prompts: PromptBatch, prompt_index: list[int], per_prompt: list[int] | None = None) -> list[int]:
+    """Indices into the images of `prompts.select(sorted(set(prompt_index)))`, listed per sequence (of its
+    videos with `per_prompt=prompts.videos_per_prompt`)."""
+    per_prompt = prompts.images_per_prompt if per_prompt is None else per_prompt
     first_image, count = {}, 0
     for prompt in sorted(set(prompt_index)):
         first_image[prompt] = count
-        count += prompts.images_per_prompt[prompt]
-    return [first_image[prompt] + k for prompt in prompt_index for k in range(prompts.images_per_prompt[prompt])]
+        count += per_prompt[prompt]
+    return [first_image[prompt] + k for prompt in prompt_index for k in range(per_prompt[prompt])]
 
 
 def message_images(messages: list[dict]) -> list:

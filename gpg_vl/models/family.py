@@ -233,11 +233,14 @@ class Family:
     tool_stop_strings: tuple[str, ...] = (_TOOL_CALL_CLOSE,)  # a model segment ends after one of these
 
     def __init__(self, processor, config, *, min_pixels: int | None = None, max_pixels: int | None = None,
-                 prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE, enable_thinking: bool = True) -> None:
+                 prompt_style: str = "chat", raw_template: str = RAW_TEMPLATE, enable_thinking: bool = True,
+                 video_pixels: dict | None = None) -> None:
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.config = config
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        # a video frame's pixel budgets (min_pixels, max_pixels, total_pixels), where a part sets none
+        self.video_pixels = dict(video_pixels or {"min_pixels": min_pixels, "max_pixels": max_pixels})
         if prompt_style not in PROMPT_STYLES:
             raise UserError(f"unknown model.prompt_style {prompt_style!r}; use one of {', '.join(PROMPT_STYLES)}.")
         if prompt_style == "chat" and not getattr(processor, "chat_template", None):
@@ -483,6 +486,15 @@ class Family:
             else [pooled[i] for i in order]
         return encoded
 
+    def vision_features(self, model, prompts: PromptBatch, prompt_index: list[int]) -> dict:
+        """`mm_encoder_outputs` for a batch's sequences: each modality's tower outputs once per distinct prompt
+        (images here; a family whose processor reads video adds `video`)."""
+        return {"image": self.image_features(model, prompts, prompt_index)}
+
+    def videos_unsupported(self) -> str | None:
+        """Why this family cannot take a video in a prompt (None when it can)."""
+        return None
+
     # ---- log-probs -------------------------------------------------------------------------------
     def token_logps(
         self, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
@@ -528,7 +540,7 @@ class Family:
                                                completion_mask, observations)  # [N, C, H]
             return self._hidden_logps(bare, hidden, completion_ids, completion_mask, temperature=temperature,
                                       chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
-        shared = path.shared_vision and prompts.has_images and observations is None
+        shared = path.shared_vision and (prompts.has_images or prompts.has_videos) and observations is None
         sequences = trim_left_padding(prompts.select(prompt_index, drop=self.pixel_keys if shared else ()).inputs)
         if observations is None:
             full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, P + C] per-token keys
@@ -539,7 +551,7 @@ class Family:
             _encode_shared_vision_in_forward(model, self)
             full[SHARED_VISION] = (prompts, prompt_index)
         elif shared:
-            full["mm_encoder_outputs"] = {"image": self.image_features(bare, prompts, prompt_index)}
+            full["mm_encoder_outputs"] = self.vision_features(bare, prompts, prompt_index)
         positions = self.position_ids(bare, full)
         if positions is not None:
             full["position_ids"] = positions
@@ -752,7 +764,7 @@ def _encode_shared_vision_in_forward(model: torch.nn.Module, family: Family) -> 
     def encode(_, args, kwargs):
         request = kwargs.pop(SHARED_VISION, None)
         if request is not None:
-            kwargs["mm_encoder_outputs"] = {"image": family.image_features(bare, *request)}
+            kwargs["mm_encoder_outputs"] = family.vision_features(bare, *request)
         return args, kwargs
 
     for module in modules:

@@ -16,6 +16,8 @@ import inspect
 import torch
 from torch import Tensor
 
+from gpg_vl.data.video import message_videos
+from gpg_vl.errors import UserError
 from gpg_vl.models.family import Family, PromptBatch, message_images, register_family, unwrap
 
 # Published box conventions of some model types (their model cards); others declare none.
@@ -53,6 +55,8 @@ class GenericFamily(Family):
 
     def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
         """Chat messages -> left-padded processor inputs, images as the processor resizes them."""
+        if any(message_videos(messages) for messages in messages_batch):
+            raise UserError(self.videos_unsupported())
         texts = [self.render(messages) for messages in messages_batch]
         images = [message_images(messages) for messages in messages_batch]
         images_per_prompt = [len(prompt_images) for prompt_images in images]
@@ -63,6 +67,11 @@ class GenericFamily(Family):
         sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
         return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes,
                            _row_layout(inputs, images_per_prompt, self._image_token_id()), texts)
+
+    def videos_unsupported(self) -> str | None:
+        model_type = getattr(self.config, "model_type", "generic")
+        return (f"the {model_type} model (generic family) does not take video prompts in gpg-vl yet; train video "
+                "tasks on a Qwen-VL family model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) or drop the video parts.")
 
     def multi_turn_unsupported(self) -> str | None:
         reason = NO_LATER_IMAGES.get(getattr(self.config, "model_type", ""))

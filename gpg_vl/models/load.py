@@ -102,10 +102,17 @@ def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", 
     _set_router_aux_loss(loaded, settings.router_aux_loss_coef)
     adapter = family_class(processor, loaded.config, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
                            prompt_style=settings.prompt_style, raw_template=settings.raw_template or RAW_TEMPLATE,
-                           enable_thinking=settings.enable_thinking)
+                           enable_thinking=settings.enable_thinking, video_pixels=video_pixels(settings))
     if settings.box_frame:  # null = the family's own frame
         adapter.box_frame = settings.box_frame
     return Policy(model=loaded, processor=processor, adapter=adapter, name_or_path=path)
+
+
+def video_pixels(settings: ModelSettings) -> dict:
+    """The per-video pixel budgets of `model.video_*_pixels` (null: the image limits, or qwen-vl-utils' total)."""
+    return {"min_pixels": settings.video_min_pixels or settings.min_pixels,
+            "max_pixels": settings.video_max_pixels or settings.max_pixels,
+            "total_pixels": settings.video_total_pixels}
 
 
 def _model_type_of(path: str) -> str:

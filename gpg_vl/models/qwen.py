@@ -10,11 +10,14 @@ template that opens a think block by default.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
-from qwen_vl_utils import fetch_image, process_vision_info
+from qwen_vl_utils import fetch_image, fetch_video, process_vision_info
 from qwen_vl_utils.vision_process import MAX_RATIO
 from torch import Tensor
 
+from gpg_vl.data.video import DECODED, decode_video, is_video_part, message_videos, video_pixels
 from gpg_vl.models.family import Family, PromptBatch, image_order, register_family, unwrap
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -27,7 +30,7 @@ class QwenVLAdapter(Family):
     name = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
     box_frame = "resized-pixels"
-    pixel_keys = ("pixel_values",)
+    pixel_keys = ("pixel_values", "pixel_values_videos")
     vision_tokens = VISION_TOKENS
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"  # the processor expands the pad per image
     eos_tokens = ("<|im_end|>", "<|endoftext|>")
@@ -41,7 +44,9 @@ class QwenVLAdapter(Family):
         self.placeholder_size = (2 * self.image_patch_size, 2 * self.image_patch_size)
 
     def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
-        """Chat messages -> left-padded processor inputs. Images are resized within min/max pixels."""
+        """Chat messages -> left-padded processor inputs. Images are resized within min/max pixels; videos are
+        read once (data/video.py, unless the stream already did), their frames resized within the video pixel
+        budgets by qwen-vl-utils, and their metadata handed to the processor (timestamps, `second_per_grid_ts`)."""
         for messages in messages_batch:
             for message in messages:
                 for part in message["content"] if isinstance(message["content"], list) else []:
@@ -52,28 +57,48 @@ class QwenVLAdapter(Family):
                             part.setdefault("max_pixels", self.max_pixels)
         texts = [self.render(messages) for messages in messages_batch]
         images_per_prompt, images, image_sizes = [], [], []
+        videos_per_prompt, videos, metadata = [], [], []
         for messages in messages_batch:
-            originals = [part["image"].size for message in messages if isinstance(message["content"], list)
-                         for part in message["content"] if hasattr(part.get("image"), "size")]
-            prompt_images, _ = process_vision_info(messages, image_patch_size=self.image_patch_size)
-            prompt_images = prompt_images or []
+            prompt_images, sizes = self._prompt_images(messages)
             images_per_prompt.append(len(prompt_images))
             images.extend(prompt_images)
-            if len(originals) != len(prompt_images):  # images given by path: their sizes are unknown here
-                originals = []
-            image_sizes.append([(*original, *resized.size) for original, resized in zip(originals, prompt_images)])  # noqa: B905
+            image_sizes.append(sizes)
+            prompt_videos = [self._video_frames(part) for part in message_videos(messages)]
+            videos_per_prompt.append(len(prompt_videos))
+            videos += [frames for frames, _ in prompt_videos]
+            metadata += [meta for _, meta in prompt_videos]
         self.tokenizer.padding_side = "left"
-        inputs = dict(self.processor(text=texts, images=images or None, padding=True, return_tensors="pt",
+        extra = {"videos": videos, "video_metadata": metadata, "do_sample_frames": False} if videos else {}
+        inputs = dict(self.processor(text=texts, images=images or None, padding=True, return_tensors="pt", **extra,
                                      **self.processor_kwargs))
         rows = {}
-        if "image_grid_thw" in inputs:  # flattened patches: grid t * h * w rows per image
-            patches = inputs["image_grid_thw"].prod(dim=1).tolist()
-            per_prompt, start = [], 0
-            for count in images_per_prompt:
-                per_prompt.append(int(sum(patches[start:start + count])))
-                start += count
-            rows = {"pixel_values": per_prompt, "image_grid_thw": list(images_per_prompt)}
-        return PromptBatch(inputs, images_per_prompt, list(ids or []), image_sizes, rows, texts)
+        for grid, pixels, counts in (("image_grid_thw", "pixel_values", images_per_prompt),
+                                     ("video_grid_thw", "pixel_values_videos", videos_per_prompt)):
+            if grid in inputs:  # flattened patches: grid t * h * w rows per image (video)
+                rows.update({pixels: _per_prompt(inputs[grid].prod(dim=1).tolist(), counts), grid: list(counts)})
+        if isinstance(inputs.get("second_per_grid_ts"), Tensor):
+            rows["second_per_grid_ts"] = list(videos_per_prompt)
+        return PromptBatch(inputs, images_per_prompt, list(ids or []), image_sizes, rows, texts,
+                           videos_per_prompt if videos else [])
+
+    def _prompt_images(self, messages: list[dict]) -> tuple[list, list]:
+        """A prompt's images resized by qwen-vl-utils, and (W, H, w, h) per image where the originals are known."""
+        without_videos = [{**m, "content": [p for p in m["content"] if not is_video_part(p)]}
+                          if isinstance(m.get("content"), list) else m for m in messages]
+        originals = [part["image"].size for message in without_videos if isinstance(message["content"], list)
+                     for part in message["content"] if hasattr(part.get("image"), "size")]
+        prompt_images, _ = process_vision_info(without_videos, image_patch_size=self.image_patch_size)
+        prompt_images = prompt_images or []
+        if len(originals) != len(prompt_images):  # images given by path: their sizes are unknown here
+            originals = []
+        return prompt_images, [(*original, *resized.size) for original, resized in zip(originals, prompt_images)]  # noqa: B905
+
+    def _video_frames(self, part: dict) -> tuple[Tensor, dict]:
+        """A video part's frames [T, 3, h, w] resized by qwen-vl-utils within the pixel budgets, and its metadata."""
+        decoded = decode_video(part, max_frames=None)
+        limits = video_pixels(decoded, self.video_pixels)
+        frames = fetch_video({"video": decoded["video"], **limits}, image_patch_size=self.image_patch_size)
+        return frames, dict(decoded[DECODED])
 
     def engine_images(self, messages: list[dict]) -> list:
         """The images resized by qwen-vl-utils within min/max pixels, exactly as `encode` gives them."""
@@ -81,8 +106,11 @@ class QwenVLAdapter(Family):
         messages = [{**m, "content": [{**limits, **part} if isinstance(part, dict) and "image" in part else part
                                       for part in m["content"]]} if isinstance(m.get("content"), list) else m
                     for m in messages]
-        images, _ = process_vision_info(messages, image_patch_size=self.image_patch_size)
-        return images or []
+        return self._prompt_images(messages)[0]
+
+    def engine_videos(self, messages: list[dict]) -> list[tuple[Tensor, dict]]:
+        """The videos as `encode` gives them to the processor: (frames [T, 3, h, w], metadata) each."""
+        return [self._video_frames(part) for part in message_videos(messages)]
 
     def fit_image(self, image):
         """Resized by qwen-vl-utils' rule (whole merged patches, within min/max pixels), as `encode` resizes."""
@@ -99,14 +127,16 @@ class QwenVLAdapter(Family):
         own batch and which would otherwise leak into a training forward of another batch size.
         """
         self.reset_positions(model)
-        if "image_grid_thw" not in inputs:
+        if "image_grid_thw" not in inputs and "video_grid_thw" not in inputs:
             mask = inputs["attention_mask"]
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
             return positions.unsqueeze(0).expand(3, -1, -1)
-        positions, _ = unwrap(model).model.get_rope_index(
-            inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-            image_grid_thw=inputs["image_grid_thw"], attention_mask=inputs["attention_mask"],
-        )
+        rope_index = unwrap(model).model.get_rope_index
+        accepted = inspect.signature(rope_index).parameters
+        extra = {key: inputs[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+                 if key in inputs and key in accepted}  # Qwen2.5-VL: seconds per temporal grid step
+        positions, _ = rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+                                  attention_mask=inputs["attention_mask"], **extra)
         return positions  # [3, N, L]
 
     def shares_vision(self, model: torch.nn.Module) -> bool:
@@ -114,14 +144,41 @@ class QwenVLAdapter(Family):
 
     def image_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
         """Vision-tower outputs computed once per distinct prompt, listed per sequence (no copy)."""
+        return self._features(model, prompts, prompt_index, "image")
+
+    def vision_features(self, model, prompts: PromptBatch, prompt_index: list[int]) -> dict:
+        """`mm_encoder_outputs`: the images' and the videos' tower outputs, each once per distinct prompt."""
+        features = {}
+        if prompts.has_images:
+            features["image"] = self._features(model, prompts, prompt_index, "image")
+        if prompts.has_videos:
+            features["video"] = self._features(model, prompts, prompt_index, "video")
+        return features
+
+    def _features(self, model, prompts: PromptBatch, prompt_index: list[int], kind: str):
         subset = prompts.select(sorted(set(prompt_index)))
-        encoded = unwrap(model).model.get_image_features(
-            subset.inputs["pixel_values"], subset.inputs["image_grid_thw"], return_dict=True)
-        order = image_order(prompts, prompt_index)
+        base = unwrap(model).model
+        if kind == "image":
+            encoded = base.get_image_features(subset.inputs["pixel_values"], subset.inputs["image_grid_thw"],
+                                              return_dict=True)
+            order = image_order(prompts, prompt_index)
+        else:
+            encoded = base.get_video_features(subset.inputs["pixel_values_videos"], subset.inputs["video_grid_thw"],
+                                              return_dict=True)
+            order = image_order(prompts, prompt_index, prompts.videos_per_prompt)
         encoded.pooler_output = [encoded.pooler_output[i] for i in order]
         if getattr(encoded, "deepstack_features", None) is not None:  # Qwen3-VL: one map per DeepStack tap
             encoded.deepstack_features = [[level[i] for i in order] for level in encoded.deepstack_features]
         return encoded
+
+
+def _per_prompt(per_item: list[int], counts: list[int]) -> list[int]:
+    """Per-item row counts summed per prompt (`counts[i]` items each)."""
+    out, start = [], 0
+    for count in counts:
+        out.append(int(sum(per_item[start:start + count])))
+        start += count
+    return out
 
 
 @register_family

@@ -59,4 +59,5 @@ def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
     options = OmegaConf.to_container(task_cfg.options, resolve=True) if task_cfg.options is not None else {}
     data_cfg = data_cfg or {}
     return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"),
-                    allow_outside_paths=bool(data_cfg.get("allow_outside_paths", False)), **options)
+                    allow_outside_paths=bool(data_cfg.get("allow_outside_paths", False)),
+                    max_video_frames=data_cfg.get("max_video_frames"), **options)
