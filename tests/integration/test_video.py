@@ -1,0 +1,152 @@
+"""Video prompts on the tiny models of every family whose processor reads video (the Qwen-VL families).
+
+- the metadata reaches the processor: Qwen2.5-VL's `second_per_grid_ts` and Qwen3-VL's frame timestamps
+  equal hand-computed values for a 4-second clip at 2 fps and at 1 fps (not the processor's 24-fps default);
+- one update's gradient with every fast path (prompt-once, shared video features, chunked logits,
+  micro-batches) equals the plain path's on video prompts (2 prompts of different lengths, G = 2, ragged
+  completions);
+- prompt-once prefill gives transformers `generate`'s greedy tokens on video prompts;
+- a generic family refuses video in one sentence naming the model; a broken video is a counted bad row.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from runs import tiny_family_policy
+from test_fast_paths import one_update_gradient
+from video_clips import clip_frames, write_clip
+
+from gpg_vl.config.schema import TrainerSettings
+from gpg_vl.data.stream import PromptStream
+from gpg_vl.errors import UserError
+from gpg_vl.rollout.engine import Sampling
+from gpg_vl.rollout.hf import DECODERS, generate
+from gpg_vl.rollout.types import Rollout
+from gpg_vl.train.sample import Attempt
+from gpg_vl.train.update import update_chunks
+
+VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module", params=VIDEO_FAMILIES)
+def video_policy(request, tmp_path_factory):
+    policy = tiny_family_policy(request.param, tmp_path_factory)
+    policy.adapter.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}  # a few tokens per frame pair
+    return policy
+
+
+def video_messages(video, question: str, **sampling) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video", "video": video, **sampling},
+                                         {"type": "text", "text": question}]}]
+
+
+def two_video_prompts(policy):
+    """Two prompts of different lengths: an 8-frame clip and a 4-frame clip with a longer question."""
+    prompts = policy.adapter.encode([
+        video_messages(clip_frames(8), "Where does the dot go?"),
+        video_messages(clip_frames(4, (48, 64)), "Where does the dot go? Think, then answer with one word.")])
+    assert prompts.videos_per_prompt == [1, 1] and not prompts.has_images
+    assert len(set(prompts.inputs["attention_mask"].sum(dim=1).tolist())) == 2
+    return prompts
+
+
+def video_attempt(policy) -> Attempt:
+    prompts = two_video_prompts(policy)
+    group_size, width = 2, 6
+    ids = torch.randint(20, 300, (2 * group_size, width), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([6, 2, 4, 5])  # ragged completions
+    mask = torch.arange(width)[None, :] < lengths[:, None]  # [B * G, C]
+    rewards = torch.tensor([[1.0, 0.0], [0.2, 0.9]])
+    return Attempt(rows=[{}] * 2, prompts=prompts,
+                   rollout=Rollout(ids.masked_fill(~mask, policy.adapter.pad_id), mask, [""] * 4, group_size),
+                   rewards=rewards, components={}, advantages=rewards - rewards.mean(dim=1, keepdim=True),
+                   valid=torch.tensor([True, True]))
+
+
+def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_video(video_policy):
+    attempt = video_attempt(video_policy)
+    common = {"max_grad_norm": 1e9, "group_size": 2}
+    plain = TrainerSettings(**common, share_vision=False, share_prompt=False, logits_chunk_tokens=0,
+                            micro_batch_tokens=0, micro_batch_size=100)
+    budget = int(attempt.prompts.inputs["attention_mask"].sum(dim=1).max()) + 6  # a prompt and one completion
+    assert len(list(update_chunks([attempt], 0, budget, share_prompt=True))) > 2  # groups split across them
+    reference = one_update_gradient(video_policy, attempt, plain)
+    scale = float(reference.abs().max())
+    for fast in (TrainerSettings(**common, share_vision=True, share_prompt=True, logits_chunk_tokens=3,
+                                 micro_batch_tokens=budget),  # prompt-once: the video tower once per group
+                 TrainerSettings(**common, share_vision=True, share_prompt=False, logits_chunk_tokens=5)):
+        torch.testing.assert_close(one_update_gradient(video_policy, attempt, fast), reference, rtol=1e-4,
+                                   atol=2e-5 * scale)
+
+
+def test_prompt_once_prefill_gives_generate_s_greedy_tokens_on_video(video_policy):
+    prompts, group_size = two_video_prompts(video_policy), 2
+    greedy = Sampling(max_new_tokens=8, greedy=True)
+    every_row = generate(video_policy, prompts.select([0, 0, 1, 1]), group_size=1, sampling=greedy,
+                         prefill_once=False, decode="generate")
+    for decode in DECODERS:
+        once = generate(video_policy, prompts, group_size=group_size, sampling=greedy, prefill_once=True,
+                        decode=decode)
+        assert torch.equal(once.completion_ids, every_row.completion_ids), decode
+
+
+# 4 s at 8 fps = 32 frames. 2 fps: 8 frames at round(i * 31 / 7) = 0 4 9 13 18 22 27 31; 1 fps: 4 frames at
+# round(i * 31 / 3) = 0 10 21 31. The sampled rate is frames / total * 8 fps = 2 (1), so one temporal grid step
+# (2 frames) lasts 2 / 2 = 1 s (2 / 1 = 2 s), not 2 / 24 s. Qwen3-VL's timestamp of a frame pair is the mean of
+# its frames' index / 8: (0 + 4) / 16 = 0.25, (9 + 13) / 16 = 1.375, (18 + 22) / 16 = 2.5, (27 + 31) / 16 = 3.625;
+# at 1 fps (0 + 10) / 16 = 0.625, (21 + 31) / 16 = 3.25; written with one decimal.
+SECONDS = {2: [1.0], 1: [2.0]}  # one value per video: seconds per temporal grid step
+TIMESTAMPS = {2: ["0.2", "1.4", "2.5", "3.6"], 1: ["0.6", "3.2"]}
+
+
+@pytest.mark.parametrize("fps", [2, 1])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_video_metadata_gives_hand_computed_grid_seconds_and_timestamps(tmp_path_factory, tmp_path, family, fps):
+    policy = tiny_family_policy(family, tmp_path_factory)
+    policy.adapter.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
+    clip = write_clip(tmp_path / "clip.mp4", seconds=4, fps=8)
+    stream = PromptStream([{"video": str(clip)}], seed=0)
+    task = type("Task", (), {"check_row": lambda self, row: None, "max_video_frames": 16,
+                             "messages": lambda self, row: video_messages(row["video"], "Where?", fps=fps)})()
+    prompt = stream.next_prompts(1, task)[0]
+    prompts = policy.adapter.encode([prompt.messages])
+    grid = prompts.inputs["video_grid_thw"][0].tolist()
+    assert grid[0] == len(TIMESTAMPS[fps])  # temporal grid steps: frames / 2
+    if family == "qwen2_5_vl":
+        assert prompts.inputs["second_per_grid_ts"].tolist() == SECONDS[fps]
+    else:
+        text = policy.adapter.tokenizer.decode(prompts.inputs["input_ids"][0])
+        assert re.findall(r"<([\d.]+) seconds>", text) == TIMESTAMPS[fps]
+
+
+def test_the_processor_without_metadata_would_assume_24_fps(tmp_path_factory):
+    """The pitfall the metadata avoids: the same frames without it get 2 / 24 s per grid step."""
+    policy = tiny_family_policy("qwen2_5_vl", tmp_path_factory)
+    frames, _ = policy.adapter._video_frames({"video": clip_frames(8), "fps": 2, "min_pixels": 1024,
+                                              "max_pixels": 4096})
+    text = policy.adapter.render(video_messages(clip_frames(8), "q"))
+    bare = policy.processor(text=[text], videos=[frames], do_sample_frames=False, return_tensors="pt")
+    assert bare["second_per_grid_ts"].tolist() == pytest.approx([2 / 24])
+    ours = policy.adapter.encode([video_messages(clip_frames(8), "q", fps=2, min_pixels=1024, max_pixels=4096)])
+    assert ours.inputs["second_per_grid_ts"].tolist() == [1.0]
+
+
+def test_a_broken_video_is_a_counted_bad_row(tmp_path):
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all" * 20)
+    write_clip(tmp_path / "good.mp4", seconds=1)
+    rows = [{"video": str(tmp_path / "broken.mp4")}, {"video": str(tmp_path / "good.mp4")}]
+    task = type("Task", (), {"check_row": lambda self, row: None, "max_video_frames": 4,
+                             "messages": lambda self, row: video_messages(row["video"], "q")})()
+    stream = PromptStream(rows, seed=0, warn=lambda message: None)
+    prompts = stream.next_prompts(1, task)
+    assert stream.bad.by_reason == {"undecodable video": 1}
+    assert prompts[0].messages[0]["content"][0]["video_metadata"]["fps"] == 8.0
+
+
+def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_path_factory):
+    policy = tiny_family_policy("llava_onevision", tmp_path_factory)
+    with pytest.raises(UserError, match="llava_onevision model .*does not take video"):
+        policy.adapter.encode([video_messages(clip_frames(4), "q")])
