@@ -596,6 +596,15 @@ class Family:
         itself gets the same pixels)."""
         return message_images(messages)
 
+    def engine_videos(self, messages: list[dict]) -> list:
+        """A prompt's videos as this family's processor receives them: (frames, metadata) each. A family without
+        video refuses a prompt that holds one."""
+        from gpg_vl.data.video import message_videos
+
+        if message_videos(messages):
+            raise UserError(self.videos_unsupported() or f"the {self.name} family does not pass videos to an engine.")
+        return []
+
     def engine_processor_kwargs(self) -> dict:
         """Keywords for an engine's own copy of this family's processor, so that it resizes images as
         `encode` does (the same min/max pixels)."""

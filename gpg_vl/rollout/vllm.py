@@ -48,8 +48,19 @@ def prompt_requests(family, messages_batch: list[list[dict]]) -> list[dict]:
         images = family.engine_images(messages)
         if images:
             request["multi_modal_data"] = {"image": images}
-        requests.append(request)
+        requests.append({**request, **video_data(family, messages, request.get("multi_modal_data", {}))})
     return requests
+
+
+def video_data(family, messages: list[dict], multi_modal_data: dict) -> dict:
+    """The video part of a vLLM request: each video as (frames [T, 3, h, w], metadata), the frames and metadata
+    `encode` gives the trainer's processor, sampled already (`do_sample_frames=False`), as Qwen's vLLM recipe
+    passes qwen-vl-utils' output. Empty for a prompt without video."""
+    videos = family.engine_videos(messages)
+    if not videos:
+        return {}
+    return {"multi_modal_data": {**multi_modal_data, "video": videos},
+            "mm_processor_kwargs": {"do_sample_frames": False}}
 
 
 def sampling_kwargs(family, sampling: Sampling, group_size: int) -> dict:

@@ -382,3 +382,26 @@ def test_engine_weights_are_the_checkpoints_and_lora_is_merged_then_unmerged(pol
     assert set(merged) == set(pushed) and not torch.equal(merged[name], before)
     again = dict(engine_weights(lora, policy.adapter))
     assert torch.allclose(again[name], before, atol=1e-6)  # unmerged after the sync
+
+
+def test_vllm_gets_videos_as_multi_modal_data_with_the_trainer_s_frames_and_metadata(policy):
+    from video_clips import clip_frames
+
+    family = policy.adapter
+    messages = [[{"role": "user", "content": [{"type": "video", "video": clip_frames(8), "fps": 2},
+                                              {"type": "text", "text": "Where does the dot go?"}]}]]
+    fake = FakeLLM([11, family.eos_ids[0]])
+    engine = VLLMEngine(policy, RolloutSettings(), llm=fake, sampling_params=dict)
+    prompts = encode_prompts(policy, messages)
+    engine.generate(prompts, 2, Sampling(max_new_tokens=3, temperature=0.7, top_p=0.9))
+    (_, requests, params), = [call for call in fake.calls if call[0] == "generate"]
+    assert params == sampling_kwargs(family, Sampling(max_new_tokens=3, temperature=0.7, top_p=0.9), 2)
+    (request,) = requests
+    (frames, metadata), = request["multi_modal_data"]["video"]
+    assert "image" not in request["multi_modal_data"] and request["mm_processor_kwargs"] == {"do_sample_frames": False}
+    assert metadata == {"fps": 2.0, "frames_indices": list(range(8)), "total_num_frames": 8}
+    t, h, w = prompts.batch.inputs["video_grid_thw"][0].tolist()
+    patch = family.image_patch_size
+    assert tuple(frames.shape) == (2 * t, 3, h * patch, w * patch)  # the trainer's resized frames
+    pad = family.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    assert request["prompt_token_ids"].count(pad) == 1  # one placeholder, expanded by vLLM's processor
