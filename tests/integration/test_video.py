@@ -150,3 +150,34 @@ def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_pat
     policy = tiny_family_policy("llava_onevision", tmp_path_factory)
     with pytest.raises(UserError, match="llava_onevision model .*does not take video"):
         policy.adapter.encode([video_messages(clip_frames(4), "q")])
+
+
+CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+           "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+CLI_MODELS = {"qwen2_5_vl": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen3_vl": "tiny-qwen3-vl",
+              "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe"}
+
+
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
+def test_two_cli_steps_on_a_video_task_and_final_reloads(tmp_path, family):
+    """Each family that reads video trains 2 steps through the CLI on the moving-dot clips (frames lists and
+    MPEG-4 files), with the fast paths on, and its `final/` reloads with transformers alone."""
+    import json
+
+    from transformers import AutoModelForImageTextToText
+
+    from gpg_vl.cli import train_main
+    from gpg_vl.config.compose import load_config
+
+    summary = train_main(load_config("train", [
+        f"output_dir={tmp_path}", f"model={CLI_MODELS[family]}", "task=video_task:MovingDot", "trainer.max_steps=2",
+        "trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=4", "rollout.temperature=3.0",
+        "trainer.eval_before=false",
+        "trainer.eval_after=false", "trainer.beta_th=0", "data.max_video_frames=4", "model.video_min_pixels=1024",
+        "model.video_max_pixels=4096"]))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and [m["skipped"] for m in lines] == [0.0, 0.0]
+    assert lines[-1]["rows_seen"] == 4 and lines[-1]["bad_rows"] == 0  # both readers read every clip
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "final")  # transformers alone
+    assert type(reloaded).__name__ == CLASSES[family]
