@@ -5,6 +5,12 @@
     python scripts/bench.py --group-sizes 2,4,8,16 --image-sizes 224,448 --steps 2  # the scaling table
     python scripts/bench.py --steps 3 --gpg-variants default,no-share_prompt       # where gpg-vl's time goes
     python scripts/bench.py --family qwen3_5 --steps 3 --gpg-variants default,plain # Qwen3.5 (hybrid attention)
+    python scripts/bench.py --video 8 --threads 2   # video prompts (8 frames): prompt-once against the plain path
+
+With `--video FRAMES` every prompt holds a clip of FRAMES frames (--image-sizes side, 2 fps, read once per
+prompt as training reads it) instead of an image, and TRL, which has no video, is left out: gpg-vl's
+default configuration (prefill-once rollout, prompt-once update with the video tower once per group) runs
+beside its own plain path (every row prefilled, every sequence whole with its own video encoding), alternating.
 
 The model is a random-weight Qwen2_5_VLForConditionalGeneration (text hidden 512 x 6 layers, vision
 hidden 256 x depth 6, about 26M parameters) with the embedded tiny model's tokenizer and processor; with
@@ -127,11 +133,16 @@ def build_qwen3_5(image_size: int, seed: int, dtype: torch.dtype, device: str):
     return model, processor
 
 
-def make_rows(count: int, image_size: int, seed: int) -> list[dict]:
-    """Prompts with the same template and image size, so every prompt has the same number of tokens."""
+def make_rows(count: int, image_size: int, seed: int, frames: int = 0) -> list[dict]:
+    """Prompts with the same template and image size, so every prompt has the same number of tokens; with
+    `frames`, a clip of that many frames instead of the image."""
     rng = np.random.default_rng(seed)
+
+    def picture():
+        return Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))
+
     return [{"id": f"bench-{i}", "question": f"How many shapes? {i:03d}",
-             "image": Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))}
+             **({"video": [picture() for _ in range(frames)]} if frames else {"image": picture()})}
             for i in range(count)]
 
 
@@ -152,6 +163,9 @@ class BenchTask(Task):
         return self.rows
 
     def messages(self, row: dict) -> list[dict]:
+        if "video" in row:  # a fresh part each time: the stream reads (decodes) it once per prompt
+            return [{"role": "user", "content": [{"type": "video", "video": row["video"], "fps": 2.0},
+                                                 {"type": "text", "text": row["question"]}]}]
         return image_question(row["image"], row["question"])
 
 
@@ -256,8 +270,10 @@ class GpgRunner:
         trainer_overrides, rollout_overrides = VARIANTS[variant]
         model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device, args.family)
         adapter = FAMILIES[args.family](processor, model.config, min_pixels=56 * 56,
-                                        max_pixels=image_size * image_size)
+                                        max_pixels=image_size * image_size,
+                                        video_pixels={"min_pixels": 56 * 56, "max_pixels": image_size * image_size})
         self.task = BenchTask(rows)
+        self.task.max_video_frames = args.video or None
         self.settings = replace(TrainerSettings(), group_size=group_size, batch_size=args.prompts, lr=args.lr,
                                 beta_th=0.0, max_attempts=1, **trainer_overrides)
         forced = {} if args.cache == "default" else {"static_cache": args.cache == "static"}
@@ -375,6 +391,43 @@ def run_pair(args, group_size: int, image_size: int) -> dict:
     return summary
 
 
+def run_video(args, group_size: int, image_size: int) -> dict:
+    """Video prompts: gpg-vl's variants alternating step by step (TRL has no video)."""
+    steps = args.warmup + args.steps
+    rows = make_rows(args.prompts * steps * 2, image_size, args.seed, frames=args.video)
+    meter = Meter(args.device)
+    runners = {v: GpgRunner(args, rows, group_size, image_size, v) for v in args.gpg_variants}
+    records: dict[str, list[dict]] = {name: [] for name in runners}
+    order = random.Random(args.seed)
+    for index in range(1, steps + 1):
+        for name in order.sample(list(runners), len(runners)):
+            records[name].append(runners[name].step(meter))
+        kind = "warm-up" if index <= args.warmup else "measured"
+        print(f"  step {index} ({kind}): " + " | ".join(
+            f"{name} {r[-1]['step_s']:.2f} s (rollout {r[-1]['rollout_s']:.2f} + update {r[-1]['update_s']:.2f})"
+            for name, r in records.items()), flush=True)
+    summary = {"group_size": group_size, "image_size": image_size}
+    for name, rows_ in records.items():
+        measured = rows_[args.warmup:]
+        summary[name] = {key: statistics.mean(r[key] for r in measured) for key in measured[0]}
+        summary[name]["peak_mib"] = max(r["peak_mib"] for r in measured)
+    return summary
+
+
+def report_video(args, summary: dict) -> None:
+    g, size = summary["group_size"], summary["image_size"]
+    print(f"\nB={args.prompts} video prompts of {args.video} frames ({size}x{size}) x G={g}, {args.new_tokens} new "
+          f"tokens (EOS ignored), {torch.get_num_threads()} threads; means over {args.steps} measured steps")
+    base = summary.get("plain")
+    print(f"  {'variant':18s} {'s/step':>7s} {'rollout':>8s} {'update':>7s} {'cpu s':>6s} {'prompt tok':>10s} "
+          f"{'peak MiB':>9s} {'vs plain':>8s}")
+    for name in args.gpg_variants:
+        r = summary[name]
+        ratio = f"{base['step_s'] / r['step_s']:7.2f}x" if base else f"{'-':>8s}"
+        print(f"  {name:18s} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['update_s']:7.2f} {r['cpu_s']:6.2f} "
+              f"{r['prompt_tokens']:10.0f} {r['peak_mib']:9.0f} {ratio}")
+
+
 def report(args, summary: dict) -> None:
     g, size = summary["group_size"], summary["image_size"]
     print(f"\nB={args.prompts} prompts x G={g}, image {size}x{size}, {args.new_tokens} new tokens (EOS ignored); "
@@ -419,7 +472,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both trainers)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--video", type=int, default=0, metavar="FRAMES",
+                        help="video prompts of FRAMES frames (even), gpg-vl against its plain path (TRL has no video)")
     args = parser.parse_args()
+    if args.video and args.gpg_variants == "default":
+        args.gpg_variants = "default,plain"
     args.gpg_variants = args.gpg_variants.split(",")
     unknown = [v for v in args.gpg_variants if v not in VARIANTS]
     if unknown:
@@ -427,6 +484,8 @@ def main() -> None:
     args.torch_dtype = getattr(torch, args.dtype)
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated argument names inside TRL
     torch.set_num_threads(args.threads)
+    if args.video:
+        return main_video(args)
     import transformers
     import trl
 
@@ -450,6 +509,19 @@ def main() -> None:
               f"({gpg['rollout_s']:.2f} + {gpg['update_s']:.2f}) | {trl_['step_s'] / gpg['step_s']:.2f}x | "
               f"{trl_['cpu_s'] / gpg['cpu_s']:.2f}x | "
               f"{trl_['peak_mib']:.0f} | {gpg['peak_mib']:.0f} |")
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+
+
+def main_video(args) -> None:
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, model {args.family}, device "
+          f"{args.device}, dtype {args.dtype}, torch threads {torch.get_num_threads()}, {psutil.cpu_count()} CPUs, "
+          f"load average {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+    for image_size in [int(x) for x in args.image_sizes.split(",")]:
+        for group_size in [int(x) for x in args.group_sizes.split(",")]:
+            print(f"\n== video: G={group_size}, {args.video} frames of {image_size}x{image_size}")
+            report_video(args, run_video(args, group_size, image_size))
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
 
 
