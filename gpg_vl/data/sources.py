@@ -186,18 +186,7 @@ def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: 
     if value is None:
         raise BadRow("missing image", f"{where} is missing (None); check the image column of the data.")
     if isinstance(value, (str, os.PathLike)):
-        file = Path(value).expanduser()
-        if not file.is_absolute() and image_root is not None:
-            file = Path(image_root).expanduser() / file
-        if image_root is not None and not allow_outside and not _inside(file, image_root):
-            raise BadRow("image path outside the image root",
-                         f"image path {str(value)!r} resolves to {os.path.abspath(file)!r}, outside the image root "
-                         f"{os.path.abspath(Path(image_root).expanduser())!r}; fix the path or data.image_root=, or "
-                         "set data.allow_outside_paths=true if you trust the data's paths.")
-        if not file.is_file():
-            raise BadRow("missing image file",
-                         f"image file {str(file)!r} does not exist; check data.image_root= (now "
-                         f"{None if image_root is None else str(image_root)!r}).")
+        file = data_file(value, image_root, allow_outside, "image")
         where, value = repr(str(file)), file
         empty = file.stat().st_size == 0
     elif isinstance(value, (bytes, bytearray, memoryview)):
@@ -232,6 +221,24 @@ def load_image(value: Any, *, image_root: str | os.PathLike | None = None, row: 
             "corrupt image",
             f"could not decode {where} ({_reason(exc)}); check that it is a complete image file and data.image_root=."
         ) from exc
+
+
+def data_file(value: str | os.PathLike, root: str | os.PathLike | None, allow_outside: bool, kind: str) -> Path:
+    """The file a path in the data names: relative paths resolve against `root`, and must stay inside it unless
+    `allow_outside`; raises BadRow "<kind> path outside the image root" or "missing <kind> file"."""
+    file = Path(value).expanduser()
+    if not file.is_absolute() and root is not None:
+        file = Path(root).expanduser() / file
+    if root is not None and not allow_outside and not _inside(file, root):
+        raise BadRow(f"{kind} path outside the image root",
+                     f"{kind} path {str(value)!r} resolves to {os.path.abspath(file)!r}, outside the image root "
+                     f"{os.path.abspath(Path(root).expanduser())!r}; fix the path or data.image_root=, or "
+                     "set data.allow_outside_paths=true if you trust the data's paths.")
+    if not file.is_file():
+        raise BadRow(f"missing {kind} file",
+                     f"{kind} file {str(file)!r} does not exist; check data.image_root= (now "
+                     f"{None if root is None else str(root)!r}).")
+    return file
 
 
 def _inside(file: Path, root: str | os.PathLike) -> bool:

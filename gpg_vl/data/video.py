@@ -100,7 +100,7 @@ def decode_video(part: dict, *, max_frames: int | None, root: str | None = None,
     if isinstance(value, (list, tuple)):
         frames, metadata = _from_frames(part, list(value), max_frames, root, allow_outside, where)
     elif isinstance(value, (str, os.PathLike)):
-        frames, metadata = _from_file(part, _video_file(value, root, allow_outside, where), max_frames, where)
+        frames, metadata = _from_file(part, _video_file(value, root, allow_outside), max_frames, where)
     else:
         raise BadRow("not a video", f"{where} is a {type(value).__name__}, not a file path or a list of frames; "
                                     "check the video column.")
@@ -108,22 +108,11 @@ def decode_video(part: dict, *, max_frames: int | None, root: str | None = None,
     return {**kept, "type": "video", "video": frames, DECODED: metadata}
 
 
-def _video_file(value, root: str | None, allow_outside: bool, where: str) -> Path:
-    from gpg_vl.data.sources import _inside
+def _video_file(value, root: str | None, allow_outside: bool) -> Path:
+    from gpg_vl.data.sources import data_file
 
     text = str(value)
-    file = Path(text[7:] if text.startswith("file://") else text).expanduser()
-    if not file.is_absolute() and root is not None:
-        file = Path(root).expanduser() / file
-    if root is not None and not allow_outside and not _inside(file, root):
-        raise BadRow("video path outside the image root",
-                     f"video path {text!r} resolves to {os.path.abspath(file)!r}, outside the image root "
-                     f"{os.path.abspath(Path(root).expanduser())!r}; fix the path or data.image_root=, or set "
-                     "data.allow_outside_paths=true.")
-    if not file.is_file():
-        raise BadRow("missing video file", f"video file {str(file)!r} of {where} does not exist; check "
-                                           f"data.image_root= (now {root!r}).")
-    return file
+    return data_file(text[7:] if text.startswith("file://") else text, root, allow_outside, "video")
 
 
 def _from_frames(part: dict, values: list, max_frames: int | None, root, allow_outside: bool,
