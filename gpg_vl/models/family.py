@@ -489,7 +489,7 @@ class Family:
     def vision_features(self, model, prompts: PromptBatch, prompt_index: list[int]) -> dict:
         """`mm_encoder_outputs` for a batch's sequences: each modality's tower outputs once per distinct prompt
         (images here; a family whose processor reads video adds `video`)."""
-        return {"image": self.image_features(model, prompts, prompt_index)}
+        return {"image": self.image_features(model, prompts, prompt_index)} if prompts.has_images else {}
 
     def videos_unsupported(self) -> str | None:
         """Why this family cannot take a video in a prompt (None when it can)."""
