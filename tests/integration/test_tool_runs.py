@@ -22,7 +22,8 @@ from gpg_vl.models.tiny import build_tiny_family
 ROOT = Path(__file__).resolve().parents[2]
 TOOL_RUN = [f"task.name={ROOT / 'tests/tool_engine.py'}:ShapesWithZoom",
             f"rollout.engine={ROOT / 'tests/tool_engine.py'}:ScriptedToolEngine", "rollout.max_turns=3",
-            "rollout.max_new_tokens=100", "trainer.batch_size=2", "trainer.group_size=2", "trainer.log_rollouts_every=1"]
+            "rollout.max_new_tokens=100", "trainer.batch_size=2", "trainer.group_size=2",
+            "trainer.log_rollouts_every=1"]
 TIMING = ("rollout_s", "update_s", "step_s")
 
 
