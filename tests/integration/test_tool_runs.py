@@ -16,6 +16,8 @@ import torch
 from runs import train_run
 from safetensors.torch import load_file
 
+from gpg_vl.cli import eval_main
+from gpg_vl.config.compose import load_config
 from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import build_tiny_family
 
@@ -61,3 +63,13 @@ def test_a_multi_turn_run_resumes_to_the_same_weights_and_metrics(tmp_path):
     before = load_file(tmp_path / "full" / "final" / "model.safetensors")
     after = load_file(tmp_path / "cut" / "final" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_evaluation_decodes_trajectories_greedily_through_the_engine(tmp_path):
+    """scripts/eval.py with rollout.max_turns=3: greedy trajectories with the task's tools, their metrics."""
+    metrics = eval_main(load_config("eval", [f"output_dir={tmp_path}", "eval.limit=4", "eval.batch_size=4",
+                                             *[o for o in TOOL_RUN if o.startswith(("task.", "rollout."))]]))
+    # groups of one: the script calls the tool in rows 0 and 2 of the batch of 4, each getting its crop
+    assert metrics["tool_calls_mean"] == 0.5 and metrics["images_per_trajectory_mean"] == 0.5
+    assert metrics["turns_mean"] >= 1.5 and "accuracy" in metrics
+    assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 4
