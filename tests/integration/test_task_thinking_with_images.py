@@ -3,8 +3,10 @@ load, prompt (messages and tools rendered by the tiny model's chat template), sc
 report per-category metrics, and V* and HR-Bench evaluate through the CLI with multi-turn decoding."""
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import datasets
 import gpg_vl_tasks.deepeyes
@@ -315,3 +317,37 @@ def test_hrbench_evaluates_through_the_cli_with_tools(data, tmp_path):
     metrics, records = run_eval(tmp_path, "task=hrbench", f"data.path={data / 'hr'}")
     assert len(records) == 8 and {"single", "cross", "average", "turns_mean"} <= set(metrics)
     assert metrics["average"] == pytest.approx((metrics["single"] + metrics["cross"]) / 2)
+
+
+def test_always_answering_a_scores_full_marks_unshuffled_and_chance_shuffled(data, tmp_path):
+    """Re-scoring (no model) predictions that always say A, through the CLI: the published order rewards the
+    position bias; the seeded shuffle scores it as the fraction of questions whose right option stayed on A."""
+    rows = list(get_task("vstar", data_path=data / "vstar").load("test"))
+    predictions = tmp_path / "always_a.jsonl"
+    predictions.write_text("".join(json.dumps({"index": i, "id": row["id"], "split": "test",
+                                               "completion": single("A")}) + "\n" for i, row in enumerate(rows)))
+    accuracy = {}
+    for shuffle in ("false", "true"):
+        accuracy[shuffle] = eval_main(load_config("eval", [
+            "task=vstar", f"data.path={data / 'vstar'}", f"predictions={predictions}",
+            f"task.options.shuffle_options={shuffle}", f"output_dir={tmp_path / shuffle}"]))["accuracy"]
+    assert accuracy["false"] == 1.0
+    stayed = sum(row["answer"] == "A" for row in rows) / len(rows)
+    assert stayed < 1.0 and accuracy["true"] == pytest.approx(stayed)
+
+
+def test_the_docs_tool_task_in_one_file_evaluates_with_the_tool(tmp_path):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "thinking-with-images.md").read_text()
+    code = re.search(r"```python\n# spot.py\n(.*?)```", page, re.DOTALL).group(1)
+    plugin = tmp_path / "spot.py"
+    plugin.write_text(code)
+    metrics = eval_main(load_config("eval", [
+        f"task={plugin}:Spot", "model=tiny", "eval.limit=4", "eval.batch_size=4", "eval.max_new_tokens=12",
+        "rollout.max_turns=2", "rollout.max_total_tokens=128", f"output_dir={tmp_path / 'eval'}"]))
+    assert {"accuracy", "reward/tool", "reward/format", "turns_mean", "tool_calls_mean"} <= set(metrics)
+    task = get_task(f"{plugin}:Spot")
+    row = task.load("test")[0]
+    crop = f"{CALL}{OK_CROP}<think>seen</think><answer>{row['answer']}</answer>"
+    assert task.reward(crop, row) == pytest.approx(2.0)
+    assert task.reward(single(row["answer"]), row) == pytest.approx(0.8)
+    assert task.tools == ("zoom_in",)
