@@ -26,7 +26,7 @@ from thinking_fixtures import (  # tests/thinking_fixtures.py: the published lay
 )
 
 from gpg_vl import get_task
-from gpg_vl.cli import eval_main
+from gpg_vl.cli import eval_main, train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.errors import BadRow, UserError
 from gpg_vl.rollout.engine import build_engine, encode_prompts
@@ -351,3 +351,23 @@ def test_the_docs_tool_task_in_one_file_evaluates_with_the_tool(tmp_path):
     assert task.reward(crop, row) == pytest.approx(2.0)
     assert task.reward(single(row["answer"]), row) == pytest.approx(0.8)
     assert task.tools == ("zoom_in",)
+
+
+DEEPEYES_RUN = ["task=deepeyes", "model=tiny", "trainer.max_steps=2", "trainer.epochs=null", "trainer.batch_size=2",
+                "trainer.group_size=2", "rollout.max_new_tokens=8", "trainer.beta_th=0", "trainer.eval_before=false",
+                "trainer.eval_after=false", "trainer.save_every=0", "data.max_bad_fraction=0.5"]
+
+
+def deepeyes_training(data, out, *overrides):
+    summary = train_main(load_config("train", [*DEEPEYES_RUN, f"data.path={data / 'train.parquet'}",
+                                               f"output_dir={out}", *overrides]))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, lines
+
+
+def test_deepeyes_trains_two_steps_through_the_cli_skipping_sentence_rows_by_reason(data, tmp_path):
+    summary, lines = deepeyes_training(data, tmp_path / "run", "rollout.max_turns=1")
+    assert summary["task"] == "deepeyes" and summary["steps"] == 2 and [m["step"] for m in lines] == [1, 2]
+    reasons = json.loads((tmp_path / "run" / "summary.json").read_text())["data"]["by_reason"]
+    assert set(reasons) == {"sentence answer without a judge"}  # the one sentence row, each time it is met
+    assert {"reward/accuracy", "reward/format", "reward/tool"} <= set(lines[0])
