@@ -371,3 +371,32 @@ def test_deepeyes_trains_two_steps_through_the_cli_skipping_sentence_rows_by_rea
     reasons = json.loads((tmp_path / "run" / "summary.json").read_text())["data"]["by_reason"]
     assert set(reasons) == {"sentence answer without a judge"}  # the one sentence row, each time it is met
     assert {"reward/accuracy", "reward/format", "reward/tool"} <= set(lines[0])
+
+
+def test_a_deepeyes_trajectory_that_crops_with_its_tool_earns_the_bonus(data):
+    """A real rollout on the tiny model, its two segments scripted: DeepEyes' `image_zoom_in_tool` on the square
+    (absolute pixels of the original, converted by the family), then the right letter; the decoded trajectory
+    scores 0.8 + 1.2, and the same answer without the call scores 0.8."""
+    from gpg_vl.rollout.engine import Sampling
+    from gpg_vl.rollout.multiturn import generate_trajectories
+    from gpg_vl.rollout.trajectory import MultiTurnSettings
+
+    task = get_task("deepeyes", data_path=data / "train.parquet")
+    row = task.load("train")[0]  # the red square at (400, 300), ground truth "B" (red)
+    policy = tiny_family_policy("qwen2_5_vl", None)
+    prompts = encode_prompts(policy, [task.messages(row)], tools=None)
+    family, size = policy.adapter, prompts.batch.image_sizes[0][0]
+    box = [round(v) for v in family.to_model_frame((370, 270, 440, 340), size)]
+    call = f'<tool_call>\n{{"name": "image_zoom_in_tool", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
+    answer = "<think>the square is red</think><answer>B</answer>"
+    ids = family.tokenizer([call, answer], add_special_tokens=False)["input_ids"]
+    segments = {0: ids[0], 1: ids[1] + [sorted(family.eos_ids)[0]]}  # the answer ends the turn
+    rollout = generate_trajectories(
+        policy, prompts, group_size=1, sampling=Sampling(max_new_tokens=120, greedy=True),
+        settings=MultiTurnSettings(max_turns=3), tools=task.tools, scripted=lambda r, turn: segments[turn])
+    (trajectory,), (text,) = rollout.trajectories, rollout.texts
+    assert [(c.name, c.error, c.images) for c in trajectory.calls] == [("image_zoom_in_tool", False, 1)]
+    assert trajectory.turns == 2 and text.endswith(answer)
+    assert task.reward_components(text, row) == {"accuracy": 1.0, "format": 0.0, "tool": 1.0}
+    assert task.reward(text, row) == pytest.approx(2.0)
+    assert task.reward(answer, row) == pytest.approx(0.8)
