@@ -400,3 +400,23 @@ def test_a_deepeyes_trajectory_that_crops_with_its_tool_earns_the_bonus(data):
     assert task.reward_components(text, row) == {"accuracy": 1.0, "format": 0.0, "tool": 1.0}
     assert task.reward(text, row) == pytest.approx(2.0)
     assert task.reward(answer, row) == pytest.approx(0.8)
+
+
+def test_deepeyes_trains_two_multi_turn_steps_through_the_cli(data, tmp_path):
+    summary, lines = deepeyes_training(data, tmp_path / "run", "rollout.max_turns=3", "rollout.max_total_tokens=64")
+    assert summary["steps"] == 2 and [m["step"] for m in lines] == [1, 2]
+    assert {"reward/tool", "turns_mean", "tool_calls_mean"} <= set(lines[0])
+
+
+def test_the_docs_tool_task_in_one_file_trains_two_steps_with_the_tool(tmp_path):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "thinking-with-images.md").read_text()
+    plugin = tmp_path / "spot.py"
+    plugin.write_text(re.search(r"```python\n# spot.py\n(.*?)```", page, re.DOTALL).group(1))
+    out = tmp_path / "run"
+    summary = train_main(load_config("train", [
+        f"task={plugin}:Spot", "model=tiny", "trainer.max_steps=2", "trainer.batch_size=2", "trainer.group_size=2",
+        "rollout.max_new_tokens=8", "rollout.max_turns=2", "rollout.max_total_tokens=64", "trainer.beta_th=0",
+        "trainer.eval_before=false", "eval.limit=2", f"output_dir={out}"]))
+    assert summary["task"] == "spot" and summary["steps"] == 2
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and {"reward/tool", "reward/format", "turns_mean", "tool_calls_mean"} <= set(lines[0])
