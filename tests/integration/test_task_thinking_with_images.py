@@ -174,6 +174,11 @@ def test_hrbench_loads_tsv_with_shared_images_and_parquet_alike(data):
         assert a["image"].size == SIZE and a["image"].tobytes() == b["image"].tobytes()
     assert [row["answer"] for row in tsv] == ["A", "D", "C", "B"] * 2  # the right option rotates with the cycle
     assert tsv[1]["choices"] == ["blue", "green", "yellow", "red"]
+    (message,) = get_task("hrbench", data_path=data / "hr").messages(tsv[1])
+    assert [part["type"] for part in message["content"]] == ["image", "text"]
+    assert message["content"][1]["text"] == ("What color is the small square?\n(A) blue\n(B) green\n(C) yellow\n"
+                                             f"(D) red\n{gpg_vl_tasks.vstar.INSTRUCTION}")
+    assert get_task("hrbench").target(tsv[1]) == "(D) red"
     with pytest.raises(UserError, match="resolution"):
         get_task("hrbench", resolution="2k")
 
