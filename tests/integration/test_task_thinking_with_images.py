@@ -341,11 +341,17 @@ def test_always_answering_a_scores_full_marks_unshuffled_and_chance_shuffled(dat
     assert stayed < 1.0 and accuracy["true"] == pytest.approx(stayed)
 
 
-def test_the_docs_tool_task_in_one_file_evaluates_with_the_tool(tmp_path):
+@pytest.fixture(scope="module")
+def spot(tmp_path_factory):
+    """The docs' one-file tool task, written once (a second file would register the task name again)."""
     page = (Path(__file__).resolve().parents[2] / "docs" / "thinking-with-images.md").read_text()
-    code = re.search(r"```python\n# spot.py\n(.*?)```", page, re.DOTALL).group(1)
-    plugin = tmp_path / "spot.py"
-    plugin.write_text(code)
+    plugin = tmp_path_factory.mktemp("plugin") / "spot.py"
+    plugin.write_text(re.search(r"```python\n# spot.py\n(.*?)```", page, re.DOTALL).group(1))
+    return plugin
+
+
+def test_the_docs_tool_task_in_one_file_evaluates_with_the_tool(spot, tmp_path):
+    plugin = spot
     metrics = eval_main(load_config("eval", [
         f"task={plugin}:Spot", "model=tiny", "eval.limit=4", "eval.batch_size=4", "eval.max_new_tokens=12",
         "rollout.max_turns=2", "rollout.max_total_tokens=128", f"output_dir={tmp_path / 'eval'}"]))
@@ -413,10 +419,8 @@ def test_deepeyes_trains_two_multi_turn_steps_through_the_cli(data, tmp_path):
     assert {"reward/tool", "turns_mean", "tool_calls_mean"} <= set(lines[0])
 
 
-def test_the_docs_tool_task_in_one_file_trains_two_steps_with_the_tool(tmp_path):
-    page = (Path(__file__).resolve().parents[2] / "docs" / "thinking-with-images.md").read_text()
-    plugin = tmp_path / "spot.py"
-    plugin.write_text(re.search(r"```python\n# spot.py\n(.*?)```", page, re.DOTALL).group(1))
+def test_the_docs_tool_task_in_one_file_trains_two_steps_with_the_tool(spot, tmp_path):
+    plugin = spot
     out = tmp_path / "run"
     summary = train_main(load_config("train", [
         f"task={plugin}:Spot", "model=tiny", "trainer.max_steps=2", "trainer.batch_size=2", "trainer.group_size=2",
