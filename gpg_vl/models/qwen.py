@@ -43,7 +43,8 @@ class QwenVLAdapter(Family):
         self.image_patch_size = getattr(processor.image_processor, "patch_size", 14)
         self.placeholder_size = (2 * self.image_patch_size, 2 * self.image_patch_size)
 
-    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None,
+               tools: list[dict] | None = None) -> PromptBatch:
         """Chat messages -> left-padded processor inputs. Images are resized within min/max pixels; videos are
         read once (data/video.py, unless the stream already did), their frames resized within the video pixel
         budgets by qwen-vl-utils, and their metadata handed to the processor (timestamps, `second_per_grid_ts`)."""
@@ -55,7 +56,7 @@ class QwenVLAdapter(Family):
                             part.setdefault("min_pixels", self.min_pixels)
                         if self.max_pixels is not None:
                             part.setdefault("max_pixels", self.max_pixels)
-        texts = [self.render(messages) for messages in messages_batch]
+        texts = [self.render(messages, tools) for messages in messages_batch]
         images_per_prompt, images, image_sizes = [], [], []
         videos_per_prompt, videos, metadata = [], [], []
         for messages in messages_batch:
