@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -163,3 +164,25 @@ def test_chromium_shows_the_turns_and_crops_without_errors(sampled, tmp_path):
         assert "data-js-error=" not in root_tag(dom) and 'data-ready="1"' in root_tag(dom), name
         assert len(re.findall(r'<img alt="crop" class="crop" src="data:image/jpeg', dom)) == 2, name
         assert image_tiles(screenshot, (0, 0, 1400, 1500)) >= 6, name  # the pictures and crops are drawn
+
+
+@pytest.mark.slow
+def test_a_cli_multi_turn_run_logs_and_shows_its_trajectories(tmp_path):
+    """One step through the command line: the out-of-tree shapes task offering zoom_in, rollout.max_turns=3, the
+    HF engine scripted to call zoom_in in every other trajectory (tests/tool_engine.py); scripts/view.py."""
+    import runpy
+
+    from runs import train_run
+
+    root = Path(__file__).resolve().parents[2]
+    train_run(tmp_path, "task.name=tests/tool_engine.py:ShapesWithZoom",
+              "rollout.engine=tests/tool_engine.py:ScriptedToolEngine", "rollout.max_turns=3",
+              "rollout.max_new_tokens=100", "trainer.max_steps=1", "trainer.batch_size=2", "trainer.group_size=2",
+              "trainer.save_every=0", "trainer.log_rollouts_every=1")
+    (record,) = read_steps(tmp_path)
+    completions = [c for group in record["groups"] for c in group["completions"]]
+    calls = [turn["call"] for c in completions for turn in c["turns"] if turn["call"]]
+    assert calls and all(call["name"] == "zoom_in" and not call["error"] for call in calls)
+    assert all(len(call["crops"]) == 1 and call["crops"][0]["image"] for call in calls)
+    assert runpy.run_path(str(root / "scripts" / "view.py"))["main"]([str(tmp_path)]) == 0
+    assert (tmp_path / "rollouts.html").read_text().count("<img alt='crop'") == len(calls)
