@@ -134,7 +134,8 @@ def trajectory_record(trajectory, tokenizer, *, text_chars: int = MAX_TEXT_CHARS
     ended with (None without one): name, arguments (JSON text), the observation's text, whether it was an error,
     and its crops: the prompt image each shows (`source`, -1 for an image the tool made), its box in that image's
     pixels, and, with `store` (image -> thumbnail name or None), its thumbnail. Also which limit ended it
-    (none, turn, image, token) and its tool errors. A call that a limit stopped has no crops."""
+    (none, turn, image, token), its tool errors and its generated tokens (the model's, observations aside). A
+    call that a limit stopped has no crops."""
     crops = list(zip(trajectory.crop_boxes, trajectory.images, strict=False))
     calls = {call.turn: (index, call) for index, call in enumerate(trajectory.calls)}
     turns, used = [], 0
@@ -151,7 +152,8 @@ def trajectory_record(trajectory, tokenizer, *, text_chars: int = MAX_TEXT_CHARS
                                        "image": store(image) if store is not None else None}
                                       for (source, box), image in shown]}
         turns.append(turn)
-    return {"turns": turns, "limit": trajectory.limit, "tool_errors": int(trajectory.tool_errors)}
+    return {"turns": turns, "limit": trajectory.limit, "tool_errors": int(trajectory.tool_errors),
+            "generated": int(sum(trajectory.loss_mask))}
 
 
 def _crop_store(folder: Path) -> Callable:

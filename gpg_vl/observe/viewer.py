@@ -173,9 +173,10 @@ def turns_html(record: dict, key: str, thumbnail: Callable[[dict], bytes | None]
     """A trajectory turn by turn (`trajectory_record`'s `turns`): each segment's text, then its tool call, the
     observation's text and the crops it returned (`thumbnail(crop)`: its JPEG, or None when not kept); each turn
     highlights its crop's box on the image (id `key` + t + turn)."""
-    parts = [f"<div class='turns'><div class='fields'>{len(record['turns'])} turn(s), {record['tool_errors']} tool "
-             f"error(s)" + (f"; ended by the {esc(record['limit'])} limit" if record.get("limit", "none") != "none"
-                            else "") + "</div>"]
+    limit = record.get("limit", "none")
+    parts = [f"<div class='turns'><div class='fields'>{len(record['turns'])} turn(s), "
+             f"{esc(record.get('generated', '?'))} generated tokens, {record['tool_errors']} tool error(s)"
+             + (f"; ended by the {esc(limit)} limit" if limit != "none" else "") + "</div>"]
     for k, turn in enumerate(record["turns"]):
         more = f" (first {len(turn['text'])} of {turn['chars']} characters)" if turn.get("truncated") else ""
         parts.append(f"<div class='turn' data-box='{key}t{k}'><div class='turn-head'>turn {k + 1}{esc(more)}</div>"

@@ -91,6 +91,7 @@ def test_the_rollout_log_holds_each_trajectory_turn_by_turn(sampled, tmp_path):
     assert shown["source"] == 0 and shown["box"] == pytest.approx(CROPS[0], abs=2)  # back in original pixels
     assert (tmp_path / "rollouts" / "images" / shown["image"]).is_file()
     assert crop["turns"][1]["call"] is None and crop["limit"] == "none" and crop["advantage"] == 0.5
+    assert crop["generated"] == sum(len(range(*segment)) for segment in trajectories[0].segments) < crop["tokens"]
     assert free["turns"][0]["call"] is None and free["tool_errors"] == 0
     assert error["tool_errors"] == 1 and error["turns"][0]["call"]["error"]
     assert error["turns"][0]["call"]["text"].startswith("Error:") and error["turns"][0]["call"]["crops"] == []

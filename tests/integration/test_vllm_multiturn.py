@@ -1,7 +1,8 @@
 """The vLLM engine's multi-turn rollouts (gpg_vl/rollout/vllm.py), on CPU against a scripted stand-in for vllm.LLM
 that honours max_tokens, stop token ids and stop strings as vLLM does: what each turn's requests hold (one
 placeholder per image, never processor-expanded ids; the images of every turn), the trajectories assembled from
-its segments, and the sampler's log-probs aligned with the generated tokens (0 on observations)."""
+its segments, and the sampler's log-probs aligned with the generated tokens (0 on observations); for Qwen2.5-VL
+(observations as user turns), Qwen3-VL (the template's tool role) and Qwen3.5 (XML tool calls)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ MAX_NEW = 100
 JUNK = " and then more text that a stop string must cut off"
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])  # a user-turn observation; the tool role
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])  # user turn; tool role; XML calls
 def policy(request, tmp_path_factory):
     return tiny_family_policy(request.param, tmp_path_factory)
 
