@@ -35,8 +35,9 @@ class ScriptedLLM:
     first stop token id, after the token that completes a stop string, or at max_tokens. Each token's log-prob
     is a distinct number, recorded in `logps[(call, row)]`."""
 
-    def __init__(self, tokenizer, script) -> None:
+    def __init__(self, tokenizer, script, logps_of=None) -> None:
         self.tokenizer, self.script, self.calls, self.logps = tokenizer, script, [], {}
+        self.logps_of = logps_of  # (call, row) -> the log-probs to report for that completion, else the formula
         model = SimpleNamespace(load_weights=lambda weights: list(weights))
         worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
@@ -50,6 +51,8 @@ class ScriptedLLM:
             for _ in range(param["n"]):
                 tokens = self.cut(self.script(call, row), param)
                 logps = [-(call + 1) / 10 - (row + 1) / 100 - t / 1000 for t in range(len(tokens))]
+                if self.logps_of is not None:
+                    logps = self.logps_of(call, row)[:len(tokens)]
                 self.logps[(call, row)] = logps
                 completions.append(SimpleNamespace(token_ids=tokens, logprobs=[
                     {token: SimpleNamespace(logprob=lp)} for token, lp in zip(tokens, logps, strict=True)]))
@@ -86,13 +89,13 @@ def call_text(policy, box) -> str:
     return f'<tool_call>\n{{"name": "zoom_in", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
 
 
-def rollout_through(policy, *, group_size=2, **settings):
+def rollout_through(policy, *, group_size=2, logps_of=None, **settings):
     """B=2, G=2 through the engine. First turn: row 0 a good crop, row 1 an answer, row 2 a box too small (an
     error observation), row 3 a crop; each call followed by text past the stop string. Later turns: answers."""
     family = policy.adapter
     tokens = lambda text: family.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     engine = VLLMEngine(policy, RolloutSettings(vllm={"enable_sleep_mode": False}),
-                        llm=ScriptedLLM(family.tokenizer, None), sampling_params=dict)
+                        llm=ScriptedLLM(family.tokenizer, None, logps_of), sampling_params=dict)
     engine.take_tools(MultiTurnSettings(**{"max_turns": 2, **settings}), ("zoom_in",))
     batch = prompts(policy, engine.prompt_tools(SimpleNamespace(describe_tools=True)))
 
@@ -205,3 +208,47 @@ def test_engine_options_plan_for_whole_trajectories():
                            dtype=torch.bfloat16, seed=0)
     assert (single["max_model_len"], single["limit_mm_per_prompt"]) == (1064, {"image": 4})
     assert (turns["max_model_len"], turns["limit_mm_per_prompt"]) == (4000, {"image": 9})
+
+
+def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_tokens(policy):
+    """vLLM reporting the trainer's own log-probs for each segment: the update's logp_mismatch is 0, so every
+    sampler log-prob sits at the position of the token it belongs to, and observation tokens are not compared."""
+    from accelerate import Accelerator
+    from transformers import get_scheduler
+
+    from gpg_vl.config.schema import TrainerSettings
+    from gpg_vl.models.family import ScoringPath
+    from gpg_vl.rollout.engine import Correction
+    from gpg_vl.train.sample import Attempt
+    from gpg_vl.train.update import Learner, update
+
+    _, batch, rollout, _ = rollout_through(policy)
+    family = policy.adapter
+    with torch.no_grad():
+        trainer = family.trajectory_logps(policy.model, batch.batch, [0, 0, 1, 1], rollout.completion_ids,
+                                          rollout.completion_mask, rollout.trajectories, path=ScoringPath())
+    later = [0, 2, 3]  # the trajectories that took a second turn, in the second call's order
+
+    def logps_of(call, row):
+        trajectory = rollout.trajectories[row if call == 0 else later[row]]
+        start, end = trajectory.segments[call]
+        return trainer[row if call == 0 else later[row], start:end].tolist()
+
+    _, batch, rollout, _ = rollout_through(policy, logps_of=logps_of)
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    attempt = Attempt(rows=[{"id": 0}, {"id": 1}], prompts=batch.batch, rollout=rollout, rewards=rewards,
+                      components={"r": rewards}, advantages=rewards - 0.5, valid=torch.tensor([True, True]))
+    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), Accelerator(cpu=True),
+                      TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0), temperature=1.0,
+                      correction=Correction(sampler_check=True))
+    assert update(learner, [attempt])["logp_mismatch_mean"] < 1e-5
+    policy.model.zero_grad()
+    shifted = rollout.sampler_logps.clone()
+    shifted[rollout.loss_mask == 0] = 5.0  # observation positions: not compared
+    attempt.rollout.sampler_logps = shifted
+    assert update(learner, [attempt])["logp_mismatch_max"] < 1e-5
+    policy.model.zero_grad()
+    attempt.rollout.sampler_logps = torch.roll(rollout.sampler_logps, 1, dims=1)  # one position off: seen
+    assert update(learner, [attempt])["logp_mismatch_mean"] > 0.1
+    policy.model.zero_grad()
