@@ -27,8 +27,9 @@
 
 `vllm` is imported only when the engine is built: without a CUDA GPU or without the package,
 `rollout.engine=vllm` fails in one sentence when the settings are built, before any model loads. The pure
-parts (prompt building, sampling parameters, log-prob extraction) are tested on CPU with a fake LLM
-(tests/integration/test_engines.py); the engine itself has not run on a GPU yet.
+parts (prompt building, sampling parameters, log-prob extraction) and the multi-turn rollouts are tested on CPU
+with stand-ins for vllm.LLM (tests/integration/test_engines.py, test_vllm_multiturn.py); the engine itself has
+not run on a GPU yet.
 """
 
 from __future__ import annotations
