@@ -110,6 +110,7 @@ class TurnRow:
     context: object  # its ToolContext (the images seen so far, for the tools)
     engine_ids: list[int]
     engine_images: list
+    request: dict = field(default_factory=dict)  # the first turn's request: what else it holds (other media) stays
     segment: list[int] = field(default_factory=list)
     ended_by: str = ""  # eos, stop, length, total (rollout/multiturn.py's segment_end)
 
@@ -151,9 +152,11 @@ def turn_requests(family, rows: list[TurnRow], n: int, sampling: Sampling, setti
     max_new_tokens and what is left of its trajectory's max_total_tokens."""
     requests, params = [], []
     for row in rows[::n]:
-        request = {"prompt_token_ids": list(row.engine_ids)}
-        if row.engine_images:
-            request["multi_modal_data"] = {"image": list(row.engine_images)}
+        media = {**row.request.get("multi_modal_data", {}), "image": list(row.engine_images)}
+        media = {kind: value for kind, value in media.items() if kind != "image" or value}
+        request = {**row.request, "prompt_token_ids": list(row.engine_ids), "multi_modal_data": media}
+        if not media:
+            del request["multi_modal_data"]
         room = min(sampling.max_new_tokens, settings.max_total_tokens - len(row.trajectory.token_ids))
         requests.append(request)
         params.append(sampling_params(**turn_sampling_kwargs(family, sampling, n, max(room, 1))))
@@ -315,7 +318,8 @@ class VLLMEngine(Engine):
         family, settings = self.family, self.multiturn
         base = trajectory_prompt_requests(family, prompts)
         rows = [TurnRow(b, Trajectory(), prompt_context(family, prompts, b, settings),
-                        list(request["prompt_token_ids"]), list(request.get("multi_modal_data", {}).get("image", [])))
+                        list(request["prompt_token_ids"]), list(request.get("multi_modal_data", {}).get("image", [])),
+                        request)
                 for b, request in enumerate(base) for _ in range(group_size)]
         live = list(range(len(rows)))
         self.wake()

@@ -252,3 +252,21 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
     attempt.rollout.sampler_logps = torch.roll(rollout.sampler_logps, 1, dims=1)  # one position off: seen
     assert update(learner, [attempt])["logp_mismatch_mean"] > 0.1
     policy.model.zero_grad()
+
+
+def test_later_turns_keep_the_first_requests_other_media_and_keywords():
+    """A prompt's other media (a video) and processor keywords ride along every turn; its images grow."""
+    from gpg_vl.rollout.trajectory import Trajectory
+    from gpg_vl.rollout.vllm import TurnRow, turn_requests
+
+    family = SimpleNamespace(suppressed_ids=[9], eos_ids=[2], tool_stop_strings=("</tool_call>",))
+    first = {"prompt_token_ids": [1, 5, 6], "multi_modal_data": {"video": ["frames"]},
+             "mm_processor_kwargs": {"do_sample_frames": False}}
+    row = TurnRow(0, Trajectory(), None, [1, 5, 6, 7, 8, 5], ["crop"], first)
+    (request,), (params,) = turn_requests(family, [row], 1, Sampling(max_new_tokens=4), MultiTurnSettings(), dict)
+    assert request == {"prompt_token_ids": [1, 5, 6, 7, 8, 5], "mm_processor_kwargs": {"do_sample_frames": False},
+                       "multi_modal_data": {"video": ["frames"], "image": ["crop"]}}
+    assert first["multi_modal_data"] == {"video": ["frames"]} and params["max_tokens"] == 4
+    bare = TurnRow(0, Trajectory(), None, [1, 2], [], {"prompt_token_ids": [1, 2]})
+    assert turn_requests(family, [bare], 1, Sampling(max_new_tokens=4), MultiTurnSettings(), dict)[0] == [
+        {"prompt_token_ids": [1, 2]}]
