@@ -245,9 +245,11 @@ class VLLMEngineSettings:
     enable_sleep_mode: bool = field(default=True, metadata=meta(
         "free vLLM's memory while the update runs (sleep level 1, woken per rollout)"))
     max_model_len: int | None = field(default=None, metadata=meta(
-        "prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens)", low=1))
+        "prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens; with "
+        "rollout.max_turns > 1, max_prompt_tokens + max(max_new_tokens, max_total_tokens))", low=1))
     max_images: int = field(default=4, metadata=meta(
-        "most images in one prompt (vLLM plans its encoder memory for them)", low=1))
+        "most images in one prompt (vLLM plans its encoder memory for them; with rollout.max_turns > 1, "
+        "rollout.max_images more for the tools' images)", low=1))
     enforce_eager: bool = field(default=False, metadata=meta(
         "no CUDA graphs (slower decoding, faster start, less memory)"))
     max_logp_mismatch: float = field(default=0.05, metadata=meta(

@@ -9,10 +9,16 @@ from, and each completion's length and end (EOS, or cut off at the token limit).
 the attempt's own tensors, never recomputed. `scripts/view.py` turns the files into one HTML page; with
 `trainer.report_to=tensorboard` or `wandb` the same groups go to that tracker as text and images.
 
+Multi-turn rollouts (rollout.max_turns > 1): each completion also holds its trajectory turn by turn
+(`trajectory_record`): each segment's text, the tool call it ended with (name, arguments, the observation's
+text, error or not), the crops the model received (thumbnails, and their boxes in the original image's
+pixels), the limit that ended it.
+
 Disk use is bounded: images are JPEG thumbnails (at most `MAX_EDGE` px a side and `MAX_THUMB_BYTES` each,
-`MAX_IMAGES` a prompt), stored once under `rollouts/images/` by a hash of their pixels; prompt and completion
-texts are cut to `MAX_TEXT_CHARS` (halved until a step file fits `MAX_STEP_BYTES`). A step therefore adds at
-most `step_bytes_bound(groups)` bytes, whatever the model writes.
+`MAX_IMAGES` a prompt and `MAX_CROPS` crops a group), stored once under `rollouts/images/` by a hash of their
+pixels; prompt, completion and turn texts are cut to `MAX_TEXT_CHARS` (halved until a step file fits
+`MAX_STEP_BYTES`; past the smallest cut the turns are left out). A step therefore adds at most
+`step_bytes_bound(groups)` bytes, whatever the model writes.
 
 Only the main process records, from its own share of the prompts (the groups of the other processes stay there).
 """
@@ -38,6 +44,7 @@ from gpg_vl.train.checkpoint import write_atomic
 MAX_EDGE = 256  # thumbnail side, pixels
 MAX_THUMB_BYTES = 64 * 1024  # one thumbnail's JPEG
 MAX_IMAGES = 4  # thumbnails kept per prompt
+MAX_CROPS = 8  # thumbnails of the images tools returned, kept per group (multi-turn)
 MAX_TEXT_CHARS = 2000  # a prompt's or a completion's text, before a step file is squeezed further
 MAX_STEP_BYTES = 1 << 20  # one step file's JSON
 GROUND_TRUTH, PREDICTED = (40, 200, 60), (230, 40, 200)  # box colours on tracker images
@@ -45,7 +52,7 @@ GROUND_TRUTH, PREDICTED = (40, 200, 60), (230, 40, 200)  # box colours on tracke
 
 def step_bytes_bound(groups: int) -> int:
     """The most bytes one logged step adds to disk: its JSON plus new thumbnails."""
-    return MAX_STEP_BYTES + groups * MAX_IMAGES * MAX_THUMB_BYTES
+    return MAX_STEP_BYTES + groups * (MAX_IMAGES + MAX_CROPS) * MAX_THUMB_BYTES
 
 
 def due(step: int, every: int) -> bool:
@@ -121,34 +128,88 @@ def chosen_groups(attempts: Sequence, limit: int) -> list[tuple[int, int]]:
     return order[:limit]
 
 
+def trajectory_record(trajectory, tokenizer, *, text_chars: int = MAX_TEXT_CHARS,
+                      store: Callable | None = None) -> dict:
+    """A trajectory turn by turn, JSON-ready: `turns`, one per model segment: its text and the tool call it
+    ended with (None without one): name, arguments (JSON text), the observation's text, whether it was an error,
+    and its crops: the prompt image each shows (`source`, -1 for an image the tool made), its box in that image's
+    pixels, and, with `store` (image -> thumbnail name or None), its thumbnail. Also which limit ended it
+    (none, turn, image, token), its tool errors and its generated tokens (the model's, observations aside). A
+    call that a limit stopped has no crops."""
+    crops = list(zip(trajectory.crop_boxes, trajectory.images, strict=False))
+    calls = {call.turn: (index, call) for index, call in enumerate(trajectory.calls)}
+    turns, used = [], 0
+    for k, (start, end) in enumerate(trajectory.segments):
+        turn = {**_clipped(tokenizer.decode(trajectory.token_ids[start:end], skip_special_tokens=True), text_chars),
+                "call": None}
+        if k in calls:
+            index, call = calls[k]
+            shown = crops[used:used + call.images] if index < len(trajectory.observations) else []
+            used += len(shown)
+            turn["call"] = {"name": call.name, "arguments": _clipped(json.dumps(call.arguments), text_chars)["text"],
+                            "error": bool(call.error), "text": _clipped(call.text, text_chars)["text"],
+                            "crops": [{"source": int(source), "box": _box(box),
+                                       "image": store(image) if store is not None else None}
+                                      for (source, box), image in shown]}
+        turns.append(turn)
+    return {"turns": turns, "limit": trajectory.limit, "tool_errors": int(trajectory.tool_errors),
+            "generated": int(sum(trajectory.loss_mask))}
+
+
+def _crop_store(folder: Path) -> Callable:
+    """image -> its thumbnail's name under `folder`, for the first MAX_CROPS images of a group (None after)."""
+    kept: list[str] = []
+
+    def store(image) -> str | None:
+        if len(kept) >= MAX_CROPS:
+            return None
+        kept.append(store_image(image, folder))
+        return kept[-1]
+
+    return store
+
+
+def completion_records(attempt, b: int, texts: list[str], *, policy, task, text_chars: int, turns: bool,
+                       image_folder: Path) -> list[dict]:
+    """The G completions of group `b` of an attempt (`texts`: the attempt's completions in the task's frame)."""
+    group_size = attempt.rollout.group_size
+    mask = attempt.rollout.completion_mask  # [b * G, C]
+    trajectories = attempt.rollout.trajectories if turns else None
+    store = _crop_store(image_folder)
+    completions = []
+    for g in range(group_size):
+        sequence = b * group_size + g
+        tokens = int(mask[sequence].sum())
+        ended = tokens > 0 and int(attempt.rollout.completion_ids[sequence, tokens - 1]) in policy.adapter.eos_ids
+        text = texts[sequence]
+        completions.append({
+            **_clipped(text, text_chars),
+            "reward": _number(attempt.rewards[b, g]),
+            "components": {name: _number(values[b, g]) for name, values in attempt.components.items()},
+            "advantage": _number(attempt.advantages[b, g]),
+            "tokens": tokens, "end": "eos" if ended else "cut",
+            **({"box": answer_box(text)} if task.uses_boxes else {}),
+            **(trajectory_record(trajectories[sequence], policy.adapter.tokenizer, text_chars=text_chars,
+                                 store=store) if trajectories else {}),
+        })
+    return completions
+
+
 def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, image_folder: Path,
-                text_chars: int = MAX_TEXT_CHARS) -> dict:
-    """The JSON-ready record of one step's rollouts (see the module doc); thumbnails are saved in `image_folder`."""
+                text_chars: int = MAX_TEXT_CHARS, turns: bool = True) -> dict:
+    """The JSON-ready record of one step's rollouts (see the module doc); thumbnails are saved in `image_folder`.
+    `turns`: multi-turn completions hold their trajectories turn by turn."""
     frames: dict[int, list[str]] = {}  # attempt -> its completions in the task's frame
     records = []
     for a, b in chosen_groups(attempts, groups):
         attempt = attempts[a]
-        group_size = attempt.rollout.group_size
         if a not in frames:
-            frames[a] = in_task_frame(policy, task, attempt.rollout.texts, attempt.prompts, group_size)
+            frames[a] = in_task_frame(policy, task, attempt.rollout.texts, attempt.prompts, attempt.rollout.group_size)
         row = attempt.rows[b]
         messages = task.messages(row)
         images = message_images(messages)[:MAX_IMAGES]
-        mask = attempt.rollout.completion_mask  # [b * G, C]
-        completions = []
-        for g in range(group_size):
-            sequence = b * group_size + g
-            tokens = int(mask[sequence].sum())
-            ended = tokens > 0 and int(attempt.rollout.completion_ids[sequence, tokens - 1]) in policy.adapter.eos_ids
-            text = frames[a][sequence]
-            completions.append({
-                **_clipped(text, text_chars),
-                "reward": _number(attempt.rewards[b, g]),
-                "components": {name: _number(values[b, g]) for name, values in attempt.components.items()},
-                "advantage": _number(attempt.advantages[b, g]),
-                "tokens": tokens, "end": "eos" if ended else "cut",
-                **({"box": answer_box(text)} if task.uses_boxes else {}),
-            })
+        completions = completion_records(attempt, b, frames[a], policy=policy, task=task, text_chars=text_chars,
+                                         turns=turns, image_folder=image_folder)
         prompt = _clipped(prompt_text(messages), text_chars)
         records.append({
             "attempt": a, "group": b, "id": str(row.get("id", b)), "valid": bool(attempt.valid[b]),
@@ -165,7 +226,8 @@ def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, ima
         "reward_weights": {name: task.reward_weights.get(name, 1.0) for name in task.reward_functions},
         "attempts": len(attempts), "groups_per_attempt": [len(attempt.rows) for attempt in attempts],
         "valid_per_attempt": [int(attempt.valid.sum()) for attempt in attempts],
-        "text_chars": text_chars, "groups": records,
+        "text_chars": text_chars, "turns_left_out": not turns and any(a.rollout.trajectories for a in attempts),
+        "groups": records,
     }
 
 
@@ -177,14 +239,17 @@ def log_rollouts(step: int, attempts: Sequence, *, policy, task, output_dir: str
         return None
     attempts = [attempt for attempt in attempts if attempt.rollout is not None]  # a process without prompts
     folder = Path(output_dir) / "rollouts"
-    text_chars = MAX_TEXT_CHARS
+    text_chars, turns = MAX_TEXT_CHARS, True
     while True:
         record = step_record(step, attempts, policy=policy, task=task, groups=groups,
-                             image_folder=folder / "images", text_chars=text_chars)
+                             image_folder=folder / "images", text_chars=text_chars, turns=turns)
         data = json.dumps(record, ensure_ascii=False).encode()
-        if len(data) <= MAX_STEP_BYTES or text_chars <= 16:
+        if len(data) <= MAX_STEP_BYTES or (text_chars <= 16 and not turns):
             break
-        text_chars //= 2
+        if text_chars > 16:
+            text_chars //= 2
+        else:
+            turns = False  # still too large with the shortest texts: the turns are left out
     path = folder / f"step-{step}.json"
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(path, data)

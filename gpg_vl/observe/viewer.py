@@ -12,6 +12,11 @@ page also reads with scripts off.
 - `write_predictions_html(path, task, records, rows, metrics)`: `predictions.html` beside `predictions.jsonl`: a
   right/wrong filter, accuracy broken down by the task's `group_columns`, and for grounding tasks the predicted
   and target boxes, and the segmenter's mask over the ground-truth mask when a segmenter ran.
+
+Multi-turn completions (rollout.max_turns > 1) show turn by turn on both pages: each segment's text, the tool
+call it ended with (name, arguments), the observation's text, the crop the model received (thumbnail) and that
+crop's box drawn on the original image (labelled `completion.turn`; hovering a turn highlights its box), the
+limit that ended the trajectory.
 """
 
 from __future__ import annotations
@@ -123,11 +128,12 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
     completions = group["completions"]
     scale = max((abs(c["advantage"]) for c in completions if isinstance(c["advantage"], float)), default=0.0)
     boxes = [(f"{key}c{g}", c.get("box"), str(g)) for g, c in enumerate(completions)]
+    crops = [crop for g, c in enumerate(completions) for crop in crop_boxes(c.get("turns"), f"{key}c{g}", f"{g}.")]
     image = ""
     if group["images"]:
         data = (images / group["images"][0]).read_bytes()
         image = image_svg(data, group["image_sizes"][0], group.get("target_box"), boxes if "target_box" in group
-                          else [], [])
+                          else [], [], crops)
         image += "".join(f"<img alt='image {i + 2}' width='80' src='{_data_uri((images / name).read_bytes())}'>"
                          for i, name in enumerate(group["images"][1:]))
     cards = []
@@ -138,11 +144,13 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
         more = f" (first {len(c['text'])} of {c['chars']} characters)" if c["truncated"] else ""
         box = f"<br>box {esc(_box_text(c['box']))}" if "box" in c else ""
         colour = advantage_colour(c["advantage"], scale)
+        body = turns_html(c, f"{key}c{g}", lambda crop: _stored_crop(images, crop)) if "turns" in c else \
+            f"<pre>{esc(c['text'])}</pre>"
         cards.append(
             f"<div class='completion' data-box='{key}c{g}' style='background:{colour}'>"
             f"<div class='scores'><b>#{g}</b> reward <b>{_fmt(c['reward'])}</b> = {scores}<br>"
             f"advantage <b>{_fmt(c['advantage'])}</b>; {c['tokens']} tokens, {end}{esc(more)}{box}</div>"
-            f"<pre>{esc(c['text'])}</pre></div>")
+            f"{body}</div>")
     prompt_more = f" [first {len(group['prompt'])} of {group['prompt_chars']} characters]" \
         if group["prompt_truncated"] else ""
     tags = json.dumps([valid, origin])
@@ -152,6 +160,48 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
             f"<div class='fields'>{esc(group['id'])}; target <b>{esc(group['target'])}</b>"
             f"</div><div class='prompt'>{esc(group['prompt'] + prompt_more)}</div></div>"
             f"<div class='completions'>{''.join(cards)}</div></article>")
+
+
+def crop_boxes(turns: list[dict] | None, key: str, prefix: str) -> list[tuple[str, Sequence[float], str]]:
+    """(box id, box in the prompt image's pixels, label `prefix` + turn) of each crop of a trajectory's turns that
+    shows the prompt's first image."""
+    return [(f"{key}t{k}", crop["box"], f"{prefix}{k + 1}") for k, turn in enumerate(turns or [])
+            for crop in (turn.get("call") or {}).get("crops", []) if crop.get("source") == 0 and crop.get("box")]
+
+
+def turns_html(record: dict, key: str, thumbnail: Callable[[dict], bytes | None]) -> str:
+    """A trajectory turn by turn (`trajectory_record`'s `turns`): each segment's text, then its tool call, the
+    observation's text and the crops it returned (`thumbnail(crop)`: its JPEG, or None when not kept); each turn
+    highlights its crop's box on the image (id `key` + t + turn)."""
+    limit = record.get("limit", "none")
+    parts = [f"<div class='turns'><div class='fields'>{len(record['turns'])} turn(s), "
+             f"{esc(record.get('generated', '?'))} generated tokens, {record['tool_errors']} tool error(s)"
+             + (f"; ended by the {esc(limit)} limit" if limit != "none" else "") + "</div>"]
+    for k, turn in enumerate(record["turns"]):
+        more = f" (first {len(turn['text'])} of {turn['chars']} characters)" if turn.get("truncated") else ""
+        parts.append(f"<div class='turn' data-box='{key}t{k}'><div class='turn-head'>turn {k + 1}{esc(more)}</div>"
+                     f"<pre>{esc(turn['text'])}</pre>")
+        call = turn.get("call")
+        if call is not None:
+            state = " error" if call["error"] else ""
+            parts.append(f"<div class='call{state}'>&#8594; <b>{esc(call['name'] or '?')}</b>"
+                         f"(<code>{esc(call['arguments'])}</code>)</div>")
+            if call["text"]:
+                parts.append(f"<pre class='observation{state}'>{esc(call['text'])}</pre>")
+            for crop in call["crops"]:
+                jpeg = thumbnail(crop)
+                where = (f"box {esc(_box_text(crop['box']))} of image {crop['source']}" if crop["source"] >= 0
+                         else "an image the tool made")
+                picture = f"<img alt='crop' class='crop' src='{_data_uri(jpeg)}'>" if jpeg else "(thumbnail not kept)"
+                parts.append(f"<div class='crop'>{picture}<span>{where}</span></div>")
+        parts.append("</div>")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _stored_crop(images: Path, crop: dict) -> bytes | None:
+    """A rollout log's crop thumbnail (under rollouts/images/), or None when the log did not keep it."""
+    return (images / crop["image"]).read_bytes() if crop.get("image") else None
 
 
 def advantage_colour(advantage: float | str, scale: float) -> str:
@@ -165,9 +215,11 @@ def advantage_colour(advantage: float | str, scale: float) -> str:
 
 
 def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
-              predicted: list[tuple[str, Sequence[float] | None, str]], masks: list[tuple[bytes, str]]) -> str:
+              predicted: list[tuple[str, Sequence[float] | None, str]], masks: list[tuple[bytes, str]],
+              crops: Sequence[tuple[str, Sequence[float], str]] = ()) -> str:
     """An image in an SVG whose coordinates are the ORIGINAL image's pixels (`size` = (W, H)): the thumbnail
-    stretched over it, mask overlays (PNG), the target box and each predicted box (id, box, label)."""
+    stretched over it, mask overlays (PNG), the target box, each predicted box (id, box, label) and each box a
+    tool cropped (id, box, label)."""
     width, height = (int(v) for v in size)
     parts = [f"<svg class='view' viewBox='0 0 {width} {height}' preserveAspectRatio='xMidYMid meet' "
              f"xmlns='http://www.w3.org/2000/svg'>"
@@ -182,6 +234,11 @@ def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
             parts.append(f"<rect class='pred' id='{box_id}' x='{x1:g}' y='{y1:g}' width='{x2 - x1:g}' "
                          f"height='{y2 - y1:g}'/><text x='{x1:g}' y='{y1 + font:g}' font-size='{font:g}'>"
                          f"{esc(label)}</text>")
+    for box_id, box, label in crops:
+        x1, y1, x2, y2 = box
+        parts.append(f"<rect class='crop' id='{box_id}' x='{x1:g}' y='{y1:g}' width='{x2 - x1:g}' "
+                     f"height='{y2 - y1:g}'/><text class='crop' x='{x1:g}' y='{y2 - font / 4:g}' "
+                     f"font-size='{font:g}'>{esc(label)}</text>")
     if target is not None:
         x1, y1, x2, y2 = target
         parts.append(f"<rect class='truth' x='{x1:g}' y='{y1:g}' width='{x2 - x1:g}' height='{y2 - y1:g}'/>")
@@ -189,6 +246,9 @@ def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
     if target is not None or any(box is not None for _, box, _ in predicted) or masks:
         parts.append("<div class='legend'><span class='t'>&#9632;</span> target"
                      " <span class='p'>&#9632;</span> predicted (original pixels)</div>")
+    if crops:
+        parts.append("<div class='legend'><span class='c'>&#9632;</span> cropped by a tool "
+                     "(completion.turn; original pixels)</div>")
     return "".join(parts)
 
 
@@ -303,7 +363,8 @@ def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tup
                      ((row.get("mask_rle"), TRUTH_RGBA, "truth"), (record["pred_mask"], PRED_RGBA, "pred"))
                      if mask is not None]
         picture = image_svg(thumbnail_jpeg(images[0]), size, row.get("box") if task.uses_boxes else None,
-                            [(f"p{record['index']}", box, "")] if box is not None else [], masks)
+                            [(f"p{record['index']}", box, "")] if box is not None else [], masks,
+                            crop_boxes(record.get("turns"), f"p{record['index']}", ""))
     rewards = ", ".join(f"{esc(name)} {_fmt(value)}" for name, value in record.get("rewards", {}).items())
     tags = json.dumps([verdict, *[f"{column}={value}" for column, value in groups]])
     group_text = "; ".join(f"{column} {value}" for column, value in groups)
@@ -312,7 +373,15 @@ def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tup
             f"<div><span class='badge {verdict}'>{verdict}</span> <b>{esc(record['id'])}</b> {esc(group_text)}</div>"
             f"<div class='fields'>answer <b>{esc(record.get('answer'))}</b>; target <b>{esc(task.target(row))}</b>"
             f"<br>{rewards}" + ("; mask by the segmenter" if record.get("pred_mask") else "") + "</div>"
-            f"<pre data-box='p{record['index']}'>{esc(record['completion'])}</pre></div></article>")
+            + (turns_html(record, f"p{record['index']}", lambda crop: _cut_crop(images, crop)) if "turns" in record
+               else f"<pre data-box='p{record['index']}'>{esc(record['completion'])}</pre>") + "</div></article>")
+
+
+def _cut_crop(images: list, crop: dict) -> bytes | None:
+    """A crop's thumbnail cut again from the row's original image (crops are always cut from the original)."""
+    if not 0 <= crop["source"] < len(images) or not crop.get("box"):
+        return None
+    return thumbnail_jpeg(images[crop["source"]].crop(tuple(round(v) for v in crop["box"])), max_edge=160)
 
 
 def mask_png(rle: dict, rgba: tuple[int, int, int, int], max_edge: int = 256) -> bytes:

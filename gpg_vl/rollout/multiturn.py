@@ -93,11 +93,8 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
     rows = []
     for b in range(len(batch)):
         prompt_inputs = trim_left_padding(batch.select([b]).inputs)
-        images = prompts.messages and [part["image"] for m in prompts.messages[b] if isinstance(m["content"], list)
-                                       for part in m["content"] if isinstance(part, dict) and "image" in part]
-        sizes = batch.image_sizes[b] if batch.image_sizes else []
         for _ in range(group_size):
-            context = ToolContext.for_prompt(list(images or [])[:len(sizes)], sizes, family, settings)
+            context = prompt_context(family, prompts, b, settings)
             rows.append(_Row(b, prompt_inputs, Trajectory(), context, torch.empty(0), 0))
     with eval_mode(model):
         family.reset_positions(bare)
@@ -114,7 +111,7 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
             state = _State(cache, attention, logits)
             _decode_segment(decoding, [rows[i] for i in live], live, turn, state)
             cache, attention = state.cache, state.attention
-            keep = _answer_segments(family, [rows[i] for i in live], turn, settings, tools)
+            keep = answer_segments(family, [rows[i] for i in live], turn, settings, tools)
             live = [i for i, going in zip(live, keep, strict=True) if going]
             if not live:
                 break
@@ -130,7 +127,17 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
                                                  observations=True)
             else:
                 logits, cache, attention = _prefill_whole(family, bare, continuing, device=device)
-    return _rollout(family, rows, group_size, settings)
+    return trajectory_rollout(family, rows, group_size, settings)
+
+
+def prompt_context(family, prompts: EnginePrompts, b: int, settings: MultiTurnSettings) -> ToolContext:
+    """The tool context of a trajectory of prompt `b`: the prompt's images (original pixels, from its messages)
+    with their (W, H, w, h) sizes (from the encoded batch)."""
+    batch = prompts.batch
+    images = prompts.messages and [part["image"] for m in prompts.messages[b] if isinstance(m["content"], list)
+                                   for part in m["content"] if isinstance(part, dict) and "image" in part]
+    sizes = batch.image_sizes[b] if batch.image_sizes else []
+    return ToolContext.for_prompt(list(images or [])[:len(sizes)], sizes, family, settings)
 
 
 def _prefill_prompts(family, bare, inputs: dict[str, Tensor], group_size: int, room: int):
@@ -274,7 +281,7 @@ def _decode_segment(decoding: _Decoding, rows: list[_Row], row_ids: list[int], t
             token = int(chosen[i])
             row.segment.append(token)
             row.trajectory.logps.append(float(logps[i]))
-            row.ended_by = _segment_end(family, row, token, decoding.eos, sampling, decoding.settings)
+            row.ended_by = segment_end(family, row, token, decoding.eos, sampling, decoding.settings)
             if row.ended_by:
                 active[i], row.pending = False, token
                 chunks.append([])
@@ -286,9 +293,10 @@ def _decode_segment(decoding: _Decoding, rows: list[_Row], row_ids: list[int], t
                                                            state.attention, device=decoding.device)
 
 
-def _segment_end(family, row: _Row, token: int, eos: set[int], sampling: Sampling,
+def segment_end(family, row: _Row, token: int, eos: set[int], sampling: Sampling,
                  settings: MultiTurnSettings) -> str:
-    """Why the row's segment ends after `token` ('' when it goes on)."""
+    """Why the row's segment ends after `token` ('' when it goes on). `row`: a trajectory being decoded (its
+    `segment` so far and its `trajectory`; the vLLM engine's rows too)."""
     if token in eos:
         return "eos"
     if any(stop in family.tokenizer.decode(row.segment[-STOP_WINDOW:]) for stop in family.tool_stop_strings):
@@ -300,10 +308,11 @@ def _segment_end(family, row: _Row, token: int, eos: set[int], sampling: Samplin
     return ""
 
 
-def _answer_segments(family, rows: list[_Row], turn: int, settings: MultiTurnSettings,
+def answer_segments(family, rows: list[_Row], turn: int, settings: MultiTurnSettings,
                      tools: tuple[str, ...] | None) -> list[bool]:
     """Close each row's segment; run the tool calls (on threads, each within its time budget) and append
-    their observations. Returns, per row, whether its trajectory goes on."""
+    their observations. Returns, per row, whether its trajectory goes on. A row is anything with `segment`,
+    `ended_by`, `trajectory` and `context` (this engine's `_Row`, the vLLM engine's rows)."""
     calls = []
     for row in rows:
         row.trajectory.add_segment(row.segment)
@@ -345,10 +354,12 @@ def _observe(family, row: _Row, call, result: ToolResult, turn: int, settings: M
                                (image.width, image.height, image.width, image.height)))
     row.context.views.extend(views)
     trajectory.add_observation(ids, [view.image for view in views], inputs)
+    trajectory.crop_boxes.extend((view.original, tuple(view.box)) for view in views)
     return True
 
 
-def _rollout(family, rows: list[_Row], group_size: int, settings: MultiTurnSettings) -> Rollout:
+def trajectory_rollout(family, rows: list[_Row], group_size: int, settings: MultiTurnSettings) -> Rollout:
+    """The Rollout of finished rows (their trajectories padded, the loss mask, the texts)."""
     trajectories = [row.trajectory for row in rows]
     ids, attention, loss = pad_trajectories(trajectories, family.pad_id, on_limit=settings.on_limit)
     texts = family.tokenizer.batch_decode([t.token_ids for t in trajectories], skip_special_tokens=True)

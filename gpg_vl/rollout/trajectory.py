@@ -86,6 +86,8 @@ class Trajectory:
     observations: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each observation
     images: list = field(default_factory=list)  # the observations' images, as the model saw them
     observation_inputs: list[dict] = field(default_factory=list)  # each observation's processor outputs
+    # per image of `images`: (the prompt image it shows, -1 for one a tool made; its box in that image's pixels)
+    crop_boxes: list[tuple[int, tuple[float, float, float, float]]] = field(default_factory=list)
     calls: list[ToolCallRecord] = field(default_factory=list)
     limit: str = "none"  # the limit that ended the trajectory: none, turn, image or token
     finished: bool = False

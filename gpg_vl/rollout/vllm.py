@@ -15,21 +15,34 @@
 - Memory: with sleep mode, vLLM sleeps (level 1: weights kept in CPU memory) while the update runs and
   wakes for the sync (weights) and the rollout (KV cache).
 
+- Multi-turn (rollout.max_turns > 1, "thinking with images"): the B x G trajectories go through `generate`
+  turn by turn. The first turn is one request per prompt with n = G; each later turn one request per
+  trajectory still going, n = 1, whose prompt is everything so far (prompt, segments, observations) with ONE
+  placeholder per image and the images of every turn in `multi_modal_data`; a segment stops at EOS, at the
+  family's stop strings (`</tool_call>`), at max_new_tokens or at the trajectory's token budget. The tool calls
+  are parsed, run and answered by the HF engine's own code (rollout/multiturn.py: `answer_segments`), so the
+  trajectory holds the processor-expanded observation tokens the update scores, while vLLM gets the same
+  observation tokenized before expansion (its processor expands it, once). Each generated token's sampler
+  log-prob is kept (`Trajectory.logps`; 0 on observation tokens in `Rollout.sampler_logps`).
+
 `vllm` is imported only when the engine is built: without a CUDA GPU or without the package,
 `rollout.engine=vllm` fails in one sentence when the settings are built, before any model loads. The pure
-parts (prompt building, sampling parameters, log-prob extraction) are tested on CPU with a fake LLM
-(tests/integration/test_engines.py); the engine itself has not run on a GPU yet.
+parts (prompt building, sampling parameters, log-prob extraction) and the multi-turn rollouts are tested on CPU
+with stand-ins for vllm.LLM (tests/integration/test_engines.py, test_vllm_multiturn.py); the engine itself has
+not run on a GPU yet.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Correction, Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
 
 BANNED_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]: a banned token's probability is exp(-100) of others
@@ -92,21 +105,111 @@ def completions_from_outputs(outputs, *, group_size: int, pad_id: int) -> tuple[
     for n, row in enumerate(rows):
         tokens = list(row.token_ids)
         ids[n, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        for t, (token, entry) in enumerate(zip(tokens, row.logprobs or [], strict=False)):
-            logps[n, t] = entry[token].logprob  # logprobs=0: the sampled token's own entry
+        logps[n, :len(tokens)] = torch.tensor(sampled_logps(row), dtype=torch.float32)
     return ids, logps
+
+
+# ---- multi-turn (rollout.max_turns > 1) -------------------------------------------------------
+@dataclass
+class TurnRow:
+    """One trajectory rolled out through vLLM: what the trainer scores (`trajectory`: observations as the
+    family's processor expands them) and what vLLM is given (`engine_ids`: one placeholder per image, and
+    `engine_images`, the prompt's and every observation's)."""
+
+    prompt: int  # its prompt's index
+    trajectory: Trajectory
+    context: object  # its ToolContext (the images seen so far, for the tools)
+    engine_ids: list[int]
+    engine_images: list
+    request: dict = field(default_factory=dict)  # the first turn's request: what else it holds (other media) stays
+    segment: list[int] = field(default_factory=list)
+    ended_by: str = ""  # eos, stop, length, total (rollout/multiturn.py's segment_end)
+
+    def extend_engine_prompt(self, family) -> None:
+        """After an observation: its segment, then the observation tokenized BEFORE the processor expands its
+        images (vLLM's processor expands them, once), and its images as the trainer's processor got them."""
+        trajectory = self.trajectory
+        start, end = trajectory.segments[-1]
+        images = [family.fit_image(image) for image in trajectory.images[len(trajectory.images)
+                                                                        - trajectory.calls[-1].images:]]
+        rendered = family.render_observation(trajectory.calls[-1].text, images)
+        self.engine_ids += trajectory.token_ids[start:end]
+        self.engine_ids += family.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        self.engine_images += images
+
+
+def trajectory_prompt_requests(family, prompts: EnginePrompts) -> list[dict]:
+    """The first turn's prompts: `prompt_requests`, with each prompt's ids tokenized from the very text the
+    trainer encoded (`PromptBatch.texts`: the task's tools listed in it), one placeholder per image."""
+    requests = prompt_requests(family, prompts.messages)
+    for request, text in zip(requests, prompts.batch.texts or [], strict=False):
+        request["prompt_token_ids"] = list(family.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return requests
+
+
+def turn_sampling_kwargs(family, sampling: Sampling, n: int, max_tokens: int) -> dict:
+    """`vllm.SamplingParams` keywords of one turn's request: as a single turn's, and a segment stops at the
+    family's tool-call stop strings too (matched on the detokenized text, special tokens kept)."""
+    kwargs = sampling_kwargs(family, replace(sampling, max_new_tokens=max_tokens), n)
+    kwargs.update(stop=list(family.tool_stop_strings), include_stop_str_in_output=True, detokenize=True,
+                  skip_special_tokens=False)
+    return kwargs
+
+
+def turn_requests(family, rows: list[TurnRow], n: int, sampling: Sampling, settings: MultiTurnSettings,
+                  sampling_params) -> tuple[list[dict], list]:
+    """One turn's requests and their SamplingParams: the first turn one per prompt with n = G (rows are
+    b * G + g, each image encoded once), later turns one per trajectory going (n = 1); each segment gets at most
+    max_new_tokens and what is left of its trajectory's max_total_tokens."""
+    requests, params = [], []
+    for row in rows[::n]:
+        media = {**row.request.get("multi_modal_data", {}), "image": list(row.engine_images)}
+        media = {kind: value for kind, value in media.items() if kind != "image" or value}
+        request = {**row.request, "prompt_token_ids": list(row.engine_ids), "multi_modal_data": media}
+        if not media:
+            del request["multi_modal_data"]
+        room = min(sampling.max_new_tokens, settings.max_total_tokens - len(row.trajectory.token_ids))
+        requests.append(request)
+        params.append(sampling_params(**turn_sampling_kwargs(family, sampling, n, max(room, 1))))
+    return requests, params
+
+
+def take_segments(family, rows: list[TurnRow], outputs, sampling: Sampling, settings: MultiTurnSettings) -> None:
+    """Each row's segment from vLLM's outputs (in row order, n per request): its tokens, the sampler's log-prob of
+    each (`Trajectory.logps`), and why it ended, decided as the HF engine decides it."""
+    from gpg_vl.rollout.multiturn import segment_end
+
+    completions = [completion for output in outputs for completion in output.outputs]
+    if len(completions) != len(rows):
+        raise RuntimeError(f"vLLM returned {len(completions)} segments for {len(rows)} trajectories")
+    eos = set(family.eos_ids) if not sampling.ignore_eos else set()
+    for row, completion in zip(rows, completions, strict=True):
+        row.segment = list(completion.token_ids)
+        row.trajectory.logps.extend(sampled_logps(completion))
+        ended = segment_end(family, row, row.segment[-1], eos, sampling, settings) if row.segment else ""
+        row.ended_by = ended or "length"
+
+
+def sampled_logps(completion) -> list[float]:
+    """The sampler's log-prob of each token of one vLLM completion (logprobs=0: the sampled token's own entry)."""
+    entries = list(completion.logprobs or [])
+    return [float(entries[t][token].logprob) if t < len(entries) else 0.0
+            for t, token in enumerate(completion.token_ids)]
 
 
 def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed: int) -> dict:
     """`vllm.LLM` keywords for a colocated engine in one training process."""
     settings = rollout.vllm
+    turns = rollout.max_turns > 1  # a trajectory's later requests hold its observations (tokens and images) too
+    after_prompt = max(rollout.max_new_tokens, rollout.max_total_tokens) if turns else rollout.max_new_tokens
+    images = settings.max_images + (rollout.max_images if turns else 0)
     return {
         "model": model_path, "tokenizer": model_path, "load_format": "dummy",  # weights come from sync()
         "distributed_executor_backend": "external_launcher", "tensor_parallel_size": settings.tensor_parallel_size,
         "gpu_memory_utilization": settings.gpu_memory_utilization, "enable_sleep_mode": settings.enable_sleep_mode,
-        "max_model_len": settings.max_model_len or rollout.max_prompt_tokens + rollout.max_new_tokens,
+        "max_model_len": settings.max_model_len or rollout.max_prompt_tokens + after_prompt,
         "enforce_eager": settings.enforce_eager, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
-        "logprobs_mode": "processed_logprobs", "limit_mm_per_prompt": {"image": settings.max_images},
+        "logprobs_mode": "processed_logprobs", "limit_mm_per_prompt": {"image": images},
         "mm_processor_kwargs": family.engine_processor_kwargs() or None,
     }
 
@@ -131,6 +234,7 @@ class VLLMEngine(Engine):
 
     name = "vllm"
     returns_logps = True
+    multi_turn = True
 
     @classmethod
     def unavailable(cls, rollout) -> str | None:
@@ -174,23 +278,24 @@ class VLLMEngine(Engine):
                     "check the weight sync and dtype, or set rollout.vllm.tis_cap=2.")
         return None
 
+    def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
+        reason = self.family.multi_turn_unsupported() if settings.multi_turn else None
+        if reason is not None:
+            raise UserError(f"rollout.max_turns={settings.max_turns} cannot run on this model: {reason}; set "
+                            "rollout.max_turns=1.")
+        super().take_tools(settings, tools)
+
     # ---- rollout -------------------------------------------------------------------------------
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         if prompts.messages is None:
             raise ValueError("the vLLM engine renders prompts from their messages; EnginePrompts.messages is None")
+        if self.multiturn.multi_turn:
+            return self.generate_trajectories(prompts, group_size, sampling)
         requests = prompt_requests(self.family, prompts.messages)
-        share = len(requests)
-        if self.tp_group is not None:
-            gathered = [None] * torch.distributed.get_world_size(self.tp_group)
-            torch.distributed.all_gather_object(gathered, requests, group=self.tp_group)
-            offset = sum(len(g) for g in gathered[:torch.distributed.get_rank(self.tp_group)])
-            requests = [r for g in gathered for r in g]
         self.wake()
         params = self.sampling_params(**sampling_kwargs(self.family, sampling, group_size))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self._generate_shared(requests, params)
         self.sleep()
-        if self.tp_group is not None:
-            outputs = outputs[offset:offset + share]
         ids, logps = completions_from_outputs(outputs, group_size=group_size, pad_id=self.family.pad_id)
         mask = completion_mask_from_eos(ids, self.family.eos_ids, ignore_eos=sampling.ignore_eos)  # [B * G, C]
         ids = ids.masked_fill(~mask, self.family.pad_id)
@@ -199,6 +304,59 @@ class VLLMEngine(Engine):
         device = self.policy.model.device
         return Rollout(completion_ids=ids.to(device), completion_mask=mask.to(device), texts=texts,
                        group_size=group_size, sampler_logps=logps.to(device))
+
+    def _generate_shared(self, requests: list[dict], params) -> list:
+        """`llm.generate` of this process's requests (`params`: one SamplingParams for all, or a list of one per
+        request); with tensor parallelism the group's requests are gathered into one call that every process of
+        the group makes, and each process keeps the outputs of its own. Every process of a group calls this
+        equally often (its list may be empty)."""
+        if self.tp_group is None:
+            return self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        each = params if isinstance(params, list) else [params] * len(requests)
+        gathered = [None] * torch.distributed.get_world_size(self.tp_group)
+        torch.distributed.all_gather_object(gathered, list(zip(requests, each, strict=True)), group=self.tp_group)
+        offset = sum(len(g) for g in gathered[:torch.distributed.get_rank(self.tp_group)])
+        pairs = [pair for g in gathered for pair in g]
+        if not pairs:
+            return []
+        outputs = self.llm.generate([r for r, _ in pairs], [p for _, p in pairs], use_tqdm=False)
+        return outputs[offset:offset + len(requests)]
+
+    def generate_trajectories(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
+        """B x G trajectories (row b * G + g continues prompt b), turn by turn (the module's docstring)."""
+        from gpg_vl.rollout.multiturn import answer_segments, prompt_context, trajectory_rollout
+
+        family, settings = self.family, self.multiturn
+        base = trajectory_prompt_requests(family, prompts)
+        rows = [TurnRow(b, Trajectory(), prompt_context(family, prompts, b, settings),
+                        list(request["prompt_token_ids"]), list(request.get("multi_modal_data", {}).get("image", [])),
+                        request)
+                for b, request in enumerate(base) for _ in range(group_size)]
+        live = list(range(len(rows)))
+        self.wake()
+        for turn in range(settings.max_turns):
+            going = [rows[i] for i in live]
+            requests, params = turn_requests(family, going, group_size if turn == 0 else 1, sampling, settings,
+                                             self.sampling_params)
+            outputs = self._generate_shared(requests, params)  # with tensor parallelism: every turn, in step
+            take_segments(family, going, outputs, sampling, settings)
+            keep = answer_segments(family, going, turn, settings, self.tools)
+            for row, alive in zip(going, keep, strict=True):
+                if alive:
+                    row.extend_engine_prompt(family)
+            live = [i for i, alive in zip(live, keep, strict=True) if alive]
+            if not live and self.tp_group is None:
+                break
+        self.sleep()
+        rollout = trajectory_rollout(family, rows, group_size, settings)
+        logps = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [B * G, C], 0 on observations
+        for n, row in enumerate(rows):
+            logps[n, :len(row.trajectory.logps)] = torch.tensor(row.trajectory.logps, dtype=torch.float32)
+        device = self.policy.model.device
+        rollout.completion_ids, rollout.completion_mask = rollout.completion_ids.to(device), \
+            rollout.completion_mask.to(device)
+        rollout.loss_mask, rollout.sampler_logps = rollout.loss_mask.to(device), logps.to(device)
+        return rollout
 
     # ---- weights and memory ----------------------------------------------------------------------
     def sync(self, model) -> None:

@@ -119,12 +119,17 @@ def task_metrics(task, rows: Sequence[dict], completions: Sequence[str], scores:
     return task.metrics(rows, completions)
 
 
-def prediction_records(task, decoded: Sequence[Decoded], split: str) -> list[dict]:
-    """One JSON-ready record per row: where it came from, what the model said, and each reward's score."""
+def prediction_records(task, decoded: Sequence[Decoded], split: str, tokenizer=None) -> list[dict]:
+    """One JSON-ready record per row: where it came from, what the model said, and each reward's score; a
+    multi-turn row (with the policy's `tokenizer`) also its trajectory turn by turn (`turns`: each segment's text,
+    its tool call, the observation, the crops' boxes in original pixels; `limit`, `tool_errors`)."""
+    from gpg_vl.observe.rollout_log import trajectory_record
+
     return [{
         "index": d.index, "id": str(d.row.get("id", d.index)), "split": split, "prompt": d.prompt,
         "completion": d.completion, "answer": extract_answer(d.completion), "target": task.target(d.row),
         "rewards": d.rewards, **_saved_fields(d.row),
+        **(trajectory_record(d.trajectory, tokenizer) if d.trajectory is not None and tokenizer is not None else {}),
     } for d in decoded]
 
 
