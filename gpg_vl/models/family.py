@@ -246,6 +246,7 @@ class Family:
     pixel_keys: tuple[str, ...] = ("pixel_values",)
     vision_tokens: tuple[str, ...] = ()
     image_placeholder = "<image>"
+    video_placeholder: str | None = None  # what stands for a video in a raw-text prompt (None: no video)
     eos_tokens: tuple[str, ...] = ()
     max_aspect_ratio = 200.0  # images more elongated than this are bad rows
     placeholder_size = (32, 32)  # the blank image of `placeholder_prompts`
@@ -298,6 +299,8 @@ class Family:
                     parts.append(part)
                 elif part.get("type") == "image" or "image" in part:
                     parts.append(self.image_placeholder)
+                elif part.get("type") == "video" or "video" in part:
+                    parts.append(self.video_placeholder or "")  # a family without video refuses it in encode
                 elif "text" in part:
                     parts.append(part["text"])
         return self.raw_template.replace("{prompt}", "".join(parts))

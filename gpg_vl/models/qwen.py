@@ -33,6 +33,7 @@ class QwenVLAdapter(Family):
     pixel_keys = ("pixel_values", "pixel_values_videos")
     vision_tokens = VISION_TOKENS
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"  # the processor expands the pad per image
+    video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"  # ... and per video
     eos_tokens = ("<|im_end|>", "<|endoftext|>")
     max_aspect_ratio = MAX_RATIO  # qwen-vl-utils refuses more elongated images
     placeholder_size = (28, 28)

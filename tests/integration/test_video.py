@@ -181,3 +181,17 @@ def test_two_cli_steps_on_a_video_task_and_final_reloads(tmp_path, family):
     assert lines[-1]["rows_seen"] == 4 and lines[-1]["bad_rows"] == 0  # both readers read every clip
     reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "final")  # transformers alone
     assert type(reloaded).__name__ == CLASSES[family]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_raw_text_prompt_holds_its_video_where_the_part_stands(tmp_path_factory, family):
+    """model.prompt_style=raw (a base model): the video's placeholder stands where its part stands, and the
+    processor expands it into the same video tokens as the chat style."""
+    policy = tiny_family_policy(family, tmp_path_factory)
+    chat = policy.adapter.encode([video_messages(clip_frames(4), "Where?", min_pixels=1024, max_pixels=4096)])
+    policy.adapter.prompt_style = "raw"
+    raw = policy.adapter.encode([video_messages(clip_frames(4), "Where?", min_pixels=1024, max_pixels=4096)])
+    pad = policy.adapter.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    assert raw.texts[0].index("<|video_pad|>") < raw.texts[0].index("Where?")
+    assert int((raw.inputs["input_ids"] == pad).sum()) == int((chat.inputs["input_ids"] == pad).sum()) > 0
+    assert torch.equal(raw.inputs["video_grid_thw"], chat.inputs["video_grid_thw"])
