@@ -1,0 +1,127 @@
+"""`motion`: synthetic video reasoning, generated from seeds, no download (the video counterpart of `shapes`).
+
+Each row is a short clip (a list of frames, `frames` of them, `frame_size` pixels square) in which one coloured dot
+moves in a straight line, left, right, up or down, by the same step every frame. The question asks which way it
+moves; the reference completion states the finding inside <think> and answers in <answer>; the accuracy reward is an
+exact match of the answer. Frames are small so that the tiny embedded model reads a clip on CPU in a few tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from PIL import Image, ImageDraw
+
+from gpg_vl.data.task import Task, register_task
+from gpg_vl.errors import UserError
+from gpg_vl.reward.primitives import exact_match_reward, format_reward
+
+from .shapes import COLORS, INSTRUCTION, SPLIT_SEEDS
+from .videor1 import group_accuracy
+
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+QUESTION = "Which way does the dot move: left, right, up or down?"
+FPS = 2.0  # the clip's frame rate: frames are half a second apart
+
+
+def dot_path(rng: random.Random, direction: str, frames: int, size: int) -> tuple[int, list[tuple[int, int]]]:
+    """(radius, the dot's centre in each frame): a straight move along `direction` that covers at least a third of
+    the frame and stays inside it, from a random start."""
+    radius = max(2, size // 12)
+    low, high = radius + 1, size - radius - 2  # where a centre may lie
+    step = rng.randint(max(1, (high - low) // (3 * (frames - 1))), max(1, (high - low) // (frames - 1)))
+    span = step * (frames - 1)
+    dx, dy = DIRECTIONS[direction]
+    along = rng.randint(low, high - span)  # the start on the moving axis, counted in the moving direction
+    across = rng.randint(low, high)
+    points = []
+    for k in range(frames):
+        position = along + k * step
+        moving = position if (dx + dy) > 0 else size - 1 - position
+        points.append((moving, across) if dx else (across, moving))
+    return radius, points
+
+
+def draw_frames(points: Sequence[tuple[int, int]], radius: int, color: str, size: int) -> list[Image.Image]:
+    """One white frame per centre, the dot drawn at it."""
+    frames = []
+    for x, y in points:
+        frame = Image.new("RGB", (size, size), (255, 255, 255))
+        ImageDraw.Draw(frame).ellipse((x - radius, y - radius, x + radius, y + radius), fill=COLORS[color])
+        frames.append(frame)
+    return frames
+
+
+def make_clip(seed: int, index: int, frames: int = 4, frame_size: int = 56) -> dict:
+    """Row `index` of the split seeded by `seed`; the same arguments always give the same row."""
+    rng = random.Random(seed * 1_000_003 + index)
+    direction = rng.choice(sorted(DIRECTIONS))
+    color = rng.choice(sorted(COLORS))
+    radius, points = dot_path(rng, direction, frames, frame_size)
+    return {
+        "id": f"motion-{seed}-{index}",
+        "frames": draw_frames(points, radius, color, frame_size),
+        "question": QUESTION,
+        "answer": direction,
+        "direction": direction,
+        "points": points,
+        "solution": f"<think> the {color} dot moves {direction} </think>\n<answer> {direction} </answer>",
+    }
+
+
+class LazySplit(Sequence):
+    """A split whose rows are made on access by `make(index)`: any size costs no memory."""
+
+    def __init__(self, size: int, make: Callable[[int], dict]) -> None:
+        self.size, self.make = size, make
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.size))]
+        if not -self.size <= index < self.size:
+            raise IndexError(index)
+        return self.make(index % self.size)
+
+
+@register_task
+class Motion(Task):
+    """Which way does the dot move (left, right, up, down)? Clips as frame lists; accuracy + format rewards."""
+
+    name = "motion"
+    group_columns = ("direction",)
+
+    def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 4, frame_size: int = 56) -> None:
+        super().__init__()
+        if frames < 2 or frames % 2:
+            raise UserError(f"task motion takes an even number of frames, 2 or more (frames pair up); got {frames}, "
+                            "set task.options.frames=4.")
+        if frame_size < 28 or frame_size % 28:
+            raise UserError(f"task motion takes a frame_size that is a multiple of 28 (whole merged patches); got "
+                            f"{frame_size}, set task.options.frame_size=56.")
+        self.sizes = {"train": train_size, "test": test_size, "validation": test_size}
+        self.frames, self.frame_size = frames, frame_size
+        self.reward_functions = {
+            "accuracy": lambda completion, row: exact_match_reward(completion, row["answer"]),
+            "format": lambda completion, row: format_reward(completion),
+        }
+        self.reward_weights = {"accuracy": 1.0, "format": 1.0}
+
+    def load(self, split: str) -> LazySplit:
+        if split not in SPLIT_SEEDS:
+            raise UserError(f"task motion has no split {split!r}; use one of {sorted(SPLIT_SEEDS)}.")
+        seed = SPLIT_SEEDS[split]
+        return LazySplit(self.sizes[split], lambda index: make_clip(seed, index, self.frames, self.frame_size))
+
+    def messages(self, row: dict) -> list[dict]:
+        pixels = self.frame_size * self.frame_size  # keep the frames at their size (no up-scaling to a video minimum)
+        video = {"type": "video", "video": row["frames"], "fps": FPS, "min_pixels": pixels, "max_pixels": pixels}
+        return [{"role": "user", "content": [video, {"type": "text", "text": row["question"] + INSTRUCTION}]}]
+
+    def metrics(self, rows, completions, scores=None) -> dict[str, float]:
+        """The default metrics and `accuracy/<direction>`."""
+        scores = self.scored(rows, completions, scores)
+        return {**super().metrics(rows, completions, scores), **group_accuracy(rows, scores, self.group_columns)}
