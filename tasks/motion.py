@@ -1,9 +1,11 @@
 """`motion`: synthetic video reasoning, generated from seeds, no download (the video counterpart of `shapes`).
 
 Each row is a short clip (a list of frames, `frames` of them, `frame_size` pixels square) in which one coloured dot
-moves in a straight line, left, right, up or down, by the same step every frame. The question asks which way it
-moves; the reference completion states the finding inside <think> and answers in <answer>; the accuracy reward is an
-exact match of the answer. Frames are small so that the tiny embedded model reads a clip on CPU in a few tokens.
+moves in a straight line, left, right, up or down, by the same step every frame. The question names the axis and
+asks which way along it the dot moves ("Is the red dot moving left or right?", "... up or down?"), in the words of
+`shapes`' left/right questions, which the tiny model was warm-started on. The reference completion states the
+finding inside <think> and answers in <answer>; the accuracy reward is an exact match of the answer. Frames are
+small (two frames of 56 pixels by default) so that the tiny embedded model reads a clip on CPU in a few tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .shapes import COLORS, INSTRUCTION, SPLIT_SEEDS
 from .videor1 import group_accuracy
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
-QUESTION = "Which way does the dot move: left, right, up or down?"
+AXES = {"left": "left or right", "right": "left or right", "up": "up or down", "down": "up or down"}
 FPS = 2.0  # the clip's frame rate: frames are half a second apart
 
 
@@ -53,7 +55,7 @@ def draw_frames(points: Sequence[tuple[int, int]], radius: int, color: str, size
     return frames
 
 
-def make_clip(seed: int, index: int, frames: int = 4, frame_size: int = 56) -> dict:
+def make_clip(seed: int, index: int, frames: int = 2, frame_size: int = 56) -> dict:
     """Row `index` of the split seeded by `seed`; the same arguments always give the same row."""
     rng = random.Random(seed * 1_000_003 + index)
     direction = rng.choice(sorted(DIRECTIONS))
@@ -62,7 +64,7 @@ def make_clip(seed: int, index: int, frames: int = 4, frame_size: int = 56) -> d
     return {
         "id": f"motion-{seed}-{index}",
         "frames": draw_frames(points, radius, color, frame_size),
-        "question": QUESTION,
+        "question": f"Is the {color} dot moving {AXES[direction]}?",
         "answer": direction,
         "direction": direction,
         "points": points,
@@ -89,12 +91,12 @@ class LazySplit(Sequence):
 
 @register_task
 class Motion(Task):
-    """Which way does the dot move (left, right, up, down)? Clips as frame lists; accuracy + format rewards."""
+    """Which way does the dot move (left or right, up or down)? Clips as frame lists; accuracy + format rewards."""
 
     name = "motion"
     group_columns = ("direction",)
 
-    def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 4, frame_size: int = 56) -> None:
+    def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 2, frame_size: int = 56) -> None:
         super().__init__()
         if frames < 2 or frames % 2:
             raise UserError(f"task motion takes an even number of frames, 2 or more (frames pair up); got {frames}, "
