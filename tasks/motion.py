@@ -55,12 +55,15 @@ def draw_frames(points: Sequence[tuple[int, int]], radius: int, color: str, size
     return frames
 
 
-def make_clip(seed: int, index: int, frames: int = 2, frame_size: int = 56) -> dict:
-    """Row `index` of the split seeded by `seed`; the same arguments always give the same row."""
+def make_clip(seed: int, index: int, frames: int = 2, frame_size: int = 56,
+              directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 1) -> dict:
+    """Row `index` of the split seeded by `seed`; the same arguments always give the same row. The dot stands
+    `hold` frames at each of its frames // hold positions."""
     rng = random.Random(seed * 1_000_003 + index)
-    direction = rng.choice(sorted(DIRECTIONS))
+    direction = rng.choice(sorted(directions))
     color = rng.choice(sorted(COLORS))
-    radius, points = dot_path(rng, direction, frames, frame_size)
+    radius, stops = dot_path(rng, direction, frames // hold, frame_size)
+    points = [point for point in stops for _ in range(hold)]
     return {
         "id": f"motion-{seed}-{index}",
         "frames": draw_frames(points, radius, color, frame_size),
@@ -96,11 +99,21 @@ class Motion(Task):
     name = "motion"
     group_columns = ("direction",)
 
-    def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 2, frame_size: int = 56) -> None:
+    def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 2, frame_size: int = 56,
+                 directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 1) -> None:
         super().__init__()
         if frames < 2 or frames % 2:
             raise UserError(f"task motion takes an even number of frames, 2 or more (frames pair up); got {frames}, "
                             "set task.options.frames=4.")
+        if hold < 1 or frames % hold or frames // hold < 2:
+            raise UserError(f"task motion holds the dot `hold` frames at each position, so frames must be a multiple "
+                            f"of hold with two positions at least; got frames={frames}, hold={hold}: set "
+                            "task.options.hold=1.")
+        unknown = sorted(set(directions) - set(DIRECTIONS))
+        if unknown or not directions:
+            raise UserError(f"task motion moves the dot {', '.join(DIRECTIONS)}; got directions {list(directions)}, "
+                            "set task.options.directions to some of those.")
+        self.directions, self.hold = tuple(sorted(set(directions))), hold
         if frame_size < 28 or frame_size % 28:
             raise UserError(f"task motion takes a frame_size that is a multiple of 28 (whole merged patches); got "
                             f"{frame_size}, set task.options.frame_size=56.")
@@ -116,7 +129,8 @@ class Motion(Task):
         if split not in SPLIT_SEEDS:
             raise UserError(f"task motion has no split {split!r}; use one of {sorted(SPLIT_SEEDS)}.")
         seed = SPLIT_SEEDS[split]
-        return LazySplit(self.sizes[split], lambda index: make_clip(seed, index, self.frames, self.frame_size))
+        return LazySplit(self.sizes[split], lambda index: make_clip(seed, index, self.frames, self.frame_size,
+                                                                    self.directions, self.hold))
 
     def messages(self, row: dict) -> list[dict]:
         pixels = self.frame_size * self.frame_size  # keep the frames at their size (no up-scaling to a video minimum)

@@ -269,6 +269,15 @@ def test_motion_clips_move_the_dot_the_way_the_answer_says():
     assert len(get_task("motion", frames=6).load("test")[0]["frames"]) == 6
     metrics = task.metrics(rows, [said(row["answer"]) if row["answer"] != "up" else said("down") for row in rows])
     assert metrics["accuracy/up"] == 0.0 and metrics["accuracy/left"] == 1.0
+    held = get_task("motion", frames=4, hold=2, directions=["left", "right"]).load("test")[:20]
+    assert {row["direction"] for row in held} == {"left", "right"}
+    for row in held:  # two positions, each held two frames
+        assert row["points"][0] == row["points"][1] != row["points"][2] == row["points"][3]
+        assert row["frames"][0].tobytes() == row["frames"][1].tobytes()
+    with pytest.raises(UserError, match="multiple of hold"):
+        get_task("motion", frames=4, hold=3)
+    with pytest.raises(UserError, match="directions"):
+        get_task("motion", directions=["sideways"])
     with pytest.raises(UserError, match="even number of frames"):
         get_task("motion", frames=3)
     with pytest.raises(UserError, match="multiple of 28"):
