@@ -1,11 +1,12 @@
 """`motion`: synthetic video reasoning, generated from seeds, no download (the video counterpart of `shapes`).
 
-Each row is a short clip (a list of frames, `frames` of them, `frame_size` pixels square) in which one coloured dot
-moves in a straight line, left, right, up or down, by the same step every frame. The question names the axis and
-asks which way along it the dot moves ("Is the red dot moving left or right?", "... up or down?"), in the words of
-`shapes`' left/right questions, which the tiny model was warm-started on. The reference completion states the
-finding inside <think> and answers in <answer>; the accuracy reward is an exact match of the answer. Frames are
-small (two frames of 56 pixels by default) so that the tiny embedded model reads a clip on CPU in a few tokens.
+Each row is a short clip (a list of frames, `frames` of them, `frame_size` pixels square) in which one coloured
+dot moves in a straight line, left, right, up or down, at an even pace, across the middle of the frame. The
+question names the axis and asks which way along it the dot moves ("Is the red dot moving left or right?",
+"... up or down?"), in the words of `shapes`' left/right questions, which the tiny model was warm-started on.
+The reference completion states the finding inside <think> and answers in <answer>; the accuracy reward is an
+exact match of the answer. Frames are small (56 pixels by default) so that the tiny embedded model reads a clip
+on CPU in a few tokens.
 """
 
 from __future__ import annotations
@@ -27,19 +28,18 @@ AXES = {"left": "left or right", "right": "left or right", "up": "up or down", "
 FPS = 2.0  # the clip's frame rate: frames are half a second apart
 
 
-def dot_path(rng: random.Random, direction: str, frames: int, size: int) -> tuple[int, list[tuple[int, int]]]:
-    """(radius, the dot's centre in each frame): a straight move along `direction` that covers at least a third of
-    the frame and stays inside it, from a random start."""
+def dot_path(rng: random.Random, direction: str, positions: int, size: int) -> tuple[int, list[tuple[int, int]]]:
+    """(radius, the dot's centre at each of `positions` stops): a straight move along `direction` at an even pace
+    from a random start in the first half of the frame (counted in the moving direction) to a random end in the
+    second half, so the dot always crosses the middle, at a random place across."""
     radius = max(2, size // 12)
-    low, high = radius + 1, size - radius - 2  # where a centre may lie
-    step = rng.randint(max(1, (high - low) // (3 * (frames - 1))), max(1, (high - low) // (frames - 1)))
-    span = step * (frames - 1)
+    low, high, middle = radius + 1, size - radius - 2, size // 2  # where a centre may lie, and the midline
+    start, end = rng.randint(low, middle - radius - 1), rng.randint(middle + radius, high)
     dx, dy = DIRECTIONS[direction]
-    along = rng.randint(low, high - span)  # the start on the moving axis, counted in the moving direction
     across = rng.randint(low, high)
     points = []
-    for k in range(frames):
-        position = along + k * step
+    for k in range(positions):
+        position = round(start + (end - start) * k / (positions - 1))
         moving = position if (dx + dy) > 0 else size - 1 - position
         points.append((moving, across) if dx else (across, moving))
     return radius, points
