@@ -16,8 +16,8 @@ equal after rounding to 2 decimals (and Video-R1's rule that both or neither are
 OCR, 1 - word error rate (jiwer), clipped to [0, 1]; free-form, the mean of ROUGE-1, ROUGE-2 and ROUGE-L F1
 (rouge_score, Porter stemming), clipped; regression, 1 - relative error, clipped. Plus the format reward.
 
-T-GRPO (task.options.temporal=true, off by default): `shuffled_messages` and `temporal_bonus` (see their docs) are
-what the task contributes; the training loop rolls out the shuffled copies.
+T-GRPO (task.options.temporal=true, off by default): `VideoR1.shuffled_messages` and `temporal_bonus` (see their
+docs) are what the task contributes; the training loop would roll out the shuffled copies (it does not yet).
 """
 
 from __future__ import annotations
@@ -205,9 +205,12 @@ def shuffle_frames(frames: Sequence, seed: int) -> list:
 
 
 def shuffled_messages(messages: list[dict], seed: int) -> list[dict]:
-    """`messages` with the frames of each video (a list of frames) shuffled by `shuffle_frames`: T-GRPO's shuffled
-    prompt. A video given as a file is first read into its sampled frames (qwen-vl-utils' reader, with the part's
-    nframes / fps / pixel settings), so the shuffle permutes exactly the frames the model would see."""
+    """`messages` with the frames of each video part shuffled by `shuffle_frames`: T-GRPO's shuffled prompt.
+
+    Each video must be a list of frames: the prompt as the data stream decoded it (each video read and sampled
+    once), so the shuffle permutes exactly the frames the model sees; the part's other keys (its metadata, hence
+    the frames' timestamps) are kept. A video still given as a file raises ValueError.
+    """
     shuffled = []
     for message in messages:
         content = message["content"]
@@ -218,22 +221,9 @@ def shuffled_messages(messages: list[dict], seed: int) -> list[dict]:
 
 
 def _shuffled_part(part: dict, seed: int) -> dict:
-    frames = part["video"]
-    if isinstance(frames, str | os.PathLike):
-        frames = _read_frames(part)
-        part = {key: value for key, value in part.items() if key not in ("nframes", "min_frames", "max_frames")}
-    return {**part, "video": shuffle_frames(list(frames), seed)}
-
-
-def _read_frames(part: dict) -> list:
-    """The frames qwen-vl-utils samples from a video file, as RGB PIL images."""
-    from PIL import Image
-    from qwen_vl_utils import fetch_video
-
-    video = fetch_video({**part, "video": str(part["video"])})  # [T, C, H, W] float, resized
-    video = video[0] if isinstance(video, tuple) else video
-    pixels = video.clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()  # [T, H, W, C]
-    return [Image.fromarray(frame) for frame in pixels]
+    if not isinstance(part["video"], list | tuple):
+        raise ValueError(f"shuffled_messages needs decoded videos (lists of frames); got {part['video']!r}")
+    return {**part, "video": shuffle_frames(list(part["video"]), seed)}
 
 
 # ---------------------------------------------------------------- data
@@ -337,12 +327,12 @@ class VideoR1(Task):
         text = question_text(row["problem"], row["problem_type"], row["options"])
         return [{"role": "user", "content": [media, {"type": "text", "text": text}]}]
 
-    def shuffled_messages(self, row: dict, seed: int) -> list[dict] | None:
-        """T-GRPO's prompt with its video frames shuffled (`shuffled_messages`); None for an image row or with
-        temporal off (no shuffled rollout is due)."""
-        if not self.temporal or row.get("data_type") != "video":
-            return None
-        return shuffled_messages(self.messages(row), seed)
+    def shuffled_messages(self, messages: list[dict], seed: int) -> list[dict] | None:
+        """T-GRPO's prompt: a video prompt's decoded `messages` with its frames shuffled (`shuffled_messages`);
+        None with temporal off or for a prompt without video (an image row: no shuffled rollout is due)."""
+        videos = [part for message in messages if not isinstance(message["content"], str)
+                  for part in message["content"] if part.get("type") == "video"]
+        return shuffled_messages(messages, seed) if self.temporal and videos else None
 
     def temporal_bonus(self, ordered: torch.Tensor, shuffled: torch.Tensor) -> torch.Tensor:
         """`temporal_bonus` (module function): [G] bonuses for the ordered completions' accuracy."""

@@ -154,17 +154,20 @@ def test_video_r1_bad_rows_are_counted_reasons(tmp_path):
         get_task("videor1", nframes=7)
 
 
-def test_video_r1_temporal_prompt_shuffles_the_frames_of_video_rows_only(tmp_path):
+def test_video_r1_temporal_prompt_shuffles_the_decoded_frames_of_video_prompts_only(tmp_path):
     task = get_task("videor1", data_path=video_r1_json(tmp_path), temporal=True)
     rows = task.load("train")
-    assert task.shuffled_messages(rows[1], seed=0) is None  # an image row
-    assert get_task("videor1", data_path=tmp_path / "Video-R1-260k.json").shuffled_messages(rows[0], 0) is None
+    assert task.shuffled_messages(task.messages(rows[1]), seed=0) is None  # an image row
     frames = [Image.new("RGB", (28, 28), (k * 30, 0, 0)) for k in range(4)]
-    messages = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 2.0},
-                                             {"type": "text", "text": "q"}]}]
-    (shuffled,) = gpg_vl_tasks.videor1.shuffled_messages(messages, seed=3)
-    assert shuffled["content"][0] == {"type": "video", "video": shuffle_frames(frames, 3), "fps": 2.0}
-    assert shuffled["content"][1] == {"type": "text", "text": "q"} and messages[0]["content"][0]["video"] == frames
+    metadata = {"fps": 2.0, "frames_indices": [0, 1, 2, 3], "total_num_frames": 4}
+    decoded = [{"role": "user", "content": [{"type": "video", "video": frames, "video_metadata": metadata},
+                                            {"type": "text", "text": "q"}]}]
+    (shuffled,) = task.shuffled_messages(decoded, seed=3)
+    assert shuffled["content"][0] == {"type": "video", "video": shuffle_frames(frames, 3), "video_metadata": metadata}
+    assert shuffled["content"][1] == {"type": "text", "text": "q"} and decoded[0]["content"][0]["video"] == frames
+    assert get_task("videor1", data_path=tmp_path / "Video-R1-260k.json").shuffled_messages(decoded, 3) is None
+    with pytest.raises(ValueError, match="decoded videos"):
+        task.shuffled_messages(task.messages(rows[0]), seed=3)  # the file itself, not its frames
 
 
 # ---------------------------------------------------------------- VSI-Bench
