@@ -5,8 +5,8 @@ dot moves in a straight line, left, right, up or down, at an even pace, across t
 question names the axis and asks which way along it the dot moves ("Is the red dot moving left or right?",
 "... up or down?"), in the words of `shapes`' left/right questions, which the tiny model was warm-started on.
 The reference completion states the finding inside <think> and answers in <answer>; the accuracy reward is an
-exact match of the answer. Frames are small (56 pixels by default) so that the tiny embedded model reads a clip
-on CPU in a few tokens.
+exact match of the answer. Frames are small (four of 56 pixels by default, the dot standing two frames at each
+of its two positions) so that the tiny embedded model reads a clip on CPU in a few tokens.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def draw_frames(points: Sequence[tuple[int, int]], radius: int, color: str, size
     return frames
 
 
-def make_clip(seed: int, index: int, frames: int = 2, frame_size: int = 56,
-              directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 1) -> dict:
+def make_clip(seed: int, index: int, frames: int = 4, frame_size: int = 56,
+              directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 2) -> dict:
     """Row `index` of the split seeded by `seed`; the same arguments always give the same row. The dot stands
     `hold` frames at each of its frames // hold positions."""
     rng = random.Random(seed * 1_000_003 + index)
@@ -99,8 +99,8 @@ class Motion(Task):
     name = "motion"
     group_columns = ("direction",)
 
-    def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 2, frame_size: int = 56,
-                 directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 1) -> None:
+    def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 4, frame_size: int = 56,
+                 directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 2) -> None:
         super().__init__()
         if frames < 2 or frames % 2:
             raise UserError(f"task motion takes an even number of frames, 2 or more (frames pair up); got {frames}, "

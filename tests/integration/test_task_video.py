@@ -257,7 +257,7 @@ def test_motion_clips_move_the_dot_the_way_the_answer_says():
     assert rows[7]["points"] == task.load("test")[7]["points"]  # seeded
     assert {row["direction"] for row in rows} == {"left", "right", "up", "down"}
     for row in rows:
-        assert len(row["frames"]) == 2 and row["frames"][0].size == (56, 56)
+        assert len(row["frames"]) == 4 and row["frames"][0].size == (56, 56)
         (x0, y0), (x1, y1) = centre(row["frames"][0]), centre(row["frames"][-1])
         dx, dy = x1 - x0, y1 - y0
         moved = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
