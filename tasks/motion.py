@@ -18,9 +18,8 @@ from PIL import Image, ImageDraw
 
 from gpg_vl.data.task import Task, register_task
 from gpg_vl.errors import UserError
-from gpg_vl.reward.primitives import exact_match_reward, format_reward
 
-from .shapes import COLORS, INSTRUCTION, SPLIT_SEEDS
+from .shapes import COLORS, INSTRUCTION, SPLIT_SEEDS, Shapes
 from .videor1 import group_accuracy
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
@@ -93,15 +92,16 @@ class LazySplit(Sequence):
 
 
 @register_task
-class Motion(Task):
-    """Which way does the dot move (left or right, up or down)? Clips as frame lists; accuracy + format rewards."""
+class Motion(Shapes):
+    """Which way does the dot move (left or right, up or down)? Clips as frame lists; `shapes`' rewards (exact match
+    + format) and splits."""
 
     name = "motion"
     group_columns = ("direction",)
 
     def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 4, frame_size: int = 56,
                  directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 2) -> None:
-        super().__init__()
+        super().__init__(train_size=train_size, test_size=test_size)
         if frames < 2 or frames % 2:
             raise UserError(f"task motion takes an even number of frames, 2 or more (frames pair up); got {frames}, "
                             "set task.options.frames=4.")
@@ -117,13 +117,7 @@ class Motion(Task):
         if frame_size < 28 or frame_size % 28:
             raise UserError(f"task motion takes a frame_size that is a multiple of 28 (whole merged patches); got "
                             f"{frame_size}, set task.options.frame_size=56.")
-        self.sizes = {"train": train_size, "test": test_size, "validation": test_size}
         self.frames, self.frame_size = frames, frame_size
-        self.reward_functions = {
-            "accuracy": lambda completion, row: exact_match_reward(completion, row["answer"]),
-            "format": lambda completion, row: format_reward(completion),
-        }
-        self.reward_weights = {"accuracy": 1.0, "format": 1.0}
 
     def load(self, split: str) -> LazySplit:
         if split not in SPLIT_SEEDS:
@@ -140,4 +134,4 @@ class Motion(Task):
     def metrics(self, rows, completions, scores=None) -> dict[str, float]:
         """The default metrics and `accuracy/<direction>`."""
         scores = self.scored(rows, completions, scores)
-        return {**super().metrics(rows, completions, scores), **group_accuracy(rows, scores, self.group_columns)}
+        return {**Task.metrics(self, rows, completions, scores), **group_accuracy(rows, scores, self.group_columns)}

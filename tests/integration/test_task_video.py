@@ -20,8 +20,8 @@ from gpg_vl.data.sources import load_rows
 from gpg_vl.errors import BadRow, UserError
 
 COLOURS = [(200, 40, 40), (40, 160, 60), (40, 70, 220), (230, 190, 30)]
-MOTION_STEPS = 60  # the learning test's run: +experiment=motion-tiny cut to this many steps
-MOTION_MARGIN = 0.2  # the held-out gain it must reach (measured gains: docs/results/motion.md)
+MOTION_STEPS = 30  # the learning test's run: +experiment=motion-tiny cut to this many steps
+MOTION_MARGIN = 0.2  # the held-out gain it must reach: 0.44 measured at 30 steps for seeds 0 to 2 (results/motion.md)
 
 
 @pytest.fixture(autouse=True)
@@ -319,9 +319,11 @@ def test_vsibench_fixture_evaluates_with_per_category_metrics(vsibench, tmp_path
 
 @needs_video
 @pytest.mark.slow
-def test_motion_learns_on_the_tiny_model(tmp_path):
-    """`+experiment=motion-tiny`, shortened: held-out accuracy rises by at least MOTION_MARGIN (docs/results/motion.md
-    gives the gains measured over seeds, of which this margin is a safe fraction)."""
+def test_motion_tiny_learns_to_answer_video_prompts(tmp_path):
+    """`+experiment=motion-tiny`, shortened. Before training the tiny model does not close its answer on these clips;
+    GPG teaches it the format, so held-out accuracy rises by at least MOTION_MARGIN (measured: 0 to 0.44 on seeds 0,
+    1, 2). It does not learn the direction (it then answers one direction to every clip): docs/results/motion.md."""
     summary = train_main(load_config("train", ["+experiment=motion-tiny", f"trainer.max_steps={MOTION_STEPS}",
                                                "eval.limit=100", f"output_dir={tmp_path}"]))
+    assert summary["eval_after"]["reward/format"] >= 0.9 > summary["eval_before"]["reward/format"], summary
     assert summary["accuracy_after"] - summary["accuracy_before"] >= MOTION_MARGIN, summary
