@@ -73,6 +73,8 @@ class Task:
     group_columns: ClassVar[tuple[str, ...]] = ()  # row columns whose values evaluation breaks accuracy down by
     # the tools the model may call (registered names, gpg_vl/rollout/tools.py), with rollout.max_turns > 1
     tools: ClassVar[tuple[str, ...]] = ()
+    # whether the prompt lists those tools as the model's chat template does (False: the task's own prompt does)
+    describe_tools: ClassVar[bool] = True
 
     def __init__(self, **options: Any) -> None:
         if options:

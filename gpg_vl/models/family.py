@@ -149,6 +149,27 @@ def parse_xml_call(text: str) -> ToolCall | None:
 TOOL_CALL_PARSERS = {"hermes": parse_hermes_call, "xml": parse_xml_call}
 
 
+def tool_system_text(tools: list[dict]) -> str:
+    """The tool list in Hermes' form (what Qwen2.5's chat template writes for `tools=`): for a family whose template
+    has no tool list of its own."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+            f"function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each "
+            "function call, return a json object with function name and arguments within <tool_call></tool_call> XML "
+            'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def with_tool_system_message(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` with the tool list (`tool_system_text`) at the end of their system message, or in one of its own."""
+    text = tool_system_text(tools)
+    if messages and messages[0].get("role") == "system":
+        content = messages[0]["content"]
+        content = content + "\n\n" + text if isinstance(content, str) else \
+            [*content, {"type": "text", "text": "\n\n" + text}]
+        return [{**messages[0], "content": content}, *messages[1:]]
+    return [{"role": "system", "content": [{"type": "text", "text": text}]}, *messages]
+
+
 def _format_number(value: float) -> str:
     """Two decimals at most, none when they are zero: 50.0 -> '50', 12.345 -> '12.35'."""
     text = f"{value:.2f}".rstrip("0").rstrip(".")
@@ -255,11 +276,17 @@ class Family:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     # ---- prompts -------------------------------------------------------------------------------
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text: the chat template (instruct models), or `raw_template` around the messages' text
-        with each image's placeholder where it stands (base models, as the paper's CV-Bench run)."""
+        with each image's placeholder where it stands (base models, as the paper's CV-Bench run). `tools`: the
+        function schemas the model may call (multi-turn rollouts), listed as the template lists them (`tools=`),
+        or in a system message in Hermes' form where the template has no tool list."""
         if self.prompt_style == "chat":
             extra = {} if self.enable_thinking else {"enable_thinking": False}
+            if tools and "tools" in (getattr(self.processor, "chat_template", None) or ""):
+                extra["tools"] = tools
+            elif tools:
+                messages = with_tool_system_message(messages, tools)
             return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         parts = []
         for message in messages:
@@ -272,8 +299,10 @@ class Family:
                     parts.append(part["text"])
         return self.raw_template.replace("{prompt}", "".join(parts))
 
-    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
-        """Chat messages -> a left-padded PromptBatch (images resized within the family's pixel limits)."""
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None,
+               tools: list[dict] | None = None) -> PromptBatch:
+        """Chat messages -> a left-padded PromptBatch (images resized within the family's pixel limits); `tools`
+        as `render` takes them."""
         raise NotImplementedError
 
     def completion_prefix(self, prompt_text: str) -> str:

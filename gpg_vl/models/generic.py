@@ -51,9 +51,10 @@ class GenericFamily(Family):
         side = size.get("height") or size.get("shortest_edge") or size.get("longest_edge") or 32
         self.placeholder_size = (int(side), int(side))
 
-    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None,
+               tools: list[dict] | None = None) -> PromptBatch:
         """Chat messages -> left-padded processor inputs, images as the processor resizes them."""
-        texts = [self.render(messages) for messages in messages_batch]
+        texts = [self.render(messages, tools) for messages in messages_batch]
         images = [message_images(messages) for messages in messages_batch]
         images_per_prompt = [len(prompt_images) for prompt_images in images]
         self.tokenizer.padding_side = "left"

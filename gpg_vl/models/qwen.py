@@ -40,7 +40,8 @@ class QwenVLAdapter(Family):
         self.image_patch_size = getattr(processor.image_processor, "patch_size", 14)
         self.placeholder_size = (2 * self.image_patch_size, 2 * self.image_patch_size)
 
-    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None) -> PromptBatch:
+    def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None,
+               tools: list[dict] | None = None) -> PromptBatch:
         """Chat messages -> left-padded processor inputs. Images are resized within min/max pixels."""
         for messages in messages_batch:
             for message in messages:
@@ -50,7 +51,7 @@ class QwenVLAdapter(Family):
                             part.setdefault("min_pixels", self.min_pixels)
                         if self.max_pixels is not None:
                             part.setdefault("max_pixels", self.max_pixels)
-        texts = [self.render(messages) for messages in messages_batch]
+        texts = [self.render(messages, tools) for messages in messages_batch]
         images_per_prompt, images, image_sizes = [], [], []
         for messages in messages_batch:
             originals = [part["image"].size for message in messages if isinstance(message["content"], list)

@@ -71,9 +71,11 @@ class EnginePrompts:
         return EnginePrompts(self.batch.select(indices), messages)
 
 
-def encode_prompts(policy, messages: list[list[dict]], ids: list[str] | None = None) -> EnginePrompts:
-    """Messages -> EnginePrompts, encoded by the policy's family."""
-    return EnginePrompts(policy.adapter.encode(messages, ids=ids), messages)
+def encode_prompts(policy, messages: list[list[dict]], ids: list[str] | None = None,
+                   tools: list[dict] | None = None) -> EnginePrompts:
+    """Messages -> EnginePrompts, encoded by the policy's family; `tools`: the function schemas the prompts list
+    (`Engine.prompt_tools`)."""
+    return EnginePrompts(policy.adapter.encode(messages, ids=ids, tools=tools), messages)
 
 
 class Engine:
@@ -112,6 +114,15 @@ class Engine:
         """Take the run's multi-turn settings and the task's tools (an engine checks here, in one sentence, that its
         model can run them)."""
         self.multiturn, self.tools = settings, tuple(tools)
+
+    def prompt_tools(self, task) -> list[dict] | None:
+        """The function schemas a prompt lists for the model (multi-turn rollouts of a task that does not describe
+        its tools in its own prompt), else None."""
+        if not (self.multiturn.multi_turn and self.tools and getattr(task, "describe_tools", True)):
+            return None
+        from gpg_vl.rollout.tools import TOOLS, tool_schema
+
+        return [tool_schema(TOOLS.get(name)) for name in self.tools]
 
     @classmethod
     def unavailable(cls, settings) -> str | None:

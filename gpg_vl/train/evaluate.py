@@ -27,6 +27,7 @@ from gpg_vl.models.load import Policy
 from gpg_vl.reward.pool import RewardBudget, score_within
 from gpg_vl.reward.primitives import extract_answer
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
+from gpg_vl.rollout.trajectory import trajectory_metrics
 from gpg_vl.rollout.types import in_task_frame
 from gpg_vl.train.placeholder import placeholder_prompts
 
@@ -43,6 +44,7 @@ class Decoded:
     row: dict  # the row's columns without its images
     rewards: dict[str, float]  # each reward's score (0 for all when not scored within the budget)
     timed_out: bool = False  # not scored within the batch's reward budget
+    trajectory: object = None  # multi-turn (rollout.max_turns > 1): its Trajectory (turns, tool calls, crops)
 
 
 @dataclass(frozen=True)
@@ -76,14 +78,17 @@ def generate_greedy(
                 engine.generate(EnginePrompts(placeholder_prompts(policy)), 1, greedy)
             continue
         messages = [task.messages(row) for _, row in chunk]
-        prompts = encode_prompts(policy, messages)
+        prompts = encode_prompts(policy, messages, tools=engine.prompt_tools(task))
         rollout = engine.generate(prompts, 1, greedy)
+        trajectories = rollout.trajectories or [None] * len(chunk)
         texts = in_task_frame(policy, task, rollout.texts, prompts.batch, 1)
         scored = _scoring_rows(task, [row for _, row in chunk], texts)
         rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
         zero = dict.fromkeys(task.reward_functions, 0.0)
-        decoded += [Decoded(i, text, prompt_text(message), row, dict(zero) if score is None else score, score is None)
-                    for (i, _), message, text, row, score in zip(chunk, messages, texts, scored, rewards, strict=True)]
+        decoded += [Decoded(i, text, prompt_text(message), row, dict(zero) if score is None else score, score is None,
+                            trajectory)
+                    for (i, _), message, text, row, score, trajectory in
+                    zip(chunk, messages, texts, scored, rewards, trajectories, strict=True)]
     if world_size > 1 and gather is not None:
         decoded = gather(decoded)  # collective: every process reaches it once, after the same number of batches
     return sorted(decoded, key=lambda d: d.index)
@@ -94,6 +99,8 @@ def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict
     decoded = generate_greedy(policy, task, rows, **kwargs)
     metrics = task_metrics(task, [d.row for d in decoded], [d.completion for d in decoded],
                            [d.rewards for d in decoded])
+    if any(d.trajectory is not None for d in decoded):  # multi-turn: turns, tool calls, errors, images, limits
+        metrics.update(trajectory_metrics([d.trajectory for d in decoded if d.trajectory is not None]))
     timeouts = sum(d.timed_out for d in decoded)
     if timeouts:
         metrics["reward_timeouts"] = float(timeouts)

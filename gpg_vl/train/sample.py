@@ -105,7 +105,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     batch_size, group_size, overlong_cache = trainer.batch_size, trainer.group_size, trainer.overlong_cache
     drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
     rows = [p.row for p in drawn]
-    prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn])
+    prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn],
+                             tools=engine.prompt_tools(task))
     lengths = prompts.batch.inputs["attention_mask"].sum(dim=1).tolist()
     keep = [i for i, n in enumerate(lengths) if n <= rollout.max_prompt_tokens]
     for i in sorted(set(range(len(rows))) - set(keep)):

@@ -72,3 +72,20 @@ def test_every_turns_images_match_their_placeholder_tokens(policy):
                                         for i in range(len(trajectory.token_ids))]
     finally:
         bare.model.get_image_features = encoder
+
+
+def test_every_prompt_lists_the_tools_it_offers_once(policy):
+    """The chat template's own tool list (tools=) where it has one, else a Hermes system message; a system message
+    of the task keeps its text, the tool list after it."""
+    from gpg_vl.rollout.tools import TOOLS, tool_schema
+
+    family = policy.adapter
+    tools = [tool_schema(TOOLS.get("zoom_in"))]
+    question = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))},
+                                             {"type": "text", "text": "What is it?"}]}]
+    plain, listed = family.render(question), family.render(question, tools)
+    assert "zoom_in" not in plain and listed.count('"zoom_in"') + listed.count("<name>zoom_in") == 1, listed
+    system = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, *question]
+    with_system = family.render(system, tools)
+    assert "Be brief." in with_system and "zoom_in" in with_system
+    assert family.encode([question], tools=tools).texts == [listed]

@@ -189,3 +189,31 @@ def test_a_refusal_raised_as_tool_error_reads_as_its_sentence(registered):
 
     registered("picky", picky)
     assert run_tool("picky", {}, context()).text == "Error: only on Tuesdays."
+
+
+def test_max_turns_above_one_is_refused_before_any_sampling_without_an_engine_a_task_or_a_tool_that_can():
+    from gpg_vl.config.schema import RolloutSettings
+    from gpg_vl.rollout.engine import ENGINES, Engine, build_engine
+
+    class SingleTurn(Engine):
+        name = "single_turn_only"
+
+        def __init__(self, policy, rollout, *, accelerator=None) -> None:
+            self.policy = policy
+
+    ENGINES.add("single_turn_only", SingleTurn)
+    try:
+        cases = [(RolloutSettings(max_turns=2, engine="single_turn_only"), ("zoom_in",),
+                  "rollout.engine=single_turn_only cannot roll out trajectories with tools"),
+                 (RolloutSettings(max_turns=2), (), "needs a task that offers tools"),
+                 (RolloutSettings(max_turns=2), ("no_such_tool",), "no_such_tool")]
+        for rollout, tools, says in cases:
+            with pytest.raises(UserError, match=says):
+                build_engine(rollout, None, tools=tools)  # refused before the engine (or a model) is touched
+        engine = build_engine(RolloutSettings(engine="single_turn_only"), None, tools=("zoom_in",))
+        assert not engine.multiturn.multi_turn and engine.prompt_tools(None) is None  # max_turns=1: as before
+        engine.take_tools(MultiTurnSettings(max_turns=3), ("zoom_in",))
+        assert engine.prompt_tools(type("OwnPrompt", (), {"describe_tools": False})()) is None
+        assert [t["function"]["name"] for t in engine.prompt_tools(None)] == ["zoom_in"]
+    finally:
+        ENGINES.unregister("single_turn_only")
