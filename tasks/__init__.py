@@ -1,3 +1,15 @@
 """Built-in task plugins; importing this package registers them."""
 
-from . import classification, cvbench, deepeyes, geoqa, hrbench, lisa, shapes, vstar  # noqa: F401
+from . import (  # noqa: F401
+    classification,
+    cvbench,
+    deepeyes,
+    geoqa,
+    hrbench,
+    lisa,
+    motion,
+    shapes,
+    videor1,
+    vsibench,
+    vstar,
+)
