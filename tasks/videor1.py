@@ -17,7 +17,8 @@ OCR, 1 - word error rate (jiwer), clipped to [0, 1]; free-form, the mean of ROUG
 (rouge_score, Porter stemming), clipped; regression, 1 - relative error, clipped. Plus the format reward.
 
 T-GRPO (task.options.temporal=true, off by default): `VideoR1.shuffled_messages` and `temporal_bonus` (see their
-docs) are what the task contributes; the training loop would roll out the shuffled copies (it does not yet).
+docs) are what the task contributes; the trainer rolls out the shuffled copies and adds the bonus as the reward
+component "temporal" (gpg_vl/train/sample.py, `temporal_component`).
 """
 
 from __future__ import annotations

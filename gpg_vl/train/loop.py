@@ -33,6 +33,7 @@ from transformers import get_scheduler
 
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream, Subset, scan_rows
+from gpg_vl.distributed import forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.models.family import choose_scoring_path
 from gpg_vl.models.load import Policy
@@ -58,7 +59,14 @@ from gpg_vl.train.checkpoint import (
 )
 from gpg_vl.train.evaluate import Share, evaluate
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
-from gpg_vl.train.sample import Attempt, attempts_allowed, collect_valid_groups, global_counts, sample_attempt
+from gpg_vl.train.sample import (
+    Attempt,
+    attempts_allowed,
+    collect_valid_groups,
+    global_counts,
+    reward_names,
+    sample_attempt,
+)
 from gpg_vl.train.update import (
     Learner,
     build_optimizer,
@@ -98,7 +106,7 @@ class RunData:
     stream: PromptStream
     eval_rows: object
     eval_kwargs: dict
-    reward_names: list[str]  # the task's reward components, and "overlong" with DAPO's shaping
+    reward_names: list[str]  # the task's reward components, "temporal" (T-GRPO), "overlong" (DAPO's shaping)
 
 
 @dataclass
@@ -269,6 +277,10 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     # samples, and evaluates; with rollout.max_turns > 1 trajectories that may call the task's tools
     engine = build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
     learner = replace(learner, correction=engine.correction)
+    if getattr(task, "temporal", False) and forward_is_collective(learner.model):
+        raise UserError("T-GRPO's shuffled-frame rollouts (task.options.temporal=true) run only on the prompts with "
+                        "video of each process, which FSDP / ZeRO-3's collective generation cannot follow; turn "
+                        "temporal off or train with DDP.")
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(settings.config or {}))
     state = RunState(counters={"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0,
@@ -284,7 +296,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
                           world_size=accelerator.num_processes, max_bad_fraction=settings.max_bad_fraction,
                           warn=run.warn, stop=run.stop, max_aspect_ratio=policy.adapter.max_aspect_ratio)
     run.data = RunData(task, stream, eval_rows=None, eval_kwargs={},
-                       reward_names=list(task.reward_functions) + (["overlong"] if trainer.overlong_cache else []))
+                       reward_names=reward_names(task, trainer))
     _resume(run)
     _held_out(run)
     run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,

@@ -115,7 +115,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
              "lower model.max_pixels.")
     if len(keep) < len(rows):
         rows, prompts = [rows[i] for i in keep], prompts.select(keep) if keep else None
-    names = list(task.reward_functions)
+    names = reward_names(task, trainer)
     if not rows:
         # Under FSDP / ZeRO-3 generation is collective (weights gathered per module, synced_gpus): a process
         # whose prompts were all skipped still makes this attempt's one generate call, on a placeholder whose
@@ -123,7 +123,6 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
         if forward_is_collective(policy.model):
             engine.generate(EnginePrompts(placeholder_prompts(policy)), group_size, Sampling.from_settings(rollout))
         empty = torch.zeros(0, group_size)
-        names += ["overlong"] if overlong_cache else []
         return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
     require_images(prompts.batch.has_images, stream.world_size, "a batch of training prompts")
@@ -132,8 +131,14 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores, timeouts = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
                                          workers=trainer.reward_workers, budget=reward_budget)
-    components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size) for n in names}  # [b, G]
+    components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size)
+                  for n in task.reward_functions}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
+    if getattr(task, "temporal", False):  # T-GRPO: a bonus from rollouts of the same videos with shuffled frames
+        components["temporal"] = temporal_component(policy, task, engine, [drawn[i].messages for i in keep], rows,
+                                                    components["accuracy"], rollout, workers=trainer.reward_workers,
+                                                    budget=reward_budget)  # [b, G]
+        rewards = rewards + components["temporal"]
     if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
         lengths = result.completion_mask.sum(dim=1)  # [b * G]
         penalty = trainer.overlong_penalty * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
@@ -142,6 +147,39 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts)
+
+
+def temporal_component(policy: Policy, task, engine, messages: list[list[dict]], rows: list[dict],
+                       accuracy: torch.Tensor, rollout: RolloutSettings, *, workers: int,
+                       budget: RewardBudget | None) -> torch.Tensor:
+    """T-GRPO's temporal reward (Video-R1) [b, G]: each video prompt (`task.shuffled_messages` gives its frames
+    shuffled; None for a prompt without video) is also rolled out G / 2 times with its frames shuffled, those
+    completions scored for accuracy only (never trained on), and `task.temporal_bonus(ordered, shuffled)` gives each
+    of the G ordered completions its bonus from the two groups' accuracies `accuracy` [b, G]. Shuffles are drawn from
+    torch's generator, which checkpoints hold: a resumed run draws the same."""
+    group_size = accuracy.shape[1]
+    shuffled = [task.shuffled_messages(m, int(torch.randint(2**31 - 1, ()))) for m in messages]
+    videos = [b for b, m in enumerate(shuffled) if m is not None]
+    bonus = torch.zeros_like(accuracy)  # [b, G]
+    if not videos:
+        return bonus
+    half = max(1, group_size // 2)
+    prompts = encode_prompts(policy, [shuffled[b] for b in videos], tools=engine.prompt_tools(task))
+    result = engine.generate(prompts, half, Sampling.from_settings(rollout))
+    texts = in_task_frame(policy, task, result.texts, prompts.batch, half)
+    scores, _ = score_completions(task, texts, [rows[videos[i // half]] for i in range(len(texts))], workers=workers,
+                                  budget=budget)
+    shuffled_accuracy = torch.tensor([s["accuracy"] for s in scores]).view(len(videos), half)  # [v, G / 2]
+    for i, b in enumerate(videos):
+        bonus[b] = task.temporal_bonus(accuracy[b], shuffled_accuracy[i]).to(bonus.dtype)
+    return bonus
+
+
+def reward_names(task, trainer: TrainerSettings) -> list[str]:
+    """The reward components of a step: the task's, T-GRPO's "temporal" (a task with `temporal` on) and DAPO's
+    "overlong" (trainer.overlong_cache > 0)."""
+    return list(task.reward_functions) + (["temporal"] if getattr(task, "temporal", False) else []) + \
+        (["overlong"] if trainer.overlong_cache else [])
 
 
 ADVANTAGE_CONTRACT = "it must map rewards [b, G] to (advantages [b, G], valid [b] bool)"
