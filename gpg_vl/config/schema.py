@@ -250,6 +250,9 @@ class VLLMEngineSettings:
     max_images: int = field(default=4, metadata=meta(
         "most images in one prompt (vLLM plans its encoder memory for them; with rollout.max_turns > 1, "
         "rollout.max_images more for the tools' images)", low=1))
+    max_videos: int = field(default=1, metadata=meta(
+        "most videos in one prompt (vLLM plans its encoder memory for them; a model that takes no video: none)",
+        low=0))
     enforce_eager: bool = field(default=False, metadata=meta(
         "no CUDA graphs (slower decoding, faster start, less memory)"))
     max_logp_mismatch: float = field(default=0.05, metadata=meta(

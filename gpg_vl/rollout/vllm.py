@@ -209,7 +209,8 @@ def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed
         "gpu_memory_utilization": settings.gpu_memory_utilization, "enable_sleep_mode": settings.enable_sleep_mode,
         "max_model_len": settings.max_model_len or rollout.max_prompt_tokens + after_prompt,
         "enforce_eager": settings.enforce_eager, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
-        "logprobs_mode": "processed_logprobs", "limit_mm_per_prompt": {"image": images},
+        "logprobs_mode": "processed_logprobs", "limit_mm_per_prompt": {"image": images, **(
+            {"video": settings.max_videos} if settings.max_videos and family.videos_unsupported() is None else {})},
         "mm_processor_kwargs": family.engine_processor_kwargs() or None,
     }
 
