@@ -1,3 +1,3 @@
 """Built-in task plugins; importing this package registers them."""
 
-from . import classification, cvbench, geoqa, lisa, shapes  # noqa: F401
+from . import classification, cvbench, geoqa, lisa, shapes, zoom  # noqa: F401
