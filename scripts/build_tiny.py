@@ -216,7 +216,7 @@ def zoom_metrics(policy, task, rows, *, sample: bool, batch_size: int = 25) -> d
 
 
 def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, tool_share: float, seed: int,
-             eval_rows, eval_every: int) -> None:
+             eval_rows, eval_every: int, out: Path) -> None:
     """Cross-entropy on demonstration trajectories, the loss on the model's tokens only (token mean)."""
     family, model = policy.adapter, policy.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -246,6 +246,9 @@ def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, t
                 metrics = zoom_metrics(policy, task, eval_rows, sample=mode == "sampled")
                 print(f"zoom step {step + 1} {mode}: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}),
                       flush=True)
+            snapshot = out.with_name(f"{out.name}-step{step + 1}")
+            model.save_pretrained(snapshot)
+            policy.processor.save_pretrained(snapshot)
 
 
 def build_zoom(args) -> None:
@@ -260,7 +263,8 @@ def build_zoom(args) -> None:
 
     started = time.time()
     zoom_sft(policy, task, rows_at, steps=args.zoom_steps, lr=args.zoom_lr, batch_size=args.batch_size,
-             tool_share=args.zoom_tool_share, seed=args.seed, eval_rows=test, eval_every=args.eval_every)
+             tool_share=args.zoom_tool_share, seed=args.seed, eval_rows=test, eval_every=args.eval_every,
+             out=args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     policy.model.save_pretrained(args.out)
     policy.processor.save_pretrained(args.out)
