@@ -62,6 +62,10 @@ class PromptBatch:
                            self.image_sizes, self.rows, self.texts)
 
 
+# keys of processor outputs that count images per prompt (summed, not stacked, when observations add images)
+COUNT_KEYS = ("batch_num_images",)
+
+
 def per_token_keys(inputs: dict[str, Tensor]) -> list[str]:
     """The inputs that hold one value per prompt token ([B, P], like input_ids)."""
     shape = inputs["input_ids"].shape

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicLayer
 
-from gpg_vl.models.batch import PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
+from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
 
 
 def _cache_of(outputs):
@@ -131,7 +131,9 @@ def with_observations(prompts: PromptBatch, prompt_index: list[int], sequences: 
             for (start, end), extra in zip(trajectory.observations, trajectory.observation_inputs, strict=True):
                 if key in extra:
                     full[key][n, width + start:width + end] = extra[key][0].to(full[key].device)
-    image_keys = [key for key in prompts.inputs if key not in token_keys and key in prompts.rows]
+    # every key that is not per token: the prompt's image inputs (in `prompts.rows`, or one row per prompt when
+    # each prompt has one image, e.g. GLM-4.1V's image_grid_thw)
+    image_keys = [key for key in prompts.inputs if key not in token_keys]
     for trajectory in observations:
         for (start, end), extra in zip(trajectory.observations, trajectory.observation_inputs, strict=True):
             image_keys += [key for key, value in extra.items() if key not in image_keys and key not in token_keys
@@ -143,6 +145,10 @@ def with_observations(prompts: PromptBatch, prompt_index: list[int], sequences: 
                 parts.append(prompts.select([prompt_index[n]]).inputs[key])
             parts += [extra[key] for extra in trajectory.observation_inputs if key in extra]
         device = sequences["input_ids"].device
+        if key in COUNT_KEYS:  # images per sequence: the prompt's plus its observations'
+            parts = [sum(p.to(device) for p in [prompts.select([prompt_index[n]]).inputs[key]] + [
+                extra[key] for extra in trajectory.observation_inputs if key in extra])
+                for n, trajectory in enumerate(observations)]
         full[key] = torch.cat([part.to(device) for part in parts], dim=0)
     return full
 

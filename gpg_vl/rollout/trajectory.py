@@ -18,6 +18,7 @@ from torch import Tensor
 
 from gpg_vl.config.names import MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
 from gpg_vl.errors import UserError
+from gpg_vl.models.batch import COUNT_KEYS
 
 LIMITS = ("turn", "image", "token")  # what can cut a trajectory short
 
@@ -137,8 +138,6 @@ def pad_trajectories(trajectories: list[Trajectory], pad_id: int, *, on_limit: s
     return ids, attention, loss
 
 
-# keys of processor outputs that count images per prompt (summed, not stacked, when observations add images)
-_COUNT_KEYS = ("batch_num_images",)
 
 
 def sequence_inputs(prompt_inputs: dict[str, Tensor], trajectory: Trajectory) -> dict[str, Tensor]:
@@ -168,7 +167,7 @@ def sequence_inputs(prompt_inputs: dict[str, Tensor], trajectory: Trajectory) ->
         parts = [value for value in [prompt_inputs.get(key)] + [extra.get(key) for extra in extras]
                  if value is not None]
         parts = [value.to(ids.device) for value in parts]
-        full[key] = sum(parts) if key in _COUNT_KEYS else torch.cat(parts, dim=0)
+        full[key] = sum(parts) if key in COUNT_KEYS else torch.cat(parts, dim=0)
     return full
 
 

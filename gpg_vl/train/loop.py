@@ -41,6 +41,7 @@ from gpg_vl.observe.report import write_curves
 from gpg_vl.observe.rollout_log import log_rollouts
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import build_engine
+from gpg_vl.rollout.trajectory import trajectory_metrics
 from gpg_vl.train import build
 from gpg_vl.train.checkpoint import (
     compare_settings,
@@ -489,7 +490,9 @@ def step(run: Run) -> dict:
     _count_bad_step(run, result)
     errors = sum(getattr(task, "reward_errors", {}).values()) - errors_before
     stream = run.data.stream
+    turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
     return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names, reward_errors=errors),
+            **turns,
             "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
             "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
             "groups_used": collected.groups_valid,
@@ -518,6 +521,19 @@ def _count_bad_step(run: Run, result: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # log + save
 # ---------------------------------------------------------------------------------------------
+def trajectory_step_metrics(collected, accelerator: Accelerator) -> dict[str, float]:
+    """The step's multi-turn metrics (`trajectory_metrics`: turns, tool calls and errors, images, limit hits,
+    generated and observation tokens) over every trajectory sampled on every process. Collective: one all-reduce,
+    on every process when rollout.max_turns > 1 (a process without prompts adds zeros)."""
+    trajectories = [t for a in collected.attempts if a.rollout is not None for t in a.rollout.trajectories or []]
+    local = trajectory_metrics(trajectories)
+    names = sorted(local)
+    count = float(len(trajectories))
+    sums = [local[n] * count if n.endswith("_mean") else local[n] for n in names] + [count]  # means back to sums
+    totals = accelerator.reduce(torch.tensor(sums, dtype=torch.float64, device=accelerator.device), "sum").tolist()
+    return {n: (v / max(totals[-1], 1.0) if n.endswith("_mean") else v) for n, v in zip(names, totals, strict=False)}
+
+
 def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
                  reward_errors: int = 0) -> dict[str, float]:
     """Global reward statistics over every completion sampled in this step (collective: one all-reduce, called

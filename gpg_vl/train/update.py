@@ -41,7 +41,8 @@ from gpg_vl.train.sample import Attempt
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
                   share_prompt: bool = False):
     """Sequences of valid groups only, as `MicroBatch`es (prompts, prompt index, ids [n, C], mask [n, C], adv [n],
-    the sampler's log-probs [n, C] or None: engine-sampled log-probs for the on-policy check).
+    the sampler's log-probs [n, C] or None: engine-sampled log-probs for the on-policy check; for multi-turn
+    trajectories their loss mask [n, C] and the trajectories themselves).
 
     With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
     forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
@@ -59,13 +60,16 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
         else:
             sequences = [b * group_size + g for b in groups for g in range(group_size)]
             batches = [sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
+        rollout = attempt.rollout
         for chosen in batches:
-            mask = attempt.rollout.completion_mask[chosen]  # [n, C]
+            mask = rollout.completion_mask[chosen]  # [n, C]
             width = max(int(mask.sum(dim=1).max()), 1)
-            sampler = attempt.rollout.sampler_logps
+            sampler, loss_mask = rollout.sampler_logps, rollout.loss_mask
             yield MicroBatch(attempt.prompts, [s // group_size for s in chosen],
-                             attempt.rollout.completion_ids[chosen, :width], mask[:, :width],
-                             attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width])
+                             rollout.completion_ids[chosen, :width], mask[:, :width],
+                             attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width],
+                             None if loss_mask is None else loss_mask[chosen, :width].bool(),
+                             None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen])
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
@@ -105,6 +109,25 @@ class MicroBatch(NamedTuple):
     completion_mask: torch.Tensor  # [n, C]
     advantages: torch.Tensor  # [n]
     sampler_logps: torch.Tensor | None = None  # [n, C]: the engine's own log-probs (vLLM), for the on-policy check
+    # multi-turn trajectories (rollout.max_turns > 1): completion_mask covers every token of a trajectory (its
+    # observations too); the loss counts `loss_mask` [n, C] bool, the generated tokens only
+    loss_mask: torch.Tensor | None = None
+    trajectories: list | None = None  # n Trajectory: their observations' token types and images go in the forward
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """[n, C] bool: the tokens the loss counts (generated ones)."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
+
+    def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
+              logits_chunk_tokens: int) -> torch.Tensor:
+        """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward)."""
+        args = (model, self.prompts.to(device), self.prompt_index, self.completion_ids.to(device),
+                self.completion_mask.to(device))
+        kwargs = {"temperature": temperature, "path": path, "logits_chunk_tokens": logits_chunk_tokens}
+        if self.trajectories is not None:
+            return policy.adapter.trajectory_logps(*args, self.trajectories, **kwargs)
+        return policy.adapter.token_logps(*args, **kwargs)
 
 
 @dataclass
@@ -270,9 +293,10 @@ def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelera
     then every sampled sequence and token. Collective: train() calls update() on every process or on none (its
     test uses global counts), and this gather runs first and unconditionally; every branch of the update
     depends only on its result."""
-    sampled = [a.rollout.completion_mask for a in attempts if a.rollout is not None]  # [b * G, C] each
+    sampled = [a.rollout.completion_mask if a.rollout.loss_mask is None else a.rollout.loss_mask.bool()
+               for a in attempts if a.rollout is not None]  # [b * G, C] each: the tokens a loss counts
     local = torch.tensor([[*(value for chunks in plan for value in (
-        sum(len(c.advantages) for c in chunks), sum(int(c.completion_mask.sum()) for c in chunks), len(chunks),
+        sum(len(c.advantages) for c in chunks), sum(int(c.counted.sum()) for c in chunks), len(chunks),
         sum(not c.prompts.has_images for c in chunks))),
         sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=accelerator.device)
     return accelerator.gather(local)  # [processes, 4 * parts + 2]
@@ -333,9 +357,8 @@ def _score_plan(learner: Learner, model, plan: list[list[MicroBatch]], attempts:
     device = next(model.parameters()).device
 
     def score(c: MicroBatch) -> torch.Tensor:
-        return policy.adapter.token_logps(model, c.prompts.to(device), c.prompt_index, c.completion_ids.to(device),
-                                          c.completion_mask.to(device), temperature=learner.temperature,
-                                          path=learner.path, logits_chunk_tokens=settings.logits_chunk_tokens)
+        return c.logps(policy, model, device, temperature=learner.temperature, path=learner.path,
+                       logits_chunk_tokens=settings.logits_chunk_tokens)
 
     collective = forward_is_collective(model)
     scored = []
@@ -438,18 +461,17 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
         chunks = chunks + [MicroBatch(*placeholder_chunk(policy, attempts, device))] * (step.steps_needed - real)
     sums = _Sums()
     try:
-        for index, (prompts, prompt_index, ids, mask, adv, sampler) in enumerate(chunks):
+        for index, chunk in enumerate(chunks):
             # The same index on every process outside DDP (len(chunks) == steps_needed there); DeepSpeed
             # takes its optimizer step inside the backward that has sync_gradients set.
             sync = index == len(chunks) - 1 and not ddp
             accelerator.sync_gradients = sync
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                mask = mask.to(device)
+                mask, adv, sampler = chunk.counted.to(device), chunk.advantages, chunk.sampler_logps
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
-                logps = policy.adapter.token_logps(model, prompts.to(device), prompt_index, ids.to(device), mask,
-                                                   temperature=learner.temperature, path=learner.path,
-                                                   logits_chunk_tokens=learner.settings.logits_chunk_tokens)  # [n, C]
+                logps = chunk.logps(policy, model, device, temperature=learner.temperature, path=learner.path,
+                                    logits_chunk_tokens=learner.settings.logits_chunk_tokens)  # [n, C]
                 if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
                     sampler = sampler.to(device)
                     total, worst, count = logp_mismatch(logps, sampler, mask)

@@ -4,15 +4,22 @@ of the whole interleaved sequence in one forward (float32)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from PIL import Image
 from runs import tiny_family_policy
+from test_fast_paths import assert_fast_paths_give_the_plain_gradient, one_update_gradient
+from tool_engine import call_text
 
+from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.batch import trim_left_padding
+from gpg_vl.models.family import ScoringPath
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn import generate_trajectories
 from gpg_vl.rollout.trajectory import MultiTurnSettings, sequence_inputs
+from gpg_vl.train.sample import Attempt
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]  # generic: GLM-4.1V, InternVL
 MAX_NEW = 100  # per segment: a scripted call is about 85 tokens of the tiny byte-level BPE
@@ -34,11 +41,7 @@ def prompts(policy) -> EnginePrompts:
 
 def call_tokens(policy, box) -> list[int]:
     family = policy.adapter
-    if family.tool_call_format == "xml":
-        text = f"<tool_call>\n<function=zoom_in>\n<parameter=bbox_2d>\n{box}\n</parameter>\n</function>\n</tool_call>"
-    else:
-        text = f'<tool_call>\n{{"name": "zoom_in", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
-    ids = family.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = family.tokenizer(call_text(family, box), add_special_tokens=False)["input_ids"]
     assert len(ids) < MAX_NEW
     return ids
 
@@ -115,7 +118,6 @@ def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
     """The update's log-probs of 2-turn trajectories: prompt-once (the prompt once per group, completions with
     their observations on its forked cache) equals the plain whole-sequence path, in value and gradient, and
     both equal what the sampler recorded."""
-    from gpg_vl.models.family import ScoringPath
 
     batch, rollout = sample(policy, "incremental")
     family, model = policy.adapter, policy.model
@@ -139,3 +141,53 @@ def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
         assert torch.allclose(results[name][0][loss_mask], results["plain"][0][loss_mask], atol=1e-5)
         assert torch.allclose(results[name][1], results["plain"][1], atol=1e-4, rtol=1e-4), name
     model.zero_grad()
+
+
+def trajectory_attempt(batch, rollout, rewards=((1.0, 0.0), (0.2, 0.9))) -> Attempt:
+    """The scripted rollout (2 prompts x G=2: a crop, free text, a refused call, a crop) as a scored attempt."""
+    rewards = torch.tensor(rewards)  # [B, G]
+    return Attempt(rows=[{}, {}], prompts=batch.batch, rollout=rollout, rewards=rewards, components={},
+                   advantages=rewards - rewards.mean(dim=1, keepdim=True), valid=torch.tensor([True, True]))
+
+
+def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_trajectories(policy):
+    """Prompt-once, chunked log-softmax and token-budget micro-batches that split each group, on 2-turn
+    trajectories with crops and ragged lengths: the update's gradient equals the plain path's."""
+    batch, rollout = sample(policy, "incremental")
+    lengths = rollout.completion_mask.sum(dim=1).tolist()
+    assert len(set(lengths)) > 1 and sum(len(t.images) for t in rollout.trajectories) == 2
+    assert_fast_paths_give_the_plain_gradient(policy, trajectory_attempt(batch, rollout))
+
+
+def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_trajectory_in_the_mean(policy):
+    """The update's gradient on trajectories equals the gradient of the loss written out by hand over generated
+    tokens (seq_mean_token_mean: each trajectory's mean over its generated tokens, summed over trajectories and
+    divided by their number). With on_limit=mask, a trajectory cut by a limit carries no gradient but still
+    counts in the normaliser: the gradient equals the one with its advantage set to zero."""
+    from gpg_vl.rollout.trajectory import pad_trajectories
+
+    batch, rollout = sample(policy, "incremental")
+    attempt = trajectory_attempt(batch, rollout)
+    settings = TrainerSettings(max_grad_norm=1e9, group_size=2, share_prompt=False, share_vision=False)
+    gradient = one_update_gradient(policy, attempt, settings)
+    family, model = policy.adapter, policy.model
+    model.zero_grad()
+    logps = family.trajectory_logps(model, batch.batch, [0, 0, 1, 1], rollout.completion_ids, rollout.completion_mask,
+                                    rollout.trajectories, path=ScoringPath(), temperature=0.7)  # [4, C]
+    generated = rollout.loss_mask  # [4, C] 1 on generated tokens only
+    per_sequence = (logps * generated).sum(dim=1) / generated.sum(dim=1)  # [4]
+    (-(per_sequence * attempt.advantages.flatten()).sum() / 4).backward()
+    by_hand = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad and p.grad is not None])
+    model.zero_grad()
+    scale = float(by_hand.abs().max())
+    torch.testing.assert_close(gradient[gradient != 0], by_hand[by_hand != 0], rtol=1e-4, atol=2e-5 * scale)
+    # on_limit=mask: the refused-call trajectory (row 2) is marked as cut by a limit
+    rollout.trajectories[2].limit = "token"
+    _, _, masked = pad_trajectories(rollout.trajectories, family.pad_id, on_limit="mask")
+    assert masked[2].sum() == 0 and masked[0].sum() == rollout.loss_mask[0].sum()
+    with_mask = one_update_gradient(policy, trajectory_attempt(batch, replace(rollout, loss_mask=masked)), settings)
+    zeroed = trajectory_attempt(batch, rollout)
+    zeroed.advantages[1, 0] = 0.0
+    without_it = one_update_gradient(policy, zeroed, settings)
+    torch.testing.assert_close(with_mask, without_it, rtol=1e-5, atol=1e-6 * scale)
+    assert not torch.allclose(with_mask, gradient, rtol=1e-3, atol=1e-3 * scale)
