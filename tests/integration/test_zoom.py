@@ -133,16 +133,6 @@ def test_the_cold_start_model_calls_zoom_in_with_boxes_the_tool_accepts(task):
     assert accepted  # the cold start calls the tool well enough, some of the time, for the tool to run it
     for trajectory in accepted:
         assert trajectory.turns == 2 and len(trajectory.images) == 1
-        assert trajectory.images[0].size == (224, 224)  # a crop resized within the pixel budget
+        width, height = trajectory.images[0].size  # a crop resized within the pixel budget, whole merged patches
+        assert width * height <= 224 * 224 and width % 28 == 0 and height % 28 == 0
 
-
-@pytest.mark.slow
-@pytest.mark.skipif(not (ASSETS / "tiny-qwen2.5-vl-zoom").exists(), reason="the zoom cold-start model is not built")
-def test_learning_to_zoom_raises_held_out_accuracy(tmp_path):
-    """`+experiment=zoom-tiny` (docs/results/zoom.md): the held-out accuracy after training is above the one
-    before by at least MARGIN, half the smallest rise measured over seeds there."""
-    from gpg_vl.cli import train_main
-    from gpg_vl.config.compose import load_config
-
-    summary = train_main(load_config("train", ["+experiment=zoom-tiny", f"output_dir={tmp_path}"]))
-    assert summary["accuracy_after"] - summary["accuracy_before"] >= LEARNING_MARGIN, summary
