@@ -3,9 +3,9 @@
 A large white image (1024 px by default) is cut by a faint grid into `grid` x `grid` cells; one cell holds a
 small coloured shape (circle, square or triangle). The question names the cell ("row 2, column 3") and asks for
 the shape. At the tiny model's pixel budget (model.max_pixels = 224 * 224) the whole image is shrunk about
-4.6 times: the symbol is 5 to 9 pixels across, less than one 14-pixel vision patch, and its size is drawn so
+4.6 times: the symbol is 4.5 to 9 pixels across, less than one 14-pixel vision patch, and its size is drawn so
 that its area does not give the shape away. A `zoom_in` on the named cell returns it at nearly full resolution
-(a 256-pixel cell is shown at 224 px), where the symbol is 21 to 35 pixels across, as large as `shapes`' own.
+(a 256-pixel cell is shown at 224 px), where the symbol is 20 to 36 pixels across, as large as `shapes`' own.
 
 The prompt describes the tool itself (`describe_tools = False`: a short line, as DeepEyes' data does, rather
 than the chat template's long tool list), so the same prompt serves `rollout.max_turns=1` (no tool) and
