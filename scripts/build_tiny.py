@@ -15,6 +15,16 @@
 
 Everything is seeded and runs on CPU with deterministic algorithms, so the same command writes the
 same weights (the last line prints their hash).
+
+    python scripts/build_tiny.py --zoom               # writes gpg_vl/assets/tiny-qwen2.5-vl-zoom (minutes, CPU)
+
+`--zoom` builds the cold-start model of the `zoom` task (thinking with images) from the embedded model
+(or `--from-model`): a supervised pass on synthetic trajectories, teacher-forced through the HF engine's own
+multi-turn path (so each observation is exactly what a rollout shows) with the loss on the model's tokens only.
+A share `--zoom-tool-share` of the demonstrations zooms on the named cell, then answers from the crop; the
+others answer at once (the right shape, which the full view does not show, so the model learns only the
+prior). The model then calls the tool some of the time, and the reinforcement learning run has that share
+to raise.
 """
 
 from __future__ import annotations
@@ -31,9 +41,17 @@ from gpg_vl_tasks.shapes import COLORS, INSTRUCTION, SHAPES
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from gpg_vl.data.task import get_task
+from gpg_vl.models.family import choose_scoring_path
+from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import build_tiny
+from gpg_vl.rollout.engine import EnginePrompts, Sampling
+from gpg_vl.rollout.multiturn import generate_trajectories
+from gpg_vl.rollout.tools import ToolContext, answer_call
+from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory, pad_trajectories
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"
+ZOOM_OUT = DEFAULT_OUT.with_name("tiny-qwen2.5-vl-zoom")
+ZOOM_SEGMENT_TOKENS = 100  # a zoom_in call is 85 tokens of the tiny byte-level BPE
 
 
 def tokenizer_corpus(task) -> list[str]:
@@ -156,6 +174,106 @@ def supervised(model, processor, task, rows_at, *, steps: int, lr: float, first_
             processor.save_pretrained(snapshot)
 
 
+def zoom_call(family, box_model_frame) -> str:
+    """The Hermes call of `zoom_in` on a box in the model's frame, as a demonstration writes it."""
+    box = json.dumps([round(v) for v in box_model_frame])
+    return '<tool_call>{"name": "zoom_in", "arguments": {"bbox_2d": ' + box + '}}</tool_call>'
+
+
+def zoom_demonstration(family, row: dict, size, use_tool: bool) -> Trajectory:
+    """A demonstration trajectory, built as the HF engine builds a rollout's (the call parsed and answered by
+    the tool, its observation encoded by the family): a zoom on the named cell then the answer, or the answer."""
+    trajectory = Trajectory()
+    if use_tool:
+        call = zoom_call(family, family.to_model_frame(row["cell"], size))
+        trajectory.add_segment(family.tokenizer(call, add_special_tokens=False)["input_ids"])
+        context = ToolContext.for_prompt([row["image"]], [size], family, MultiTurnSettings(max_turns=2))
+        result = answer_call(family.parse_tool_call(call), context, allowed=("zoom_in",))
+        if result.error:
+            raise RuntimeError(f"a zoom demonstration's call was refused: {result.text}")
+        ids, inputs = family.encode_observation(result.text, result.images)
+        trajectory.add_observation(ids, [view.image for view in result.views], inputs)
+    answer = family.tokenizer(f"<answer> {row['answer']} </answer>", add_special_tokens=False)["input_ids"]
+    trajectory.add_segment(answer + [family.eos_ids[0]])
+    return trajectory
+
+
+def zoom_rollout(policy, task, rows, *, sampling: Sampling, group_size: int = 1):
+    """Sampled (or greedy) trajectories of `rows` through the HF engine's multi-turn path (up to 2 turns)."""
+    messages = [task.messages(r) for r in rows]
+    prompts = EnginePrompts(policy.adapter.encode(messages), messages)
+    return generate_trajectories(policy, prompts, group_size=group_size, sampling=sampling,
+                                 settings=MultiTurnSettings(max_turns=2), tools=("zoom_in",))
+
+
+def zoom_metrics(policy, task, rows, *, sample: bool, batch_size: int = 25) -> dict[str, float]:
+    """The task's metrics (accuracy, tool-call rate, ...) of greedy or sampled trajectories on `rows`."""
+    texts = []
+    sampling = Sampling(max_new_tokens=ZOOM_SEGMENT_TOKENS, greedy=not sample, temperature=1.0)
+    for start in range(0, len(rows), batch_size):
+        texts += zoom_rollout(policy, task, rows[start:start + batch_size], sampling=sampling).texts
+    return task.metrics(rows, texts)
+
+
+def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, tool_share: float, seed: int,
+             eval_rows, eval_every: int, out: Path) -> None:
+    """Cross-entropy on demonstration trajectories, the loss on the model's tokens only (token mean)."""
+    family, model = policy.adapter, policy.model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    path = choose_scoring_path(family, model, share_prompt=False, share_vision=True)
+    rng, start = random.Random(seed), time.time()
+    for step in range(steps):
+        rows = rows_at(step, batch_size)
+        tools = [rng.random() < tool_share for _ in rows]
+
+        batch = family.encode([task.messages(r) for r in rows])
+        trajectories = [zoom_demonstration(family, row, batch.image_sizes[i][0], tool)
+                        for i, (row, tool) in enumerate(zip(rows, tools, strict=True))]
+        ids, attention, loss_mask = pad_trajectories(trajectories, family.pad_id)
+        model.train()
+        logps = family.trajectory_logps(model, batch, list(range(len(rows))), ids, attention, trajectories,
+                                        path=path)  # [N, C]
+        loss = -torch.where(loss_mask > 0, logps, 0.0).sum() / loss_mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        if step % 10 == 0:
+            print(f"zoom step {step:4d}  loss {loss.item():.4f}  {time.time() - start:.0f}s", flush=True)
+        if eval_every and (step + 1) % eval_every == 0:
+            for mode in ("greedy", "sampled"):
+                metrics = zoom_metrics(policy, task, eval_rows, sample=mode == "sampled")
+                print(f"zoom step {step + 1} {mode}: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}),
+                      flush=True)
+            snapshot = out.with_name(f"{out.name}-step{step + 1}")
+            model.save_pretrained(snapshot)
+            policy.processor.save_pretrained(snapshot)
+
+
+def build_zoom(args) -> None:
+    """The cold-start model of the `zoom` task (see the module's docstring)."""
+    task = get_task("zoom")
+    source = str(args.from_model) if args.from_model else "embedded:tiny-qwen2.5-vl"
+    policy = load_policy(source, dtype="float32", min_pixels=56 * 56, max_pixels=224 * 224)
+    train, test = task.load("train"), task.load("test")[:args.zoom_eval_rows]
+
+    def rows_at(step, size):
+        return [train[(step * size + i) % len(train)] for i in range(size)]
+
+    started = time.time()
+    zoom_sft(policy, task, rows_at, steps=args.zoom_steps, lr=args.zoom_lr, batch_size=args.batch_size,
+             tool_share=args.zoom_tool_share, seed=args.seed, eval_rows=test, eval_every=args.eval_every,
+             out=args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(args.out)
+    policy.processor.save_pretrained(args.out)
+    report = {mode: zoom_metrics(policy, task, test, sample=mode == "sampled") for mode in ("greedy", "sampled")}
+    digest = hashlib.sha256((args.out / "model.safetensors").read_bytes()).hexdigest()[:16]
+    print(json.dumps({"held_out": {mode: {k: round(v, 3) for k, v in m.items()} for mode, m in report.items()},
+                      "sha256": digest, "seconds": round(time.time() - started, 1)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -171,10 +289,21 @@ def main() -> None:
     parser.add_argument("--from-model", type=Path, default=None,
                         help="skip the first two stages: start the noisy-teacher pass from this model")
     parser.add_argument("--eval-every", type=int, default=0, help="print held-out accuracy every N steps")
+    parser.add_argument("--zoom", action="store_true",
+                        help="build the zoom task's cold-start model (default --out: assets/tiny-qwen2.5-vl-zoom)")
+    parser.add_argument("--zoom-steps", type=int, default=300, help="supervised steps on zoom demonstrations")
+    parser.add_argument("--zoom-lr", type=float, default=1e-3)
+    parser.add_argument("--zoom-tool-share", type=float, default=0.5,
+                        help="share of the zoom demonstrations that call zoom_in (the others answer at once)")
+    parser.add_argument("--zoom-eval-rows", type=int, default=100, help="held-out rows of the zoom report")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
+    if args.zoom:
+        args.out = ZOOM_OUT if args.out == DEFAULT_OUT else args.out
+        build_zoom(args)
+        return
     task = get_task("shapes")
     started = time.time()
     if args.from_model is None:

@@ -3,6 +3,7 @@
     python scripts/compare.py                                  # task=shapes model=tiny, 4 algorithms x 3 seeds
     python scripts/compare.py --quick --out /tmp/c             # machinery only (CI): a tiny budget, 2 seeds
     python scripts/compare.py --budget 512 task=geoqa model=qwen2.5-vl-3b trainer.lr=1e-6   # any task/model/keys
+    python scripts/compare.py --zoom --out runs/compare-zoom   # multi-turn: +experiment=zoom-tiny (zoom_in tool)
 
 Each run is the trainer itself (`gpg_vl.cli.train_main`, through scripts/ablate.py's `run_cell`) with
 `algorithm=<name>` (configs/algorithm/), the same B, G, seed and budget (`trainer.max_completions`; completions
@@ -32,12 +33,17 @@ import ablate  # noqa: E402  (paired differences, the running proxy, run_cell)
 ALGORITHMS = ("gpg", "grpo", "dr_grpo", "dapo")
 DEFAULT = {"seeds": [0, 1, 2], "budget": 512, "batch_size": 8, "group_size": 8, "eval_limit": 200, "window": 128}
 QUICK = {"seeds": [0, 1], "budget": 8, "batch_size": 2, "group_size": 2, "eval_limit": 4, "window": 4}
+# --zoom: thinking with images on CPU (docs/thinking-with-images.md), rollouts of up to 2 turns with zoom_in
+ZOOM = {**DEFAULT, "eval_limit": 100}
+BASES = {"shapes": ["task=shapes", "model=tiny"], "zoom": ["+experiment=zoom-tiny"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="key=value for every run (task=..., model=..., trainer.*)")
     parser.add_argument("--quick", action="store_true", help="a seconds-long comparison that checks the machinery")
+    parser.add_argument("--zoom", action="store_true",
+                        help="the multi-turn zoom task (+experiment=zoom-tiny: the cold-start model, zoom_in)")
     parser.add_argument("--out", default="runs/compare")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (one core each)")
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
@@ -48,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-limit", type=int, help="held-out rows evaluated after training")
     parser.add_argument("--window", type=int, help="completions averaged by the running reward proxy")
     args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULT).items():
+    for key, value in (QUICK if args.quick else ZOOM if args.zoom else DEFAULT).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if "gpg" not in args.algorithms:
@@ -61,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_overrides(algorithm: str, seed: int, args: argparse.Namespace, output_dir: Path) -> list[str]:
-    return ["task=shapes", "model=tiny", *args.overrides, f"algorithm={algorithm}", f"seed={seed}",
+    return [*BASES["zoom" if args.zoom else "shapes"], *args.overrides, f"algorithm={algorithm}", f"seed={seed}",
             f"output_dir={output_dir}", f"trainer.group_size={args.group_size}",
             f"trainer.batch_size={args.batch_size}", f"trainer.max_completions={args.budget}",
             f"trainer.max_steps={args.budget // (args.batch_size * args.group_size)}",

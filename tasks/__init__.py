@@ -12,4 +12,5 @@ from . import (  # noqa: F401
     videor1,
     vsibench,
     vstar,
+    zoom,
 )
