@@ -159,13 +159,19 @@ def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_tra
     assert_fast_paths_give_the_plain_gradient(policy, trajectory_attempt(batch, rollout))
 
 
-def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_trajectory_in_the_mean(policy):
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    return tiny_family_policy("qwen2_5_vl", tmp_path_factory)
+
+
+def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_trajectory_in_the_mean(qwen2_5_vl):
     """The update's gradient on trajectories equals the gradient of the loss written out by hand over generated
     tokens (seq_mean_token_mean: each trajectory's mean over its generated tokens, summed over trajectories and
     divided by their number). With on_limit=mask, a trajectory cut by a limit carries no gradient but still
     counts in the normaliser: the gradient equals the one with its advantage set to zero."""
     from gpg_vl.rollout.trajectory import pad_trajectories
 
+    policy = qwen2_5_vl  # the loss's arithmetic: one family shows it
     batch, rollout = sample(policy, "incremental")
     attempt = trajectory_attempt(batch, rollout)
     settings = TrainerSettings(max_grad_norm=1e9, group_size=2, share_prompt=False, share_vision=False)
