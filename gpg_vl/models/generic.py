@@ -16,9 +16,9 @@ import inspect
 import torch
 from torch import Tensor
 
-from gpg_vl.data.video import message_videos
+from gpg_vl.data.video import DECODED, decode_video, message_videos
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import Family, PromptBatch, message_images, register_family, unwrap
+from gpg_vl.models.family import Family, PromptBatch, image_order, message_images, register_family, unwrap
 
 # Published box conventions of some model types (their model cards); others declare none.
 BOX_FRAME_OF = {"glm4v": "relative-1000", "glm4v_moe": "relative-1000", "glm46v": "relative-1000",
@@ -34,6 +34,17 @@ NO_LATER_IMAGES = {
     "llava_onevision": "its processor counts a tool image's tokens as a lone image's (any-resolution tiles) while "
                        "the model reads a conversation's several images without tiles, so they would not match",
 }
+# Model types that take video prompts: their processor reads the frames with the source's metadata and their model
+# takes the video tensors (checked on transformers' processors and tested on the tiny models, docs/video.md).
+# GLM-4.1V: flattened patches per frame pair with `video_grid_thw`, a timestamp written after each frame pair.
+VIDEO_MODEL_TYPES = ("glm4v", "glm4v_moe")
+# Why other model types refuse video (what their processors and models do in transformers 5.x).
+NO_VIDEO = {
+    "llava_onevision": "its model stacks a batch's videos into one tensor, so clips with different frame counts "
+                       "cannot share a batch",
+    "gemma3": "its processor takes no video",
+    "idefics3": "its processor (Idefics3Processor) takes no video",
+}
 EOS_TOKENS = ("<end_of_turn>", "<|im_end|>", "<end_of_utterance>", "<|endoftext|>", "<|user|>", "<eos>",
               "<turn|>")
 
@@ -41,6 +52,7 @@ EOS_TOKENS = ("<end_of_turn>", "<|im_end|>", "<end_of_utterance>", "<|endoftext|
 @register_family
 class GenericFamily(Family):
     name = "generic"
+    pixel_keys = ("pixel_values", "pixel_values_videos")
     vision_tokens = VISION_TOKENS
     eos_tokens = EOS_TOKENS
 
@@ -55,24 +67,58 @@ class GenericFamily(Family):
 
     def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None,
                tools: list[dict] | None = None) -> PromptBatch:
-        """Chat messages -> left-padded processor inputs, images as the processor resizes them."""
-        if any(message_videos(messages) for messages in messages_batch):
+        """Chat messages -> left-padded processor inputs, images and video frames as the processor resizes them;
+        videos are read once (data/video.py, unless the stream already did) and go in with their metadata."""
+        videos = [[decode_video(part, max_frames=None) for part in message_videos(messages)]
+                  for messages in messages_batch]
+        if any(videos) and self.videos_unsupported():
             raise UserError(self.videos_unsupported())
         texts = [self.render(messages, tools) for messages in messages_batch]
         images = [message_images(messages) for messages in messages_batch]
         images_per_prompt = [len(prompt_images) for prompt_images in images]
+        videos_per_prompt = [len(prompt_videos) for prompt_videos in videos]
         self.tokenizer.padding_side = "left"
         kwargs = {"images": images} if sum(images_per_prompt) else {}
+        if sum(videos_per_prompt):  # frames sampled already: the processor must not sample again
+            flat = [video for prompt_videos in videos for video in prompt_videos]
+            kwargs.update(videos=[video["video"] for video in flat], do_sample_frames=False,
+                          video_metadata=[dict(video[DECODED]) for video in flat])
         inputs = dict(self.processor(text=texts, padding=True, return_tensors="pt", **kwargs,
                                      **self.processor_kwargs))
         sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
-        return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes,
-                           _row_layout(inputs, images_per_prompt, self._image_token_id()), texts)
+        rows = _video_rows(inputs, videos_per_prompt)
+        rows.update(_row_layout({k: v for k, v in inputs.items() if k not in rows}, images_per_prompt,
+                                self._image_token_id()))
+        return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes, rows, texts,
+                           videos_per_prompt if sum(videos_per_prompt) else [])
 
     def videos_unsupported(self) -> str | None:
         model_type = getattr(self.config, "model_type", "generic")
-        return (f"the {model_type} model (generic family) does not take video prompts in gpg-vl yet; train video "
-                "tasks on a Qwen-VL family model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) or drop the video parts.")
+        if model_type in VIDEO_MODEL_TYPES:
+            return None
+        reason = NO_VIDEO.get(model_type, "its video inputs are not tested in gpg-vl yet")
+        return (f"the {model_type} model (generic family) does not take video prompts ({reason}); train video tasks "
+                "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V) or drop the video parts.")
+
+    def vision_features(self, model, prompts: PromptBatch, prompt_index: list[int]) -> dict:
+        """`mm_encoder_outputs`: the images' and the videos' tower outputs, each once per distinct prompt."""
+        features = super().vision_features(model, prompts, prompt_index)
+        if prompts.has_videos:
+            features["video"] = self._video_features(model, prompts, prompt_index)
+        return features
+
+    def _video_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
+        """The video tower's outputs for each distinct prompt's videos, listed per sequence (no copy)."""
+        subset = prompts.select(sorted(set(prompt_index)))
+        encoder = unwrap(model).model.get_video_features
+        accepted = inspect.signature(encoder).parameters
+        extra = {key: value for key, value in subset.inputs.items() if key in accepted and key != "pixel_values_videos"}
+        encoded = encoder(subset.inputs["pixel_values_videos"], **extra, return_dict=True)
+        order = image_order(prompts, prompt_index, prompts.videos_per_prompt)
+        pooled = encoded.pooler_output  # per video: a list, or a tensor with that first dimension
+        encoded.pooler_output = pooled[torch.tensor(order, device=pooled.device)] if isinstance(pooled, Tensor) \
+            else [pooled[i] for i in order]
+        return encoded
 
     def multi_turn_unsupported(self) -> str | None:
         reason = NO_LATER_IMAGES.get(getattr(self.config, "model_type", ""))
@@ -111,6 +157,18 @@ class GenericFamily(Family):
 
 def _multimodal_rope(model: torch.nn.Module) -> bool:
     return hasattr(getattr(unwrap(model), "model", None), "get_rope_index")
+
+
+def _video_rows(inputs: dict[str, Tensor], videos_per_prompt: list[int]) -> dict[str, list[int]]:
+    """How many rows of the video outputs belong to each prompt: flattened patches (with a `video_grid_thw`,
+    GLM-4.1V) get each prompt's patch count, the grid one row per video."""
+    if not isinstance(inputs.get("video_grid_thw"), Tensor):
+        return {}
+    per_video, rows, start = inputs["video_grid_thw"].prod(dim=1).tolist(), [], 0
+    for count in videos_per_prompt:
+        rows.append(int(sum(per_video[start:start + count])))
+        start += count
+    return {"pixel_values_videos": rows, "video_grid_thw": list(videos_per_prompt)}
 
 
 def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],

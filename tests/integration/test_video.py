@@ -28,7 +28,7 @@ from gpg_vl.rollout.types import Rollout
 from gpg_vl.train.sample import Attempt
 from gpg_vl.train.update import update_chunks
 
-VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"]
 
 
 @pytest.fixture(scope="module", params=VIDEO_FAMILIES)
@@ -154,9 +154,11 @@ def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_pat
 
 CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+           "glm4v": "Glm4vForConditionalGeneration"}
 CLI_MODELS = {"qwen2_5_vl": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen3_vl": "tiny-qwen3-vl",
-              "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe"}
+              "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe",
+              "glm4v": "tiny-glm4v"}
 
 
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)

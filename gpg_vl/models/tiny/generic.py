@@ -13,12 +13,13 @@ import torch
 from transformers import AutoTokenizer
 
 EMBEDDED_TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2.5-vl"
-# Qwen-style turns; `{image}` is where an image part goes.
+# Qwen-style turns; `{image}` is where an image part goes, `{video}` where a video part goes.
 _TEMPLATE = (
     "{{% for message in messages %}}{turn_start}{{{{ message['role'] }}}}\n"
     "{{% if message['content'] is string %}}{{{{ message['content'] }}}}{{% else %}}"
     "{{% for content in message['content'] %}}"
     "{{% if content['type'] == 'image' or 'image' in content %}}{image}"
+    "{{% elif content['type'] == 'video' or 'video' in content %}}{video}"
     "{{% elif 'text' in content %}}{{{{ content['text'] }}}}{{% endif %}}{{% endfor %}}{{% endif %}}{turn_end}\n"
     "{{% endfor %}}{{% if add_generation_prompt %}}{turn_start}assistant\n{{% endif %}}"
 )
@@ -28,8 +29,11 @@ TINY_SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, nu
                    patch_size=8)
 
 
-def chat_template(image: str, turn_start: str = "<|im_start|>", turn_end: str = "<|im_end|>") -> str:
-    return _TEMPLATE.format(image=image, turn_start=turn_start, turn_end=turn_end)
+def chat_template(image: str, turn_start: str = "<|im_start|>", turn_end: str = "<|im_end|>",
+                  video: str = "") -> str:
+    """The tiny template: `video` is what a video part renders (the real model's placeholder; empty for a model
+    without video, whose family refuses video prompts before rendering)."""
+    return _TEMPLATE.format(image=image, turn_start=turn_start, turn_end=turn_end, video=video)
 
 
 def tokenizer_with(specials: list[str], extra: dict[str, str] | None = None, eos: str = "<|im_end|>"):
@@ -73,7 +77,7 @@ def build_llava_onevision(path: Path, seed: int = 0):
     processor = LlavaOnevisionProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                         video_processor=LlavaOnevisionVideoProcessor(size=size),
                                         num_image_tokens=16, vision_feature_select_strategy="full",
-                                        chat_template=chat_template("<image>"))
+                                        chat_template=chat_template("<image>", video="<video>"))
     config = LlavaOnevisionConfig(
         text_config=dict(TINY_TEXT, model_type="qwen2", **_ids(tokenizer)),
         vision_config=dict(TINY_SIGLIP, model_type="siglip_vision_model", vision_use_head=False),
@@ -192,6 +196,7 @@ def build_glm4v(path: Path, seed: int = 0):
     template = ("{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['content'] is string %}"
                 "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
                 "{% if content['type'] == 'image' or 'image' in content %}<|begin_of_image|><|image|><|end_of_image|>"
+                "{% elif content['type'] == 'video' or 'video' in content %}<|begin_of_video|><|video|><|end_of_video|>"
                 "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels), tokenizer=tokenizer,
