@@ -102,17 +102,21 @@ SECONDS = {2: [1.0], 1: [2.0]}  # one value per video: seconds per temporal grid
 TIMESTAMPS = {2: ["0.2", "1.4", "2.5", "3.6"], 1: ["0.6", "3.2"]}
 
 
+def four_second_clip_prompt(tmp_path, fps: float) -> list[dict]:
+    """The messages of a 4-second MPEG-4 clip at 8 fps, read through the prompt stream at `fps`."""
+    clip = write_clip(tmp_path / "clip.mp4", seconds=4, fps=8)
+    stream = PromptStream([{"video": str(clip)}], seed=0)
+    task = type("Task", (), {"check_row": lambda self, row: None, "max_video_frames": 16,
+                             "messages": lambda self, row: video_messages(row["video"], "Where?", fps=fps)})()
+    return stream.next_prompts(1, task)[0].messages
+
+
 @pytest.mark.parametrize("fps", [2, 1])
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_video_metadata_gives_hand_computed_grid_seconds_and_timestamps(tmp_path_factory, tmp_path, family, fps):
     policy = tiny_family_policy(family, tmp_path_factory)
     policy.adapter.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
-    clip = write_clip(tmp_path / "clip.mp4", seconds=4, fps=8)
-    stream = PromptStream([{"video": str(clip)}], seed=0)
-    task = type("Task", (), {"check_row": lambda self, row: None, "max_video_frames": 16,
-                             "messages": lambda self, row: video_messages(row["video"], "Where?", fps=fps)})()
-    prompt = stream.next_prompts(1, task)[0]
-    prompts = policy.adapter.encode([prompt.messages])
+    prompts = policy.adapter.encode([four_second_clip_prompt(tmp_path, fps)])
     grid = prompts.inputs["video_grid_thw"][0].tolist()
     assert grid[0] == len(TIMESTAMPS[fps])  # temporal grid steps: frames / 2
     if family == "qwen2_5_vl":
@@ -120,6 +124,20 @@ def test_video_metadata_gives_hand_computed_grid_seconds_and_timestamps(tmp_path
     else:
         text = policy.adapter.tokenizer.decode(prompts.inputs["input_ids"][0])
         assert re.findall(r"<([\d.]+) seconds>", text) == TIMESTAMPS[fps]
+
+
+# GLM-4.1V writes the whole seconds of the first frame of each pair after it: index / 8 of frames 0 9 18 27 at
+# 2 fps (0, 1.125, 2.25, 3.375), of frames 0 21 at 1 fps (0, 2.625), truncated (at 24 fps: 0 0 0 1).
+GLM_SECONDS = {2: ["0", "1", "2", "3"], 1: ["0", "2"]}
+
+
+@pytest.mark.parametrize("fps", [2, 1])
+def test_glm4v_writes_hand_computed_frame_seconds_from_the_metadata(tmp_path_factory, tmp_path, fps):
+    policy = tiny_family_policy("glm4v", tmp_path_factory)
+    prompts = policy.adapter.encode([four_second_clip_prompt(tmp_path, fps)])
+    assert prompts.videos_per_prompt == [1] and prompts.inputs["video_grid_thw"][0, 0] == len(GLM_SECONDS[fps])
+    text = policy.adapter.tokenizer.decode(prompts.inputs["input_ids"][0])
+    assert re.findall(r"<\|end_of_image\|>(\d+)", text) == GLM_SECONDS[fps]
 
 
 def test_the_processor_without_metadata_would_assume_24_fps(tmp_path_factory):
