@@ -37,7 +37,10 @@ NO_LATER_IMAGES = {
 # Model types that take video prompts: their processor reads the frames with the source's metadata and their model
 # takes the video tensors (checked on transformers' processors and tested on the tiny models, docs/video.md).
 # GLM-4.1V: flattened patches per frame pair with `video_grid_thw`, a timestamp written after each frame pair.
-VIDEO_MODEL_TYPES = ("glm4v", "glm4v_moe")
+# InternVL: each frame an image tile ("Frame1: <img>...</img>") in `pixel_values`, no timestamps; its processor
+# stacks one call's videos into one tensor, so it is called once per prompt (`_encode_each`).
+VIDEO_MODEL_TYPES = ("glm4v", "glm4v_moe", "internvl")
+ONE_CALL_PER_PROMPT = ("internvl",)
 # Why other model types refuse video (what their processors and models do in transformers 5.x).
 NO_VIDEO = {
     "llava_onevision": "its model stacks a batch's videos into one tensor, so clips with different frame counts "
@@ -83,9 +86,12 @@ class GenericFamily(Family):
             flat = [video for prompt_videos in videos for video in prompt_videos]
             kwargs.update(videos=[video["video"] for video in flat], do_sample_frames=False,
                           video_metadata=[dict(video[DECODED]) for video in flat])
+        sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
+        if sum(videos_per_prompt) and getattr(self.config, "model_type", "") in ONE_CALL_PER_PROMPT:
+            inputs, rows = self._encode_each(texts, images, videos)
+            return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes, rows, texts, videos_per_prompt)
         inputs = dict(self.processor(text=texts, padding=True, return_tensors="pt", **kwargs,
                                      **self.processor_kwargs))
-        sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
         rows = _video_rows(inputs, videos_per_prompt)
         rows.update(_row_layout({k: v for k, v in inputs.items() if k not in rows}, images_per_prompt,
                                 self._image_token_id()))
@@ -100,10 +106,28 @@ class GenericFamily(Family):
         return (f"the {model_type} model (generic family) does not take video prompts ({reason}); train video tasks "
                 "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V) or drop the video parts.")
 
+    def _encode_each(self, texts: list[str], images: list[list], videos: list[list[dict]]) -> tuple[dict, dict]:
+        """One processor call per prompt, merged: per-token inputs left-padded, the others concatenated, each
+        prompt owning the rows its call returned."""
+        outputs = []
+        for text, prompt_images, prompt_videos in zip(texts, images, videos, strict=True):
+            if len({len(video["video"]) for video in prompt_videos}) > 1:
+                raise UserError(f"the {self.config.model_type} model's processor cannot take videos of different "
+                                "frame counts in one prompt; give each video part the same `nframes`.")
+            kwargs = {"videos": [video["video"] for video in prompt_videos], "do_sample_frames": False,
+                      "video_metadata": [dict(video[DECODED]) for video in prompt_videos]} if prompt_videos else {}
+            outputs.append(dict(self.processor(text=[text], images=prompt_images or None, return_tensors="pt",
+                                               **kwargs, **self.processor_kwargs)))
+        return _merge_prompts(outputs, self.pad_id)
+
     def vision_features(self, model, prompts: PromptBatch, prompt_index: list[int]) -> dict:
-        """`mm_encoder_outputs`: the images' and the videos' tower outputs, each once per distinct prompt."""
-        features = super().vision_features(model, prompts, prompt_index)
-        if prompts.has_videos:
+        """`mm_encoder_outputs`: the images' and the videos' tower outputs, each once per distinct prompt (a model
+        whose processor folds video frames into `pixel_values`, InternVL, encodes them with the images)."""
+        folded = prompts.has_videos and "pixel_values_videos" not in prompts.inputs
+        features = {}
+        if prompts.has_images or folded:
+            features["image"] = self.image_features(model, prompts, prompt_index)
+        if prompts.has_videos and not folded:
             features["video"] = self._video_features(model, prompts, prompt_index)
         return features
 
@@ -157,6 +181,23 @@ class GenericFamily(Family):
 
 def _multimodal_rope(model: torch.nn.Module) -> bool:
     return hasattr(getattr(unwrap(model), "model", None), "get_rope_index")
+
+
+def _merge_prompts(outputs: list[dict[str, Tensor]], pad_id: int) -> tuple[dict, dict]:
+    """Single-prompt processor outputs as one left-padded batch, and each prompt's rows of the other keys."""
+    length = max(output["input_ids"].shape[1] for output in outputs)
+    keys = dict.fromkeys(key for output in outputs for key in output)
+    inputs, rows = {}, {}
+    for key in keys:
+        example = next(output[key] for output in outputs if key in output)
+        if all(key in output and output[key].shape == output["input_ids"].shape for output in outputs):
+            fill = pad_id if key == "input_ids" else 0
+            inputs[key] = torch.cat([torch.nn.functional.pad(output[key], (length - output[key].shape[1], 0),
+                                                             value=fill) for output in outputs])  # [B, P]
+            continue
+        parts = [output.get(key, example[:0]) for output in outputs]
+        inputs[key], rows[key] = torch.cat(parts), [part.shape[0] for part in parts]
+    return inputs, rows
 
 
 def _video_rows(inputs: dict[str, Tensor], videos_per_prompt: list[int]) -> dict[str, list[int]]:

@@ -1,4 +1,4 @@
-"""Video prompts on the tiny models of every family whose processor reads video (the Qwen-VL families).
+"""Video prompts on the tiny models of every family that takes video (the Qwen-VL families, GLM-4.1V, InternVL).
 
 - the metadata reaches the processor: Qwen2.5-VL's `second_per_grid_ts` and Qwen3-VL's frame timestamps
   equal hand-computed values for a 4-second clip at 2 fps and at 1 fps (not the processor's 24-fps default);
@@ -6,7 +6,9 @@
   micro-batches) equals the plain path's on video prompts (2 prompts of different lengths, G = 2, ragged
   completions);
 - prompt-once prefill gives transformers `generate`'s greedy tokens on video prompts;
-- a generic family refuses video in one sentence naming the model; a broken video is a counted bad row.
+- GLM-4.1V writes each frame pair's seconds from the metadata (hand-computed at 2 and 1 fps);
+- a generic model type without video refuses it in one sentence naming the model and why; a broken video is a
+  counted bad row.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gpg_vl.rollout.types import Rollout
 from gpg_vl.train.sample import Attempt
 from gpg_vl.train.update import update_chunks
 
-VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v"]
+VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "internvl"]
 
 
 @pytest.fixture(scope="module", params=VIDEO_FAMILIES)
@@ -164,19 +166,33 @@ def test_a_broken_video_is_a_counted_bad_row(tmp_path):
     assert prompts[0].messages[0]["content"][0]["video_metadata"]["fps"] == 8.0
 
 
-def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_path_factory):
-    policy = tiny_family_policy("llava_onevision", tmp_path_factory)
-    with pytest.raises(UserError, match="llava_onevision model .*does not take video"):
+@pytest.mark.parametrize(("family", "model_type", "why"), [
+    ("llava_onevision", "llava_onevision", "different frame counts"), ("smolvlm", "idefics3", "takes no video")])
+def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_path_factory, family, model_type, why):
+    policy = tiny_family_policy(family, tmp_path_factory)
+    with pytest.raises(UserError, match=f"{model_type} model .*does not take video prompts .*{why}"):
         policy.adapter.encode([video_messages(clip_frames(4), "q")])
+
+
+def test_internvl_refuses_one_prompt_s_videos_of_different_frame_counts(tmp_path_factory):
+    """Its processor stacks a call's videos: one prompt's videos must share a frame count (prompts may differ)."""
+    policy = tiny_family_policy("internvl", tmp_path_factory)
+    two = [{"role": "user", "content": [{"type": "video", "video": clip_frames(4)},
+                                        {"type": "video", "video": clip_frames(6)}, {"type": "text", "text": "q"}]}]
+    with pytest.raises(UserError, match="internvl model's processor cannot take videos of different frame counts"):
+        policy.adapter.encode([two])
+    same = policy.adapter.encode([[{"role": "user", "content": [two[0]["content"][0]] * 2}],
+                                  video_messages(clip_frames(6), "q")])
+    assert same.videos_per_prompt == [2, 1] and same.rows["pixel_values"] == [8, 6]  # one tile per frame
 
 
 CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
            "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-           "glm4v": "Glm4vForConditionalGeneration"}
+           "glm4v": "Glm4vForConditionalGeneration", "internvl": "InternVLForConditionalGeneration"}
 CLI_MODELS = {"qwen2_5_vl": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen3_vl": "tiny-qwen3-vl",
               "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe",
-              "glm4v": "tiny-glm4v"}
+              "glm4v": "tiny-glm4v", "internvl": "tiny-internvl"}
 
 
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)

@@ -169,7 +169,7 @@ def build_internvl(path: Path, seed: int = 0):
     image_processor = GotOcr2ImageProcessor(size=size, crop_to_patches=False)
     processor = InternVLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                   video_processor=InternVLVideoProcessor(size=size), image_seq_length=4,
-                                  chat_template=chat_template("<IMG_CONTEXT>"))
+                                  chat_template=chat_template("<IMG_CONTEXT>", video="<video>"))
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[32, 32],
                   patch_size=[8, 8], use_mean_pooling=False)
     config = InternVLConfig(vision_config=vision, text_config=dict(TINY_TEXT, model_type="qwen2", **_ids(tokenizer)),
