@@ -39,7 +39,9 @@ NO_LATER_IMAGES = {
 # GLM-4.1V: flattened patches per frame pair with `video_grid_thw`, a timestamp written after each frame pair.
 # InternVL: each frame an image tile ("Frame1: <img>...</img>") in `pixel_values`, no timestamps; its processor
 # stacks one call's videos into one tensor, so it is called once per prompt (`_encode_each`).
-VIDEO_MODEL_TYPES = ("glm4v", "glm4v_moe", "internvl")
+# `VIDEO_PLACEHOLDERS`: what stands for a video in a raw-text prompt (the real chat templates' video part).
+VIDEO_PLACEHOLDERS = {"glm4v": "<|begin_of_video|><|video|><|end_of_video|>", "internvl": "<video>"}
+VIDEO_MODEL_TYPES = tuple(VIDEO_PLACEHOLDERS)
 ONE_CALL_PER_PROMPT = ("internvl",)
 # Why other model types refuse video (what their processors and models do in transformers 5.x).
 NO_VIDEO = {
@@ -63,6 +65,7 @@ class GenericFamily(Family):
         super().__init__(processor, config, **kwargs)
         self.box_frame = BOX_FRAME_OF.get(getattr(config, "model_type", ""), "none")
         self.image_placeholder = getattr(processor, "image_token", None) or "<image>"
+        self.video_placeholder = VIDEO_PLACEHOLDERS.get(getattr(config, "model_type", ""))
         image_processor = getattr(processor, "image_processor", None)
         size = getattr(image_processor, "size", None) or {}
         side = size.get("height") or size.get("shortest_edge") or size.get("longest_edge") or 32
@@ -104,7 +107,8 @@ class GenericFamily(Family):
             return None
         reason = NO_VIDEO.get(model_type, "its video inputs are not tested in gpg-vl yet")
         return (f"the {model_type} model (generic family) does not take video prompts ({reason}); train video tasks "
-                "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V) or drop the video parts.")
+                "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V, InternVL) or drop the video "
+                "parts.")
 
     def _encode_each(self, texts: list[str], images: list[list], videos: list[list[dict]]) -> tuple[dict, dict]:
         """One processor call per prompt, merged: per-token inputs left-padded, the others concatenated, each

@@ -231,3 +231,16 @@ def test_a_raw_text_prompt_holds_its_video_where_the_part_stands(tmp_path_factor
     assert raw.texts[0].index("<|video_pad|>") < raw.texts[0].index("Where?")
     assert int((raw.inputs["input_ids"] == pad).sum()) == int((chat.inputs["input_ids"] == pad).sum()) > 0
     assert torch.equal(raw.inputs["video_grid_thw"], chat.inputs["video_grid_thw"])
+
+
+@pytest.mark.parametrize("family", ["glm4v", "internvl"])
+def test_a_raw_text_prompt_holds_a_generic_model_s_video_where_the_part_stands(tmp_path_factory, family):
+    """GLM-4.1V and InternVL: the raw style's video placeholder expands into as many frame tokens as the chat
+    style's (each frame's tokens are image tokens on both)."""
+    policy = tiny_family_policy(family, tmp_path_factory)
+    chat = policy.adapter.encode([video_messages(clip_frames(4), "Where?")])
+    policy.adapter.prompt_style = "raw"
+    raw = policy.adapter.encode([video_messages(clip_frames(4), "Where?")])
+    token = policy.adapter._image_token_id()
+    assert raw.texts[0].index(policy.adapter.video_placeholder) < raw.texts[0].index("Where?")
+    assert int((raw.inputs["input_ids"] == token).sum()) == int((chat.inputs["input_ids"] == token).sum()) > 0
