@@ -40,7 +40,9 @@ NO_LATER_IMAGES = {
 # InternVL: each frame an image tile ("Frame1: <img>...</img>") in `pixel_values`, no timestamps; its processor
 # stacks one call's videos into one tensor, so it is called once per prompt (`_encode_each`).
 # `VIDEO_PLACEHOLDERS`: what stands for a video in a raw-text prompt (the real chat templates' video part).
-VIDEO_PLACEHOLDERS = {"glm4v": "<|begin_of_video|><|video|><|end_of_video|>", "internvl": "<video>"}
+# Gemma 4: frames concatenated in `pixel_values_videos` with `num_frames_per_video`, an `mm:ss` timestamp before each.
+VIDEO_PLACEHOLDERS = {"glm4v": "<|begin_of_video|><|video|><|end_of_video|>", "internvl": "<video>",
+                      "gemma4": "<|video|>"}
 VIDEO_MODEL_TYPES = tuple(VIDEO_PLACEHOLDERS)
 ONE_CALL_PER_PROMPT = ("internvl",)
 # Why other model types refuse video (what their processors and models do in transformers 5.x).
@@ -107,8 +109,8 @@ class GenericFamily(Family):
             return None
         reason = NO_VIDEO.get(model_type, "its video inputs are not tested in gpg-vl yet")
         return (f"the {model_type} model (generic family) does not take video prompts ({reason}); train video tasks "
-                "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V, InternVL) or drop the video "
-                "parts.")
+                "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V, InternVL, Gemma 4) or drop "
+                "the video parts.")
 
     def _encode_each(self, texts: list[str], images: list[list], videos: list[list[dict]]) -> tuple[dict, dict]:
         """One processor call per prompt, merged: per-token inputs left-padded, the others concatenated, each
@@ -206,14 +208,24 @@ def _merge_prompts(outputs: list[dict[str, Tensor]], pad_id: int) -> tuple[dict,
 
 def _video_rows(inputs: dict[str, Tensor], videos_per_prompt: list[int]) -> dict[str, list[int]]:
     """How many rows of the video outputs belong to each prompt: flattened patches (with a `video_grid_thw`,
-    GLM-4.1V) get each prompt's patch count, the grid one row per video."""
-    if not isinstance(inputs.get("video_grid_thw"), Tensor):
-        return {}
-    per_video, rows, start = inputs["video_grid_thw"].prod(dim=1).tolist(), [], 0
-    for count in videos_per_prompt:
-        rows.append(int(sum(per_video[start:start + count])))
-        start += count
-    return {"pixel_values_videos": rows, "video_grid_thw": list(videos_per_prompt)}
+    GLM-4.1V) get each prompt's patch count, the grid one row per video; frames (with `num_frames_per_video`,
+    Gemma 4) each prompt's frame count, in the pixels and the patch positions."""
+
+    def per_prompt(per_video: list[int]) -> list[int]:
+        rows, start = [], 0
+        for count in videos_per_prompt:
+            rows.append(int(sum(per_video[start:start + count])))
+            start += count
+        return rows
+
+    if isinstance(inputs.get("video_grid_thw"), Tensor):
+        patches = per_prompt(inputs["video_grid_thw"].prod(dim=1).tolist())
+        return {"pixel_values_videos": patches, "video_grid_thw": list(videos_per_prompt)}
+    if isinstance(inputs.get("num_frames_per_video"), Tensor):
+        frames = per_prompt(inputs["num_frames_per_video"].tolist())
+        return {"pixel_values_videos": frames, "video_position_ids": frames,
+                "num_frames_per_video": list(videos_per_prompt)}
+    return {}
 
 
 def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],

@@ -123,15 +123,18 @@ def build_gemma4(path: Path, seed: int = 0):
     tokenizer = tokenizer_with([*extra.values(), "<|turn>", "<turn|>"], extra, eos="<turn|>")
     processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
                                 image_processor=Gemma4ImageProcessor(max_soft_tokens=70, patch_size=8),
-                                tokenizer=tokenizer, video_processor=Gemma4VideoProcessor(max_soft_tokens=70),
-                                image_seq_length=70, chat_template=chat_template("<|image|>", "<|turn>", "<turn|>"))
+                                tokenizer=tokenizer,
+                                video_processor=Gemma4VideoProcessor(max_soft_tokens=70, patch_size=8),
+                                image_seq_length=70,
+                                chat_template=chat_template("<|image|>", "<|turn>", "<turn|>", video="<|video|>"))
     text = dict(TINY_TEXT, **_ids(tokenizer), sliding_window=16, layer_types=["sliding_attention", "full_attention"],
                 vocab_size_per_layer_input=len(tokenizer), hidden_size_per_layer_input=8, num_kv_shared_layers=0)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=8, pooling_kernel_size=3, position_embedding_size=1024)
     config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
                           boi_token_id=tokenizer.boi_token_id, eoi_token_id=tokenizer.eoi_token_id,
-                          image_token_id=tokenizer.image_token_id, tie_word_embeddings=True)
+                          image_token_id=tokenizer.image_token_id, video_token_id=processor.video_token_id,
+                          tie_word_embeddings=True)
     torch.manual_seed(seed)
     return _save(path, Gemma4ForConditionalGeneration(config), processor, tokenizer)
 
