@@ -18,6 +18,7 @@ from torch import Tensor
 
 from gpg_vl.data.video import DECODED, decode_video, message_videos
 from gpg_vl.errors import UserError
+from gpg_vl.models.batch import per_prompt_rows
 from gpg_vl.models.family import Family, PromptBatch, image_order, message_images, register_family, unwrap
 
 # Published box conventions of some model types (their model cards); others declare none.
@@ -210,19 +211,11 @@ def _video_rows(inputs: dict[str, Tensor], videos_per_prompt: list[int]) -> dict
     """How many rows of the video outputs belong to each prompt: flattened patches (with a `video_grid_thw`,
     GLM-4.1V) get each prompt's patch count, the grid one row per video; frames (with `num_frames_per_video`,
     Gemma 4) each prompt's frame count, in the pixels and the patch positions."""
-
-    def per_prompt(per_video: list[int]) -> list[int]:
-        rows, start = [], 0
-        for count in videos_per_prompt:
-            rows.append(int(sum(per_video[start:start + count])))
-            start += count
-        return rows
-
     if isinstance(inputs.get("video_grid_thw"), Tensor):
-        patches = per_prompt(inputs["video_grid_thw"].prod(dim=1).tolist())
+        patches = per_prompt_rows(inputs["video_grid_thw"].prod(dim=1).tolist(), videos_per_prompt)
         return {"pixel_values_videos": patches, "video_grid_thw": list(videos_per_prompt)}
     if isinstance(inputs.get("num_frames_per_video"), Tensor):
-        frames = per_prompt(inputs["num_frames_per_video"].tolist())
+        frames = per_prompt_rows(inputs["num_frames_per_video"].tolist(), videos_per_prompt)
         return {"pixel_values_videos": frames, "video_position_ids": frames,
                 "num_frames_per_video": list(videos_per_prompt)}
     return {}
@@ -240,11 +233,7 @@ def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],
     batch, images = inputs["input_ids"].shape[0], sum(images_per_prompt)
 
     def per_prompt(per_image: list[int]) -> list[int]:
-        out, start = [], 0
-        for count in images_per_prompt:
-            out.append(int(sum(per_image[start:start + count])))
-            start += count
-        return out
+        return per_prompt_rows(per_image, images_per_prompt)
 
     layouts = {"image": list(images_per_prompt)}
     if isinstance(inputs.get("image_grid_thw"), Tensor):
