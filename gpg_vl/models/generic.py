@@ -7,6 +7,9 @@ how a group shares one encoding of its images. Prompt-once runs on the forked ca
 the attention mask, or, for a model with multimodal rotary positions (`get_rope_index`, GLM-4.1V), from
 the model's own rule on the whole sequence. `describe` says in one line which paths a model takes.
 The box frame is the model's published convention where one is known (`BOX_FRAME_OF`), else none.
+Video prompts go to the model types listed in `VIDEO_PLACEHOLDERS` (GLM-4.1V, InternVL, Gemma 4): frames read once
+per prompt (data/video.py) and given to the processor with their metadata; the others refuse them in one sentence
+naming the model and why (`NO_VIDEO`), see docs/video.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Each builder writes a Hugging Face directory (seeded weights, a few layers, hidden size 32-64) whose tokenizer
 is the embedded tiny model's byte-level BPE with that family's special tokens added and a chat template in
-the family's own turn format, so nothing is downloaded. `GENERIC_BUILDERS` maps `tiny:<name>` to its builder.
+the family's own turn format (with the real template's video placeholder where the model reads video:
+LLaVA-OneVision, GLM-4.1V, InternVL, Gemma 4), so nothing is downloaded. `GENERIC_BUILDERS` maps `tiny:<name>`
+to its builder.
 """
 
 from __future__ import annotations
