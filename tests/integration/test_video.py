@@ -7,7 +7,8 @@ Gemma 4).
   micro-batches) equals the plain path's on video prompts (2 prompts of different lengths, G = 2, ragged
   completions);
 - prompt-once prefill gives transformers `generate`'s greedy tokens on video prompts;
-- GLM-4.1V's and Gemma 4's frame times come from the metadata (hand-computed at 2 and 1 fps);
+- GLM-4.1V's and Gemma 4's frame times come from the metadata (hand-computed at 2 and 1 fps); a subset of a
+  generic batch mixing videos and images selects the same tensors as its prompts encoded alone;
 - a generic model type without video refuses it in one sentence naming the model and why; a broken video is a
   counted bad row.
 """
@@ -261,3 +262,26 @@ def test_a_raw_text_prompt_holds_a_generic_model_s_video_where_the_part_stands(t
 
     assert raw.texts[0].index(policy.adapter.video_placeholder) < raw.texts[0].index("Where?")
     assert frame_tokens(raw) == frame_tokens(chat) > 0
+
+
+@pytest.mark.parametrize("family", ["glm4v", "internvl", "gemma4"])
+def test_a_generic_batch_of_videos_and_images_selects_each_prompt_s_own_rows(tmp_path_factory, family):
+    """The row layout of video outputs: a subset of a mixed batch (videos of 6 and 4 frames, an image, an image
+    beside a video) in another order equals those prompts encoded on their own, every tensor of it."""
+    from PIL import Image
+
+    from gpg_vl.models.batch import trim_left_padding
+
+    policy = tiny_family_policy(family, tmp_path_factory)
+    image = {"type": "image", "image": Image.new("RGB", (40, 30), (200, 30, 30))}
+    batch = [video_messages(clip_frames(6), "Where?"), [{"role": "user", "content": [image, {"type": "text",
+                                                                                            "text": "Colour?"}]}],
+             [{"role": "user", "content": [image, *video_messages(clip_frames(4), "Both?")[0]["content"]]}]]
+    prompts = policy.adapter.encode(batch)
+    assert prompts.videos_per_prompt == [1, 0, 1] and prompts.images_per_prompt == [0, 1, 1]
+    for order in ([2, 0], [1, 2], [0]):
+        alone = policy.adapter.encode([batch[i] for i in order]).inputs
+        picked = trim_left_padding(prompts.select(order).inputs)
+        assert all(picked[key].shape[0] == 0 for key in picked.keys() - alone.keys())  # e.g. no image among them
+        for key, value in alone.items():
+            assert torch.equal(picked[key], value), (order, key)
