@@ -98,6 +98,15 @@ def extend_per_token(inputs: dict[str, Tensor], completion: Tensor, completion_m
     return full
 
 
+def per_prompt_rows(per_item: list[int], counts: list[int]) -> list[int]:
+    """Per-item row counts (per image, per video) summed per prompt, prompt i holding `counts[i]` items."""
+    out, start = [], 0
+    for count in counts:
+        out.append(int(sum(per_item[start:start + count])))
+        start += count
+    return out
+
+
 def image_order(prompts: PromptBatch, prompt_index: list[int], per_prompt: list[int] | None = None) -> list[int]:
     """Indices into the images of `prompts.select(sorted(set(prompt_index)))`, listed per sequence (of its
     videos with `per_prompt=prompts.videos_per_prompt`)."""

@@ -7,6 +7,9 @@ how a group shares one encoding of its images. Prompt-once runs on the forked ca
 the attention mask, or, for a model with multimodal rotary positions (`get_rope_index`, GLM-4.1V), from
 the model's own rule on the whole sequence. `describe` says in one line which paths a model takes.
 The box frame is the model's published convention where one is known (`BOX_FRAME_OF`), else none.
+Video prompts go to the model types listed in `VIDEO_PLACEHOLDERS` (GLM-4.1V, InternVL, Gemma 4): frames read once
+per prompt (data/video.py) and given to the processor with their metadata; the others refuse them in one sentence
+naming the model and why (`NO_VIDEO`), see docs/video.md.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import inspect
 import torch
 from torch import Tensor
 
-from gpg_vl.data.video import message_videos
+from gpg_vl.data.video import DECODED, decode_video, message_videos
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import Family, PromptBatch, message_images, register_family, unwrap
+from gpg_vl.models.batch import per_prompt_rows
+from gpg_vl.models.family import Family, PromptBatch, image_order, message_images, register_family, unwrap
 
 # Published box conventions of some model types (their model cards); others declare none.
 BOX_FRAME_OF = {"glm4v": "relative-1000", "glm4v_moe": "relative-1000", "glm46v": "relative-1000",
@@ -34,6 +38,24 @@ NO_LATER_IMAGES = {
     "llava_onevision": "its processor counts a tool image's tokens as a lone image's (any-resolution tiles) while "
                        "the model reads a conversation's several images without tiles, so they would not match",
 }
+# Model types that take video prompts: their processor reads the frames with the source's metadata and their model
+# takes the video tensors (checked on transformers' processors and tested on the tiny models, docs/video.md).
+# GLM-4.1V: flattened patches per frame pair with `video_grid_thw`, a timestamp written after each frame pair.
+# InternVL: each frame an image tile ("Frame1: <img>...</img>") in `pixel_values`, no timestamps; its processor
+# stacks one call's videos into one tensor, so it is called once per prompt (`_encode_each`).
+# `VIDEO_PLACEHOLDERS`: what stands for a video in a raw-text prompt (the real chat templates' video part).
+# Gemma 4: frames concatenated in `pixel_values_videos` with `num_frames_per_video`, an `mm:ss` timestamp before each.
+VIDEO_PLACEHOLDERS = {"glm4v": "<|begin_of_video|><|video|><|end_of_video|>", "internvl": "<video>",
+                      "gemma4": "<|video|>"}
+VIDEO_MODEL_TYPES = tuple(VIDEO_PLACEHOLDERS)
+ONE_CALL_PER_PROMPT = ("internvl",)
+# Why other model types refuse video (what their processors and models do in transformers 5.x).
+NO_VIDEO = {
+    "llava_onevision": "its model stacks a batch's videos into one tensor, so clips with different frame counts "
+                       "cannot share a batch",
+    "gemma3": "its processor takes no video",
+    "idefics3": "its processor (Idefics3Processor) takes no video",
+}
 EOS_TOKENS = ("<end_of_turn>", "<|im_end|>", "<end_of_utterance>", "<|endoftext|>", "<|user|>", "<eos>",
               "<turn|>")
 
@@ -41,6 +63,7 @@ EOS_TOKENS = ("<end_of_turn>", "<|im_end|>", "<end_of_utterance>", "<|endoftext|
 @register_family
 class GenericFamily(Family):
     name = "generic"
+    pixel_keys = ("pixel_values", "pixel_values_videos")
     vision_tokens = VISION_TOKENS
     eos_tokens = EOS_TOKENS
 
@@ -48,6 +71,7 @@ class GenericFamily(Family):
         super().__init__(processor, config, **kwargs)
         self.box_frame = BOX_FRAME_OF.get(getattr(config, "model_type", ""), "none")
         self.image_placeholder = getattr(processor, "image_token", None) or "<image>"
+        self.video_placeholder = VIDEO_PLACEHOLDERS.get(getattr(config, "model_type", ""))
         image_processor = getattr(processor, "image_processor", None)
         size = getattr(image_processor, "size", None) or {}
         side = size.get("height") or size.get("shortest_edge") or size.get("longest_edge") or 32
@@ -55,24 +79,80 @@ class GenericFamily(Family):
 
     def encode(self, messages_batch: list[list[dict]], ids: list[str] | None = None,
                tools: list[dict] | None = None) -> PromptBatch:
-        """Chat messages -> left-padded processor inputs, images as the processor resizes them."""
-        if any(message_videos(messages) for messages in messages_batch):
+        """Chat messages -> left-padded processor inputs, images and video frames as the processor resizes them;
+        videos are read once (data/video.py, unless the stream already did) and go in with their metadata."""
+        videos = [[decode_video(part, max_frames=None) for part in message_videos(messages)]
+                  for messages in messages_batch]
+        if any(videos) and self.videos_unsupported():
             raise UserError(self.videos_unsupported())
         texts = [self.render(messages, tools) for messages in messages_batch]
         images = [message_images(messages) for messages in messages_batch]
         images_per_prompt = [len(prompt_images) for prompt_images in images]
+        videos_per_prompt = [len(prompt_videos) for prompt_videos in videos]
         self.tokenizer.padding_side = "left"
         kwargs = {"images": images} if sum(images_per_prompt) else {}
+        if sum(videos_per_prompt):  # frames sampled already: the processor must not sample again
+            flat = [video for prompt_videos in videos for video in prompt_videos]
+            kwargs.update(videos=[video["video"] for video in flat], do_sample_frames=False,
+                          video_metadata=[dict(video[DECODED]) for video in flat])
+        sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
+        if sum(videos_per_prompt) and getattr(self.config, "model_type", "") in ONE_CALL_PER_PROMPT:
+            inputs, rows = self._encode_each(texts, images, videos)
+            return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes, rows, texts, videos_per_prompt)
         inputs = dict(self.processor(text=texts, padding=True, return_tensors="pt", **kwargs,
                                      **self.processor_kwargs))
-        sizes = [[(*image.size, *image.size) for image in prompt_images] for prompt_images in images]
-        return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes,
-                           _row_layout(inputs, images_per_prompt, self._image_token_id()), texts)
+        rows = _video_rows(inputs, videos_per_prompt)
+        rows.update(_row_layout({k: v for k, v in inputs.items() if k not in rows}, images_per_prompt,
+                                self._image_token_id()))
+        return PromptBatch(inputs, images_per_prompt, list(ids or []), sizes, rows, texts,
+                           videos_per_prompt if sum(videos_per_prompt) else [])
 
     def videos_unsupported(self) -> str | None:
         model_type = getattr(self.config, "model_type", "generic")
-        return (f"the {model_type} model (generic family) does not take video prompts in gpg-vl yet; train video "
-                "tasks on a Qwen-VL family model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) or drop the video parts.")
+        if model_type in VIDEO_MODEL_TYPES:
+            return None
+        reason = NO_VIDEO.get(model_type, "its video inputs are not tested in gpg-vl yet")
+        return (f"the {model_type} model (generic family) does not take video prompts ({reason}); train video tasks "
+                "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V, InternVL, Gemma 4) or drop "
+                "the video parts.")
+
+    def _encode_each(self, texts: list[str], images: list[list], videos: list[list[dict]]) -> tuple[dict, dict]:
+        """One processor call per prompt, merged: per-token inputs left-padded, the others concatenated, each
+        prompt owning the rows its call returned."""
+        outputs = []
+        for text, prompt_images, prompt_videos in zip(texts, images, videos, strict=True):
+            if len({len(video["video"]) for video in prompt_videos}) > 1:
+                raise UserError(f"the {self.config.model_type} model's processor cannot take videos of different "
+                                "frame counts in one prompt; give each video part the same `nframes`.")
+            kwargs = {"videos": [video["video"] for video in prompt_videos], "do_sample_frames": False,
+                      "video_metadata": [dict(video[DECODED]) for video in prompt_videos]} if prompt_videos else {}
+            outputs.append(dict(self.processor(text=[text], images=prompt_images or None, return_tensors="pt",
+                                               **kwargs, **self.processor_kwargs)))
+        return _merge_prompts(outputs, self.pad_id)
+
+    def vision_features(self, model, prompts: PromptBatch, prompt_index: list[int]) -> dict:
+        """`mm_encoder_outputs`: the images' and the videos' tower outputs, each once per distinct prompt (a model
+        whose processor folds video frames into `pixel_values`, InternVL, encodes them with the images)."""
+        folded = prompts.has_videos and "pixel_values_videos" not in prompts.inputs
+        features = {}
+        if prompts.has_images or folded:
+            features["image"] = self.image_features(model, prompts, prompt_index)
+        if prompts.has_videos and not folded:
+            features["video"] = self._video_features(model, prompts, prompt_index)
+        return features
+
+    def _video_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
+        """The video tower's outputs for each distinct prompt's videos, listed per sequence (no copy)."""
+        subset = prompts.select(sorted(set(prompt_index)))
+        encoder = unwrap(model).model.get_video_features
+        accepted = inspect.signature(encoder).parameters
+        extra = {key: value for key, value in subset.inputs.items() if key in accepted and key != "pixel_values_videos"}
+        encoded = encoder(subset.inputs["pixel_values_videos"], **extra, return_dict=True)
+        order = image_order(prompts, prompt_index, prompts.videos_per_prompt)
+        pooled = encoded.pooler_output  # per video: a list, or a tensor with that first dimension
+        encoded.pooler_output = pooled[torch.tensor(order, device=pooled.device)] if isinstance(pooled, Tensor) \
+            else [pooled[i] for i in order]
+        return encoded
 
     def multi_turn_unsupported(self) -> str | None:
         reason = NO_LATER_IMAGES.get(getattr(self.config, "model_type", ""))
@@ -113,6 +193,37 @@ def _multimodal_rope(model: torch.nn.Module) -> bool:
     return hasattr(getattr(unwrap(model), "model", None), "get_rope_index")
 
 
+def _merge_prompts(outputs: list[dict[str, Tensor]], pad_id: int) -> tuple[dict, dict]:
+    """Single-prompt processor outputs as one left-padded batch, and each prompt's rows of the other keys."""
+    length = max(output["input_ids"].shape[1] for output in outputs)
+    keys = dict.fromkeys(key for output in outputs for key in output)
+    inputs, rows = {}, {}
+    for key in keys:
+        example = next(output[key] for output in outputs if key in output)
+        if all(key in output and output[key].shape == output["input_ids"].shape for output in outputs):
+            fill = pad_id if key == "input_ids" else 0
+            inputs[key] = torch.cat([torch.nn.functional.pad(output[key], (length - output[key].shape[1], 0),
+                                                             value=fill) for output in outputs])  # [B, P]
+            continue
+        parts = [output.get(key, example[:0]) for output in outputs]
+        inputs[key], rows[key] = torch.cat(parts), [part.shape[0] for part in parts]
+    return inputs, rows
+
+
+def _video_rows(inputs: dict[str, Tensor], videos_per_prompt: list[int]) -> dict[str, list[int]]:
+    """How many rows of the video outputs belong to each prompt: flattened patches (with a `video_grid_thw`,
+    GLM-4.1V) get each prompt's patch count, the grid one row per video; frames (with `num_frames_per_video`,
+    Gemma 4) each prompt's frame count, in the pixels and the patch positions."""
+    if isinstance(inputs.get("video_grid_thw"), Tensor):
+        patches = per_prompt_rows(inputs["video_grid_thw"].prod(dim=1).tolist(), videos_per_prompt)
+        return {"pixel_values_videos": patches, "video_grid_thw": list(videos_per_prompt)}
+    if isinstance(inputs.get("num_frames_per_video"), Tensor):
+        frames = per_prompt_rows(inputs["num_frames_per_video"].tolist(), videos_per_prompt)
+        return {"pixel_values_videos": frames, "video_position_ids": frames,
+                "num_frames_per_video": list(videos_per_prompt)}
+    return {}
+
+
 def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],
                 image_token_id: int | None = None) -> dict[str, list[int]]:
     """How many rows of each processor output belong to each prompt (see `PromptBatch.rows`).
@@ -125,11 +236,7 @@ def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],
     batch, images = inputs["input_ids"].shape[0], sum(images_per_prompt)
 
     def per_prompt(per_image: list[int]) -> list[int]:
-        out, start = [], 0
-        for count in images_per_prompt:
-            out.append(int(sum(per_image[start:start + count])))
-            start += count
-        return out
+        return per_prompt_rows(per_image, images_per_prompt)
 
     layouts = {"image": list(images_per_prompt)}
     if isinstance(inputs.get("image_grid_thw"), Tensor):

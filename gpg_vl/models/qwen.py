@@ -18,6 +18,7 @@ from qwen_vl_utils.vision_process import MAX_RATIO
 from torch import Tensor
 
 from gpg_vl.data.video import DECODED, decode_video, is_video_part, message_videos, video_pixels
+from gpg_vl.models.batch import per_prompt_rows
 from gpg_vl.models.family import Family, PromptBatch, image_order, register_family, unwrap
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -77,7 +78,7 @@ class QwenVLAdapter(Family):
         for grid, pixels, counts in (("image_grid_thw", "pixel_values", images_per_prompt),
                                      ("video_grid_thw", "pixel_values_videos", videos_per_prompt)):
             if grid in inputs:  # flattened patches: grid t * h * w rows per image (video)
-                rows.update({pixels: _per_prompt(inputs[grid].prod(dim=1).tolist(), counts), grid: list(counts)})
+                rows.update({pixels: per_prompt_rows(inputs[grid].prod(dim=1).tolist(), counts), grid: list(counts)})
         if isinstance(inputs.get("second_per_grid_ts"), Tensor):
             rows["second_per_grid_ts"] = list(videos_per_prompt)
         return PromptBatch(inputs, images_per_prompt, list(ids or []), image_sizes, rows, texts,
@@ -172,15 +173,6 @@ class QwenVLAdapter(Family):
         if getattr(encoded, "deepstack_features", None) is not None:  # Qwen3-VL: one map per DeepStack tap
             encoded.deepstack_features = [[level[i] for i in order] for level in encoded.deepstack_features]
         return encoded
-
-
-def _per_prompt(per_item: list[int], counts: list[int]) -> list[int]:
-    """Per-item row counts summed per prompt (`counts[i]` items each)."""
-    out, start = [], 0
-    for count in counts:
-        out.append(int(sum(per_item[start:start + count])))
-        start += count
-    return out
 
 
 @register_family

@@ -1,4 +1,5 @@
-"""Video prompts on the tiny models of every family whose processor reads video (the Qwen-VL families).
+"""Video prompts on the tiny models of every family that takes video (Qwen-VL families, GLM-4.1V, InternVL,
+Gemma 4).
 
 - the metadata reaches the processor: Qwen2.5-VL's `second_per_grid_ts` and Qwen3-VL's frame timestamps
   equal hand-computed values for a 4-second clip at 2 fps and at 1 fps (not the processor's 24-fps default);
@@ -6,7 +7,10 @@
   micro-batches) equals the plain path's on video prompts (2 prompts of different lengths, G = 2, ragged
   completions);
 - prompt-once prefill gives transformers `generate`'s greedy tokens on video prompts;
-- a generic family refuses video in one sentence naming the model; a broken video is a counted bad row.
+- GLM-4.1V's and Gemma 4's frame times come from the metadata (hand-computed at 2 and 1 fps); a subset of a
+  generic batch mixing videos and images selects the same tensors as its prompts encoded alone;
+- a generic model type without video refuses it in one sentence naming the model and why; a broken video is a
+  counted bad row.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from gpg_vl.rollout.types import Rollout
 from gpg_vl.train.sample import Attempt
 from gpg_vl.train.update import update_chunks
 
-VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "internvl",
+                  "gemma4"]
 
 
 @pytest.fixture(scope="module", params=VIDEO_FAMILIES)
@@ -83,6 +88,10 @@ def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_vid
 
 
 def test_prompt_once_prefill_gives_generate_s_greedy_tokens_on_video(video_policy):
+    declined = video_policy.adapter.prefill_once_unsupported(video_policy.model)
+    if declined is not None:  # Gemma 4 steps aside, as on images (tests/integration/test_fast_paths.py)
+        assert "sliding-window" in declined and declined in video_policy.adapter.describe(video_policy.model)
+        return
     prompts, group_size = two_video_prompts(video_policy), 2
     greedy = Sampling(max_new_tokens=8, greedy=True)
     every_row = generate(video_policy, prompts.select([0, 0, 1, 1]), group_size=1, sampling=greedy,
@@ -102,17 +111,21 @@ SECONDS = {2: [1.0], 1: [2.0]}  # one value per video: seconds per temporal grid
 TIMESTAMPS = {2: ["0.2", "1.4", "2.5", "3.6"], 1: ["0.6", "3.2"]}
 
 
+def four_second_clip_prompt(tmp_path, fps: float) -> list[dict]:
+    """The messages of a 4-second MPEG-4 clip at 8 fps, read through the prompt stream at `fps`."""
+    clip = write_clip(tmp_path / "clip.mp4", seconds=4, fps=8)
+    stream = PromptStream([{"video": str(clip)}], seed=0)
+    task = type("Task", (), {"check_row": lambda self, row: None, "max_video_frames": 16,
+                             "messages": lambda self, row: video_messages(row["video"], "Where?", fps=fps)})()
+    return stream.next_prompts(1, task)[0].messages
+
+
 @pytest.mark.parametrize("fps", [2, 1])
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_video_metadata_gives_hand_computed_grid_seconds_and_timestamps(tmp_path_factory, tmp_path, family, fps):
     policy = tiny_family_policy(family, tmp_path_factory)
     policy.adapter.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
-    clip = write_clip(tmp_path / "clip.mp4", seconds=4, fps=8)
-    stream = PromptStream([{"video": str(clip)}], seed=0)
-    task = type("Task", (), {"check_row": lambda self, row: None, "max_video_frames": 16,
-                             "messages": lambda self, row: video_messages(row["video"], "Where?", fps=fps)})()
-    prompt = stream.next_prompts(1, task)[0]
-    prompts = policy.adapter.encode([prompt.messages])
+    prompts = policy.adapter.encode([four_second_clip_prompt(tmp_path, fps)])
     grid = prompts.inputs["video_grid_thw"][0].tolist()
     assert grid[0] == len(TIMESTAMPS[fps])  # temporal grid steps: frames / 2
     if family == "qwen2_5_vl":
@@ -120,6 +133,24 @@ def test_video_metadata_gives_hand_computed_grid_seconds_and_timestamps(tmp_path
     else:
         text = policy.adapter.tokenizer.decode(prompts.inputs["input_ids"][0])
         assert re.findall(r"<([\d.]+) seconds>", text) == TIMESTAMPS[fps]
+
+
+# GLM-4.1V writes the whole seconds of the first frame of each pair after it: index / 8 of frames 0 9 18 27 at
+# 2 fps (0, 1.125, 2.25, 3.375), of frames 0 21 at 1 fps (0, 2.625), truncated (at 24 fps: 0 0 0 1). Gemma 4
+# writes mm:ss before every frame: 0 4 9 13 18 22 27 31 / 8 at 2 fps, 0 10 21 31 / 8 at 1 fps, truncated.
+FRAME_TIMES = {"glm4v": (r"<\|end_of_image\|>(\d+)", {2: ["0", "1", "2", "3"], 1: ["0", "2"]}),
+               "gemma4": (r"(\d\d:\d\d) <\|image>", {2: [f"00:0{s}" for s in (0, 0, 1, 1, 2, 2, 3, 3)],
+                                                      1: ["00:00", "00:01", "00:02", "00:03"]})}
+
+
+@pytest.mark.parametrize("fps", [2, 1])
+@pytest.mark.parametrize("family", sorted(FRAME_TIMES))
+def test_generic_models_write_hand_computed_frame_times_from_the_metadata(tmp_path_factory, tmp_path, family, fps):
+    policy = tiny_family_policy(family, tmp_path_factory)
+    prompts = policy.adapter.encode([four_second_clip_prompt(tmp_path, fps)])
+    assert prompts.videos_per_prompt == [1]
+    pattern, expected = FRAME_TIMES[family]
+    assert re.findall(pattern, policy.adapter.tokenizer.decode(prompts.inputs["input_ids"][0])) == expected[fps]
 
 
 def test_the_processor_without_metadata_would_assume_24_fps(tmp_path_factory):
@@ -146,17 +177,35 @@ def test_a_broken_video_is_a_counted_bad_row(tmp_path):
     assert prompts[0].messages[0]["content"][0]["video_metadata"]["fps"] == 8.0
 
 
-def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_path_factory):
-    policy = tiny_family_policy("llava_onevision", tmp_path_factory)
-    with pytest.raises(UserError, match="llava_onevision model .*does not take video"):
+@pytest.mark.parametrize(("family", "model_type", "why"), [
+    ("llava_onevision", "llava_onevision", "different frame counts"), ("smolvlm", "idefics3", "takes no video")])
+def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_path_factory, family, model_type, why):
+    policy = tiny_family_policy(family, tmp_path_factory)
+    with pytest.raises(UserError, match=f"{model_type} model .*does not take video prompts .*{why}"):
         policy.adapter.encode([video_messages(clip_frames(4), "q")])
+
+
+def test_internvl_refuses_one_prompt_s_videos_of_different_frame_counts(tmp_path_factory):
+    """Its processor stacks a call's videos: one prompt's videos must share a frame count (prompts may differ)."""
+    policy = tiny_family_policy("internvl", tmp_path_factory)
+    two = [{"role": "user", "content": [{"type": "video", "video": clip_frames(4)},
+                                        {"type": "video", "video": clip_frames(6)}, {"type": "text", "text": "q"}]}]
+    with pytest.raises(UserError, match="internvl model's processor cannot take videos of different frame counts"):
+        policy.adapter.encode([two])
+    same = policy.adapter.encode([[{"role": "user", "content": [two[0]["content"][0]] * 2}],
+                                  video_messages(clip_frames(6), "q")])
+    assert same.videos_per_prompt == [2, 1] and same.rows["pixel_values"] == [8, 6]  # one tile per frame
 
 
 CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+           "glm4v": "Glm4vForConditionalGeneration", "internvl": "InternVLForConditionalGeneration",
+           "gemma4": "Gemma4ForConditionalGeneration"}
 CLI_MODELS = {"qwen2_5_vl": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen3_vl": "tiny-qwen3-vl",
-              "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe"}
+              "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe",
+              "glm4v": "tiny-glm4v", "internvl": "tiny-internvl",
+              "gemma4": "tiny-gemma4"}
 
 
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)
@@ -195,3 +244,44 @@ def test_a_raw_text_prompt_holds_its_video_where_the_part_stands(tmp_path_factor
     assert raw.texts[0].index("<|video_pad|>") < raw.texts[0].index("Where?")
     assert int((raw.inputs["input_ids"] == pad).sum()) == int((chat.inputs["input_ids"] == pad).sum()) > 0
     assert torch.equal(raw.inputs["video_grid_thw"], chat.inputs["video_grid_thw"])
+
+
+@pytest.mark.parametrize("family", ["glm4v", "internvl", "gemma4"])
+def test_a_raw_text_prompt_holds_a_generic_model_s_video_where_the_part_stands(tmp_path_factory, family):
+    """GLM-4.1V, InternVL and Gemma 4: the raw style's video placeholder expands into as many frame tokens as
+    the chat style's (image tokens on the first two, video tokens on Gemma 4)."""
+    policy = tiny_family_policy(family, tmp_path_factory)
+    chat = policy.adapter.encode([video_messages(clip_frames(4), "Where?")])
+    policy.adapter.prompt_style = "raw"
+    raw = policy.adapter.encode([video_messages(clip_frames(4), "Where?")])
+    video_token = policy.adapter.tokenizer.convert_tokens_to_ids(policy.processor.video_token)
+    tokens = torch.tensor([policy.adapter._image_token_id(), video_token])  # the frames' tokens
+
+    def frame_tokens(prompts) -> int:
+        return int(torch.isin(prompts.inputs["input_ids"], tokens).sum())
+
+    assert raw.texts[0].index(policy.adapter.video_placeholder) < raw.texts[0].index("Where?")
+    assert frame_tokens(raw) == frame_tokens(chat) > 0
+
+
+@pytest.mark.parametrize("family", ["glm4v", "internvl", "gemma4"])
+def test_a_generic_batch_of_videos_and_images_selects_each_prompt_s_own_rows(tmp_path_factory, family):
+    """The row layout of video outputs: a subset of a mixed batch (videos of 6 and 4 frames, an image, an image
+    beside a video) in another order equals those prompts encoded on their own, every tensor of it."""
+    from PIL import Image
+
+    from gpg_vl.models.batch import trim_left_padding
+
+    policy = tiny_family_policy(family, tmp_path_factory)
+    image = {"type": "image", "image": Image.new("RGB", (40, 30), (200, 30, 30))}
+    batch = [video_messages(clip_frames(6), "Where?"), [{"role": "user", "content": [image, {"type": "text",
+                                                                                            "text": "Colour?"}]}],
+             [{"role": "user", "content": [image, *video_messages(clip_frames(4), "Both?")[0]["content"]]}]]
+    prompts = policy.adapter.encode(batch)
+    assert prompts.videos_per_prompt == [1, 0, 1] and prompts.images_per_prompt == [0, 1, 1]
+    for order in ([2, 0], [1, 2], [0]):
+        alone = policy.adapter.encode([batch[i] for i in order]).inputs
+        picked = trim_left_padding(prompts.select(order).inputs)
+        assert all(picked[key].shape[0] == 0 for key in picked.keys() - alone.keys())  # e.g. no image among them
+        for key, value in alone.items():
+            assert torch.equal(picked[key], value), (order, key)

@@ -2,7 +2,9 @@
 
 Each builder writes a Hugging Face directory (seeded weights, a few layers, hidden size 32-64) whose tokenizer
 is the embedded tiny model's byte-level BPE with that family's special tokens added and a chat template in
-the family's own turn format, so nothing is downloaded. `GENERIC_BUILDERS` maps `tiny:<name>` to its builder.
+the family's own turn format (with the real template's video placeholder where the model reads video:
+LLaVA-OneVision, GLM-4.1V, InternVL, Gemma 4), so nothing is downloaded. `GENERIC_BUILDERS` maps `tiny:<name>`
+to its builder.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import torch
 from transformers import AutoTokenizer
 
 EMBEDDED_TINY = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2.5-vl"
-# Qwen-style turns; `{image}` is where an image part goes.
+# Qwen-style turns; `{image}` is where an image part goes, `{video}` where a video part goes.
 _TEMPLATE = (
     "{{% for message in messages %}}{turn_start}{{{{ message['role'] }}}}\n"
     "{{% if message['content'] is string %}}{{{{ message['content'] }}}}{{% else %}}"
     "{{% for content in message['content'] %}}"
     "{{% if content['type'] == 'image' or 'image' in content %}}{image}"
+    "{{% elif content['type'] == 'video' or 'video' in content %}}{video}"
     "{{% elif 'text' in content %}}{{{{ content['text'] }}}}{{% endif %}}{{% endfor %}}{{% endif %}}{turn_end}\n"
     "{{% endfor %}}{{% if add_generation_prompt %}}{turn_start}assistant\n{{% endif %}}"
 )
@@ -28,8 +31,11 @@ TINY_SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, nu
                    patch_size=8)
 
 
-def chat_template(image: str, turn_start: str = "<|im_start|>", turn_end: str = "<|im_end|>") -> str:
-    return _TEMPLATE.format(image=image, turn_start=turn_start, turn_end=turn_end)
+def chat_template(image: str, turn_start: str = "<|im_start|>", turn_end: str = "<|im_end|>",
+                  video: str = "") -> str:
+    """The tiny template: `video` is what a video part renders (the real model's placeholder; empty for a model
+    without video, whose family refuses video prompts before rendering)."""
+    return _TEMPLATE.format(image=image, turn_start=turn_start, turn_end=turn_end, video=video)
 
 
 def tokenizer_with(specials: list[str], extra: dict[str, str] | None = None, eos: str = "<|im_end|>"):
@@ -73,7 +79,7 @@ def build_llava_onevision(path: Path, seed: int = 0):
     processor = LlavaOnevisionProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                         video_processor=LlavaOnevisionVideoProcessor(size=size),
                                         num_image_tokens=16, vision_feature_select_strategy="full",
-                                        chat_template=chat_template("<image>"))
+                                        chat_template=chat_template("<image>", video="<video>"))
     config = LlavaOnevisionConfig(
         text_config=dict(TINY_TEXT, model_type="qwen2", **_ids(tokenizer)),
         vision_config=dict(TINY_SIGLIP, model_type="siglip_vision_model", vision_use_head=False),
@@ -119,15 +125,18 @@ def build_gemma4(path: Path, seed: int = 0):
     tokenizer = tokenizer_with([*extra.values(), "<|turn>", "<turn|>"], extra, eos="<turn|>")
     processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
                                 image_processor=Gemma4ImageProcessor(max_soft_tokens=70, patch_size=8),
-                                tokenizer=tokenizer, video_processor=Gemma4VideoProcessor(max_soft_tokens=70),
-                                image_seq_length=70, chat_template=chat_template("<|image|>", "<|turn>", "<turn|>"))
+                                tokenizer=tokenizer,
+                                video_processor=Gemma4VideoProcessor(max_soft_tokens=70, patch_size=8),
+                                image_seq_length=70,
+                                chat_template=chat_template("<|image|>", "<|turn>", "<turn|>", video="<|video|>"))
     text = dict(TINY_TEXT, **_ids(tokenizer), sliding_window=16, layer_types=["sliding_attention", "full_attention"],
                 vocab_size_per_layer_input=len(tokenizer), hidden_size_per_layer_input=8, num_kv_shared_layers=0)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=8, pooling_kernel_size=3, position_embedding_size=1024)
     config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
                           boi_token_id=tokenizer.boi_token_id, eoi_token_id=tokenizer.eoi_token_id,
-                          image_token_id=tokenizer.image_token_id, tie_word_embeddings=True)
+                          image_token_id=tokenizer.image_token_id, video_token_id=processor.video_token_id,
+                          tie_word_embeddings=True)
     torch.manual_seed(seed)
     return _save(path, Gemma4ForConditionalGeneration(config), processor, tokenizer)
 
@@ -165,7 +174,7 @@ def build_internvl(path: Path, seed: int = 0):
     image_processor = GotOcr2ImageProcessor(size=size, crop_to_patches=False)
     processor = InternVLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                   video_processor=InternVLVideoProcessor(size=size), image_seq_length=4,
-                                  chat_template=chat_template("<IMG_CONTEXT>"))
+                                  chat_template=chat_template("<IMG_CONTEXT>", video="<video>"))
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=[32, 32],
                   patch_size=[8, 8], use_mean_pooling=False)
     config = InternVLConfig(vision_config=vision, text_config=dict(TINY_TEXT, model_type="qwen2", **_ids(tokenizer)),
@@ -192,6 +201,7 @@ def build_glm4v(path: Path, seed: int = 0):
     template = ("{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['content'] is string %}"
                 "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
                 "{% if content['type'] == 'image' or 'image' in content %}<|begin_of_image|><|image|><|end_of_image|>"
+                "{% elif content['type'] == 'video' or 'video' in content %}<|begin_of_video|><|video|><|end_of_video|>"
                 "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     processor = Glm4vProcessor(image_processor=Glm4vImageProcessor(**pixels), tokenizer=tokenizer,
