@@ -32,6 +32,7 @@ class QwenVLAdapter(Family):
     model_types = ("qwen2_5_vl",)
     box_frame = "resized-pixels"
     pixel_keys = ("pixel_values", "pixel_values_videos")
+    engine_takes_video = True
     vision_tokens = VISION_TOKENS
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"  # the processor expands the pad per image
     video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"  # ... and per video

@@ -210,7 +210,7 @@ def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed
         "max_model_len": settings.max_model_len or rollout.max_prompt_tokens + after_prompt,
         "enforce_eager": settings.enforce_eager, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
         "logprobs_mode": "processed_logprobs", "limit_mm_per_prompt": {"image": images, **(
-            {"video": settings.max_videos} if settings.max_videos and family.videos_unsupported() is None else {})},
+            {"video": settings.max_videos} if settings.max_videos and getattr(family, "engine_takes_video", False) else {})},
         "mm_processor_kwargs": family.engine_processor_kwargs() or None,
     }
 

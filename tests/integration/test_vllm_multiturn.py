@@ -200,7 +200,7 @@ def test_a_model_that_cannot_carry_images_in_later_turns_is_refused_in_one_sente
 
 
 def test_engine_options_plan_for_whole_trajectories():
-    family = SimpleNamespace(engine_processor_kwargs=lambda: {}, videos_unsupported=lambda: "no video")
+    family = SimpleNamespace(engine_processor_kwargs=lambda: {}, engine_takes_video=False)
     single = engine_options(RolloutSettings(max_new_tokens=64, max_prompt_tokens=1000), model_path="/m",
                             family=family, dtype=torch.bfloat16, seed=0)
     turns = engine_options(RolloutSettings(max_new_tokens=64, max_prompt_tokens=1000, max_turns=3,
@@ -273,7 +273,7 @@ def test_later_turns_keep_the_first_requests_other_media_and_keywords():
 
 
 def test_engine_options_plan_for_videos_where_the_model_takes_them():
-    takes_video = SimpleNamespace(engine_processor_kwargs=lambda: {}, videos_unsupported=lambda: None)
+    takes_video = SimpleNamespace(engine_processor_kwargs=lambda: {}, engine_takes_video=True)
     options = engine_options(RolloutSettings(), model_path="/m", family=takes_video, dtype=torch.bfloat16, seed=0)
     assert options["limit_mm_per_prompt"] == {"image": 4, "video": 1}
     none = engine_options(RolloutSettings(vllm={"max_videos": 0}), model_path="/m", family=takes_video,
