@@ -203,14 +203,15 @@ def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed
     turns = rollout.max_turns > 1  # a trajectory's later requests hold its observations (tokens and images) too
     after_prompt = max(rollout.max_new_tokens, rollout.max_total_tokens) if turns else rollout.max_new_tokens
     images = settings.max_images + (rollout.max_images if turns else 0)
+    takes_video = settings.max_videos and getattr(family, "engine_takes_video", False)
+    videos = {"video": settings.max_videos} if takes_video else {}
     return {
         "model": model_path, "tokenizer": model_path, "load_format": "dummy",  # weights come from sync()
         "distributed_executor_backend": "external_launcher", "tensor_parallel_size": settings.tensor_parallel_size,
         "gpu_memory_utilization": settings.gpu_memory_utilization, "enable_sleep_mode": settings.enable_sleep_mode,
         "max_model_len": settings.max_model_len or rollout.max_prompt_tokens + after_prompt,
         "enforce_eager": settings.enforce_eager, "dtype": str(dtype).removeprefix("torch."), "seed": seed,
-        "logprobs_mode": "processed_logprobs", "limit_mm_per_prompt": {"image": images, **(
-            {"video": settings.max_videos} if settings.max_videos and getattr(family, "engine_takes_video", False) else {})},
+        "logprobs_mode": "processed_logprobs", "limit_mm_per_prompt": {"image": images, **videos},
         "mm_processor_kwargs": family.engine_processor_kwargs() or None,
     }
 
