@@ -251,8 +251,8 @@ class VLLMEngineSettings:
         "most images in one prompt (vLLM plans its encoder memory for them; with rollout.max_turns > 1, "
         "rollout.max_images more for the tools' images)", low=1))
     max_videos: int = field(default=1, metadata=meta(
-        "most videos in one prompt (vLLM plans its encoder memory for them; none for a family that passes an engine no video)",
-        low=0))
+        "most videos in one prompt (vLLM plans its encoder memory for them; none for a family that passes an "
+        "engine no video)", low=0))
     enforce_eager: bool = field(default=False, metadata=meta(
         "no CUDA graphs (slower decoding, faster start, less memory)"))
     max_logp_mismatch: float = field(default=0.05, metadata=meta(
