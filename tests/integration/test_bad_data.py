@@ -259,9 +259,9 @@ def test_a_run_skips_and_counts_bad_rows_and_goes_on(tmp_path, monkeypatch):
     encoded = []
     original = base.QwenVLAdapter.encode
 
-    def spy(self, messages_batch, ids=None):
+    def spy(self, messages_batch, ids=None, tools=None):
         encoded.extend(ids or [])
-        return original(self, messages_batch, ids)
+        return original(self, messages_batch, ids, tools)
 
     monkeypatch.setattr(base.QwenVLAdapter, "encode", spy)
     out = tmp_path / "run"

@@ -255,8 +255,8 @@ def test_token_budget_micro_batches_cover_each_valid_sequence_once_within_the_bu
                            valid, group_size)
     lengths = attempt.rollout.completion_mask.sum(dim=1)
     seen = []
-    for _prompts, prompt_index, _ids, mask, adv, _sampler in update_chunks([attempt], 0, budget,
-                                                                           share_prompt=share_prompt):
+    for chunk in update_chunks([attempt], 0, budget, share_prompt=share_prompt):
+        prompt_index, mask, adv = chunk.prompt_index, chunk.completion_mask, chunk.advantages
         sequences = adv.long().tolist()
         seen += sequences
         assert prompt_index == [s // group_size for s in sequences]
@@ -363,7 +363,8 @@ def test_the_scoring_path_is_chosen_once_and_micro_batches_keep_the_token_budget
     prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()
     budget = int(max(prompt_lengths)) + 8
     chunks = list(update_chunks([attempt], 0, budget, share_prompt=path.prompt_once))
-    for _prompts, prompt_index, _ids, mask, _adv, _sampler in chunks:
+    for chunk in chunks:
+        prompt_index, mask = chunk.prompt_index, chunk.completion_mask
         whole = micro_batch_cost([prompt_lengths[p] for p in prompt_index], prompt_index, mask.sum(dim=1).tolist(),
                                  share_prompt=False)
         assert whole <= budget or len(prompt_index) == 1
