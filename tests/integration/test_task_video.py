@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import datasets
+import gpg_vl_tasks.motion
 import gpg_vl_tasks.videor1
 import numpy as np
 import pytest
@@ -286,6 +287,35 @@ def test_motion_clips_move_the_dot_the_way_the_answer_says():
         get_task("motion", frames=3)
     with pytest.raises(UserError, match="multiple of 28"):
         get_task("motion", frame_size=50)
+
+
+def colour_of(frame):
+    """The name of the one colour drawn on a frame."""
+    pixels = np.asarray(frame).reshape(-1, 3)
+    (drawn,) = {tuple(int(v) for v in p) for p in pixels if (p < 250).any()}
+    return next(name for name, rgb in gpg_vl_tasks.motion.COLORS.items() if rgb == drawn)
+
+
+def test_motion_first_colour_clips_show_the_answer_colour_in_their_first_moment():
+    task = get_task("motion", question="first_colour", test_size=40, frames=6)
+    rows = task.load("test")
+    assert rows[5]["frames"][4].tobytes() == task.load("test")[5]["frames"][4].tobytes()  # seeded
+    for row in rows:
+        seen = [colour_of(frame) for frame in row["frames"]]
+        assert seen == [row["answer"]] * 3 + [row["colours"][1]] * 3 and row["answer"] != row["colours"][1]
+        assert row["question"] == "What color is the shape?"
+        assert task.reward(row["solution"], row) == 2.0 and task.reward(said(row["colours"][1]), row) == 1.0
+    assert [row["answer"] for row in rows[:4]] == ["blue", "red", "blue", "red"]  # a constant answer scores 0.5
+    metrics = task.metrics(rows, [said("red")] * len(rows))
+    assert metrics["accuracy"] == 0.5 and metrics["accuracy/red"] == 1.0 and metrics["accuracy/blue"] == 0.0
+    three = get_task("motion", question="first_colour", colours=["green", "yellow", "red"]).load("train")[:30]
+    assert {row["answer"] for row in three} == {"green", "red", "yellow"}
+    with pytest.raises(UserError, match="question"):
+        get_task("motion", question="first_shape")
+    with pytest.raises(UserError, match="colours"):
+        get_task("motion", question="first_colour", colours=["red"])
+    with pytest.raises(UserError, match="colours"):
+        get_task("motion", question="first_colour", colours=["red", "purple"])
 
 
 # ---------------------------------------------------------------- through the model (video inputs)
