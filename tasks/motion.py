@@ -138,9 +138,13 @@ class Motion(Shapes):
 
     def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 4, frame_size: int = 56,
                  directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 2, question: str = "direction",
-                 colours: Sequence[str] = ("blue", "red")) -> None:
+                 colours: Sequence[str] = ("blue", "red"), format_weight: float = 1.0) -> None:
         super().__init__(train_size=train_size, test_size=test_size)
         self.check_question(question, colours)
+        if not 0 <= format_weight <= 1:
+            raise UserError(f"task motion's format_weight weighs the format reward against the answer's (1), so it "
+                            f"lies in 0 .. 1; got {format_weight}, set task.options.format_weight=0.")
+        self.reward_weights = {**self.reward_weights, "format": float(format_weight)}
         self.question, self.colours = question, tuple(sorted(set(colours)))
         self.group_columns = (QUESTIONS[question][0],)
         if frames < 2 or frames % 2:

@@ -310,6 +310,10 @@ def test_motion_first_colour_clips_show_the_answer_colour_in_their_first_moment(
     assert metrics["accuracy"] == 0.5 and metrics["accuracy/red"] == 1.0 and metrics["accuracy/blue"] == 0.0
     three = get_task("motion", question="first_colour", colours=["green", "yellow", "red"]).load("train")[:30]
     assert {row["answer"] for row in three} == {"green", "red", "yellow"}
+    unformatted = get_task("motion", question="first_colour", format_weight=0.0)
+    assert unformatted.reward(rows[0]["solution"], rows[0]) == 1.0 and unformatted.reward(said("x"), rows[0]) == 0.0
+    with pytest.raises(UserError, match="format_weight"):
+        get_task("motion", format_weight=2.0)
     with pytest.raises(UserError, match="question"):
         get_task("motion", question="first_shape")
     with pytest.raises(UserError, match="colours"):
