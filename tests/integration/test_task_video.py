@@ -21,8 +21,9 @@ from gpg_vl.data.sources import load_rows
 from gpg_vl.errors import BadRow, UserError
 
 COLOURS = [(200, 40, 40), (40, 160, 60), (40, 70, 220), (230, 190, 30)]
-MOTION_STEPS = 30  # the learning test's run: +experiment=motion-tiny cut to this many steps
-MOTION_MARGIN = 0.2  # the held-out gain it must reach: 0.44 measured at 30 steps for seeds 0 to 2 (results/motion.md)
+# the held-out gain the learning test (+experiment=motion-tiny, 40 steps) asks of each colour: 0.90 to 0.98 measured
+# for seeds 0 and 1 (docs/results/motion.md); a constant answer gains about 0.5 on one colour and nothing on the other
+MOTION_MARGIN = 0.6
 
 
 @pytest.fixture(autouse=True)
@@ -353,11 +354,11 @@ def test_vsibench_fixture_evaluates_with_per_category_metrics(vsibench, tmp_path
 
 @needs_video
 @pytest.mark.slow
-def test_motion_tiny_learns_to_answer_video_prompts(tmp_path):
-    """`+experiment=motion-tiny`, shortened. Before training the tiny model does not close its answer on these clips;
-    GPG teaches it the format, so held-out accuracy rises by at least MOTION_MARGIN (measured: 0 to 0.44 on seeds 0,
-    1, 2). It does not learn the direction (it then answers one direction to every clip): docs/results/motion.md."""
-    summary = train_main(load_config("train", ["+experiment=motion-tiny", f"trainer.max_steps={MOTION_STEPS}",
-                                               "eval.limit=100", f"output_dir={tmp_path}"]))
-    assert summary["eval_after"]["reward/format"] >= 0.9 > summary["eval_before"]["reward/format"], summary
-    assert summary["accuracy_after"] - summary["accuracy_before"] >= MOTION_MARGIN, summary
+def test_motion_tiny_learns_which_colour_a_clip_shows_first(tmp_path):
+    """`+experiment=motion-tiny` as it is (40 steps, about 200 to 470 s of training on 2 shared cores): before
+    training the tiny model does not close its answer on these clips; after, it names the first colour of a held-out
+    clip, blue-first and red-first clips alike (measured 0.03 to 0.98 and 0.96, seeds 0 and 1)."""
+    summary = train_main(load_config("train", ["+experiment=motion-tiny", "eval.limit=100", f"output_dir={tmp_path}"]))
+    before, after = summary["eval_before"], summary["eval_after"]
+    for colour in ("blue", "red"):
+        assert after[f"accuracy/{colour}"] - before[f"accuracy/{colour}"] >= MOTION_MARGIN, summary
