@@ -11,7 +11,8 @@ of its two positions) so that the tiny embedded model reads a clip on CPU in a f
 `question=first_colour` asks instead which colour appears first: the clip's first moment (its first half of frames,
 one temporal patch of two frames by default) shows a disc of one colour, its second moment a disc of another
 (both from `colours`, every colour first equally often, in turn), and the answer is the first
-colour's name. The tiny model reads colour best, so this is the question it learns (docs/results/motion.md).
+colour's name. The tiny model reads colour best: with the format reward off (`format_weight=0`) this is the
+question it learns (docs/results/motion.md).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class Motion(Shapes):
                             "task.options.question=first_colour.")
         unknown = sorted(set(colours) - set(COLORS))
         if unknown or len(set(colours)) < 2:
-            raise UserError(f"task motion's first_colour clips show two of the colours {', '.join(COLORS)}; got "
+            raise UserError(f"task motion's first_colour clips show two or more of the colours {', '.join(COLORS)}; got "
                             f"colours {list(colours)}, set task.options.colours=[blue,red].")
 
     def load(self, split: str) -> LazySplit:
