@@ -172,8 +172,8 @@ class Motion(Shapes):
                             "task.options.question=first_colour.")
         unknown = sorted(set(colours) - set(COLORS))
         if unknown or len(set(colours)) < 2:
-            raise UserError(f"task motion's first_colour clips show two or more of the colours {', '.join(COLORS)}; got "
-                            f"colours {list(colours)}, set task.options.colours=[blue,red].")
+            raise UserError(f"task motion's first_colour clips show two or more of the colours {', '.join(COLORS)}; "
+                            f"got colours {list(colours)}, set task.options.colours=[blue,red].")
 
     def load(self, split: str) -> LazySplit:
         if split not in SPLIT_SEEDS:
