@@ -7,6 +7,12 @@ question names the axis and asks which way along it the dot moves ("Is the red d
 The reference completion states the finding inside <think> and answers in <answer>; the accuracy reward is an
 exact match of the answer. Frames are small (four of 56 pixels by default, the dot standing two frames at each
 of its two positions) so that the tiny embedded model reads a clip on CPU in a few tokens.
+
+`question=first_colour` asks instead which colour appears first: the clip's first moment (its first half of frames,
+one temporal patch of two frames by default) shows a disc of one colour, its second moment a disc of another
+(both from `colours`, every colour first equally often, in turn), and the answer is the first
+colour's name. The tiny model reads colour best: with the format reward off (`format_weight=0`) this is the
+question it learns (docs/results/motion.md).
 """
 
 from __future__ import annotations
@@ -74,6 +80,30 @@ def make_clip(seed: int, index: int, frames: int = 4, frame_size: int = 56,
     }
 
 
+def make_colour_clip(seed: int, index: int, frames: int = 4, frame_size: int = 56,
+                     colours: Sequence[str] = ("blue", "red")) -> dict:
+    """Row `index` of a `first_colour` split: frames 0 .. frames/2 - 1 show a disc of colour `first`, the rest a
+    disc of colour `then` (another of `colours`), each at its own random place and size."""
+    rng = random.Random(seed * 1_000_003 + index)
+    palette = sorted(colours)
+    first = palette[index % len(palette)]  # each colour first equally often: a constant answer scores 1 / len
+    then = rng.choice([colour for colour in palette if colour != first])
+    clip = []
+    for colour in (first, then):
+        radius = rng.randint(frame_size // 8, frame_size // 4)
+        centre = (rng.randint(radius + 1, frame_size - radius - 2), rng.randint(radius + 1, frame_size - radius - 2))
+        clip += draw_frames([centre] * (frames // 2), radius, colour, frame_size)
+    return {
+        "id": f"motion-{seed}-{index}",
+        "frames": clip,
+        "question": "What color is the shape?",  # shapes' colour question, word for word: the tiny model answers it
+        "answer": first,
+        "first": first,
+        "colours": [first, then],
+        "solution": f"<think> the shape is {first} first, then {then} </think>\n<answer> {first} </answer>",
+    }
+
+
 class LazySplit(Sequence):
     """A split whose rows are made on access by `make(index)`: any size costs no memory."""
 
@@ -91,17 +121,33 @@ class LazySplit(Sequence):
         return self.make(index % self.size)
 
 
+# the questions a clip can ask: the column its metrics group by, and how a task makes row `index` of seed `seed`
+QUESTIONS: dict[str, tuple[str, Callable[[Motion, int, int], dict]]] = {
+    "direction": ("direction", lambda task, seed, index: make_clip(seed, index, task.frames, task.frame_size,
+                                                                    task.directions, task.hold)),
+    "first_colour": ("first", lambda task, seed, index: make_colour_clip(seed, index, task.frames, task.frame_size,
+                                                                         task.colours)),
+}
+
+
 @register_task
 class Motion(Shapes):
-    """Which way does the dot move (left or right, up or down)? Clips as frame lists; `shapes`' rewards (exact match
-    + format) and splits."""
+    """Which way does the dot move (left or right, up or down), or which colour appears first? Clips as frame lists;
+    `shapes`' rewards (exact match + format) and splits."""
 
     name = "motion"
-    group_columns = ("direction",)
 
     def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 4, frame_size: int = 56,
-                 directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 2) -> None:
+                 directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 2, question: str = "direction",
+                 colours: Sequence[str] = ("blue", "red"), format_weight: float = 1.0) -> None:
         super().__init__(train_size=train_size, test_size=test_size)
+        self.check_question(question, colours)
+        if not 0 <= format_weight <= 1:
+            raise UserError(f"task motion's format_weight weighs the format reward against the answer's (1), so it "
+                            f"lies in 0 .. 1; got {format_weight}, set task.options.format_weight=0.")
+        self.reward_weights = {**self.reward_weights, "format": float(format_weight)}
+        self.question, self.colours = question, tuple(sorted(set(colours)))
+        self.group_columns = (QUESTIONS[question][0],)
         if frames < 2 or frames % 2:
             raise UserError(f"task motion takes an even number of frames, 2 or more (frames pair up); got {frames}, "
                             "set task.options.frames=4.")
@@ -119,12 +165,22 @@ class Motion(Shapes):
                             f"{frame_size}, set task.options.frame_size=56.")
         self.frames, self.frame_size = frames, frame_size
 
+    @staticmethod
+    def check_question(question: str, colours: Sequence[str]) -> None:
+        if question not in QUESTIONS:
+            raise UserError(f"task motion asks one of the questions {', '.join(QUESTIONS)}; got {question!r}, set "
+                            "task.options.question=first_colour.")
+        unknown = sorted(set(colours) - set(COLORS))
+        if unknown or len(set(colours)) < 2:
+            raise UserError(f"task motion's first_colour clips show two or more of the colours {', '.join(COLORS)}; "
+                            f"got colours {list(colours)}, set task.options.colours=[blue,red].")
+
     def load(self, split: str) -> LazySplit:
         if split not in SPLIT_SEEDS:
             raise UserError(f"task motion has no split {split!r}; use one of {sorted(SPLIT_SEEDS)}.")
         seed = SPLIT_SEEDS[split]
-        return LazySplit(self.sizes[split], lambda index: make_clip(seed, index, self.frames, self.frame_size,
-                                                                    self.directions, self.hold))
+        make = QUESTIONS[self.question][1]
+        return LazySplit(self.sizes[split], lambda index: make(self, seed, index))
 
     def messages(self, row: dict) -> list[dict]:
         pixels = self.frame_size * self.frame_size  # keep the frames at their size (no up-scaling to a video minimum)
@@ -132,6 +188,6 @@ class Motion(Shapes):
         return [{"role": "user", "content": [video, {"type": "text", "text": row["question"] + INSTRUCTION}]}]
 
     def metrics(self, rows, completions, scores=None) -> dict[str, float]:
-        """The default metrics and `accuracy/<direction>`."""
+        """The default metrics and `accuracy/<direction>` (or `accuracy/<first colour>`)."""
         scores = self.scored(rows, completions, scores)
         return {**Task.metrics(self, rows, completions, scores), **group_accuracy(rows, scores, self.group_columns)}

@@ -6,6 +6,7 @@ import importlib.util
 import json
 
 import datasets
+import gpg_vl_tasks.motion
 import gpg_vl_tasks.videor1
 import numpy as np
 import pytest
@@ -20,8 +21,9 @@ from gpg_vl.data.sources import load_rows
 from gpg_vl.errors import BadRow, UserError
 
 COLOURS = [(200, 40, 40), (40, 160, 60), (40, 70, 220), (230, 190, 30)]
-MOTION_STEPS = 30  # the learning test's run: +experiment=motion-tiny cut to this many steps
-MOTION_MARGIN = 0.2  # the held-out gain it must reach: 0.44 measured at 30 steps for seeds 0 to 2 (results/motion.md)
+# the held-out gain the learning test (+experiment=motion-tiny, 40 steps) asks of each colour: 0.90 to 0.98 measured
+# for seeds 0, 1 and 2 (docs/results/motion.md); a constant answer gains about 0.5 on one colour, nothing on the other
+MOTION_MARGIN = 0.6
 
 
 @pytest.fixture(autouse=True)
@@ -288,6 +290,39 @@ def test_motion_clips_move_the_dot_the_way_the_answer_says():
         get_task("motion", frame_size=50)
 
 
+def colour_of(frame):
+    """The name of the one colour drawn on a frame."""
+    pixels = np.asarray(frame).reshape(-1, 3)
+    (drawn,) = {tuple(int(v) for v in p) for p in pixels if (p < 250).any()}
+    return next(name for name, rgb in gpg_vl_tasks.motion.COLORS.items() if rgb == drawn)
+
+
+def test_motion_first_colour_clips_show_the_answer_colour_in_their_first_moment():
+    task = get_task("motion", question="first_colour", test_size=40, frames=6)
+    rows = task.load("test")
+    assert rows[5]["frames"][4].tobytes() == task.load("test")[5]["frames"][4].tobytes()  # seeded
+    for row in rows:
+        seen = [colour_of(frame) for frame in row["frames"]]
+        assert seen == [row["answer"]] * 3 + [row["colours"][1]] * 3 and row["answer"] != row["colours"][1]
+        assert row["question"] == "What color is the shape?"
+        assert task.reward(row["solution"], row) == 2.0 and task.reward(said(row["colours"][1]), row) == 1.0
+    assert [row["answer"] for row in rows[:4]] == ["blue", "red", "blue", "red"]  # a constant answer scores 0.5
+    metrics = task.metrics(rows, [said("red")] * len(rows))
+    assert metrics["accuracy"] == 0.5 and metrics["accuracy/red"] == 1.0 and metrics["accuracy/blue"] == 0.0
+    three = get_task("motion", question="first_colour", colours=["green", "yellow", "red"]).load("train")[:30]
+    assert {row["answer"] for row in three} == {"green", "red", "yellow"}
+    unformatted = get_task("motion", question="first_colour", format_weight=0.0)
+    assert unformatted.reward(rows[0]["solution"], rows[0]) == 1.0 and unformatted.reward(said("x"), rows[0]) == 0.0
+    with pytest.raises(UserError, match="format_weight"):
+        get_task("motion", format_weight=2.0)
+    with pytest.raises(UserError, match="question"):
+        get_task("motion", question="first_shape")
+    with pytest.raises(UserError, match="colours"):
+        get_task("motion", question="first_colour", colours=["red"])
+    with pytest.raises(UserError, match="colours"):
+        get_task("motion", question="first_colour", colours=["red", "purple"])
+
+
 # ---------------------------------------------------------------- through the model (video inputs)
 
 needs_video = pytest.mark.skipif(importlib.util.find_spec("gpg_vl.data.video") is None,
@@ -341,11 +376,11 @@ def test_vsibench_fixture_evaluates_with_per_category_metrics(vsibench, tmp_path
 
 @needs_video
 @pytest.mark.slow
-def test_motion_tiny_learns_to_answer_video_prompts(tmp_path):
-    """`+experiment=motion-tiny`, shortened. Before training the tiny model does not close its answer on these clips;
-    GPG teaches it the format, so held-out accuracy rises by at least MOTION_MARGIN (measured: 0 to 0.44 on seeds 0,
-    1, 2). It does not learn the direction (it then answers one direction to every clip): docs/results/motion.md."""
-    summary = train_main(load_config("train", ["+experiment=motion-tiny", f"trainer.max_steps={MOTION_STEPS}",
-                                               "eval.limit=100", f"output_dir={tmp_path}"]))
-    assert summary["eval_after"]["reward/format"] >= 0.9 > summary["eval_before"]["reward/format"], summary
-    assert summary["accuracy_after"] - summary["accuracy_before"] >= MOTION_MARGIN, summary
+def test_motion_tiny_learns_which_colour_a_clip_shows_first(tmp_path):
+    """`+experiment=motion-tiny` as it is (40 steps; the test took 72 to 132 s on 2 shared cores): before training
+    the tiny model does not close its answer on these clips; after, it names the first colour of a held-out clip,
+    blue-first and red-first clips alike (measured 0.03 to 0.98, 0.96 and 0.97, seeds 0 to 2)."""
+    summary = train_main(load_config("train", ["+experiment=motion-tiny", "eval.limit=100", f"output_dir={tmp_path}"]))
+    before, after = summary["eval_before"], summary["eval_after"]
+    for colour in ("blue", "red"):
+        assert after[f"accuracy/{colour}"] - before[f"accuracy/{colour}"] >= MOTION_MARGIN, summary
