@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from PIL import Image, ImageDraw
 
 from gpg_vl.data.task import Task, register_task
 from gpg_vl.errors import UserError
 
-from .shapes import COLORS, INSTRUCTION, SPLIT_SEEDS, Shapes
+from .shapes import COLORS, INSTRUCTION, SPLIT_SEEDS, LazySplit, Shapes
 from .videor1 import group_accuracy
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
@@ -104,23 +105,6 @@ def make_colour_clip(seed: int, index: int, frames: int = 4, frame_size: int = 5
     }
 
 
-class LazySplit(Sequence):
-    """A split whose rows are made on access by `make(index)`: any size costs no memory."""
-
-    def __init__(self, size: int, make: Callable[[int], dict]) -> None:
-        self.size, self.make = size, make
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self.size))]
-        if not -self.size <= index < self.size:
-            raise IndexError(index)
-        return self.make(index % self.size)
-
-
 # the questions a clip can ask: the column its metrics group by, and how a task makes row `index` of seed `seed`
 QUESTIONS: dict[str, tuple[str, Callable[[Motion, int, int], dict]]] = {
     "direction": ("direction", lambda task, seed, index: make_clip(seed, index, task.frames, task.frame_size,
@@ -180,7 +164,7 @@ class Motion(Shapes):
             raise UserError(f"task motion has no split {split!r}; use one of {sorted(SPLIT_SEEDS)}.")
         seed = SPLIT_SEEDS[split]
         make = QUESTIONS[self.question][1]
-        return LazySplit(self.sizes[split], lambda index: make(self, seed, index))
+        return LazySplit(self.sizes[split], partial(make, self, seed))
 
     def messages(self, row: dict) -> list[dict]:
         pixels = self.frame_size * self.frame_size  # keep the frames at their size (no up-scaling to a video minimum)

@@ -9,7 +9,8 @@ reward is an exact match of the answer.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from PIL import Image, ImageDraw
 
@@ -79,11 +80,11 @@ def make_row(seed: int, index: int, image_size: int = 112) -> dict:
     }
 
 
-class ShapesSplit(Sequence):
-    """A lazily generated split: rows are drawn on access, so any size costs no memory."""
+class LazySplit(Sequence):
+    """A split whose rows are made on access by `make(index)` (a picklable callable): any size costs no memory."""
 
-    def __init__(self, seed: int, size: int, image_size: int) -> None:
-        self.seed, self.size, self.image_size = seed, size, image_size
+    def __init__(self, size: int, make: Callable[[int], dict]) -> None:
+        self.size, self.make = size, make
 
     def __len__(self) -> int:
         return self.size
@@ -93,7 +94,7 @@ class ShapesSplit(Sequence):
             return [self[i] for i in range(*index.indices(self.size))]
         if not -self.size <= index < self.size:
             raise IndexError(index)
-        return make_row(self.seed, index % self.size, self.image_size)
+        return self.make(index % self.size)
 
 
 @register_task
@@ -113,12 +114,12 @@ class Shapes(Task):
         }
         self.reward_weights = {"accuracy": 1.0, "format": 1.0}
 
-    def load(self, split: str) -> ShapesSplit:
+    def load(self, split: str) -> LazySplit:
         if split not in SPLIT_SEEDS:
             from gpg_vl.errors import UserError
 
             raise UserError(f"task shapes has no split {split!r}; use one of {sorted(SPLIT_SEEDS)}.")
-        return ShapesSplit(SPLIT_SEEDS[split], self.sizes[split], self.image_size)
+        return LazySplit(self.sizes[split], partial(make_row, SPLIT_SEEDS[split], image_size=self.image_size))
 
     def messages(self, row: dict) -> list[dict]:
         return image_question(row["image"], row["question"] + INSTRUCTION)

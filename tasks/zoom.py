@@ -17,13 +17,15 @@ is what the demonstration measures, through accuracy alone.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from functools import partial
 
 from PIL import Image, ImageDraw
 
 from gpg_vl.data.task import Task, image_question, register_task
 from gpg_vl.errors import UserError
 from gpg_vl.reward.primitives import exact_match_reward, extract_answer
+
+from .shapes import LazySplit
 
 COLORS = {"red": (220, 40, 40), "green": (30, 170, 60), "blue": (40, 80, 225), "yellow": (235, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -76,23 +78,6 @@ def make_row(seed: int, index: int, image_size: int = 1024, grid: int = 4) -> di
     }
 
 
-class ZoomSplit(Sequence):
-    """A lazily generated split: rows are drawn on access, so any size costs no memory."""
-
-    def __init__(self, seed: int, size: int, image_size: int, grid: int) -> None:
-        self.seed, self.size, self.image_size, self.grid = seed, size, image_size, grid
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self.size))]
-        if not -self.size <= index < self.size:
-            raise IndexError(index)
-        return make_row(self.seed, index % self.size, self.image_size, self.grid)
-
-
 def zoom_format_reward(completion: str) -> float:
     """1.0 when the completion ends in its only `<answer>...</answer>` and every `<tool_call>` is closed."""
     text = completion.strip()
@@ -129,10 +114,11 @@ class Zoom(Task):
         }
         self.reward_weights = {"accuracy": 1.0, "format": 0.5}
 
-    def load(self, split: str) -> ZoomSplit:
+    def load(self, split: str) -> LazySplit:
         if split not in SPLIT_SEEDS:
             raise UserError(f"task zoom has no split {split!r}; use one of {sorted(SPLIT_SEEDS)}.")
-        return ZoomSplit(SPLIT_SEEDS[split], self.sizes[split], self.image_size, self.grid)
+        return LazySplit(self.sizes[split], partial(make_row, SPLIT_SEEDS[split], image_size=self.image_size,
+                                                    grid=self.grid))
 
     def messages(self, row: dict) -> list[dict]:
         return image_question(row["image"], row["question"] + INSTRUCTION)
