@@ -12,11 +12,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from gpg_vl.config.names import MULTITURN_DEFAULTS
 from gpg_vl.errors import Interrupted, UserError
 
 # the rollout keys evaluation decodes with: the engine, and the multi-turn keys (greedy trajectories with tools)
-ENGINE_KEYS = ("engine", "hf", "vllm", "max_turns", "max_images", "max_total_tokens", "on_limit", "tool_seconds",
-               "zoom_min_side", "zoom_max_aspect_ratio")
+ENGINE_KEYS = ("engine", "hf", "vllm", *(key for key in MULTITURN_DEFAULTS if key != "hf_multiturn"))
 _LAZY = {"build_policy": "gpg_vl.train.build", "build_task": "gpg_vl.train.build"}
 
 

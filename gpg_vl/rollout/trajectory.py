@@ -23,31 +23,24 @@ from gpg_vl.models.batch import COUNT_KEYS
 LIMITS = ("turn", "image", "token")  # what can cut a trajectory short
 
 
-def _default(key: str):
-    """The default of a multi-turn key (config/names.py holds them for the schema and for this class)."""
-    return MULTITURN_DEFAULTS[key]
-
-
 @dataclass(frozen=True)
 class MultiTurnSettings:
     """How a trajectory may go on: the multi-turn keys of `rollout.*` (their meaning in config/schema.py)."""
 
-    max_turns: int = _default("max_turns")  # model segments per trajectory; 1 = one completion, as without tools
-    max_images: int = _default("max_images")  # images the tools may add to one trajectory, in all
-    max_total_tokens: int = _default("max_total_tokens")  # tokens after the prompt, segments and observations
-    on_limit: str = _default("on_limit")  # a trajectory cut by a limit: score it (DeepEyes) or mask its loss (Mini-o3)
-    tool_seconds: float = _default("tool_seconds")  # time budget of one tool call; past it, an error observation
-    zoom_min_side: int = _default("zoom_min_side")  # zoom_in refuses a box whose short side is <= this (DeepEyes)
-    zoom_max_aspect_ratio: float = _default("zoom_max_aspect_ratio")  # ... or more elongated than this (DeepEyes)
-    hf_multiturn: str = _default("hf_multiturn")  # HF engine: observations prefilled onto the cache, or `naive`
+    max_turns: int = MULTITURN_DEFAULTS["max_turns"]
+    max_images: int = MULTITURN_DEFAULTS["max_images"]
+    max_total_tokens: int = MULTITURN_DEFAULTS["max_total_tokens"]
+    on_limit: str = MULTITURN_DEFAULTS["on_limit"]
+    tool_seconds: float = MULTITURN_DEFAULTS["tool_seconds"]
+    zoom_min_side: int = MULTITURN_DEFAULTS["zoom_min_side"]
+    zoom_max_aspect_ratio: float = MULTITURN_DEFAULTS["zoom_max_aspect_ratio"]
+    hf_multiturn: str = MULTITURN_DEFAULTS["hf_multiturn"]
 
     @classmethod
     def from_rollout(cls, rollout) -> MultiTurnSettings:
-        """The multi-turn settings of `rollout.*` (RolloutSettings)."""
-        return cls(max_turns=rollout.max_turns, max_images=rollout.max_images,
-                   max_total_tokens=rollout.max_total_tokens, on_limit=rollout.on_limit,
-                   tool_seconds=rollout.tool_seconds, zoom_min_side=rollout.zoom_min_side,
-                   zoom_max_aspect_ratio=rollout.zoom_max_aspect_ratio, hf_multiturn=rollout.hf.multiturn)
+        """The multi-turn settings of `rollout.*` (RolloutSettings): its keys of the same names, and hf.multiturn."""
+        keys = [key for key in MULTITURN_DEFAULTS if key != "hf_multiturn"]
+        return cls(**{key: getattr(rollout, key) for key in keys}, hf_multiturn=rollout.hf.multiturn)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:

@@ -232,6 +232,32 @@ def test_two_cli_steps_on_a_video_task_and_final_reloads(tmp_path, family):
     assert type(reloaded).__name__ == CLASSES[family]
 
 
+def test_a_video_run_resumes_to_the_same_weights_and_metrics(tmp_path):
+    """Video prompts (frames lists and MPEG-4 files, read once per prompt by the stream) resume bit-exactly: 2 steps
+    straight equal 1 step, a checkpoint, and 1 resumed step."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from gpg_vl.cli import train_main
+    from gpg_vl.config.compose import load_config
+
+    common = ["model=tiny", "task=video_task:MovingDot", "trainer.batch_size=2", "trainer.group_size=3",
+              "rollout.max_new_tokens=4", "rollout.temperature=3.0", "trainer.eval_before=false",
+              "trainer.eval_after=false", "trainer.beta_th=0", "data.max_video_frames=4", "model.video_min_pixels=1024",
+              "model.video_max_pixels=4096", "trainer.save_every=1"]
+    train_main(load_config("train", [f"output_dir={tmp_path / 'full'}", *common, "trainer.max_steps=2"]))
+    train_main(load_config("train", [f"output_dir={tmp_path / 'cut'}", *common, "trainer.max_steps=1"]))
+    train_main(load_config("train", [f"output_dir={tmp_path / 'cut'}", *common, "trainer.max_steps=2", "resume=auto"]))
+    timing = ("rollout_s", "update_s", "step_s")
+    full, cut = ([{k: v for k, v in json.loads(x).items() if k not in timing}
+                  for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("full", "cut"))
+    assert cut == full and len(full) == 2 and full[-1]["skipped"] == 0.0
+    before = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    after = load_file(tmp_path / "cut" / "final" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_a_raw_text_prompt_holds_its_video_where_the_part_stands(tmp_path_factory, family):
     """model.prompt_style=raw (a base model): the video's placeholder stands where its part stands, and the
