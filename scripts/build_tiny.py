@@ -51,7 +51,8 @@ from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory, pad_traject
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"
 ZOOM_OUT = DEFAULT_OUT.with_name("tiny-qwen2.5-vl-zoom")
-ZOOM_SEGMENT_TOKENS = 100  # a zoom_in call is 85 tokens of the tiny byte-level BPE
+ZOOM_SEGMENT_TOKENS = 100  # a zoom_in call is about 80 tokens of the tiny byte-level BPE
+ZOOM_MAX_PIXELS = 112 * 112  # the zoom experiment's model.max_pixels (configs/experiment/zoom-tiny.yaml)
 
 
 def tokenizer_corpus(task) -> list[str]:
@@ -255,7 +256,7 @@ def build_zoom(args) -> None:
     """The cold-start model of the `zoom` task (see the module's docstring)."""
     task = get_task("zoom")
     source = str(args.from_model) if args.from_model else "embedded:tiny-qwen2.5-vl"
-    policy = load_policy(source, dtype="float32", min_pixels=56 * 56, max_pixels=224 * 224)
+    policy = load_policy(source, dtype="float32", min_pixels=56 * 56, max_pixels=ZOOM_MAX_PIXELS)
     train, test = task.load("train"), task.load("test")[:args.zoom_eval_rows]
 
     def rows_at(step, size):

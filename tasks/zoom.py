@@ -1,15 +1,18 @@
 """`zoom`: the `shapes` of thinking with images, generated from seeds, no download.
 
-A large white image (1024 px by default) is cut by a faint grid into `grid` x `grid` cells; one cell holds a
-small coloured shape (circle, square or triangle). The question names the cell ("row 2, column 3") and asks for
-the shape. At the tiny model's pixel budget (model.max_pixels = 224 * 224) the whole image is shrunk about
-4.6 times: the symbol is 4.5 to 9 pixels across, less than one 14-pixel vision patch, and its size is drawn so
-that its area does not give the shape away. A `zoom_in` on the named cell returns it at nearly full resolution
-(a 256-pixel cell is shown at 224 px), where the symbol is 20 to 36 pixels across, as large as `shapes`' own.
+A large white image (1024 px by default) is cut by a faint grid into `grid` x `grid` cells, and every cell holds
+a small symbol (a circle, square or triangle) of one of four colours. The question names a cell ("row 2,
+column 3") and asks for its symbol's colour; the other fifteen symbols are distractors of random colours, so the
+answer is not in the image's colours as a whole, and the answers cycle through the four colours row by row, so
+no constant answer scores above 1/4 on a split whose size is a multiple of 4. At the zoom experiment's pixel budget
+(model.max_pixels = 112 * 112) the whole image is shrunk about 9 times: each symbol is 2 to 3 pixels across, a
+few hundredths of one 14-pixel vision patch, and finding the named one means reading a position too. A `zoom_in`
+on the named cell returns it 4 times larger (a 256-pixel cell shown at 112 px): one symbol 9 to 12 pixels across,
+most of a patch, and nothing else.
 
 The prompt describes the tool itself (`describe_tools = False`: a short line, as DeepEyes' data does, rather
 than the chat template's long tool list), so the same prompt serves `rollout.max_turns=1` (no tool) and
-multi-turn runs. Rewards: accuracy (the `<answer>` is the shape) and format (the completion ends in one
+multi-turn runs. Rewards: accuracy (the `<answer>` is the colour) and format (the completion ends in one
 `<answer>...</answer>` and every tool call it opened is closed). No tool bonus: whether calling the tool pays
 is what the demonstration measures, through accuracy alone.
 """
@@ -30,9 +33,7 @@ from .shapes import LazySplit
 COLORS = {"red": (220, 40, 40), "green": (30, 170, 60), "blue": (40, 80, 225), "yellow": (235, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
 SPLIT_SEEDS = {"train": 0, "test": 1_000_003, "validation": 2_000_003}
-# the symbol's half-side r, as a fraction of the cell, per shape: chosen so that the areas overlap (a triangle
-# 2r^2, a circle pi r^2, a square 4r^2), so the amount of colour does not tell the shape
-RADIUS = {"circle": (0.045, 0.07), "square": (0.04, 0.06), "triangle": (0.05, 0.08)}
+RADIUS = (0.04, 0.055)  # a symbol's half-side, as a fraction of its cell: 20 to 28 px across in a 256 px cell
 INSTRUCTION = (" To look closer, call zoom_in with a box [x1, y1, x2, y2] in the image's pixels: "
                "<tool_call>{\"name\": \"zoom_in\", \"arguments\": {\"bbox_2d\": [x1, y1, x2, y2]}}</tool_call>. "
                "Give the final answer in <answer> </answer> tags.")
@@ -47,34 +48,39 @@ def draw_symbol(draw: ImageDraw.ImageDraw, shape: str, x: float, y: float, r: fl
         draw.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=fill)
 
 
+def place_symbol(rng: random.Random, row_i: int, col_i: int, cell: int) -> dict:
+    """A symbol at a random place inside cell (row_i, col_i), clear of the grid lines."""
+    r = rng.uniform(*RADIUS) * cell
+    margin = r + cell * 0.08
+    x, y = col_i * cell + rng.uniform(margin, cell - margin), row_i * cell + rng.uniform(margin, cell - margin)
+    return {"x": x, "y": y, "r": r, "shape": rng.choice(SHAPES), "color": rng.choice(list(COLORS))}
+
+
 def make_row(seed: int, index: int, image_size: int = 1024, grid: int = 4) -> dict:
     """Row `index` of the split seeded by `seed`; the same arguments always give the same row. `cell` is the
-    named cell's box in original pixels (x1, y1, x2, y2): the box a good zoom asks for."""
+    named cell's box in original pixels (x1, y1, x2, y2): the box a good zoom asks for; `symbol` is its symbol."""
     rng = random.Random(seed * 1_000_003 + index)
     cell = image_size // grid
     row_i, col_i = rng.randrange(grid), rng.randrange(grid)
-    shape, color = rng.choice(SHAPES), rng.choice(list(COLORS))
-    low, high = RADIUS[shape]
-    r = rng.uniform(low, high) * cell
-    margin = r + cell * 0.08
-    x = col_i * cell + rng.uniform(margin, cell - margin)
-    y = row_i * cell + rng.uniform(margin, cell - margin)
+    symbols = [[place_symbol(rng, i, j, cell) for j in range(grid)] for i in range(grid)]
+    symbols[row_i][col_i]["color"] = list(COLORS)[index % len(COLORS)]  # balanced: a constant answer scores 1/4
     image = Image.new("RGB", (image_size, image_size), (255, 255, 255))
     draw = ImageDraw.Draw(image)
     for k in range(1, grid):
         draw.line((k * cell, 0, k * cell, image_size), fill=(200, 200, 200), width=max(1, image_size // 256))
         draw.line((0, k * cell, image_size, k * cell), fill=(200, 200, 200), width=max(1, image_size // 256))
-    draw_symbol(draw, shape, x, y, r, COLORS[color])
-    box = (col_i * cell, row_i * cell, (col_i + 1) * cell, (row_i + 1) * cell)
+    for line in symbols:
+        for s in line:
+            draw_symbol(draw, s["shape"], s["x"], s["y"], s["r"], COLORS[s["color"]])
+    target = symbols[row_i][col_i]
     return {
         "id": f"zoom-{seed}-{index}",
         "image": image,
-        "question": f"What shape is in row {row_i + 1}, column {col_i + 1}?",
-        "answer": shape,
-        "shape": shape,
-        "color": color,
-        "cell": box,
-        "symbol": {"x": x, "y": y, "r": r},
+        "question": f"What colour is the symbol in row {row_i + 1}, column {col_i + 1}?",
+        "answer": target["color"],
+        "color": target["color"],
+        "cell": (col_i * cell, row_i * cell, (col_i + 1) * cell, (row_i + 1) * cell),
+        "symbol": target,
     }
 
 
@@ -93,10 +99,11 @@ def called_tool(completion: str) -> bool:
 
 @register_task
 class Zoom(Task):
-    """A small shape in a named cell of a large image: readable only through zoom_in; accuracy + format."""
+    """The colour of a small symbol in a named cell of a large image: readable only through zoom_in; accuracy +
+    format."""
 
     name = "zoom"
-    group_columns = ("shape",)
+    group_columns = ("color",)
     tools = ("zoom_in",)
     describe_tools = False
 

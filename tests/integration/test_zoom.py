@@ -1,5 +1,5 @@
-"""The `zoom` task (tasks/zoom.py): its rows, its rewards, that the symbol cannot be read at the tiny model's
-pixel budget but can in the crop of its cell, the cold-start demonstrations of scripts/build_tiny.py --zoom,
+"""The `zoom` task (tasks/zoom.py): its rows, its rewards, that the named symbol is a few hundredths of a patch
+at the experiment's pixel budget but most of a patch in the crop of its cell, the cold-start demonstrations of scripts/build_tiny.py --zoom,
 and that the cold-start model shipped in gpg_vl/assets calls zoom_in with boxes the tool accepts."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from gpg_vl.rollout.trajectory import pad_trajectories
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH = 14  # the tiny Qwen2.5-VL's vision patch, in the pixels it sees
+MAX_PIXELS = 112 * 112  # configs/experiment/zoom-tiny.yaml's model.max_pixels
 
 
 def load_script(name: str):
@@ -35,10 +36,12 @@ def task():
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    return load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=50176)
+    return load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=MAX_PIXELS)
 
 
-def test_rows_are_seeded_and_the_symbol_lies_in_the_named_cell(task):
+def test_rows_are_seeded_and_every_cell_holds_a_symbol_the_named_one_of_the_answer_colour(task):
+    from gpg_vl_tasks.zoom import COLORS
+
     rows = task.load("train")
     assert rows[3]["question"] == get_task("zoom", train_size=50).load("train")[3]["question"]
     for row in rows[:20]:
@@ -47,16 +50,18 @@ def test_rows_are_seeded_and_the_symbol_lies_in_the_named_cell(task):
         assert x1 < s["x"] - s["r"] and s["x"] + s["r"] < x2 and y1 < s["y"] - s["r"] and s["y"] + s["r"] < y2
         r, c = (int(v) for v in row["question"].split("row ")[1].rstrip("?").split(", column "))
         assert (x1, y1) == ((c - 1) * 256, (r - 1) * 256)
-        # the symbol's colour fills its cell's centre region, and no other cell holds colour
-        pixel = row["image"].getpixel((int(s["x"]), int(s["y"]) + int(s["r"] // 2)))
-        assert max(pixel) - min(pixel) > 100
+        assert row["image"].getpixel((int(s["x"]), int(s["y"]) + int(s["r"] // 2))) == COLORS[row["answer"]]
+        for i in range(4):  # a symbol in every cell: colour in each, away from the grid lines
+            for j in range(4):
+                cell = row["image"].crop((j * 256 + 8, i * 256 + 8, (j + 1) * 256 - 8, (i + 1) * 256 - 8))
+                assert any(max(p) - min(p) > 100 for p in cell.get_flattened_data()), (i, j)
     with pytest.raises(UserError, match="no split 'dev'"):
         task.load("dev")
     with pytest.raises(UserError, match="cells under 32 pixels"):
         get_task("zoom", image_size=100, grid=4)
 
 
-def test_the_symbol_is_below_one_patch_at_the_pixel_budget_and_several_patches_in_its_crop(task, tiny):
+def test_the_symbol_is_a_speck_at_the_pixel_budget_and_most_of_a_patch_in_its_crop(task, tiny):
     """qwen-vl-utils' resize (Family.fit_image) of the whole image and of the named cell's crop."""
     family = tiny.adapter
     full_sizes, crop_sizes = [], []
@@ -65,21 +70,19 @@ def test_the_symbol_is_below_one_patch_at_the_pixel_budget_and_several_patches_i
         diameter = 2 * row["symbol"]["r"]
         full_sizes.append(diameter * full.width / row["image"].width)
         crop_sizes.append(diameter * crop.width / (row["cell"][2] - row["cell"][0]))
-    assert max(full_sizes) < PATCH, full_sizes  # never a whole vision patch across in the full view
-    assert min(crop_sizes) > PATCH, crop_sizes  # more than a patch across in the crop
+    assert max(full_sizes) < PATCH / 4, full_sizes  # under a quarter of a patch across in the full view
+    assert min(crop_sizes) > PATCH / 2, crop_sizes  # more than half a patch across in the crop
 
 
-def test_the_amount_of_colour_does_not_give_the_shape_away():
-    from gpg_vl_tasks.zoom import RADIUS
-
-    area = {"circle": lambda r: torch.pi * r * r, "square": lambda r: 4 * r * r, "triangle": lambda r: 2 * r * r}
-    ranges = {shape: (area[shape](low), area[shape](high)) for shape, (low, high) in RADIUS.items()}
-    assert max(low for low, _ in ranges.values()) < min(high for _, high in ranges.values())  # they overlap
+def test_the_answers_colours_are_balanced_so_a_constant_answer_scores_a_quarter():
+    rows = get_task("zoom", test_size=100).load("test")
+    answers = [row["answer"] for row in rows]
+    assert {answers.count(color) for color in set(answers)} == {25}
 
 
 def test_rewards_and_metrics_by_hand(task):
     row = task.load("test")[0]
-    right, wrong = row["answer"], next(s for s in ("circle", "square", "triangle") if s != row["answer"])
+    right, wrong = row["answer"], next(c for c in ("red", "green", "blue", "yellow") if c != row["answer"])
     call = '<tool_call>{"name": "zoom_in", "arguments": {"bbox_2d": [0, 0, 56, 56]}}</tool_call>'
     zoomed = f"{call}user\n<tool_response>\n\n</tool_response>assistant\n<answer> {right} </answer>"
     assert task.reward_components(zoomed, row) == {"accuracy": 1.0, "format": 1.0}
