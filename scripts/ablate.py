@@ -112,13 +112,13 @@ def run_cell(variant: str, group_size: int, seed: int, overrides: list[str]) -> 
     wall = time.perf_counter() - started
     shutil.rmtree(output_dir / "final", ignore_errors=True)  # 35 MB per run, not needed here
     steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    curve = [{"completions": m["completions_sampled"], "accuracy": m["reward/accuracy"], "reward": m["reward_mean"],
-              "alpha": m["alpha"], "attempts": m["attempts"], "valid_fraction": m["valid_fraction"],
-              "step_s": m["step_s"]} for m in steps]
+    curve = [{"completions": m["completions_sampled"], "tokens": m["tokens_sampled"], "accuracy": m["reward/accuracy"],
+              "reward": m["reward_mean"], "alpha": m["alpha"], "attempts": m["attempts"],
+              "valid_fraction": m["valid_fraction"], "step_s": m["step_s"]} for m in steps]
     return {"variant": variant, "group_size": group_size, "seed": seed, "overrides": overrides,
             "accuracy_after": summary["accuracy_after"], "steps": summary["steps"],
-            "completions_sampled": summary["completions_sampled"], "train_seconds": summary["train_seconds"],
-            "wall_seconds": wall, "curve": curve}
+            "completions_sampled": summary["completions_sampled"], "tokens_sampled": summary["tokens_sampled"],
+            "train_seconds": summary["train_seconds"], "wall_seconds": wall, "curve": curve}
 
 
 def evaluate_start(args: argparse.Namespace) -> float:

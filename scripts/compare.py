@@ -1,13 +1,17 @@
-"""GPG against the GRPO family (grpo, dr_grpo, dapo) on any task and model, at an equal budget of sampled completions.
+"""GPG against the GRPO family (grpo, dr_grpo, dapo) on any task and model, at an equal budget of sampled completions
+(or of sampled tokens: --budget-tokens).
 
     python scripts/compare.py                                  # task=shapes model=tiny, 4 algorithms x 3 seeds
     python scripts/compare.py --quick --out /tmp/c             # machinery only (CI): a tiny budget, 2 seeds
     python scripts/compare.py --budget 512 task=geoqa model=qwen2.5-vl-3b trainer.lr=1e-6   # any task/model/keys
     python scripts/compare.py --zoom --out runs/compare-zoom   # multi-turn: +experiment=zoom-tiny (zoom_in tool)
+    python scripts/compare.py --zoom --budget-tokens 40000     # an equal budget of sampled tokens instead
 
 Each run is the trainer itself (`gpg_vl.cli.train_main`, through scripts/ablate.py's `run_cell`) with
 `algorithm=<name>` (configs/algorithm/), the same B, G, seed and budget (`trainer.max_completions`; completions
-drawn by resampling count too), in `--workers` processes. Per run: held-out accuracy after training, wall time,
+drawn by resampling count too; with --budget-tokens N, `trainer.max_sampled_tokens=N` instead: tokens the policy
+generated, tool observations excluded, each run stopping at the first step that reaches N), in `--workers`
+processes. Per run: held-out accuracy after training, wall time,
 seconds per step and the peak memory of the run above its start (scripts/bench.py's Meter: CUDA's peak
 allocation on a GPU, the kernel's resident high-water mark on Linux CPUs). Writes compare.json (every
 number), table.md (accuracy mean ± std, cost, paired differences against gpg from ablate.py, one sentence
@@ -49,28 +53,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--budget", type=int, help="sampled completions per run (a multiple of B x G)")
+    parser.add_argument("--budget-tokens", type=int,
+                        help="sampled tokens per run (trainer.max_sampled_tokens) instead of --budget's completions")
     parser.add_argument("--batch-size", type=int, help="B, prompts per step")
     parser.add_argument("--group-size", type=int, help="G, completions per prompt")
     parser.add_argument("--eval-limit", type=int, help="held-out rows evaluated after training")
     parser.add_argument("--window", type=int, help="completions averaged by the running reward proxy")
     args = parser.parse_args(argv)
+    if args.budget_tokens is not None and (args.budget is not None or args.budget_tokens < 1):
+        parser.error("--budget-tokens takes a number of tokens >= 1, in place of --budget (not with it)")
     for key, value in (QUICK if args.quick else ZOOM if args.zoom else DEFAULT).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if "gpg" not in args.algorithms:
         parser.error("--algorithms must include gpg: every difference is taken against it")
-    if args.budget % (args.batch_size * args.group_size):
+    if args.budget_tokens is None and args.budget % (args.batch_size * args.group_size):
         parser.error(f"--budget {args.budget} must be a multiple of B x G = {args.batch_size * args.group_size}")
     # what ablate.py's summaries read
     args.variants, args.groups, args.target = args.algorithms, [args.group_size], 1.0
     return args
 
 
+def budget_overrides(args: argparse.Namespace) -> list[str]:
+    """The budget every run shares: completions (max_steps = budget / (B x G) when no group is resampled), or
+    tokens (max_steps = budget / (B x G) bounds the run: every completion samples at least one token)."""
+    per_step = args.batch_size * args.group_size
+    if args.budget_tokens is not None:
+        return [f"trainer.max_sampled_tokens={args.budget_tokens}",
+                f"trainer.max_steps={max(1, -(-args.budget_tokens // per_step))}"]
+    return [f"trainer.max_completions={args.budget}", f"trainer.max_steps={args.budget // per_step}"]
+
+
+def budget_text(args: argparse.Namespace) -> str:
+    return f"{args.budget_tokens} sampled tokens" if args.budget_tokens is not None else \
+        f"{args.budget} sampled completions"
+
+
 def run_overrides(algorithm: str, seed: int, args: argparse.Namespace, output_dir: Path) -> list[str]:
     return [*BASES["zoom" if args.zoom else "shapes"], *args.overrides, f"algorithm={algorithm}", f"seed={seed}",
             f"output_dir={output_dir}", f"trainer.group_size={args.group_size}",
-            f"trainer.batch_size={args.batch_size}", f"trainer.max_completions={args.budget}",
-            f"trainer.max_steps={args.budget // (args.batch_size * args.group_size)}",
+            f"trainer.batch_size={args.batch_size}", *budget_overrides(args),
             "trainer.eval_before=false", f"eval.limit={args.eval_limit}"]
 
 
@@ -91,7 +113,7 @@ def run_measured(algorithm: str, group_size: int, seed: int, overrides: list[str
 def run_all(args: argparse.Namespace, out: Path) -> dict:
     jobs = [(a, s) for a in args.algorithms for s in args.seeds]
     threads = max(1, (os.cpu_count() or 1) // args.workers)
-    print(f"{len(jobs)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), {args.budget} completions each, "
+    print(f"{len(jobs)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), {budget_text(args)} each, "
           f"B={args.batch_size} G={args.group_size}, {args.workers} workers", flush=True)
     started = time.perf_counter()
     # a fresh process per run (max_tasks_per_child=1): every run's memory is measured from the same start
@@ -104,7 +126,8 @@ def run_all(args: argparse.Namespace, out: Path) -> dict:
             runs.append(future.result())
             r = runs[-1]
             print(f"  [{len(runs)}/{len(jobs)}] {r['variant']:<8} seed={r['seed']}  "
-                  f"accuracy {r['accuracy_after']:.3f}  steps {r['steps']}  {r['seconds_per_step']:.2f} s/step  "
+                  f"accuracy {r['accuracy_after']:.3f}  steps {r['steps']}  tokens {r['tokens_sampled']}  "
+                  f"{r['seconds_per_step']:.2f} s/step  "
                   f"peak {r['peak_mib']:.0f} MiB  "
                   f"({r['wall_seconds']:.0f} s)", flush=True)
     return {"runs": runs, "wall_seconds": time.perf_counter() - started}
@@ -157,16 +180,21 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, list[di
                             "seconds_per_step": statistics.fmean(r["seconds_per_step"] for r in chosen),
                             "wall_seconds": statistics.fmean(r["wall_seconds"] for r in chosen),
                             "peak_mib": statistics.fmean(r["peak_mib"] for r in chosen),
-                            "steps": statistics.fmean(r["steps"] for r in chosen)}
+                            "steps": statistics.fmean(r["steps"] for r in chosen),
+                            "completions_sampled": statistics.fmean(r["completions_sampled"] for r in chosen),
+                            "tokens_sampled": statistics.fmean(r["tokens_sampled"] for r in chosen)}
     paired = ablate.paired_differences(runs, args)
     stated = claims(cells, paired)
-    lines = [f"Held-out accuracy after training, {args.budget} sampled completions per run (B={args.batch_size}, "
+    lines = [f"Held-out accuracy after training, {budget_text(args)} per run (B={args.batch_size}, "
              f"G={args.group_size}, first {args.eval_limit} test rows, greedy), mean ± std over seeds {args.seeds}; "
              "cost: mean over seeds of seconds per step (one rollout and its optimizer steps), wall seconds of the "
-             "run (model load and evaluation included), peak memory above the run's start", "",
-             "| algorithm | accuracy | s/step | run wall s | peak MiB | steps |", "|---|---|---|---|---|---|"]
+             "run (model load and evaluation included), peak memory above the run's start; what each run sampled "
+             "(mean over seeds): completions, and tokens (generated only, tool observations excluded)", "",
+             "| algorithm | accuracy | s/step | run wall s | peak MiB | steps | completions | tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {a} | {c['accuracy_mean']:.3f} ± {c['accuracy_std']:.3f} | {c['seconds_per_step']:.2f} | "
-              f"{c['wall_seconds']:.0f} | {c['peak_mib']:.0f} | {c['steps']:.1f} |" for a, c in cells.items()]
+              f"{c['wall_seconds']:.0f} | {c['peak_mib']:.0f} | {c['steps']:.1f} | {c['completions_sampled']:.0f} | "
+              f"{c['tokens_sampled']:.0f} |" for a, c in cells.items()]
     lines += ["", "Paired by seed: gpg minus the algorithm, mean ± standard error", "",
               "| algorithm | gpg - algorithm | pairs |", "|---|---|---|"]
     lines += [f"| {p['variant']} | {p['gpg_minus_variant']:+.3f} ± {p['standard_error']:.3f} | {p['pairs']} |"
@@ -178,11 +206,14 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, list[di
 
 
 def plot(runs: list[dict], args: argparse.Namespace, path: Path) -> None:
-    """Two rows, one panel per algorithm: the running proxy against completions sampled; against wall time."""
+    """Two rows, one panel per algorithm: the running proxy against completions sampled (with --budget-tokens:
+    tokens sampled); against wall time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    by_tokens = args.budget_tokens is not None
 
     figure, axes = plt.subplots(2, len(args.algorithms), figsize=(3.6 * len(args.algorithms), 6.4), sharey=True,
                                 squeeze=False)
@@ -194,10 +225,11 @@ def plot(runs: list[dict], args: argparse.Namespace, path: Path) -> None:
                 elapsed += point["step_s"]
                 seconds.append(elapsed)
             values = [p[1] for p in points]
-            axes[0][column].plot([p[0] for p in points], values, label=f"seed {run['seed']}")
+            spent = [point["tokens"] for point in run["curve"]] if by_tokens else [p[0] for p in points]
+            axes[0][column].plot(spent, values, label=f"seed {run['seed']}")
             axes[1][column].plot(seconds, values, label=f"seed {run['seed']}")
         axes[0][column].set_title(algorithm)
-        axes[0][column].set_xlabel("completions sampled")
+        axes[0][column].set_xlabel("tokens sampled" if by_tokens else "completions sampled")
         axes[1][column].set_xlabel("training seconds")
         for axis in (axes[0][column], axes[1][column]):
             axis.grid(alpha=0.3)

@@ -107,6 +107,10 @@ class TrainerSettings:
     max_attempts: int = field(default=8, metadata=meta("most rollouts per step while resampling", low=1))
     max_completions: int | None = field(default=None, metadata=meta(
         "stop after this many sampled completions, resampled ones included (ablations)", low=1))
+    max_sampled_tokens: int | None = field(default=None, metadata=meta(
+        "stop once the policy has sampled this many tokens (generated only: no prompt or tool-observation tokens; "
+        "resampled and T-GRPO's shuffled rollouts included); with max_completions, the first reached stops",
+        low=1))
     advantage: str = field(default="group_mean", metadata=meta(
         "group_mean: r - mean(r) (GPG); std_normalized: (r - mean) / (sample std + 1e-4) (GRPO); none: r",
         choices="advantages", references=True))

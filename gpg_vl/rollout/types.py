@@ -28,6 +28,15 @@ class Rollout:
     loss_mask: Tensor | None = None
     trajectories: list | None = None  # B * G Trajectory (rollout/trajectory.py), or None for single turns
 
+    def sampled_tokens(self) -> int:
+        """The tokens the policy sampled for these B * G completions (trainer.max_sampled_tokens counts them):
+        a single turn's completion tokens (its mask: up to and including the first EOS); a multi-turn
+        trajectory's generated tokens only (tool observations excluded; a trajectory that a limit masked out of
+        the loss still counts: it was sampled)."""
+        if self.trajectories is not None:
+            return sum(sum(t.loss_mask) for t in self.trajectories)
+        return int(self.completion_mask.sum())
+
 
 def completion_mask_from_eos(completion_ids: Tensor, eos_ids: list[int], *, ignore_eos: bool = False) -> Tensor:
     """[N, C] bool mask: True up to and including the first EOS of each row (all True with ignore_eos)."""

@@ -62,10 +62,12 @@ from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.sample import (
     Attempt,
     attempts_allowed,
+    budget_spent,
     collect_valid_groups,
     global_counts,
     reward_names,
     sample_attempt,
+    tokens_left,
 )
 from gpg_vl.train.update import (
     Learner,
@@ -184,12 +186,12 @@ def train(run: Run) -> dict:
         if run.trainer.eval_before and run.state.start_step == 0:
             evaluate_held_out(run, "before")
         for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
+            if budget_spent(run.trainer, run.state.counters):  # checked first: a resume past the budget stops too
+                break  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
             metrics = step(run)
             log_step(run, metrics, run.state.attempts)
             stop_on_bad_steps(run)
             save_step(run)
-            if run.trainer.max_completions and run.state.counters["completions_sampled"] >= run.trainer.max_completions:
-                break  # a budget of sampled completions: equal-cost comparisons of G and variants
         return finish(run)
 
 
@@ -284,7 +286,8 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     if trainer.report_to != "none":
         accelerator.init_trackers("gpg-vl", config=_flat_scalars(settings.config or {}))
     state = RunState(counters={"reward_errors": 0, "rewards_nonfinite": 0, "nonfinite_steps": 0,
-                               "bad_steps_in_a_row": 0, "completions_sampled": 0, "reward_timeouts": 0},
+                               "bad_steps_in_a_row": 0, "completions_sampled": 0, "tokens_sampled": 0,
+                               "reward_timeouts": 0},
                      summary={}, record={"train_seconds": 0.0})
     run = Run(settings, learner, engine, data=None, state=state, bar=None, held=held)
     # The scoring path, once for the run: the update's forward and its micro-batch cost both read it.
@@ -482,10 +485,12 @@ def step(run: Run) -> dict:
                                rollout=run.settings.rollout, warn=run.warn, reward_budget=budget),
         lambda attempt: global_counts(attempt, accelerator),
         beta_th=trainer.beta_th, batch_size=trainer.batch_size,
-        max_attempts=attempts_allowed(trainer, state.counters["completions_sampled"]))
+        max_attempts=attempts_allowed(trainer, state.counters["completions_sampled"]),
+        tokens_left=tokens_left(trainer, state.counters["tokens_sampled"]))
     rolled = time.perf_counter()
     state.attempts = collected.attempts
     state.counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
+    state.counters["tokens_sampled"] += collected.tokens_sampled  # generated tokens only, resampling included
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
     if collected.groups_valid > 0 or kl_on_every_group(trainer):
         result = update(run.learner, collected.attempts)
@@ -510,6 +515,7 @@ def step(run: Run) -> dict:
             "groups_used": collected.groups_valid,
             "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
             "completions_sampled": state.counters["completions_sampled"],
+            "tokens_sampled": state.counters["tokens_sampled"],
             **result, "lr": run.learner.scheduler.get_last_lr()[0],
             "nonfinite_steps": state.counters["nonfinite_steps"],
             **stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position,

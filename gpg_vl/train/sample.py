@@ -49,34 +49,41 @@ class Collected(Generic[A]):
     groups_sampled: int = 0  # global, over all attempts
     groups_valid: int = 0  # global, over all attempts
     valid_fractions: list[float] = field(default_factory=list)  # one per attempt, global
+    tokens_sampled: int = 0  # global, over all attempts: the tokens the policy sampled (Rollout.sampled_tokens)
 
 
 def collect_valid_groups(
     sample_attempt: Callable[[], A],
-    count_valid: Callable[[A], tuple[int, int]],
+    count_valid: Callable[[A], tuple[int, int, int]],
     *,
     beta_th: float,
     batch_size: int,
     max_attempts: int,
+    tokens_left: int | None = None,
 ) -> Collected[A]:
-    """Run attempts until `groups_valid >= beta_th * batch_size` or `max_attempts` is reached.
+    """Run attempts until `groups_valid >= beta_th * batch_size` or `max_attempts` is reached, or (`tokens_left`:
+    what is left of trainer.max_sampled_tokens) once the attempts made have sampled that many tokens: the next
+    rollout's size is unknown, so no attempt starts after the budget is spent (the first always runs).
 
     `sample_attempt()` draws, rolls out and scores this process's share of B fresh prompts.
-    `count_valid(attempt)` returns the GLOBAL (groups, valid groups) of that attempt (one all-reduce),
-    so every process takes the same decision and the loop never desynchronises collectives.
+    `count_valid(attempt)` returns the GLOBAL (groups, valid groups, sampled tokens) of that attempt (one
+    all-reduce), so every process takes the same decision and the loop never desynchronises collectives.
     """
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     collected: Collected[A] = Collected()
     for _ in range(max_attempts):
         attempt = sample_attempt()
-        groups, valid = count_valid(attempt)
+        groups, valid, tokens = count_valid(attempt)
         collected.attempts.append(attempt)
         collected.groups_sampled += groups
         collected.groups_valid += valid
+        collected.tokens_sampled += tokens
         collected.valid_fractions.append(valid / groups if groups else 0.0)
         if collected.groups_valid >= beta_th * batch_size:
             break
+        if tokens_left is not None and collected.tokens_sampled >= tokens_left:
+            break  # the token budget is spent: no further resampling
     return collected
 
 
@@ -92,6 +99,7 @@ class Attempt:
     advantages: torch.Tensor  # [b, G]
     valid: torch.Tensor  # [b] bool
     reward_timeouts: int = 0  # completions not scored within the step's reward budget (scored 0)
+    tokens_sampled: int = 0  # this process's sampled tokens: its rollout's and T-GRPO's shuffled rollouts'
 
 
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, trainer: TrainerSettings,
@@ -134,11 +142,13 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size)
                   for n in task.reward_functions}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
+    tokens = result.sampled_tokens()
     if getattr(task, "temporal", False):  # T-GRPO: a bonus from rollouts of the same videos with shuffled frames
-        components["temporal"] = temporal_component(policy, task, engine, [drawn[i].messages for i in keep], rows,
-                                                    components["accuracy"], rollout, workers=trainer.reward_workers,
-                                                    budget=reward_budget)  # [b, G]
+        components["temporal"], shuffled_tokens = temporal_component(
+            policy, task, engine, [drawn[i].messages for i in keep], rows, components["accuracy"], rollout,
+            workers=trainer.reward_workers, budget=reward_budget)  # [b, G]
         rewards = rewards + components["temporal"]
+        tokens += shuffled_tokens
     if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
         lengths = result.completion_mask.sum(dim=1)  # [b * G]
         penalty = trainer.overlong_penalty * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
@@ -146,23 +156,24 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
         rewards = rewards + components["overlong"]
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
-    return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts)
+    return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts, tokens)
 
 
 def temporal_component(policy: Policy, task, engine, messages: list[list[dict]], rows: list[dict],
                        accuracy: torch.Tensor, rollout: RolloutSettings, *, workers: int,
-                       budget: RewardBudget | None) -> torch.Tensor:
-    """T-GRPO's temporal reward (Video-R1) [b, G]: each video prompt (`task.shuffled_messages` gives its frames
-    shuffled; None for a prompt without video) is also rolled out G / 2 times with its frames shuffled, those
-    completions scored for accuracy only (never trained on), and `task.temporal_bonus(ordered, shuffled)` gives each
-    of the G ordered completions its bonus from the two groups' accuracies `accuracy` [b, G]. Shuffles are drawn from
-    torch's generator, which checkpoints hold: a resumed run draws the same."""
+                       budget: RewardBudget | None) -> tuple[torch.Tensor, int]:
+    """T-GRPO's temporal reward (Video-R1) [b, G], and the tokens its shuffled rollouts sampled (they count
+    towards trainer.max_sampled_tokens): each video prompt (`task.shuffled_messages` gives its frames shuffled; None
+    for a prompt without video) is also rolled out G / 2 times with its frames shuffled, those completions scored
+    for accuracy only (never trained on), and `task.temporal_bonus(ordered, shuffled)` gives each of the G ordered
+    completions its bonus from the two groups' accuracies `accuracy` [b, G]. Shuffles are drawn from torch's
+    generator, which checkpoints hold: a resumed run draws the same."""
     group_size = accuracy.shape[1]
     shuffled = [task.shuffled_messages(m, int(torch.randint(2**31 - 1, ()))) for m in messages]
     videos = [b for b, m in enumerate(shuffled) if m is not None]
     bonus = torch.zeros_like(accuracy)  # [b, G]
     if not videos:
-        return bonus
+        return bonus, 0
     half = max(1, group_size // 2)
     prompts = encode_prompts(policy, [shuffled[b] for b in videos], tools=engine.prompt_tools(task))
     result = engine.generate(prompts, half, Sampling.from_settings(rollout))
@@ -172,7 +183,7 @@ def temporal_component(policy: Policy, task, engine, messages: list[list[dict]],
     shuffled_accuracy = torch.tensor([s["accuracy"] for s in scores]).view(len(videos), half)  # [v, G / 2]
     for i, b in enumerate(videos):
         bonus[b] = task.temporal_bonus(accuracy[b], shuffled_accuracy[i]).to(bonus.dtype)
-    return bonus
+    return bonus, result.sampled_tokens()
 
 
 def reward_names(task, trainer: TrainerSettings) -> list[str]:
@@ -220,6 +231,18 @@ def _described(value) -> str:
     return f"of type {type(value).__name__}"
 
 
+def budget_spent(trainer: TrainerSettings, counters: dict) -> bool:
+    """Whether a budget of the run is spent: trainer.max_completions sampled completions or
+    trainer.max_sampled_tokens sampled tokens (the run's counters; both may be set, the first reached stops)."""
+    return bool(trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions) or \
+        bool(trainer.max_sampled_tokens and counters["tokens_sampled"] >= trainer.max_sampled_tokens)
+
+
+def tokens_left(trainer: TrainerSettings, tokens_sampled: int) -> int | None:
+    """What is left of trainer.max_sampled_tokens (None: no token budget)."""
+    return None if not trainer.max_sampled_tokens else trainer.max_sampled_tokens - tokens_sampled
+
+
 def attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:
     """trainer.max_attempts, fewer when resampling would sample past trainer.max_completions (never < 1)."""
     if not trainer.max_completions:
@@ -228,10 +251,10 @@ def attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:
     return max(1, min(trainer.max_attempts, left))
 
 
-def global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int]:
-    """(groups, valid groups) of an attempt over all processes. Collective: collect_valid_groups calls it
-    once per attempt on every process, and stops on its result, the same everywhere."""
-    counts = accelerator.reduce(torch.tensor([attempt.valid.numel(), int(attempt.valid.sum())],
+def global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int, int]:
+    """(groups, valid groups, sampled tokens) of an attempt over all processes. Collective: collect_valid_groups
+    calls it once per attempt on every process, and stops on its result, the same everywhere."""
+    counts = accelerator.reduce(torch.tensor([attempt.valid.numel(), int(attempt.valid.sum()), attempt.tokens_sampled],
                                              device=accelerator.device), "sum")
-    return int(counts[0]), int(counts[1])
+    return int(counts[0]), int(counts[1]), int(counts[2])
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,3 +30,24 @@ def test_quick_comparison_writes_tables_curves_claims_and_spends_equal_budgets(t
     table = (tmp_path / "table.md").read_text()
     assert all(f"| {a} |" in table for a in report["cells"]) and "supported" in table
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+def test_a_budget_of_sampled_tokens_stops_each_run_on_it_and_is_reported(tmp_path):
+    """--budget-tokens N: trainer.max_sampled_tokens=N instead of max_completions (max_steps only bounds the run),
+    one real run in this process, stopped at the first step that reached N; the table reports the tokens."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import compare
+
+    args = compare.parse_args(["--quick", "--budget-tokens", "20", "--algorithms", "gpg", "--seeds", "0"])
+    overrides = compare.run_overrides("gpg", 0, args, tmp_path / "run")
+    assert "trainer.max_sampled_tokens=20" in overrides and "trainer.max_steps=5" in overrides  # 20 / (B 2 x G 2)
+    assert not any(o.startswith("trainer.max_completions") for o in overrides)
+    run = compare.ablate.run_cell("gpg", args.group_size, 0, overrides)
+    tokens = [point["tokens"] for point in run["curve"]]
+    assert run["tokens_sampled"] == tokens[-1] >= 20 and all(t < 20 for t in tokens[:-1])
+    run.update(peak_mib=1.0, seconds_per_step=1.0)  # what run_measured adds around run_cell
+    cells, _, _, table = compare.summarise([run], args)
+    assert "20 sampled tokens per run" in table and cells["gpg"]["tokens_sampled"] == run["tokens_sampled"]
+    assert table.splitlines()[4].endswith(f"| {run['completions_sampled']} | {run['tokens_sampled']} |")
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--budget", "64", "--budget-tokens", "100"])  # one budget or the other

@@ -359,6 +359,10 @@ def test_video_r1_with_t_grpo_rolls_out_shuffled_frames_and_rewards_the_temporal
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/temporal" in line and calls  # at least one video prompt in the step's 4
     assert all(ordered.shape == (4,) and shuffled.shape == (2,) for ordered, shuffled in calls)
+    # the shuffled rollouts' tokens count towards trainer.max_sampled_tokens: G / 2 = 2 completions per video
+    # prompt, of 1 to rollout.max_new_tokens=16 tokens each, on top of the B x G = 16 ordered completions'
+    shuffled_tokens = line["tokens_sampled"] - round(line["completion_tokens_mean"] * 16)
+    assert 2 * len(calls) <= shuffled_tokens <= 2 * len(calls) * 16
 
 
 @needs_video

@@ -2,19 +2,23 @@
 
 import pytest
 
+from gpg_vl.config.compose import load_config
+from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.data.stream import PromptStream
-from gpg_vl.train.sample import collect_valid_groups
+from gpg_vl.errors import UserError
+from gpg_vl.train.sample import budget_spent, collect_valid_groups, tokens_left
 
 
-def scripted(valid_counts, batch_size=10):
-    """Attempts whose global valid-group counts follow a script; records how many were drawn."""
+def scripted(valid_counts, batch_size=10, tokens=0):
+    """Attempts whose global valid-group counts follow a script (each sampling `tokens` tokens); records how many
+    were drawn."""
     drawn = []
 
     def sample():
         drawn.append(valid_counts[len(drawn)])
         return drawn[-1]
 
-    return sample, (lambda attempt: (batch_size, attempt)), drawn
+    return sample, (lambda attempt: (batch_size, attempt, tokens)), drawn
 
 
 def test_enough_valid_groups_first_time_updates_at_once():
@@ -44,6 +48,32 @@ def test_beta_zero_never_resamples():
     sample, count, drawn = scripted([0, 5])
     collected = collect_valid_groups(sample, count, beta_th=0.0, batch_size=10, max_attempts=8)
     assert drawn == [0] and collected.groups_valid == 0
+
+
+def test_no_resampling_starts_once_the_token_budget_is_spent():
+    sample, count, drawn = scripted([0] * 10, tokens=30)
+    collected = collect_valid_groups(sample, count, beta_th=0.4, batch_size=10, max_attempts=8, tokens_left=70)
+    assert len(drawn) == 3 and collected.tokens_sampled == 90  # 30 and 60 are under 70: a third attempt starts
+    sample, count, drawn = scripted([0] * 10, tokens=30)
+    collected = collect_valid_groups(sample, count, beta_th=0.4, batch_size=10, max_attempts=8, tokens_left=60)
+    assert len(drawn) == 2 and collected.tokens_sampled == 60  # reached exactly: no third
+    sample, count, drawn = scripted([0] * 10, tokens=30)
+    collected = collect_valid_groups(sample, count, beta_th=0.4, batch_size=10, max_attempts=8, tokens_left=-5)
+    assert len(drawn) == 1  # the first attempt always runs (the trainer stops before a step past its budget)
+    sample, count, drawn = scripted([0] * 10, tokens=30)
+    assert collect_valid_groups(sample, count, beta_th=0.4, batch_size=10, max_attempts=4).tokens_sampled == 120
+
+
+def test_either_budget_stops_the_run_the_first_reached():
+    both = TrainerSettings(max_completions=64, max_sampled_tokens=1000)
+    assert not budget_spent(both, {"completions_sampled": 63, "tokens_sampled": 999})
+    assert budget_spent(both, {"completions_sampled": 64, "tokens_sampled": 10})
+    assert budget_spent(both, {"completions_sampled": 8, "tokens_sampled": 1000})
+    assert not budget_spent(TrainerSettings(), {"completions_sampled": 10**9, "tokens_sampled": 10**9})
+    assert budget_spent(TrainerSettings(max_sampled_tokens=5), {"completions_sampled": 0, "tokens_sampled": 7})
+    assert (tokens_left(both, 400), tokens_left(TrainerSettings(), 400)) == (600, None)
+    with pytest.raises(UserError, match=r"trainer.max_sampled_tokens=0, allowed: an integer >= 1 or null"):
+        load_config("train", ["trainer.max_sampled_tokens=0"])
 
 
 def test_max_attempts_must_be_positive():
