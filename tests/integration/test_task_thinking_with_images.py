@@ -309,6 +309,21 @@ def test_an_unreachable_judge_counts_reward_errors_not_silent_zeros(data):
     assert task.reward_errors == {"accuracy": 1, "tool": 1}
 
 
+def test_evaluation_through_the_cli_gives_deepeyes_the_runs_judge(data, judge_server, tmp_path):
+    """scripts/eval.py re-scoring saved completions (no policy model): the sentence row is judged by the endpoint
+    reward.judge.* names, as in training."""
+    url, asked = judge_server
+    predictions = tmp_path / "predictions.jsonl"
+    answers = ["B", "green", "1", "It is blue"]  # each row's right answer; the last one only a judge can tell
+    predictions.write_text("".join(json.dumps({"index": i, "id": f"deepeyes-train-{i}", "split": "train",
+                                               "completion": single(a)}) + "\n" for i, a in enumerate(answers)))
+    metrics = eval_main(load_config("eval", [
+        "task=deepeyes", f"data.path={data / 'train.parquet'}", f"predictions={predictions}",
+        "reward.judge.kind=endpoint", f"reward.judge.url={url}", f"output_dir={tmp_path / 'eval'}"]))
+    assert metrics["accuracy"] == 1.0 and len(asked) == 1
+    assert "Model's answer: It is blue" in asked[0]["messages"][0]["content"]
+
+
 @pytest.mark.parametrize(("judge", "words"), [
     ({"kind": "endpoint"}, "needs reward.judge.url"),
     ({"kind": "endpoint", "url": "localhost:8000"}, "reward.judge.url='localhost:8000' is not an http"),
