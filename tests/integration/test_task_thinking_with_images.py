@@ -338,10 +338,14 @@ def test_a_judge_that_cannot_be_built_is_one_sentence(data, judge, words):
     assert "\n" not in str(error.value)
 
 
-def test_the_old_task_option_names_the_new_key_and_a_task_without_sentences_gets_no_judge(data, judge_server):
+def test_the_old_task_option_names_the_new_key_and_a_task_without_sentences_gets_no_judge(data, judge_server,
+                                                                                         tmp_path):
     for old in ("judge", "judge_model", "judge_timeout_s"):
         with pytest.raises(UserError, match=f"task.options.{old} is gone.*reward.judge.kind=endpoint"):
             get_task("deepeyes", **{old: "x"})
+    with pytest.raises(UserError, match="task.options.judge is gone"):  # on the command line, before any model
+        train_main(load_config("train", ["task=deepeyes", "model=tiny", f"task.options.judge={judge_server[0]}",
+                                         f"output_dir={tmp_path}"]))
     with pytest.warns(UserWarning, match="task 'vstar' never asks a judge"):
         task = judged({"judge": {"kind": "endpoint", "url": judge_server[0]}},
                       get_task("vstar", data_path=data / "vstar"))
