@@ -107,8 +107,9 @@ class DeepEyes(ToolTask):
 
     def prepare_targets(self, row: dict) -> dict:
         """`answer` (`reward_model.ground_truth`, else `extra_info.answer`), its `answer_kind`, the `question`
-        (the user text without its image marks) and its lettered `choices`. `BadRow` for a row without a ground
-        truth, and "sentence answer without a judge" for a sentence when no judge is set."""
+        (the user text without its image marks), its lettered `choices` and the question the judge is shown
+        (`judge_question`: `extra_info.question` as DeepEyes' judge reads it, else `question`). `BadRow` for a row
+        without a ground truth, and "sentence answer without a judge" for a sentence when no judge is set."""
         truth = (row.get("reward_model") or {}).get("ground_truth")
         if truth is None:
             truth = (row.get("extra_info") or {}).get("answer")
@@ -121,8 +122,9 @@ class DeepEyes(ToolTask):
                          f"{row_name(row)}'s ground truth is a sentence, which only a judge can compare; set "
                          f"{JUDGE_KEYS} to train on such rows.")
         question = self.user_text(row).replace(IMAGE, "").strip()
-        return {"answer": answer, "answer_kind": kind, "question": question,
-                "choices": lettered_options(question)[1]}
+        asked = (row.get("extra_info") or {}).get("question")
+        return {"answer": answer, "answer_kind": kind, "question": question, "choices": lettered_options(question)[1],
+                "judge_question": asked.strip() if isinstance(asked, str) and asked.strip() else question}
 
     @staticmethod
     def user_text(row: dict) -> str:
@@ -167,4 +169,4 @@ class DeepEyes(ToolTask):
         answer = extract_answer(completion)
         if answer is None or self.judge is None:
             return 0.0
-        return self.judge(row["question"], row["answer"], answer)
+        return self.judge(row["judge_question"], row["answer"], answer)

@@ -294,8 +294,8 @@ def test_deepeyes_judges_sentence_answers_through_an_openai_compatible_endpoint(
     assert task.reward_components(single("It is blue"), row) == {"accuracy": 1.0, "format": 0.0, "tool": 0.0}
     assert task.reward(answered("blue"), row) == pytest.approx(2.0)  # judged right, with a crop
     assert task.reward(single("red"), row) == 0.0
-    assert asked[0]["model"] == "stub" and "Reference answer: The square is blue." in asked[0]["messages"][0][
-        "content"]
+    assert asked[0]["model"] == "stub" and ("Question: What is the color of the square?\nReference answer: The "
+                                           "square is blue.") in asked[0]["messages"][0]["content"]
     before = task.judge.requests
     task.reward(single("It is blue"), row)  # asked before: the memo answers
     assert task.judge.requests == before
@@ -454,8 +454,8 @@ def test_deepeyes_trains_two_steps_through_the_cli_with_a_local_judge_scoring_se
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["data"]["by_reason"] == {}
     judge = built[0]
     assert judge.judged > 0 and judge.forwards >= 1  # the sentence row's completions went to the judge
-    assert all(asked.startswith("What is the color of the square?") and reference == "The square is blue."
-               for asked, reference, _ in judge._memo)
+    assert all(asked == "What is the color of the square?" and reference == "The square is blue."
+               for asked, reference, _ in judge._memo)  # extra_info.question, as DeepEyes' judge reads it
 
 
 def test_a_deepeyes_trajectory_that_crops_with_its_tool_earns_the_bonus(data):
