@@ -47,8 +47,8 @@ def answer_token(family, word: str) -> int:
     tokenizer = family.tokenizer
     before = tokenizer(prefix, add_special_tokens=False)["input_ids"]
     after = tokenizer(prefix + word, add_special_tokens=False)["input_ids"]
-    same = next((k for k, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before),
-                                                                                             len(after)))
+    shared = min(len(before), len(after))
+    same = next((k for k in range(shared) if before[k] != after[k]), shared)  # where the word's tokens begin
     if same >= len(after):
         raise UserError(f"the judge model's tokenizer encodes no token for {word!r} after its assistant prefix; "
                         "give reward.judge.model a chat model with a usual tokenizer.")
