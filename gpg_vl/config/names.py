@@ -39,6 +39,9 @@ JUDGE_BUILTINS = {
     "endpoint": "gpg_vl.reward.judge:endpoint_judge",
     "local": "gpg_vl.reward.local_judge:local_judge",
 }
+# the key each built-in judge cannot do without, and an example (JudgeSettings checks it with the config)
+JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatible endpoint such as vllm serve's"),
+               "local": ("model", "/models/Qwen2.5-VL-7B-Instruct, a model folder or hub id")}
 # registry -> (its module, its attribute, the built-in names)
 REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", ("group_mean", "none", "std_normalized")),

@@ -20,7 +20,7 @@ declare; a plugin (`module:name`) is loaded to be checked.
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
-from gpg_vl.config.names import MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
+from gpg_vl.config.names import JUDGE_NEEDS, MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
 from gpg_vl.errors import UserError
 
 
@@ -455,6 +455,12 @@ class JudgeSettings:
         "endpoint: the environment variable holding a bearer token, sent when set", nonempty=True))
     batch_size: int = field(default=16, metadata=meta(
         "local: the most questions in one forward pass", low=1))
+
+    def __post_init__(self) -> None:
+        key, example = JUDGE_NEEDS.get(self.kind, (None, ""))
+        if key is not None and not getattr(self, key):  # refused with the config, before anything loads
+            raise UserError(f"reward.judge.kind={self.kind} needs reward.judge.{key}, e.g. "
+                            f"reward.judge.{key}={example}.")
 
 
 @dataclass

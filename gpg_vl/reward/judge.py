@@ -146,9 +146,7 @@ def no_judge(settings, device) -> None:
 
 @JUDGES.register("endpoint")
 def endpoint_judge(settings, device) -> EndpointJudge:
-    """`reward.judge.kind=endpoint`: `EndpointJudge` at reward.judge.url (model: the name it serves)."""
-    if not settings.url:
-        raise UserError("reward.judge.kind=endpoint needs reward.judge.url, the base URL of an OpenAI-compatible "
-                        "endpoint (e.g. reward.judge.url=http://localhost:8000/v1 for `vllm serve`).")
+    """`reward.judge.kind=endpoint`: `EndpointJudge` at reward.judge.url (model: the name it serves; the settings
+    made sure the url is set)."""
     return EndpointJudge(settings.url, model=settings.model or "judge", timeout_s=settings.timeout_s,
                          api_key_env=settings.api_key_env)

@@ -113,11 +113,9 @@ class LocalJudge(Judge):
             self.judged += len(taken)
 
 
-def judge_model_path(name: str | None) -> str:
-    """`reward.judge.model` checked before anything loads: set, and an existing folder unless a hub id."""
-    if not name:
-        raise UserError("reward.judge.kind=local needs reward.judge.model, a model folder or hub id (e.g. "
-                        "reward.judge.model=/models/Qwen2.5-VL-7B-Instruct).")
+def judge_model_path(name: str) -> str:
+    """`reward.judge.model` (set: the settings made sure) checked before it loads: an existing folder unless a
+    hub id."""
     from gpg_vl.models.load import resolve_path
 
     path = resolve_path(str(name))
