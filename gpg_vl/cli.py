@@ -86,6 +86,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     from gpg_vl.train.outdir import check_output_dir
 
     task = build.build_task(cfg.task, cfg.data)
+    build.build_judge(cfg.get("reward"), task, "cuda" if _cuda() else "cpu")  # before the rows and the policy
     split = cfg.eval.split or task.eval_split
     rows = task.load(split)
     output_dir = Path(cfg.output_dir)

@@ -40,6 +40,9 @@ SECTIONS = [  # (heading, key prefix, what it is)
     ("data", "data.", "Where the task's data is read from, and how many bad rows a run tolerates (`DataSettings`)."),
     ("task", "task.", "The task plugin (`TaskSettings`); `task=<name>` selects `configs/task/<name>.yaml`, which "
                       "sets both keys and the paper's trainer settings for the task."),
+    ("reward", "reward.", "Reward settings of the run, whatever the task (`RewardSettings`, `JudgeSettings`): the "
+                          "LLM judge a task asks where no rule scores an answer ([Tasks: the LLM judge]"
+                          "(tasks.md#the-llm-judge)); training and evaluation alike."),
     ("top-level", "", "The run's own keys (`TrainSchema`, `EvalSchema`)."),
 ]
 

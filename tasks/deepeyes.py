@@ -15,9 +15,10 @@ Accuracy, by the ground truth's form:
   the question's "(A) ..." lines);
 - a short answer (a word, a number, a few words not written as a sentence): the same text after normalising
   (case, spaces, edge punctuation), or the same number;
-- a sentence ("The bag is black."): only a judge can tell, so with `judge=` (an OpenAI-compatible endpoint URL)
-  the judge decides (gpg_vl/reward/judge.py); without one (the default) such a row is skipped and counted as the
-  bad-row reason "sentence answer without a judge", never scored 0.
+- a sentence ("The bag is black."): only a judge can tell, so with the run's judge (`reward.judge.kind=endpoint`
+  or `local`, gpg_vl/reward/judge.py; the task reads `self.judge`, which the setup sets) the judge decides;
+  without one (the default) such a row is skipped and counted as the bad-row reason "sentence answer without a
+  judge", never scored 0.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import re
 
 from gpg_vl.data.sources import RowView, load_rows
 from gpg_vl.data.task import checked_text, register_task, row_name
-from gpg_vl.errors import BadRow
-from gpg_vl.reward.judge import Judge
+from gpg_vl.errors import BadRow, UserError
 from gpg_vl.reward.primitives import choice_reward, exact_match_reward, extract_answer, normalize_text
 from gpg_vl.reward.tooluse import lettered_options
 from gpg_vl.rollout.tools import ZOOM_PARAMETERS, register_tool, zoom_in
@@ -39,6 +39,9 @@ COLUMNS = ("prompt", "images", "reward_model")
 IMAGE = "<image>"
 _LETTER = re.compile(r"\(?([A-Z])\)?\.?")
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+OLD_JUDGE_OPTIONS = ("judge", "judge_model", "judge_timeout_s")  # now reward.judge.* (a run setting)
+JUDGE_KEYS = ("reward.judge.kind=endpoint reward.judge.url=<OpenAI-compatible endpoint URL>, or "
+              "reward.judge.kind=local reward.judge.model=<model folder>")
 
 
 @register_tool("image_zoom_in_tool", description=(
@@ -75,18 +78,21 @@ def same_short_answer(completion: str, reference: str) -> float:
 @register_task
 class DeepEyes(ToolTask):
     """DeepEyes-47k: DeepEyes' prompts and tool, its reward (or Mini-o3's, `rewards=accuracy`), rule-scored
-    where the ground truth allows, judged (`judge=`) or skipped where it is a sentence."""
+    where the ground truth allows, judged (`reward.judge.*`) or skipped where it is a sentence."""
 
     name = "deepeyes"
     tools = ("image_zoom_in_tool",)
     describe_tools = False  # the data's system message lists the tool itself
     group_columns = ("data_source",)
     eval_split = "train"  # DeepEyes-47k has one split: evaluate on a held-out copy through data.path / eval.split
+    uses_judge = True  # sentence ground truths
 
-    def __init__(self, judge: str | None = None, judge_model: str = "judge", judge_timeout_s: float = 30.0,
-                 **options) -> None:
+    def __init__(self, **options) -> None:
+        old = [name for name in OLD_JUDGE_OPTIONS if name in options]
+        if old:
+            raise UserError(f"task.options.{old[0]} is gone: the judge is a run setting now; set {JUDGE_KEYS} "
+                            "(docs/tasks.md#the-llm-judge).")
         super().__init__(**options)
-        self.judge = None if judge is None else Judge(judge, model=judge_model, timeout_s=judge_timeout_s)
 
     def load(self, split: str) -> RowView:
         rows = load_rows(HUB_ID, split, path=self.data_path, required_columns=COLUMNS)
@@ -101,8 +107,9 @@ class DeepEyes(ToolTask):
 
     def prepare_targets(self, row: dict) -> dict:
         """`answer` (`reward_model.ground_truth`, else `extra_info.answer`), its `answer_kind`, the `question`
-        (the user text without its image marks) and its lettered `choices`. `BadRow` for a row without a ground
-        truth, and "sentence answer without a judge" for a sentence when no judge is set."""
+        (the user text without its image marks), its lettered `choices` and the question the judge is shown
+        (`judge_question`: `extra_info.question` as DeepEyes' judge reads it, else `question`). `BadRow` for a row
+        without a ground truth, and "sentence answer without a judge" for a sentence when no judge is set."""
         truth = (row.get("reward_model") or {}).get("ground_truth")
         if truth is None:
             truth = (row.get("extra_info") or {}).get("answer")
@@ -113,10 +120,11 @@ class DeepEyes(ToolTask):
         if kind == "sentence" and getattr(self, "judge", None) is None:
             raise BadRow("sentence answer without a judge",
                          f"{row_name(row)}'s ground truth is a sentence, which only a judge can compare; set "
-                         "task.options.judge=<OpenAI-compatible endpoint URL> to train on such rows.")
+                         f"{JUDGE_KEYS} to train on such rows.")
         question = self.user_text(row).replace(IMAGE, "").strip()
-        return {"answer": answer, "answer_kind": kind, "question": question,
-                "choices": lettered_options(question)[1]}
+        asked = (row.get("extra_info") or {}).get("question")
+        return {"answer": answer, "answer_kind": kind, "question": question, "choices": lettered_options(question)[1],
+                "judge_question": asked.strip() if isinstance(asked, str) and asked.strip() else question}
 
     @staticmethod
     def user_text(row: dict) -> str:
@@ -161,4 +169,4 @@ class DeepEyes(ToolTask):
         answer = extract_answer(completion)
         if answer is None or self.judge is None:
             return 0.0
-        return self.judge(row["question"], row["answer"], answer)
+        return self.judge(row["judge_question"], row["answer"], answer)

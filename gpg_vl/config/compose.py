@@ -81,8 +81,9 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     overrides = [o if o not in plugin else "task=plugin" for o in overrides]
     if plugin:
         overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
-    # trainer.loss_options is a dict of the loss's own keywords (checked against the loss by the trainer): add or set
-    overrides = ["++" + o if o.startswith("trainer.loss_options.") else o for o in overrides]
+    # trainer.loss_options is a dict of the loss's own keywords (checked against the loss by the trainer), and
+    # task.options the task constructor's (checked by the task, which names its options): add or set
+    overrides = ["++" + o if o.startswith(("trainer.loss_options.", "task.options.")) else o for o in overrides]
     group_overrides = [o for o in overrides if o.split("=", 1)[0] in (*GROUPS, "+experiment")]
     register_schema()
     try:
@@ -99,6 +100,7 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
         cfg.trainer.advantage, cfg.trainer.baseline, cfg.trainer.std_normalize = trainer.advantage, None, None
         for section in ("rollout", "eval"):
             OmegaConf.to_object(cfg[section])
+    OmegaConf.to_object(cfg.reward)  # a judge without the key it needs (reward.judge.url, .model), train and eval
     return cfg
 
 

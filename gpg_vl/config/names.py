@@ -33,12 +33,22 @@ FAMILY_BUILTINS = {
     "qwen3_vl": "gpg_vl.models.qwen:Qwen3VLAdapter",
     "qwen3_5": "gpg_vl.models.qwen:Qwen3_5Adapter",
 }
+# The built-in judges (reward.judge.kind): builders registered in gpg_vl/reward/judge.py's JUDGES.
+JUDGE_BUILTINS = {
+    "none": "gpg_vl.reward.judge:no_judge",
+    "endpoint": "gpg_vl.reward.judge:endpoint_judge",
+    "local": "gpg_vl.reward.local_judge:local_judge",
+}
+# the key each built-in judge cannot do without, and an example (JudgeSettings checks it with the config)
+JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatible endpoint such as vllm serve's"),
+               "local": ("model", "/models/Qwen2.5-VL-7B-Instruct, a model folder or hub id")}
 # registry -> (its module, its attribute, the built-in names)
 REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", ("group_mean", "none", "std_normalized")),
     "losses": ("gpg_vl.objective", "POLICY_LOSSES", ("dapo", "dr_grpo", "gpg", "grpo")),
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
+    "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),
 }
 # what each built-in loss declares (gpg_vl/objective.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),

@@ -20,7 +20,7 @@ declare; a plugin (`module:name`) is loaded to be checked.
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
-from gpg_vl.config.names import MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
+from gpg_vl.config.names import JUDGE_NEEDS, MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
 from gpg_vl.errors import UserError
 
 
@@ -60,6 +60,7 @@ CHOICE_SOURCES = {
     "families": "auto, or a registered model family (`gpg_vl/models/family.py`)",
     "box_frames": "a box frame (`gpg_vl/models/family.py`): relative-1000, resized-pixels, relative-1, none",
     "segmenters": "a segmenter (`gpg_vl/reward/segment.py`): box, sam, sam2",
+    "judges": "a registered judge (`gpg_vl/reward/judge.py`): none, endpoint, local",
 }
 
 
@@ -441,6 +442,43 @@ class TaskSettings:
 
 
 @dataclass
+class JudgeSettings:
+    """`reward.judge.*`: the LLM judge a task asks where no rule scores an answer (a sentence ground truth:
+    `deepeyes`); gpg_vl/reward/judge.py, docs/tasks.md#the-llm-judge."""
+
+    kind: str = field(default="none", metadata=meta(
+        "none (rows that need a judge are skipped and counted), endpoint (an OpenAI-compatible server at url, "
+        "vllm serve included) or local (the model at model, on the run's device)", choices="judges",
+        references=True))
+    url: str | None = field(default=None, metadata=meta(
+        "endpoint: the server's base URL, e.g. http://localhost:8000/v1"))
+    model: str | None = field(default=None, metadata=meta(
+        "endpoint: the model name the server serves (null = judge); local: a model folder or hub id"))
+    timeout_s: float = field(default=30.0, metadata=meta("endpoint: seconds per request", above=0))
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata=meta(
+        "endpoint: the environment variable holding a bearer token, sent when set", nonempty=True))
+    batch_size: int = field(default=16, metadata=meta(
+        "local: the most questions in one forward pass", low=1))
+
+    def __post_init__(self) -> None:
+        key, example = JUDGE_NEEDS.get(self.kind, (None, ""))
+        if key is not None and not getattr(self, key):  # refused with the config, before anything loads
+            raise UserError(f"reward.judge.kind={self.kind} needs reward.judge.{key}, e.g. "
+                            f"reward.judge.{key}={example}.")
+
+
+@dataclass
+class RewardSettings:
+    """`reward.*`: reward settings of the run, whatever the task."""
+
+    judge: JudgeSettings = field(default_factory=JudgeSettings)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.judge, dict):  # RewardSettings(**container): the section arrives as a plain dict
+            self.judge = JudgeSettings(**self.judge)
+
+
+@dataclass
 class TrainSchema:
     """configs/train.yaml as a whole: the top-level keys and the typed sections."""
 
@@ -458,6 +496,7 @@ class TrainSchema:
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
+    reward: RewardSettings = field(default_factory=RewardSettings)
 
 
 @dataclass
@@ -485,6 +524,7 @@ class EvalSchema:
     trainer: Any = None
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
+    reward: RewardSettings = field(default_factory=RewardSettings)
 
 
 def register_schema() -> None:

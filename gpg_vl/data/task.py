@@ -75,6 +75,8 @@ class Task:
     tools: ClassVar[tuple[str, ...]] = ()
     # whether the prompt lists those tools as the model's chat template does (False: the task's own prompt does)
     describe_tools: ClassVar[bool] = True
+    # whether some rows need an LLM judge (`self.judge`, set from reward.judge.* by the setup: gpg_vl/reward/judge.py)
+    uses_judge: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -89,6 +91,7 @@ class Task:
         self.max_video_frames: int | None = None  # data.max_video_frames: the most frames sampled from a video
         self.reward_errors: dict[str, int] = {}  # reward name -> completions on which it raised (scored 0)
         self.reward_nonfinite: dict[str, int] = {}  # reward name -> NaN or infinite scores
+        self.judge = None  # reward.judge: the run's judge, `judge(question, reference, answer) -> 0 | 1`, or None
 
     def load(self, split: str) -> Sequence[dict]:
         """The rows of `split`, each a dict of the dataset's columns."""

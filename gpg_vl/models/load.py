@@ -64,9 +64,10 @@ def resolve_path(name_or_path: str) -> str:
     return name_or_path
 
 
-def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", **changes) -> Policy:
+def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", *,
+                setting: str = "model.name_or_path", **changes) -> Policy:
     """Load model + processor as `model` (the `model.*` settings, gpg_vl/config/schema.py) says, from a hub id or a
-    local directory; a failed download is one sentence.
+    local directory; a failed download is one sentence, which names `setting` (the key that gave the model).
 
     A name stands for `ModelSettings(name_or_path=name)`, and keywords change the settings' fields, so tests can
     write `load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", max_pixels=50176)`. LoRA and
@@ -82,7 +83,7 @@ def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", 
     path = resolve_path(str(settings.name_or_path))
     family = settings.family
     if family == "auto":
-        family = family_for(_model_type_of(path))
+        family = family_for(_model_type_of(path, setting))
     family_class = get_family(family)  # a name, a model type (qwen3_vl_moe -> qwen3_vl), module:Name or file.py:Name
     dtype = settings.dtype
     if dtype == "auto":
@@ -93,11 +94,7 @@ def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", 
         loaded = AutoModelForImageTextToText.from_pretrained(
             path, dtype=getattr(torch, dtype), attn_implementation=settings.attn_implementation, **kwargs)
     except OSError as error:
-        where = "local directory" if Path(path).exists() else "Hugging Face Hub id"
-        raise UserError(
-            f"could not load the model {path!r} as a {where} ({str(error).splitlines()[0][:160]}); "
-            "without network access, download it elsewhere and pass model.name_or_path=/path/to/local/copy."
-        ) from None
+        raise unloadable(path, error, setting) from None
     loaded.to(device)
     _set_router_aux_loss(loaded, settings.router_aux_loss_coef)
     adapter = family_class(processor, loaded.config, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
@@ -115,7 +112,15 @@ def video_pixels(settings: ModelSettings) -> dict:
             "total_pixels": settings.video_total_pixels}
 
 
-def _model_type_of(path: str) -> str:
+def unloadable(path: str, error: Exception, setting: str = "model.name_or_path") -> UserError:
+    """The one sentence for a model that could not be loaded (no network for a hub id, a broken folder)."""
+    where = "local directory" if Path(path).exists() else "Hugging Face Hub id"
+    first = (str(error).splitlines() or [""])[0][:160]
+    return UserError(f"could not load the model {path!r} as a {where} ({first}); without network access, "
+                     f"download it elsewhere and pass {setting}=/path/to/local/copy.")
+
+
+def _model_type_of(path: str, setting: str = "model.name_or_path") -> str:
     """The model_type in a local model directory's config.json (the hub's, for a hub id)."""
     import json
 
@@ -126,7 +131,9 @@ def _model_type_of(path: str) -> str:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(path).model_type
-    except (OSError, ValueError):
+    except (OSError, ValueError) as error:
+        if isinstance(error, OSError) and not Path(path).exists():  # a hub id that cannot be reached
+            raise unloadable(path, error, setting) from None
         raise UserError(f"{path!r} has no config.json, so its model family is unknown; "
                         f"set model.family= to one of {', '.join(FAMILIES.names())}.") from None
 

@@ -1,15 +1,17 @@
-"""The objects a config names, built from its sections: the task (`task.*`, `data.*`) and the policy of a model
-alias with its memory options (`model.*`). `setup` (gpg_vl/train/loop.py) and evaluation (gpg_vl/cli.py) call
-them; tests replace them through this module (`gpg_vl.train.build.build_policy`)."""
+"""The objects a config names, built from its sections: the task (`task.*`, `data.*`), the judge it may ask
+(`reward.judge.*`) and the policy of a model alias with its memory options (`model.*`). `setup`
+(gpg_vl/train/loop.py) and evaluation (gpg_vl/cli.py) call them; tests replace them through this module
+(`gpg_vl.train.build.build_policy`)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from gpg_vl.config.schema import ModelSettings
+from gpg_vl.config.schema import JudgeSettings, ModelSettings
 from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import load_policy
@@ -61,3 +63,23 @@ def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
     return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"),
                     allow_outside_paths=bool(data_cfg.get("allow_outside_paths", False)),
                     max_video_frames=data_cfg.get("max_video_frames"), **options)
+
+
+def build_judge(reward_cfg: DictConfig | None, task, device):
+    """Give `task` the judge `reward.judge.kind` names (gpg_vl/reward/judge.py's JUDGES), built on `device`, and
+    return it: None for `none`, and for a task that never asks a judge (`uses_judge` false), which gets a
+    warning instead of a judge that would only take memory. Called before the policy loads, so a judge that
+    cannot be built fails first, in one sentence."""
+    from gpg_vl.reward.judge import JUDGES, no_judge
+
+    found = (reward_cfg or {}).get("judge")
+    settings = JudgeSettings(**OmegaConf.to_container(found, resolve=True)) if found else JudgeSettings()
+    builder = JUDGES.get(settings.kind)
+    if builder is no_judge:
+        return None
+    if not getattr(task, "uses_judge", False):
+        warnings.warn(f"reward.judge.kind={settings.kind} is set, but task {task.name!r} never asks a judge; it "
+                      "is not built (unset reward.judge.kind).", UserWarning, stacklevel=2)
+        return None
+    task.judge = builder(settings, device)
+    return task.judge

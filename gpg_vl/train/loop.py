@@ -200,8 +200,9 @@ def train(run: Run) -> dict:
 # ---------------------------------------------------------------------------------------------
 def setup(cfg) -> Run:
     """Build a run from a composed train config (gpg_vl/config/compose.py), every object once: the task,
-    the Accelerator, the output folder's claim (and the checkpoint to resume from), the policy with LoRA and
-    a frozen vision tower, the reference a KL loss scores, then what `setup_policy` builds."""
+    the Accelerator, the judge the task may ask (`reward.judge.*`, set as `task.judge`), the output folder's
+    claim (and the checkpoint to resume from), the policy with LoRA and a frozen vision tower, the reference a
+    KL loss scores, then what `setup_policy` builds."""
     from omegaconf import OmegaConf
 
     from gpg_vl.config.validate import check_model_folder
@@ -210,6 +211,7 @@ def setup(cfg) -> Run:
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
     task = build.build_task(cfg.task, cfg.data)
     accelerator = _command_line_accelerator(cfg)
+    build.build_judge(cfg.get("reward"), task, accelerator.device)  # a judge that cannot be built fails first
     container = OmegaConf.to_container(cfg, resolve=True)  # after the output_dir is the same on every process
     held = contextlib.ExitStack()
     try:

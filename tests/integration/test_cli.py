@@ -85,6 +85,9 @@ def test_model_can_be_a_local_directory_whose_family_is_read_from_its_config(tmp
     ("rollout.ignore_eos=maybe", ["rollout.ignore_eos=maybe", "true or false"]),
     ("trainer.group_size=0", ["trainer.group_size=0", "allowed", "an integer >= 1"]),
     ("trainer.beta_th=2", ["trainer.beta_th=2", ">= 0 and <= 1"]),
+    ("reward.judge.kind=bogus", ["reward.judge.kind='bogus'", "one of endpoint, local, none"]),
+    ("reward.judge.kind=endpoint", ["reward.judge.kind=endpoint needs reward.judge.url", "http://localhost:8000/v1"]),
+    ("reward.judge.kind=local", ["reward.judge.kind=local needs reward.judge.model"]),
 ])
 def test_wrong_types_and_ranges_fail_in_one_sentence_naming_the_key(override, words):
     with pytest.raises(UserError) as error:

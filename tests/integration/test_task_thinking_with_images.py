@@ -12,6 +12,7 @@ import datasets
 import gpg_vl_tasks.deepeyes
 import gpg_vl_tasks.vstar
 import pytest
+from omegaconf import OmegaConf
 from runs import tiny_family_policy
 from thinking_fixtures import (  # tests/thinking_fixtures.py: the published layouts, built on the fly
     DEEPEYES_SYSTEM,
@@ -29,8 +30,10 @@ from gpg_vl import get_task
 from gpg_vl.cli import eval_main, train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.errors import BadRow, UserError
+from gpg_vl.reward.judge import EndpointJudge
 from gpg_vl.rollout.engine import build_engine, encode_prompts
 from gpg_vl.rollout.tools import TOOLS
+from gpg_vl.train.build import build_judge
 
 OK_CROP = '</tool_call>\nuser\n<tool_response>\n\n</tool_response>\nassistant\n'  # a crop, decoded: no text
 REFUSED = '</tool_call>\nuser\n<tool_response>\nError: the box is 3 x 3 pixels.\n</tool_response>\nassistant\n'
@@ -238,7 +241,7 @@ def test_deepeyes_skips_sentence_answers_without_a_judge_with_a_counted_reason(d
     sentence = datasets.Dataset.from_parquet(str(data / "train.parquet"))[3]  # the published row
     with pytest.raises(BadRow) as error:
         task.check_row(sentence)
-    assert error.value.reason == "sentence answer without a judge" and "task.options.judge" in str(error.value)
+    assert error.value.reason == "sentence answer without a judge" and "reward.judge.kind=" in str(error.value)
     assert gpg_vl_tasks.deepeyes.answer_kind("The square is blue.") == "sentence"
     assert gpg_vl_tasks.deepeyes.answer_kind("dark blue") == "short"
     assert gpg_vl_tasks.deepeyes.answer_kind("(C)") == "letter"
@@ -275,28 +278,79 @@ def judge_server():
     server.server_close()
 
 
+def judged(reward_cfg: dict, task):
+    """`task` with the judge the `reward.*` section `reward_cfg` names, as the setup builds it."""
+    build_judge(OmegaConf.create(reward_cfg), task, "cpu")
+    return task
+
+
 def test_deepeyes_judges_sentence_answers_through_an_openai_compatible_endpoint(data, judge_server):
     url, asked = judge_server
-    task = get_task("deepeyes", data_path=data / "train.parquet", judge=url, judge_model="stub")
+    task = judged({"judge": {"kind": "endpoint", "url": url, "model": "stub"}},
+                  get_task("deepeyes", data_path=data / "train.parquet"))
+    assert isinstance(task.judge, EndpointJudge)
     row = task.load("train")[3]  # "The square is blue."
     task.check_row(row)
     assert task.reward_components(single("It is blue"), row) == {"accuracy": 1.0, "format": 0.0, "tool": 0.0}
     assert task.reward(answered("blue"), row) == pytest.approx(2.0)  # judged right, with a crop
     assert task.reward(single("red"), row) == 0.0
-    assert asked[0]["model"] == "stub" and "Reference answer: The square is blue." in asked[0]["messages"][0][
-        "content"]
+    assert asked[0]["model"] == "stub" and ("Question: What is the color of the square?\nReference answer: The "
+                                           "square is blue.") in asked[0]["messages"][0]["content"]
     before = task.judge.requests
     task.reward(single("It is blue"), row)  # asked before: the memo answers
     assert task.judge.requests == before
 
 
 def test_an_unreachable_judge_counts_reward_errors_not_silent_zeros(data):
-    task = get_task("deepeyes", data_path=data / "train.parquet", judge="http://127.0.0.1:9", judge_timeout_s=2)
+    task = judged({"judge": {"kind": "endpoint", "url": "http://127.0.0.1:9", "timeout_s": 2}},
+                  get_task("deepeyes", data_path=data / "train.parquet"))
     row = task.load("train")[3]
     assert task.reward_components(single("blue"), row)["accuracy"] == 0.0
     assert task.reward_errors == {"accuracy": 1, "tool": 1}
-    with pytest.raises(UserError, match="not an http"):
-        get_task("deepeyes", judge="localhost:8000")
+
+
+def test_evaluation_through_the_cli_gives_deepeyes_the_runs_judge(data, judge_server, tmp_path):
+    """scripts/eval.py re-scoring saved completions (no policy model): the sentence row is judged by the endpoint
+    reward.judge.* names, as in training."""
+    url, asked = judge_server
+    predictions = tmp_path / "predictions.jsonl"
+    answers = ["B", "green", "1", "It is blue"]  # each row's right answer; the last one only a judge can tell
+    predictions.write_text("".join(json.dumps({"index": i, "id": f"deepeyes-train-{i}", "split": "train",
+                                               "completion": single(a)}) + "\n" for i, a in enumerate(answers)))
+    metrics = eval_main(load_config("eval", [
+        "task=deepeyes", f"data.path={data / 'train.parquet'}", f"predictions={predictions}",
+        "reward.judge.kind=endpoint", f"reward.judge.url={url}", f"output_dir={tmp_path / 'eval'}"]))
+    assert metrics["accuracy"] == 1.0 and len(asked) == 1
+    assert "Model's answer: It is blue" in asked[0]["messages"][0]["content"]
+
+
+@pytest.mark.parametrize(("judge", "words"), [
+    ({"kind": "endpoint"}, "needs reward.judge.url"),
+    ({"kind": "endpoint", "url": "localhost:8000"}, "reward.judge.url='localhost:8000' is not an http"),
+    ({"kind": "local"}, "needs reward.judge.model"),
+    ({"kind": "local", "model": "/no/such/judge"}, "reward.judge.model='/no/such/judge' does not exist"),
+    ({"kind": "local", "model": "no-org/no-judge"}, "without network access, download it elsewhere and pass "
+                                                    "reward.judge.model="),
+])
+def test_a_judge_that_cannot_be_built_is_one_sentence(data, judge, words):
+    with pytest.raises(UserError, match=re.escape(words)) as error:
+        judged({"judge": judge}, get_task("deepeyes", data_path=data / "train.parquet"))
+    assert "\n" not in str(error.value)
+
+
+def test_the_old_task_option_names_the_new_key_and_a_task_without_sentences_gets_no_judge(data, judge_server,
+                                                                                         tmp_path):
+    for old in ("judge", "judge_model", "judge_timeout_s"):
+        with pytest.raises(UserError, match=f"task.options.{old} is gone.*reward.judge.kind=endpoint"):
+            get_task("deepeyes", **{old: "x"})
+    with pytest.raises(UserError, match="task.options.judge is gone"):  # on the command line, before any model
+        train_main(load_config("train", ["task=deepeyes", "model=tiny", f"task.options.judge={judge_server[0]}",
+                                         f"output_dir={tmp_path}"]))
+    with pytest.warns(UserWarning, match="task 'vstar' never asks a judge"):
+        task = judged({"judge": {"kind": "endpoint", "url": judge_server[0]}},
+                      get_task("vstar", data_path=data / "vstar"))
+    assert task.judge is None
+    assert judged({"judge": {"kind": "none"}}, get_task("deepeyes")).judge is None
 
 
 # ---------------------------------------------------------------- evaluation through the CLI
@@ -382,6 +436,26 @@ def test_deepeyes_trains_two_steps_through_the_cli_skipping_sentence_rows_by_rea
     reasons = json.loads((tmp_path / "run" / "summary.json").read_text())["data"]["by_reason"]
     assert set(reasons) == {"sentence answer without a judge"}  # the one sentence row, each time it is met
     assert {"reward/accuracy", "reward/format", "reward/tool"} <= set(lines[0])
+
+
+def test_deepeyes_trains_two_steps_through_the_cli_with_a_local_judge_scoring_sentence_rows(data, tmp_path,
+                                                                                          monkeypatch):
+    from gpg_vl.models.tiny import EMBEDDED_TINY
+    from gpg_vl.train import build
+
+    built = []
+    monkeypatch.setattr(build, "build_judge", lambda *a, real=build.build_judge: built.append(real(*a)) or built[-1])
+    # the tiny model writes no <answer> tag in 8 tokens: here a completion's text stands for its answer, so every
+    # completion of the sentence row goes to the judge (the rule-scored rows are unchanged by it)
+    monkeypatch.setattr(gpg_vl_tasks.deepeyes, "extract_answer", lambda completion: completion.strip() or None)
+    summary, lines = deepeyes_training(data, tmp_path / "run", "rollout.max_turns=1", "reward.judge.kind=local",
+                                       f"reward.judge.model={EMBEDDED_TINY}", "reward.judge.batch_size=4")
+    assert summary["steps"] == 2 and [m["step"] for m in lines] == [1, 2]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["data"]["by_reason"] == {}
+    judge = built[0]
+    assert judge.judged > 0 and judge.forwards >= 1  # the sentence row's completions went to the judge
+    assert all(asked == "What is the color of the square?" and reference == "The square is blue."
+               for asked, reference, _ in judge._memo)  # extra_info.question, as DeepEyes' judge reads it
 
 
 def test_a_deepeyes_trajectory_that_crops_with_its_tool_earns_the_bonus(data):

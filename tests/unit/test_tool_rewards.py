@@ -5,7 +5,7 @@ tests/integration/test_tool_rewards_on_trajectories.py."""
 import pytest
 
 from gpg_vl.errors import UserError
-from gpg_vl.reward.judge import Judge, JudgeError, chat_url
+from gpg_vl.reward.judge import EndpointJudge, JudgeError, chat_url
 from gpg_vl.reward.tooluse import (
     TOOL_REWARDS,
     crops_used,
@@ -92,19 +92,19 @@ def test_reward_sets_by_name_with_the_given_weights():
     ("**No**", 0.0),
 ])
 def test_judge_verdicts(reply, verdict):
-    assert Judge.verdict(reply) == verdict
+    assert EndpointJudge.verdict(reply) == verdict
 
 
 @pytest.mark.parametrize("reply", ["maybe", "", "Yesterday", "10", "The answers are consistent"])
 def test_unreadable_judge_replies_raise(reply):
     with pytest.raises(JudgeError):
-        Judge.verdict(reply)
+        EndpointJudge.verdict(reply)
 
 
 def test_judge_urls_and_settings():
     assert chat_url("http://h:8000/v1") == "http://h:8000/v1/chat/completions"
     assert chat_url("http://h:8000/v1/chat/completions/") == "http://h:8000/v1/chat/completions"
     with pytest.raises(UserError, match="not an http"):
-        Judge("ftp://h/v1")
+        EndpointJudge("ftp://h/v1")
     with pytest.raises(UserError, match="above 0"):
-        Judge("http://h/v1", timeout_s=0)
+        EndpointJudge("http://h/v1", timeout_s=0)
