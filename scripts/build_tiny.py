@@ -16,15 +16,20 @@
 Everything is seeded and runs on CPU with deterministic algorithms, so the same command writes the
 same weights (the last line prints their hash).
 
-    python scripts/build_tiny.py --zoom               # writes gpg_vl/assets/tiny-qwen2.5-vl-zoom (minutes, CPU)
+    python scripts/build_tiny.py --zoom               # writes gpg_vl/assets/tiny-qwen2.5-vl-zoom (~15 min, CPU)
 
 `--zoom` builds the cold-start model of the `zoom` task (thinking with images) from the embedded model
 (or `--from-model`): a supervised pass on synthetic trajectories, teacher-forced through the HF engine's own
 multi-turn path (so each observation is exactly what a rollout shows) with the loss on the model's tokens only.
 A share `--zoom-tool-share` of the demonstrations zooms on the named cell, then answers from the crop; the
-others answer at once (the right shape, which the full view does not show, so the model learns only the
-prior). The model then calls the tool some of the time, and the reinforcement learning run has that share
-to raise.
+others answer at once (the right colour, which the full view hardly shows, so the model learns little more than
+the prior). The model then calls the tool some of the time when sampled and not at all when greedy: the
+reinforcement learning run has that share to raise. The shipped model is the snapshot at step 400 of
+
+    python scripts/build_tiny.py --zoom --out /tmp/zc/b --zoom-steps 500 --batch-size 8 --zoom-tool-share 0.4 \
+        --zoom-eval-rows 32 --eval-every 100          # snapshots /tmp/zc/b-step100 ... b-step500 (about 20 min)
+
+(docs/results/zoom.md: why 400 rather than 500).
 """
 
 from __future__ import annotations
@@ -279,7 +284,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=None, help="32 (8 with --zoom)")
     parser.add_argument("--vision-steps", type=int, default=200, help="per-token probe pretraining of the vision tower")
     parser.add_argument("--steps", type=int, default=400, help="supervised steps on correct demonstrations")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -292,15 +297,17 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="print held-out accuracy every N steps")
     parser.add_argument("--zoom", action="store_true",
                         help="build the zoom task's cold-start model (default --out: assets/tiny-qwen2.5-vl-zoom)")
-    parser.add_argument("--zoom-steps", type=int, default=300, help="supervised steps on zoom demonstrations")
+    parser.add_argument("--zoom-steps", type=int, default=400, help="supervised steps on zoom demonstrations")
     parser.add_argument("--zoom-lr", type=float, default=1e-3)
-    parser.add_argument("--zoom-tool-share", type=float, default=0.5,
+    parser.add_argument("--zoom-tool-share", type=float, default=0.4,
                         help="share of the zoom demonstrations that call zoom_in (the others answer at once)")
     parser.add_argument("--zoom-eval-rows", type=int, default=100, help="held-out rows of the zoom report")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
+    if args.batch_size is None:
+        args.batch_size = 8 if args.zoom else 32
     if args.zoom:
         args.out = ZOOM_OUT if args.out == DEFAULT_OUT else args.out
         build_zoom(args)
