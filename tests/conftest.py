@@ -26,3 +26,32 @@ def policy():
 
     torch.manual_seed(0)
     return load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=50176)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n auto --dist worksteal`, the default run) the slow tests start first, spread over the
+    workers: worksteal hands each worker an equal contiguous share of the collection and a worker that runs out
+    steals the back half of another's queue, so a long test left at the back of a share may start last, when the
+    other workers are done, and the run waits for it alone. Here each share begins with its part of the slow tests
+    (a module's together: they may share a module fixture); the order of the other tests is kept. One process
+    (`-n 0`, `-p no:xdist`): the collection is left as it is."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if workers < 2 or not slow:
+        return
+    by_module: dict[str, list] = {}
+    for item in slow:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    starts = [[] for _ in range(workers)]
+    for module in sorted(by_module.values(), key=len, reverse=True):  # the most slow tests first, to the least filled
+        min(starts, key=len).extend(module)
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    ordered, remaining = [], len(items)
+    for k, start in enumerate(starts):
+        share = remaining // (workers - k)  # worksteal's first share of the worker k
+        take = max(0, share - len(start))
+        ordered += start + rest[:take]
+        rest = rest[take:]
+        remaining -= share
+    items[:] = ordered + rest

@@ -13,17 +13,30 @@ def train_run(output_dir, *overrides) -> dict:
     return train_main(load_config("train", [f"output_dir={output_dir}", *QUICK_RUN, *overrides]))
 
 
+_BUILT: dict = {}  # family -> its folder, built once per test process (the session's temporary folder)
+
+
+def tiny_family_path(family: str, tmp_path_factory):
+    """The folder of `family`'s tiny model: the embedded Qwen2.5-VL, or a random one of the family's real classes
+    built under pytest's temporary folder the first time a test of this process asks (seeded, so every build of a
+    family is the same: building it once changes nothing a test sees)."""
+    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
+
+    if family == "qwen2_5_vl":
+        return EMBEDDED_TINY
+    if family not in _BUILT:
+        path = tmp_path_factory.mktemp("tiny") / family
+        build_tiny_family(path, family)
+        _BUILT[family] = path
+    return _BUILT[family]
+
+
 def tiny_family_policy(family: str, tmp_path_factory):
-    """A float32 tiny model of `family`: the embedded Qwen2.5-VL, or a random one of the family's real classes
-    built under pytest's temporary folder (seeded, so every build of a family is the same)."""
+    """A float32 tiny model of `family` (tiny_family_path), loaded afresh: a test may change it."""
     import torch
 
     from gpg_vl.models.load import load_policy
-    from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
 
-    path = EMBEDDED_TINY
-    if family != "qwen2_5_vl":
-        path = tmp_path_factory.mktemp("tiny") / family
-        build_tiny_family(path, family)
+    path = tiny_family_path(family, tmp_path_factory)
     torch.manual_seed(0)
     return load_policy(str(path), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)

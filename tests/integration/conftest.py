@@ -10,3 +10,12 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded before the check")
 
     monkeypatch.setattr("gpg_vl.train.build.build_policy", refuse)
+
+
+@pytest.fixture(scope="session")
+def model_aliases():
+    """Every model alias (configs/model/, all but the shared _tiny) -> the model settings of its composed train
+    config: composed once for the tests that read them all."""
+    from gpg_vl.config.compose import group_options, load_config
+
+    return {alias: load_config("train", [f"model={alias}"]).model for alias in group_options("model")}

@@ -133,7 +133,7 @@ def test_eval_yaml_is_typed_by_the_same_settings():
         assert "\n" not in message and all(w in message for w in words), message
 
 
-def test_every_model_alias_resolves_and_is_a_short_diff_over_the_schema_defaults():
+def test_every_model_alias_resolves_and_is_a_short_diff_over_the_schema_defaults(model_aliases):
     from dataclasses import asdict
 
     from gpg_vl.config.compose import group_options
@@ -146,7 +146,7 @@ def test_every_model_alias_resolves_and_is_a_short_diff_over_the_schema_defaults
         raw = yaml.safe_load((ROOT / "configs" / "model" / f"{alias}.yaml").read_text())
         assert raw.pop("defaults", ["_tiny", "_self_"]) == ["_tiny", "_self_"] and len(raw) <= 3, alias
         assert all(key in defaults and value != defaults[key] for key, value in raw.items()), alias  # what differs
-        model = load_config("train", [f"model={alias}"]).model
+        model = model_aliases[alias]
         assert model.name_or_path and model.family and model.dtype in ("auto", "float32"), alias
     printed = subprocess.run([sys.executable, "scripts/train.py", "model=qwen3.5-35b-a3b", "--cfg", "job"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)

@@ -4,12 +4,15 @@ Qwen3-VL MoE. Each: two training steps in which
 every trainable parameter changes, a greedy evaluation, `final/` reloaded by transformers alone, freeze_vision
 and LoRA (the vision tower found by the family), a declared box frame, and an exact resume."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
+from runs import tiny_family_path
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
@@ -17,7 +20,6 @@ from gpg_vl.cli import build_policy, train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import load_policy
-from gpg_vl.models.tiny import build_tiny_family
 from gpg_vl.reward.primitives import format_reward
 from gpg_vl.rollout.types import in_task_frame
 
@@ -41,10 +43,18 @@ FRAMES = {"llava_onevision": "relative-1", "gemma3": "none", "gemma4": "none", "
 
 @pytest.fixture(scope="session")
 def family_paths(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-families")
-    for family in ALIASES:
-        build_tiny_family(root / family, family)
-    return {family: root / family for family in ALIASES}
+    """family -> its tiny model's folder, each built the first time a test of this process reads it."""
+    class Built(dict):
+        def __missing__(self, family):
+            return tiny_family_path(family, tmp_path_factory)
+
+    return Built()
+
+
+@pytest.fixture(scope="module", params=sorted(ALIASES))
+def family(request):
+    """The family under test; module-scoped, so each family's tests run together and share `two_steps`."""
+    return request.param
 
 
 def run(tmp_path, family, family_paths, *overrides):
@@ -56,11 +66,21 @@ def weights(path) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in AutoModelForImageTextToText.from_pretrained(path).named_parameters()}
 
 
-@pytest.mark.parametrize("family", sorted(ALIASES))
-def test_two_cli_steps_change_every_parameter_evaluate_and_reload_with_transformers(tmp_path, family_paths, family,
-                                                                                   capsys):
+@pytest.fixture(scope="module")
+def two_steps(family, family_paths, tmp_path_factory):
+    """One two-step CLI run of `family`, checkpointing every step, and what it printed: read by the tests of
+    what the run did and by the resume test (its uninterrupted run)."""
+    out = tmp_path_factory.mktemp(f"two-steps-{family}")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = run(out, family, family_paths, "trainer.max_steps=2", "trainer.save_every=1",
+                      "trainer.keep_checkpoints=5")
+    return out, summary, printed.getvalue()
+
+
+def test_two_cli_steps_change_every_parameter_evaluate_and_reload_with_transformers(family_paths, family, two_steps):
+    tmp_path, summary, out = two_steps
     before = weights(family_paths[family])
-    summary = run(tmp_path, family, family_paths, "trainer.max_steps=2")
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["skipped"] for m in lines] == [0.0, 0.0]
     assert "accuracy" in summary["eval_after"] or summary["eval_after"]  # the greedy evaluation ran
@@ -71,11 +91,9 @@ def test_two_cli_steps_change_every_parameter_evaluate_and_reload_with_transform
     unused = {"llava_onevision": ["model.vision_tower.post_layernorm.bias", "model.vision_tower.post_layernorm.weight"]}
     assert sorted(n for n, p in trained.named_parameters() if torch.equal(p, before[n])) == unused.get(family, [])
     # the run says in one line which paths this family takes
-    out = capsys.readouterr().out
     assert f"box frame {FRAMES[family]}" in out and "the update scores" in out
 
 
-@pytest.mark.parametrize("family", sorted(ALIASES))
 def test_freeze_vision_and_lora_find_the_vision_tower_through_the_family(tmp_path, family_paths, family):
     before = weights(family_paths[family])
     run(tmp_path / "frozen", family, family_paths, "trainer.max_steps=1", "model.freeze_vision=true",
@@ -93,12 +111,11 @@ def test_freeze_vision_and_lora_find_the_vision_tower_through_the_family(tmp_pat
     assert adapted and not [k for k in adapted if any(f"{r}." in k for r in roots)]  # the tower has no adapter
 
 
-@pytest.mark.parametrize("family", sorted(ALIASES))
-def test_a_run_resumes_exactly_from_a_checkpoint(tmp_path, family_paths, family):
-    common = ["trainer.max_steps=2", "trainer.save_every=1", "trainer.keep_checkpoints=5", "trainer.eval_after=false"]
-    run(tmp_path / "full", family, family_paths, *common)
-    run(tmp_path / "resumed", family, family_paths, *common, f"resume={tmp_path / 'full' / 'checkpoint-1'}")
-    full, resumed = weights(tmp_path / "full" / "final"), weights(tmp_path / "resumed" / "final")
+def test_a_run_resumes_exactly_from_a_checkpoint(tmp_path, family_paths, family, two_steps):
+    full_run = two_steps[0]  # evaluated after training: the weights it saved are the trained ones all the same
+    run(tmp_path / "resumed", family, family_paths, "trainer.max_steps=2", "trainer.save_every=1",
+        "trainer.keep_checkpoints=5", "trainer.eval_after=false", f"resume={full_run / 'checkpoint-1'}")
+    full, resumed = weights(full_run / "final"), weights(tmp_path / "resumed" / "final")
     assert all(torch.equal(full[n], resumed[n]) for n in full)
 
 

@@ -305,42 +305,56 @@ def _weight_change(attempts_of, share_prompt: bool, accelerator: Accelerator) ->
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
 
-def _ddp_worker(rank: int, port: int, share_prompt: bool, valid_on_rank_1: list[bool], out: str) -> None:
+VALID_ON_RANK_1 = {"one-valid": [True, False], "none-valid": [False, False]}
+TWO_PROCESS_CASES = [(share_prompt, name) for name in VALID_ON_RANK_1 for share_prompt in (True, False)]
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    """Each case of TWO_PROCESS_CASES in turn, in one pair of processes (one start, one process group)."""
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
-    valid = [True, True] if rank == 0 else valid_on_rank_1
-    change = _weight_change(lambda policy, shapes: [_two_group_attempt(policy, shapes, rank, valid)], share_prompt,
-                            Accelerator(cpu=True))
-    torch.save(change, f"{out}/rank{rank}.pt")
+    for share_prompt, name in TWO_PROCESS_CASES:
+        valid = [True, True] if rank == 0 else VALID_ON_RANK_1[name]
+        change = _weight_change(lambda policy, shapes, valid=valid: [_two_group_attempt(policy, shapes, rank, valid)],
+                                share_prompt, Accelerator(cpu=True))
+        torch.save(change, f"{out}/{name}-{share_prompt}-rank{rank}.pt")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("share_prompt", [True, False])
-@pytest.mark.parametrize("valid_on_rank_1", [[True, False], [False, False]], ids=["one-valid", "none-valid"])
-def test_two_processes_update_as_one_process_on_all_their_sequences(tmp_path, share_prompt, valid_on_rank_1):
-    """Gradients are averaged over processes explicitly, also when a process has no valid sequence (no forward)."""
+@pytest.fixture(scope="module")
+def two_process_changes(tmp_path_factory):
+    """The folder of each rank's weight change in every case, from 2 processes started once for all the cases."""
     import socket
 
     import torch.multiprocessing as mp
 
+    out = tmp_path_factory.mktemp("two-processes")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    workers = mp.start_processes(_ddp_worker, args=(port, share_prompt, valid_on_rank_1, str(tmp_path)), nprocs=2,
-                                 start_method="spawn", join=False)
-    deadline = time.monotonic() + 300
+    workers = mp.start_processes(_ddp_worker, args=(port, str(out)), nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + 150 * len(TWO_PROCESS_CASES)
     while not workers.join(timeout=5):  # a collective one process never joins would hang: fail instead
         if time.monotonic() > deadline:
             for process in workers.processes:
                 process.terminate()
-            pytest.fail("the two processes did not finish their update within 300 s (a hung all-reduce)")
+            pytest.fail("the two processes did not finish their updates in time (a hung all-reduce)")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("share_prompt", "valid_on_rank_1"), TWO_PROCESS_CASES,
+                         ids=[f"{name}-{share_prompt}" for share_prompt, name in TWO_PROCESS_CASES])
+def test_two_processes_update_as_one_process_on_all_their_sequences(two_process_changes, share_prompt,
+                                                                    valid_on_rank_1):
+    """Gradients are averaged over processes explicitly, also when a process has no valid sequence (no forward)."""
     single = _weight_change(lambda policy, shapes: [_two_group_attempt(policy, shapes, 0, [True, True]),
-                                                    _two_group_attempt(policy, shapes, 1, valid_on_rank_1)],
+                                                    _two_group_attempt(policy, shapes, 1,
+                                                                       VALID_ON_RANK_1[valid_on_rank_1])],
                             share_prompt, Accelerator(cpu=True))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(two_process_changes / f"{valid_on_rank_1}-{share_prompt}-rank{r}.pt") for r in range(2)]
     assert torch.equal(ranks[0], ranks[1])
     torch.testing.assert_close(ranks[0], single, rtol=1e-5, atol=1e-6 * float(single.abs().max()))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from runs import tiny_family_path
 from transformers import AutoModelForImageTextToText
 
 from gpg_vl.cli import build_policy, train_main
@@ -15,7 +16,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.models.load import FAMILIES, load_policy
 from gpg_vl.models.lora import LANGUAGE_LINEARS, apply_lora
 from gpg_vl.models.qwen import Qwen3VLAdapter
-from gpg_vl.models.tiny import EMBEDDED_TINY, build_tiny_family
+from gpg_vl.models.tiny import EMBEDDED_TINY
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import generate
 
@@ -34,12 +35,11 @@ QUICK = ["trainer.batch_size=2", "trainer.group_size=4", "rollout.max_new_tokens
 @pytest.fixture(scope="session")
 def tiny_paths(tmp_path_factory):
     """Each family's tiny model directory: the embedded Qwen2.5-VL, and the random others built here."""
-    root = tmp_path_factory.mktemp("tiny-models")
-    paths = {"qwen2_5_vl": EMBEDDED_TINY}
-    for family in [f for f in QWEN if f != "qwen2_5_vl"]:
-        build_tiny_family(root / family, family)
-        paths[family] = root / family
-    return paths
+    class Built(dict):  # each built the first time a test of this process reads it
+        def __missing__(self, family):
+            return tiny_family_path(family, tmp_path_factory)
+
+    return Built()
 
 
 def load(tiny_paths, family, **kwargs):

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import train_run
+from runs import tiny_family_path, train_run
 from safetensors.torch import load_file
 
 from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.models.load import load_policy
-from gpg_vl.models.tiny import build_tiny_family
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL_RUN = [f"task.name={ROOT / 'tests/tool_engine.py'}:ShapesWithZoom",
@@ -33,14 +32,28 @@ def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """family -> the folder of its 3-step tool run, run the first time a test asks: the Qwen2.5-VL run
+    (checkpointing every step) is also the uninterrupted run the resume test compares with."""
+    runs = {}
+
+    def run_of(family: str) -> Path:
+        if family not in runs:
+            model = []
+            if family != "qwen2_5_vl":
+                model = [f"model.name_or_path={tiny_family_path(family, tmp_path_factory)}", "model.family=auto",
+                         "trainer.save_every=0"]
+            runs[family] = tmp_path_factory.mktemp(f"tool-run-{family}")
+            train_run(runs[family], *TOOL_RUN, *model, "trainer.max_steps=3")
+        return runs[family]
+
+    return run_of
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_a_tool_using_task_trains_three_steps_and_logs_its_tool_calls(tmp_path, family):
-    model = []
-    if family != "qwen2_5_vl":
-        build_tiny_family(tmp_path / family, family)
-        model = [f"model.name_or_path={tmp_path / family}", "model.family=auto"]
-    run = tmp_path / "run"
-    train_run(run, *TOOL_RUN, *model, "trainer.max_steps=3", "trainer.save_every=0")
+def test_a_tool_using_task_trains_three_steps_and_logs_its_tool_calls(three_steps, family):
+    run = three_steps(family)
     steps = metrics(run)
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:  # every other trajectory calls the tool: half of them get a crop and a second segment
@@ -52,15 +65,15 @@ def test_a_tool_using_task_trains_three_steps_and_logs_its_tool_calls(tmp_path, 
     load_policy(str(run / "final"), family="auto", dtype="float32")  # the trained model reloads
 
 
-def test_a_multi_turn_run_resumes_to_the_same_weights_and_metrics(tmp_path):
-    train_run(tmp_path / "full", *TOOL_RUN, "trainer.max_steps=2")
+def test_a_multi_turn_run_resumes_to_the_same_weights_and_metrics(tmp_path, three_steps):
+    full_run = three_steps("qwen2_5_vl")  # 3 steps straight
     train_run(tmp_path / "cut", *TOOL_RUN, "trainer.max_steps=1")
-    train_run(tmp_path / "cut", *TOOL_RUN, "trainer.max_steps=2", "resume=auto")
-    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    train_run(tmp_path / "cut", *TOOL_RUN, "trainer.max_steps=3", "resume=auto")
+    full, cut = metrics(full_run), metrics(tmp_path / "cut")
     assert [{k: v for k, v in m.items() if k not in TIMING} for m in cut] == \
         [{k: v for k, v in m.items() if k not in TIMING} for m in full]
     assert full[-1]["tool_calls_mean"] > 0 and full[-1]["groups_used"] > 0  # the resumed step rolled out tools
-    before = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    before = load_file(full_run / "final" / "model.safetensors")
     after = load_file(tmp_path / "cut" / "final" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 

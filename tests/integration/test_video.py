@@ -208,52 +208,68 @@ CLI_MODELS = {"qwen2_5_vl": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen3_vl": "ti
               "gemma4": "tiny-gemma4"}
 
 
-@pytest.mark.parametrize("family", VIDEO_FAMILIES)
-def test_two_cli_steps_on_a_video_task_and_final_reloads(tmp_path, family):
-    """Each family that reads video trains 2 steps through the CLI on the moving-dot clips (frames lists and
-    MPEG-4 files), with the fast paths on, and its `final/` reloads with transformers alone."""
-    import json
+# the moving-dot clips (frames lists and MPEG-4 files) through the CLI, the fast paths on
+VIDEO_RUN = ["task=video_task:MovingDot", "trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=4",
+             "rollout.temperature=3.0", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.beta_th=0",
+             "data.max_video_frames=4", "model.video_min_pixels=1024", "model.video_max_pixels=4096"]
 
-    from transformers import AutoModelForImageTextToText
 
+def video_run(output_dir, *overrides) -> dict:
     from gpg_vl.cli import train_main
     from gpg_vl.config.compose import load_config
 
-    summary = train_main(load_config("train", [
-        f"output_dir={tmp_path}", f"model={CLI_MODELS[family]}", "task=video_task:MovingDot", "trainer.max_steps=2",
-        "trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=4", "rollout.temperature=3.0",
-        "trainer.eval_before=false",
-        "trainer.eval_after=false", "trainer.beta_th=0", "data.max_video_frames=4", "model.video_min_pixels=1024",
-        "model.video_max_pixels=4096"]))
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return train_main(load_config("train", [f"output_dir={output_dir}", *VIDEO_RUN, *overrides]))
+
+
+def video_metrics(run) -> list[dict]:
+    import json
+
+    timing = ("rollout_s", "update_s", "step_s")
+    return [{k: v for k, v in json.loads(x).items() if k not in timing}
+            for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_video_steps(tmp_path_factory):
+    """family -> (folder, summary) of its 2-step CLI run on the video task, run the first time a test asks; the
+    Qwen2.5-VL run checkpoints every step: it is also the uninterrupted run the resume test compares with."""
+    runs = {}
+
+    def run_of(family: str):
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"video-run-{family}")
+            saving = "trainer.save_every=1" if family == "qwen2_5_vl" else "trainer.save_every=0"
+            runs[family] = out, video_run(out, f"model={CLI_MODELS[family]}", "trainer.max_steps=2", saving)
+        return runs[family]
+
+    return run_of
+
+
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
+def test_two_cli_steps_on_a_video_task_and_final_reloads(two_video_steps, family):
+    """Each family that reads video trains 2 steps through the CLI on the moving-dot clips (frames lists and
+    MPEG-4 files), with the fast paths on, and its `final/` reloads with transformers alone."""
+    from transformers import AutoModelForImageTextToText
+
+    run, summary = two_video_steps(family)
+    lines = video_metrics(run)
     assert summary["steps"] == 2 and [m["skipped"] for m in lines] == [0.0, 0.0]
     assert lines[-1]["rows_seen"] == 4 and lines[-1]["bad_rows"] == 0  # both readers read every clip
-    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "final")  # transformers alone
+    reloaded = AutoModelForImageTextToText.from_pretrained(run / "final")  # transformers alone
     assert type(reloaded).__name__ == CLASSES[family]
 
 
-def test_a_video_run_resumes_to_the_same_weights_and_metrics(tmp_path):
+def test_a_video_run_resumes_to_the_same_weights_and_metrics(tmp_path, two_video_steps):
     """Video prompts (frames lists and MPEG-4 files, read once per prompt by the stream) resume bit-exactly: 2 steps
     straight equal 1 step, a checkpoint, and 1 resumed step."""
-    import json
-
     from safetensors.torch import load_file
 
-    from gpg_vl.cli import train_main
-    from gpg_vl.config.compose import load_config
-
-    common = ["model=tiny", "task=video_task:MovingDot", "trainer.batch_size=2", "trainer.group_size=3",
-              "rollout.max_new_tokens=4", "rollout.temperature=3.0", "trainer.eval_before=false",
-              "trainer.eval_after=false", "trainer.beta_th=0", "data.max_video_frames=4", "model.video_min_pixels=1024",
-              "model.video_max_pixels=4096", "trainer.save_every=1"]
-    train_main(load_config("train", [f"output_dir={tmp_path / 'full'}", *common, "trainer.max_steps=2"]))
-    train_main(load_config("train", [f"output_dir={tmp_path / 'cut'}", *common, "trainer.max_steps=1"]))
-    train_main(load_config("train", [f"output_dir={tmp_path / 'cut'}", *common, "trainer.max_steps=2", "resume=auto"]))
-    timing = ("rollout_s", "update_s", "step_s")
-    full, cut = ([{k: v for k, v in json.loads(x).items() if k not in timing}
-                  for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("full", "cut"))
+    full_run, _ = two_video_steps("qwen2_5_vl")
+    video_run(tmp_path / "cut", "model=tiny", "trainer.save_every=1", "trainer.max_steps=1")
+    video_run(tmp_path / "cut", "model=tiny", "trainer.save_every=1", "trainer.max_steps=2", "resume=auto")
+    full, cut = video_metrics(full_run), video_metrics(tmp_path / "cut")
     assert cut == full and len(full) == 2 and full[-1]["skipped"] == 0.0
-    before = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    before = load_file(full_run / "final" / "model.safetensors")
     after = load_file(tmp_path / "cut" / "final" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
