@@ -418,7 +418,8 @@ _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)  # models often fe
 
 
 def _as_box(values: object) -> Box | None:
-    """Four finite numbers with x2 > x1 and y2 > y1 as a float tuple; None otherwise (inverted is rejected)."""
+    """Four finite numbers with x2 > x1 and y2 > y1 and an area that floats can hold, as a float tuple; None
+    otherwise (inverted is rejected)."""
     try:
         if isinstance(values, (str, bytes)) or len(values) != 4 or any(isinstance(v, bool) for v in values):
             return None
@@ -427,6 +428,9 @@ def _as_box(values: object) -> Box | None:
         return None
     if not all(math.isfinite(v) for v in (x1, y1, x2, y2)) or x2 <= x1 or y2 <= y1:
         return None
+    scale = max(abs(x1), abs(y1), abs(x2), abs(y2))  # > 0, as x2 > x1
+    if (x2 / scale - x1 / scale) * (y2 / scale - y1 / scale) <= 0.0:
+        return None  # an area that underflows at the box's own scale ([-5e-324, 0, 0, 2]): no IoU with itself
     return x1, y1, x2, y2
 
 

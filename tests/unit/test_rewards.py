@@ -5,7 +5,7 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpg_vl.reward import primitives as rewards
@@ -366,6 +366,7 @@ COORD = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(COORD, min_size=4, max_size=4), st.lists(COORD, min_size=4, max_size=4))
+@example([-5e-324, 0.0, 0.0, 2.0], [0.0, 0.0, 1.0, 1.0])  # a width that underflows at the box's scale: no box
 def test_box_metrics_are_bounded_symmetric_and_ordered(a, b):
     iou, giou = box_iou(a, b), box_giou(a, b)
     assert 0.0 <= iou <= 1.0 and -1.0 <= giou <= 1.0 and giou <= iou + 1e-12
