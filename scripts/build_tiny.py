@@ -53,6 +53,7 @@ from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn import generate_trajectories
 from gpg_vl.rollout.tools import ToolContext, answer_call
 from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory, pad_trajectories
+from gpg_vl.rollout.types import in_task_frame
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"
 ZOOM_OUT = DEFAULT_OUT.with_name("tiny-qwen2.5-vl-zoom")
@@ -204,21 +205,24 @@ def zoom_demonstration(family, row: dict, size, use_tool: bool) -> Trajectory:
     return trajectory
 
 
-def zoom_rollout(policy, task, rows, *, sampling: Sampling, group_size: int = 1):
-    """Sampled (or greedy) trajectories of `rows` through the HF engine's multi-turn path (up to 2 turns)."""
+def zoom_rollout(policy, task, rows, *, sampling: Sampling, group_size: int = 1) -> list[str]:
+    """Sampled (or greedy) trajectories of `rows` through the HF engine's multi-turn path (up to 2 turns), as the
+    task scores them (the calls' boxes in original pixels)."""
     messages = [task.messages(r) for r in rows]
     prompts = EnginePrompts(policy.adapter.encode(messages), messages)
-    return generate_trajectories(policy, prompts, group_size=group_size, sampling=sampling,
-                                 settings=MultiTurnSettings(max_turns=2), tools=("zoom_in",))
+    rollout = generate_trajectories(policy, prompts, group_size=group_size, sampling=sampling,
+                                    settings=MultiTurnSettings(max_turns=2), tools=("zoom_in",))
+    return in_task_frame(policy, task, rollout.texts, prompts.batch, group_size)
 
 
-def zoom_metrics(policy, task, rows, *, sample: bool, batch_size: int = 25) -> dict[str, float]:
-    """The task's metrics (accuracy, tool-call rate, ...) of greedy or sampled trajectories on `rows`."""
-    texts = []
+def zoom_metrics(policy, task, rows, *, sample: bool, samples: int = 1, batch_size: int = 25) -> dict[str, float]:
+    """The task's metrics (accuracy, tool-call rate, calls on the named cell, ...) of greedy trajectories, or of
+    `samples` sampled ones per row, on `rows`."""
+    texts, group_size = [], samples if sample else 1
     sampling = Sampling(max_new_tokens=ZOOM_SEGMENT_TOKENS, greedy=not sample, temperature=1.0)
     for start in range(0, len(rows), batch_size):
-        texts += zoom_rollout(policy, task, rows[start:start + batch_size], sampling=sampling).texts
-    return task.metrics(rows, texts)
+        texts += zoom_rollout(policy, task, rows[start:start + batch_size], sampling=sampling, group_size=group_size)
+    return task.metrics([row for row in rows for _ in range(group_size)], texts)
 
 
 def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, tool_share: float, seed: int,
@@ -274,7 +278,8 @@ def build_zoom(args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     policy.model.save_pretrained(args.out)
     policy.processor.save_pretrained(args.out)
-    report = {mode: zoom_metrics(policy, task, test, sample=mode == "sampled") for mode in ("greedy", "sampled")}
+    report = {mode: zoom_metrics(policy, task, test, sample=mode == "sampled", samples=args.zoom_samples)
+              for mode in ("greedy", "sampled")}
     digest = hashlib.sha256((args.out / "model.safetensors").read_bytes()).hexdigest()[:16]
     print(json.dumps({"held_out": {mode: {k: round(v, 3) for k, v in m.items()} for mode, m in report.items()},
                       "sha256": digest, "seconds": round(time.time() - started, 1)}))
@@ -302,6 +307,9 @@ def main() -> None:
     parser.add_argument("--zoom-tool-share", type=float, default=0.4,
                         help="share of the zoom demonstrations that call zoom_in (the others answer at once)")
     parser.add_argument("--zoom-eval-rows", type=int, default=100, help="held-out rows of the zoom report")
+    parser.add_argument("--zoom-samples", type=int, default=4,
+                        help="sampled trajectories per held-out row in the final zoom report (--zoom-steps 0 "
+                             "--from-model M: the report of M alone)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)

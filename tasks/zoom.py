@@ -20,13 +20,14 @@ is what the demonstration measures, through accuracy alone.
 from __future__ import annotations
 
 import random
+import re
 from functools import partial
 
 from PIL import Image, ImageDraw
 
 from gpg_vl.data.task import Task, image_question, register_task
 from gpg_vl.errors import UserError
-from gpg_vl.reward.primitives import exact_match_reward, extract_answer
+from gpg_vl.reward.primitives import box_iou, exact_match_reward, extract_answer
 
 from .shapes import LazySplit
 
@@ -97,6 +98,20 @@ def called_tool(completion: str) -> bool:
     return "<tool_call>" in completion
 
 
+_FIRST_BOX = re.compile(r'<tool_call>[^<]*?"bbox_2d"\s*:\s*\[([^\]]*)\]')
+
+
+def zoomed_on_cell(completion: str, row: dict) -> bool:
+    """Whether the trajectory's first call asks for a box (in original pixels, as the task scores it) that covers
+    the named cell: intersection over union at least 0.5."""
+    found = _FIRST_BOX.search(completion)
+    try:
+        box = [float(v) for v in found.group(1).split(",")] if found else []
+    except ValueError:
+        return False
+    return len(box) == 4 and box_iou(box, row["cell"]) >= 0.5
+
+
 @register_task
 class Zoom(Task):
     """The colour of a small symbol in a named cell of a large image: readable only through zoom_in; accuracy +
@@ -106,6 +121,7 @@ class Zoom(Task):
     group_columns = ("color",)
     tools = ("zoom_in",)
     describe_tools = False
+    uses_boxes = True  # the calls' boxes reach rewards and metrics in original pixels (zoomed_on_cell)
 
     def __init__(self, train_size: int = 20_000, test_size: int = 200, image_size: int = 1024,
                  grid: int = 4) -> None:
@@ -131,12 +147,15 @@ class Zoom(Task):
         return image_question(row["image"], row["question"] + INSTRUCTION)
 
     def metrics(self, rows, completions, scores=None) -> dict[str, float]:
-        """The default metrics, plus the tool-call rate and the accuracy with and without a call."""
+        """The default metrics, plus the tool-call rate, the share of trajectories whose call covers the named cell,
+        and the accuracy with and without a call."""
         result = super().metrics(rows, completions, scores)
         if not completions:
             return result
         calls = [called_tool(c) for c in completions]
         result["tool_call_rate"] = sum(calls) / len(calls)
+        result["zoom_on_cell_rate"] = sum(zoomed_on_cell(c, r) for r, c in zip(rows, completions, strict=True)) / len(
+            completions)
         for used, label in ((True, "with_tool"), (False, "without_tool")):
             pairs = [(r, c) for r, c, u in zip(rows, completions, calls, strict=True) if u == used]
             if pairs:

@@ -98,6 +98,23 @@ def test_rewards_and_metrics_by_hand(task):
     assert metrics["accuracy"] == 0.5
 
 
+def test_a_call_counts_as_on_the_named_cell_when_its_box_covers_it(task):
+    """zoom_on_cell_rate reads the first call's box in original pixels (the task has uses_boxes: the engine's
+    texts reach metrics with boxes mapped out of the model's frame); intersection over union at least 0.5."""
+    row = task.load("test")[0]
+    x1, y1, x2, y2 = row["cell"]
+
+    def zoom(box):
+        return ('<tool_call>{"name": "zoom_in", "arguments": {"bbox_2d": ' + str(list(box)) + '}}</tool_call>'
+                "user\n<tool_response>\n\n</tool_response>assistant\n<answer> red </answer>")
+
+    shifted = (x1 + 40, y1 + 40, x2 + 40, y2 + 40)  # IoU 216^2 / (2 * 256^2 - 216^2) = 0.55
+    far = (x1 + 128, y1, x2 + 128, y2)  # IoU 1/3
+    texts = [zoom(row["cell"]), zoom(shifted), zoom(far), "<answer> red </answer>", zoom((x1, y1, x2))]
+    assert task.metrics([row] * 5, texts)["zoom_on_cell_rate"] == 2 / 5
+    assert task.uses_boxes
+
+
 def test_demonstrations_zoom_on_the_cell_and_train_on_generated_tokens_only(task, tiny):
     build = load_script("build_tiny")
     family, rows = tiny.adapter, task.load("train")[:2]
