@@ -38,7 +38,7 @@ ALGORITHMS = ("gpg", "grpo", "dr_grpo", "dapo")
 DEFAULT = {"seeds": [0, 1, 2], "budget": 512, "batch_size": 8, "group_size": 8, "eval_limit": 200, "window": 128}
 QUICK = {"seeds": [0, 1], "budget": 8, "batch_size": 2, "group_size": 2, "eval_limit": 4, "window": 4}
 # --zoom: thinking with images on CPU (docs/thinking-with-images.md), rollouts of up to 2 turns with zoom_in
-ZOOM = {**DEFAULT, "eval_limit": 100}
+ZOOM = {**DEFAULT, "budget": 768, "eval_limit": 100}  # 12 steps: where GPG has learnt to zoom (docs/results/zoom.md)
 BASES = {"shapes": ["task=shapes", "model=tiny"], "zoom": ["+experiment=zoom-tiny"]}
 
 
@@ -116,9 +116,10 @@ def run_all(args: argparse.Namespace, out: Path) -> dict:
     print(f"{len(jobs)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), {budget_text(args)} each, "
           f"B={args.batch_size} G={args.group_size}, {args.workers} workers", flush=True)
     started = time.perf_counter()
-    # a fresh process per run (max_tasks_per_child=1): every run's memory is measured from the same start
+    # a fresh process per run (max_tasks_per_child=1): every run's memory is measured from the same start; --quick
+    # checks the machinery only, so its workers take run after run (the meter still resets the peak for each)
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=ablate._init_worker,
-                             initargs=(threads,), max_tasks_per_child=1) as pool:
+                             initargs=(threads,), max_tasks_per_child=None if args.quick else 1) as pool:
         futures = [pool.submit(run_measured, a, args.group_size, s,
                                run_overrides(a, s, args, out / "runs" / f"{a}-s{s}")) for a, s in jobs]
         runs = []

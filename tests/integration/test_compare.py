@@ -10,9 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# 8 runs, each in a fresh process (81 s on 2 idle cores): marked slow like ablate.py's quick grid, so that under
-# pytest-xdist it starts first (tests/conftest.py)
-@pytest.mark.slow
+# 8 runs on the 2 worker processes --quick reuses (19 s alone on the idle machine; 81 s with a fresh process per run)
 def test_quick_comparison_writes_tables_curves_claims_and_spends_equal_budgets(tmp_path):
     done = subprocess.run([sys.executable, "scripts/compare.py", "--quick", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
