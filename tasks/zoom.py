@@ -114,8 +114,8 @@ def zoomed_on_cell(completion: str, row: dict) -> bool:
 
 @register_task
 class Zoom(Task):
-    """The colour of a small symbol in a named cell of a large image: readable only through zoom_in; accuracy +
-    format."""
+    """The colour of a small symbol in a named cell of a large image: a speck in the full view, plain in a
+    zoom_in crop; accuracy + format."""
 
     name = "zoom"
     group_columns = ("color",)
