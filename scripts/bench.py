@@ -57,7 +57,7 @@ from gpg_vl.data.stream import PromptStream
 from gpg_vl.data.task import Task, image_question
 from gpg_vl.models.load import FAMILIES, Policy, resolve_path
 from gpg_vl.rollout.engine import build_engine
-from gpg_vl.train.sample import collect_valid_groups, sample_attempt
+from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
 from gpg_vl.train.update import Learner, build_optimizer, update
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
@@ -297,7 +297,7 @@ class GpgRunner:
             lambda: sample_attempt(self.policy, self.task, self.stream, engine=self.engine,
                                    trainer=replace(self.settings, reward_workers=1), rollout=self.rollout,
                                    warn=print),
-            lambda attempt: (attempt.valid.numel(), int(attempt.valid.sum())),
+            local_counts,
             beta_th=0.0, batch_size=self.settings.batch_size, max_attempts=1)
         rolled = time.perf_counter()
         update(self.learner, collected.attempts)

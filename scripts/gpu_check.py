@@ -127,7 +127,7 @@ def run_engine(policy, engine_name: str, args) -> dict:
     from gpg_vl.models.family import choose_scoring_path
     from gpg_vl.observe import perf
     from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-    from gpg_vl.train.sample import collect_valid_groups, sample_attempt
+    from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
     from gpg_vl.train.update import Learner, update
 
     data = rows(args.prompts * (args.steps + 2), 224)
@@ -159,7 +159,7 @@ def run_engine(policy, engine_name: str, args) -> dict:
         collected = collect_valid_groups(
             lambda: sample_attempt(policy, task, stream, engine=engine, trainer=trainer, rollout=rollout,
                                    warn=print),
-            lambda attempt: (attempt.valid.numel(), int(attempt.valid.sum())),
+            local_counts,
             beta_th=0.0, batch_size=args.prompts, max_attempts=1)
         torch.cuda.synchronize()
         rolled = time.perf_counter()

@@ -251,10 +251,15 @@ def attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:
     return max(1, min(trainer.max_attempts, left))
 
 
+def local_counts(attempt: Attempt) -> tuple[int, int, int]:
+    """(groups, valid groups, sampled tokens) of an attempt in this process: collect_valid_groups' `count_valid`
+    for one process (scripts/bench.py, scripts/gpu_check.py)."""
+    return attempt.valid.numel(), int(attempt.valid.sum()), attempt.tokens_sampled
+
+
 def global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int, int]:
-    """(groups, valid groups, sampled tokens) of an attempt over all processes. Collective: collect_valid_groups
-    calls it once per attempt on every process, and stops on its result, the same everywhere."""
-    counts = accelerator.reduce(torch.tensor([attempt.valid.numel(), int(attempt.valid.sum()), attempt.tokens_sampled],
-                                             device=accelerator.device), "sum")
+    """local_counts summed over all processes. Collective: collect_valid_groups calls it once per attempt on every
+    process, and stops on its result, the same everywhere."""
+    counts = accelerator.reduce(torch.tensor(local_counts(attempt), device=accelerator.device), "sum")
     return int(counts[0]), int(counts[1]), int(counts[2])
 

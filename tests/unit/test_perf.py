@@ -67,3 +67,14 @@ def test_the_bench_meter_reads_a_window_s_memory_peak_without_a_sampling_thread(
     meter.start()  # the next window starts from the current level: the freed block is not counted again
     small = torch.ones(2**20 // 4)
     assert meter.stop()["peak_mib"] < 16 and small.numel() > 0
+
+
+def test_the_bench_steps_gpg_vl_s_trainer_on_a_tiny_video_setup():
+    """scripts/bench.py drives the trainer's own sample / collect / update functions (GpgRunner.step): one step of
+    each variant on a tiny setup (TRL is not needed with --video), so a change of their signatures shows here."""
+    run = subprocess.run([sys.executable, "scripts/bench.py", "--video", "2", "--steps", "1", "--warmup", "0",
+                          "--image-sizes", "56", "--group-sizes", "2", "--prompts", "1", "--new-tokens", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith(("default ", "plain "))]
+    assert [row[0] for row in rows] == ["default", "plain"] and all(float(row[1]) > 0 for row in rows), run.stdout
