@@ -112,7 +112,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
                                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                                     engine=build_engine(engine_settings, policy, tools=task.tools),
                                     reward_workers=cfg.eval.reward_workers, reward_budget_s=cfg.eval.reward_budget_s)
-        records = prediction_records(task, decoded, split, tokenizer=policy.adapter.tokenizer)
+        records = prediction_records(task, decoded, split, tokenizer=policy.family.tokenizer)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         with (output_dir / "predictions.jsonl").open("w") as handle:

@@ -86,7 +86,7 @@ def register_policy_loss(name: str, *, needs: tuple[str, ...] = (), aggregation:
     """Register a policy loss as ``trainer.loss=<name>`` (signature in the module doc).
 
     `needs` lists what the trainer must compute for it ("old", "ref"); `aggregation`, when set, is the only
-    aggregation the loss takes (the trainer normalises by that aggregation's count), and its default when the
+    aggregation the loss takes (the trainer normalizes by that aggregation's count), and its default when the
     loss is called directly.
     """
     unknown = sorted(set(needs) - set(NEEDS))
@@ -244,7 +244,7 @@ AGGREGATIONS: dict[str, Aggregation] = {
     "token_mean": _token_mean,
     "seq_mean_token_sum": _seq_mean_token_sum,
 }
-TOKEN_NORMALISED = ("token_mean",)  # aggregations whose normalizer counts tokens; the others count sequences
+TOKEN_NORMALIZED = ("token_mean",)  # aggregations whose normalizer counts tokens; the others count sequences
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, aggregation: str, normalizer: float | None,
@@ -421,7 +421,7 @@ def age_alpha(num_groups: int, num_valid: int) -> float:
     return loss_alpha(True, num_groups, num_valid)
 
 
-# ----------------------------------------------------------------------------- loss normalisers (AGE)
+# ----------------------------------------------------------------------------- loss normalizers (AGE)
 def age_normalizer(valid_count: float, sampled_count: float) -> float:
     """AGE on: the mean over valid groups' sequences (or tokens), = alpha * the mean over all sampled."""
     return valid_count
@@ -436,7 +436,7 @@ LOSS_NORMALIZERS: dict[bool, Normalizer] = {True: age_normalizer, False: all_sam
 
 
 def loss_alpha(age: bool, num_groups: int, num_valid: int) -> float:
-    """The scale applied to the mean over all `num_groups` sampled groups: B / normaliser(B - M, B).
+    """The scale applied to the mean over all `num_groups` sampled groups: B / normalizer(B - M, B).
 
     B / (B - M) with AGE, 1 without; 0.0 when no group is valid (no update happens).
     """

@@ -55,7 +55,9 @@ from PIL import Image
 from gpg_vl.config.schema import HFEngineSettings, RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.data.task import Task, image_question
-from gpg_vl.models.load import FAMILIES, Policy, resolve_path
+from gpg_vl.models.family import FAMILIES
+from gpg_vl.models.load import Policy, resolve_path
+from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
 from gpg_vl.train.update import Learner, build_optimizer, update
@@ -269,9 +271,9 @@ class GpgRunner:
 
         trainer_overrides, rollout_overrides = VARIANTS[variant]
         model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device, args.family)
-        adapter = FAMILIES[args.family](processor, model.config, min_pixels=56 * 56,
-                                        max_pixels=image_size * image_size,
-                                        video_pixels={"min_pixels": 56 * 56, "max_pixels": image_size * image_size})
+        family = FAMILIES[args.family](processor, model.config, min_pixels=56 * 56,
+                                       max_pixels=image_size * image_size,
+                                       video_pixels={"min_pixels": 56 * 56, "max_pixels": image_size * image_size})
         self.task = BenchTask(rows)
         self.task.max_video_frames = args.video or None
         self.settings = replace(TrainerSettings(), group_size=group_size, batch_size=args.prompts, lr=args.lr,
@@ -284,11 +286,13 @@ class GpgRunner:
         optimizer = build_optimizer(model, self.settings)  # the trainer's own AdamW (fused where torch has it)
         scheduler = get_scheduler("constant", optimizer)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.policy = Policy(self.accelerator.unwrap_model(self.model), processor, adapter, "bench")
+        self.policy = Policy(self.accelerator.unwrap_model(self.model), processor, family, "bench")
         self.stream = PromptStream(rows, seed=args.seed)
         self.engine = build_engine(self.rollout, self.policy)
+        path = choose_scoring_path(family, self.model, share_prompt=self.settings.share_prompt,
+                                   share_vision=self.settings.share_vision)
         self.learner = Learner(self.policy, self.model, self.optimizer, self.scheduler, self.accelerator,
-                               self.settings, temperature=self.rollout.temperature)
+                               self.settings, temperature=self.rollout.temperature, path=path)
 
     def step(self, meter: Meter) -> dict[str, float]:
         meter.start()

@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="torch CPU threads, comma-separated")
     args = parser.parse_args()
     policy = load_policy(str(tiny_model_path(args.family)), family="auto", dtype="float32")
-    family = policy.adapter
+    family = policy.family
     messages = [[{"role": "user", "content": [
         {"type": "image", "image": Image.new("RGB", (args.image_size, args.image_size), (40 * b, 90, 0))},
         {"type": "text", "text": f"What is in image {b}? Look closely."}]}] for b in range(args.prompts)]

@@ -46,7 +46,7 @@ from gpg_vl_tasks.shapes import COLORS, INSTRUCTION, SHAPES
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from gpg_vl.data.task import get_task
-from gpg_vl.models.family import choose_scoring_path
+from gpg_vl.models import scoring
 from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import build_tiny
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
@@ -209,7 +209,7 @@ def zoom_rollout(policy, task, rows, *, sampling: Sampling, group_size: int = 1)
     """Sampled (or greedy) trajectories of `rows` through the HF engine's multi-turn path (up to 2 turns), as the
     task scores them (the calls' boxes in original pixels)."""
     messages = [task.messages(r) for r in rows]
-    prompts = EnginePrompts(policy.adapter.encode(messages), messages)
+    prompts = EnginePrompts(policy.family.encode(messages), messages)
     rollout = generate_trajectories(policy, prompts, group_size=group_size, sampling=sampling,
                                     settings=MultiTurnSettings(max_turns=2), tools=("zoom_in",))
     return in_task_frame(policy, task, rollout.texts, prompts.batch, group_size)
@@ -228,9 +228,9 @@ def zoom_metrics(policy, task, rows, *, sample: bool, samples: int = 1, batch_si
 def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, tool_share: float, seed: int,
              eval_rows, eval_every: int, out: Path) -> None:
     """Cross-entropy on demonstration trajectories, the loss on the model's tokens only (token mean)."""
-    family, model = policy.adapter, policy.model
+    family, model = policy.family, policy.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    path = choose_scoring_path(family, model, share_prompt=False, share_vision=True)
+    path = scoring.choose_scoring_path(family, model, share_prompt=False, share_vision=True)
     rng, start = random.Random(seed), time.time()
     for step in range(steps):
         rows = rows_at(step, batch_size)
@@ -241,8 +241,8 @@ def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, t
                         for i, (row, tool) in enumerate(zip(rows, tools, strict=True))]
         ids, attention, loss_mask = pad_trajectories(trajectories, family.pad_id)
         model.train()
-        logps = family.trajectory_logps(model, batch, list(range(len(rows))), ids, attention, trajectories,
-                                        path=path)  # [N, C]
+        logps = scoring.token_logps(family, model, batch, list(range(len(rows))), ids, attention, path=path,
+                                    observations=trajectories)  # [N, C]
         loss = -torch.where(loss_mask > 0, logps, 0.0).sum() / loss_mask.sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

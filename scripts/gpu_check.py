@@ -124,7 +124,7 @@ def run_engine(policy, engine_name: str, args) -> dict:
 
     from gpg_vl.config.schema import RolloutSettings, TrainerSettings
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.models.family import choose_scoring_path
+    from gpg_vl.models.scoring import choose_scoring_path
     from gpg_vl.observe import perf
     from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
     from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
@@ -143,7 +143,7 @@ def run_engine(policy, engine_name: str, args) -> dict:
     scheduler = get_scheduler("constant", optimizer)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     engine = build_engine(rollout, policy, accelerator=accelerator)
-    path = choose_scoring_path(policy.adapter, model, share_prompt=True, share_vision=True)
+    path = choose_scoring_path(policy.family, model, share_prompt=True, share_vision=True)
     stream = PromptStream(data, seed=0)
     learner = Learner(policy, model, optimizer, scheduler, accelerator, trainer, temperature=rollout.temperature,
                       path=path, correction=engine.correction)

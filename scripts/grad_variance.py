@@ -5,18 +5,18 @@
 
 For every G, K independent batches are drawn: the same P prompts, G fresh completions each (temperature
 and length from the shapes config), scored by the task. Each batch's flattened policy gradient is
-computed with the trainer's update maths (`adapter.token_logps`, an estimator from
+computed with the trainer's update maths (`scoring.token_logps`, an estimator from
 `objective.ADVANTAGE_ESTIMATORS`, `objective.policy_loss` with a `LOSS_NORMALIZERS` denominator), once
 per estimator on the SAME completions; no optimizer step is taken. Reported per (estimator, G):
 
     relative variance = mean_k ||g_k - mean(g)||^2 / ||mean(g)||^2
 
-which is scale-free, so estimators whose gradients differ in scale (std-normalised) or in expectation
+which is scale-free, so estimators whose gradients differ in scale (std-normalized) or in expectation
 (the group mean's (G-1)/G shrink) compare fairly. The mean gradient is itself estimated from the K
 batches, so a gradient whose true mean is zero still reads about K - 1 (the noise level): values near
 K - 1 mean that the K batches could not resolve the mean gradient from the noise.
 By default the loss is the mean over all B x G sequences (alpha = 1), so AGE's random rescaling does
-not mix into the estimator's variance; `--age` uses the AGE normaliser instead.
+not mix into the estimator's variance; `--age` uses the AGE normalizer instead.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="P, the fixed prompts (first rows of shapes train)")
     parser.add_argument("--batches", type=int, default=32, help="K, independent batches per G")
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4, 8, 16], help="group sizes G")
-    parser.add_argument("--age", action="store_true", help="normalise by the valid groups' sequences (AGE)")
+    parser.add_argument("--age", action="store_true", help="normalize by the valid groups' sequences (AGE)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/grad_variance", help="output folder (json, table.md, png)")
     args = parser.parse_args(argv)
@@ -60,6 +60,7 @@ def batch_gradients(policy, task, rows, *, group_size: int, rollout, age: bool) 
     """Sample one batch (G completions for each row) and return {estimator: flat gradient [P]} and stats."""
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
+    from gpg_vl.models import scoring
     from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, policy_loss
     from gpg_vl.rollout.engine import build_engine
     from gpg_vl.train.sample import sample_attempt
@@ -72,8 +73,10 @@ def batch_gradients(policy, task, rows, *, group_size: int, rollout, age: bool) 
     width = max(int(mask.sum(dim=1).max()), 1)
     mask, ids = mask[:, :width], attempt.rollout.completion_ids[:, :width]  # [N, C']
     sequences = mask.shape[0]
-    logps = policy.adapter.token_logps(policy.model, attempt.prompts, [n // group_size for n in range(sequences)],
-                                       ids, mask, temperature=rollout.temperature)  # [N, C']
+    path = scoring.choose_scoring_path(policy.family, policy.model, share_prompt=False, share_vision=True)
+    logps = scoring.token_logps(policy.family, policy.model, attempt.prompts,
+                                [n // group_size for n in range(sequences)], ids, mask, path=path,
+                                temperature=rollout.temperature)  # [N, C']
     params = [p for p in policy.model.parameters() if p.requires_grad]
     grads, stats = {}, {"reward_mean": float(attempt.rewards.mean())}
     for name in ESTIMATORS:
@@ -128,9 +131,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def table(results: dict, args: argparse.Namespace) -> str:
-    normaliser = "AGE (valid sequences)" if args.age else "all B x G sequences (alpha = 1)"
+    normalizer = "AGE (valid sequences)" if args.age else "all B x G sequences (alpha = 1)"
     lines = [f"Relative gradient variance (K={args.batches} batches of P={args.prompts} prompts x G completions; "
-             f"loss normalised by {normaliser}; pure-noise level K-1 = {args.batches - 1})", "",
+             f"loss normalized by {normalizer}; pure-noise level K-1 = {args.batches - 1})", "",
              "| estimator | " + " | ".join(f"G={g}" for g in args.groups) + " |",
              "|---|" + "---|" * len(args.groups)]
     for name in ESTIMATORS:

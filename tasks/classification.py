@@ -9,7 +9,7 @@ The Hub copies hold the 4-shot `train` split only; the evaluation rows (the data
 
 Prompt: Visual-RFT's evaluation prompt, the same for train and eval rows, so that training optimises the
 prompt the model is scored on (`prompt="problem"` uses each row's published `problem` column instead).
-Rewards: `accuracy` (normalised label match, synonyms allowed, an empty answer scores 0) and `format`.
+Rewards: `accuracy` (normalized label match, synonyms allowed, an empty answer scores 0) and `format`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The prompt already describes the tool, so `describe_tools` is False and the tool
 Accuracy, by the ground truth's form:
 - a letter (`B`, `(B)`, `B.`): the option the `<answer>` names (its letter or its text, the options read from
   the question's "(A) ..." lines);
-- a short answer (a word, a number, a few words not written as a sentence): the same text after normalising
+- a short answer (a word, a number, a few words not written as a sentence): the same text after normalizing
   (case, spaces, edge punctuation), or the same number;
 - a sentence ("The bag is black."): only a judge can tell, so with the run's judge (`reward.judge.kind=endpoint`
   or `local`, gpg_vl/reward/judge.py; the task reads `self.judge`, which the setup sets) the judge decides;

@@ -17,7 +17,7 @@ Splits: `validation` (or `val`) and `test` load the Hub copies `Ricky06662/Reaso
 `Ricky06662/ReasonSeg_test` (both publish their rows as their split "test"); ReasonSeg train (239 images) has
 no published Hub copy, so `train` needs `data.path=`. With `data.path=` every split comes from there.
 
-Boxes: `uses_boxes` is set, so the model adapter rewrites a completion's boxes (and Seg-Zero points) from the
+Boxes: `uses_boxes` is set, so the model family rewrites a completion's boxes (and Seg-Zero points) from the
 model's frame into original pixels before the rewards see it; rewards and targets here are in original pixels.
 
 Answers (option `answer`):

@@ -28,10 +28,10 @@ ENGINE_BUILTINS = {
 }
 FAMILY_BUILTINS = {
     "generic": "gpg_vl.models.generic:GenericFamily",
-    "qwen2_5_vl": "gpg_vl.models.qwen:QwenVLAdapter",
-    "qwen2_vl": "gpg_vl.models.qwen:Qwen2VLAdapter",
-    "qwen3_vl": "gpg_vl.models.qwen:Qwen3VLAdapter",
-    "qwen3_5": "gpg_vl.models.qwen:Qwen3_5Adapter",
+    "qwen2_5_vl": "gpg_vl.models.qwen:QwenVLFamily",
+    "qwen2_vl": "gpg_vl.models.qwen:Qwen2VLFamily",
+    "qwen3_vl": "gpg_vl.models.qwen:Qwen3VLFamily",
+    "qwen3_5": "gpg_vl.models.qwen:Qwen3_5Family",
 }
 # The built-in judges (reward.judge.kind): builders registered in gpg_vl/reward/judge.py's JUDGES.
 JUDGE_BUILTINS = {

@@ -69,7 +69,7 @@ class Task:
     name: ClassVar[str] = ""
     train_split: ClassVar[str] = "train"
     eval_split: ClassVar[str] = "test"
-    uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model adapter maps them to original pixels
+    uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model family maps them to original pixels
     group_columns: ClassVar[tuple[str, ...]] = ()  # row columns whose values evaluation breaks accuracy down by
     # the tools the model may call (registered names, gpg_vl/rollout/tools.py), with rollout.max_turns > 1
     tools: ClassVar[tuple[str, ...]] = ()
@@ -157,10 +157,16 @@ class Task:
         row the loader prepared: see `scoring_row`).
 
         A reward function that raises gives this completion 0 for that reward: the error is counted in
-        `reward_errors[name]` and its first traceback is printed once. A NaN or infinite score is kept (the
-        trainer leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`.
-        A row without a usable target raises `BadRow` (see `prepare_targets`).
+        `reward_errors[name]` (the task's running record) and its first traceback is printed once; the trainer
+        takes each completion's count from `scored_components`. A NaN or infinite score is kept (the trainer
+        leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`. A row without a
+        usable target raises `BadRow` (see `prepare_targets`).
         """
+        return self.scored_components(completion, row)[0]
+
+    def scored_components(self, completion: str, row: dict) -> tuple[dict[str, float], int]:
+        """(`reward_components`, how many of the task's reward functions raised on this completion)."""
+        raised = 0
         with _COUNTING:  # completions are scored on several threads (gpg_vl/reward/pool.py): a row is prepared once
             errors = vars(self).setdefault("reward_errors", {})
             nonfinite = vars(self).setdefault("reward_nonfinite", {})
@@ -170,6 +176,7 @@ class Task:
             try:
                 score = _as_score(fn(completion, row))
             except Exception as error:  # a reward (often a user's own) that fails on odd output must not end the run
+                raised += 1
                 with _COUNTING:
                     errors[name] = errors.get(name, 0) + 1
                     first = errors[name] == 1
@@ -185,7 +192,7 @@ class Task:
                 with _COUNTING:
                     nonfinite[name] = nonfinite.get(name, 0) + 1
             scores[name] = score
-        return scores
+        return scores, raised
 
     def scored(self, rows: Sequence[dict], completions: Sequence[str],
                scores: Sequence[dict[str, float]] | None = None) -> list[dict[str, float]]:

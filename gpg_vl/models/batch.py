@@ -2,11 +2,13 @@
 protocol (models/family.py) and prompt-once scoring (models/scoring.py) use.
 
 A `PromptBatch` holds left-padded prompts and the layout of their image rows, so any subset of prompts can
-be selected or repeated without knowing the family.
+be selected or repeated without knowing the family. `unwrap` and `eval_mode` are the two model helpers every
+stage shares: the bare model under its wrappers, and sampling without dropout.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -131,3 +133,14 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     model = getattr(model, "module", model)
     get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel
     return get_base_model() if get_base_model is not None else model
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Switch to eval mode (no dropout) for sampling, and back."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from gpg_vl.data.video import DECODED, decode_video, message_videos
 from gpg_vl.errors import UserError
-from gpg_vl.models.batch import per_prompt_rows
-from gpg_vl.models.family import Family, PromptBatch, image_order, message_images, register_family, unwrap
+from gpg_vl.models.batch import PromptBatch, image_order, message_images, per_prompt_rows, unwrap
+from gpg_vl.models.family import Family, register_family
 
 # Published box conventions of some model types (their model cards); others declare none.
 BOX_FRAME_OF = {"glm4v": "relative-1000", "glm4v_moe": "relative-1000", "glm46v": "relative-1000",

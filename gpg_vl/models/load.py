@@ -16,18 +16,7 @@ import torch
 
 from gpg_vl.config.schema import ModelSettings
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import (  # noqa: F401  (re-exported)
-    BOX_FRAMES,
-    FAMILIES,
-    GENERIC,
-    RAW_TEMPLATE,
-    Family,
-    PromptBatch,
-    eval_mode,
-    family_for,
-    get_family,
-    unwrap,
-)
+from gpg_vl.models.family import BOX_FRAMES, FAMILIES, RAW_TEMPLATE, Family, family_for, get_family
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 EMBEDDED_PREFIX = "embedded:"
@@ -36,11 +25,11 @@ TINY_PREFIX = "tiny:"
 
 @dataclass
 class Policy:
-    """The model being trained, its processor and its family adapter."""
+    """The model being trained, its processor and its model family."""
 
     model: torch.nn.Module
     processor: object
-    adapter: Family
+    family: Family
     name_or_path: str
     save_format: str = "full"  # how checkpoints write the weights: full, or for LoRA adapter / merged
 
@@ -97,12 +86,12 @@ def load_policy(model: ModelSettings | str, device: torch.device | str = "cpu", 
         raise unloadable(path, error, setting) from None
     loaded.to(device)
     _set_router_aux_loss(loaded, settings.router_aux_loss_coef)
-    adapter = family_class(processor, loaded.config, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
-                           prompt_style=settings.prompt_style, raw_template=settings.raw_template or RAW_TEMPLATE,
-                           enable_thinking=settings.enable_thinking, video_pixels=video_pixels(settings))
+    chosen = family_class(processor, loaded.config, min_pixels=settings.min_pixels, max_pixels=settings.max_pixels,
+                          prompt_style=settings.prompt_style, raw_template=settings.raw_template or RAW_TEMPLATE,
+                          enable_thinking=settings.enable_thinking, video_pixels=video_pixels(settings))
     if settings.box_frame:  # null = the family's own frame
-        adapter.box_frame = settings.box_frame
-    return Policy(model=loaded, processor=processor, adapter=adapter, name_or_path=path)
+        chosen.box_frame = settings.box_frame
+    return Policy(model=loaded, processor=processor, family=chosen, name_or_path=path)
 
 
 def video_pixels(settings: ModelSettings) -> dict:

@@ -18,14 +18,14 @@ from qwen_vl_utils.vision_process import MAX_RATIO
 from torch import Tensor
 
 from gpg_vl.data.video import DECODED, decode_video, is_video_part, message_videos, video_pixels
-from gpg_vl.models.batch import per_prompt_rows
-from gpg_vl.models.family import Family, PromptBatch, image_order, register_family, unwrap
+from gpg_vl.models.batch import PromptBatch, image_order, per_prompt_rows, unwrap
+from gpg_vl.models.family import Family, register_family
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 
 
 @register_family
-class QwenVLAdapter(Family):
+class QwenVLFamily(Family):
     """Qwen2.5-VL (and the base of the other Qwen families): boxes in absolute pixels of the RESIZED image."""
 
     name = "qwen2_5_vl"
@@ -177,8 +177,8 @@ class QwenVLAdapter(Family):
 
 
 @register_family
-class Qwen2VLAdapter(QwenVLAdapter):
-    """Qwen2-VL answers boxes in a 0-1000 frame normalised to the image, whatever its size."""
+class Qwen2VLFamily(QwenVLFamily):
+    """Qwen2-VL answers boxes in a 0-1000 frame normalized to the image, whatever its size."""
 
     name = "qwen2_vl"
     model_types = ("qwen2_vl",)
@@ -186,7 +186,7 @@ class Qwen2VLAdapter(QwenVLAdapter):
 
 
 @register_family
-class Qwen3VLAdapter(Qwen2VLAdapter):
+class Qwen3VLFamily(Qwen2VLFamily):
     """Qwen3-VL (dense and MoE): boxes in the 0-1000 frame again (as Qwen2-VL), 16-pixel patches, and DeepStack.
 
     Its processor would resize images a second time to its own pixel limits (at least 65,536 pixels by
@@ -202,7 +202,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 
 
 @register_family
-class Qwen3_5Adapter(Qwen3VLAdapter):
+class Qwen3_5Family(Qwen3VLFamily):
     """Qwen3.5 / Qwen3.6 (dense and MoE): Qwen3-VL's processor and box frame, a hybrid cache, thinking mode.
 
     Gated DeltaNet layers cache a conv state (the last kernel-size inputs) and a recurrent state instead of

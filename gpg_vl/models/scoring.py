@@ -15,6 +15,12 @@ the prompt G times in both phases. Here:
   layer a chunk of tokens at a time, and the backward pass recomputes each chunk's logits, so fp32
   full-vocabulary logits are never held for all tokens at once.
 
+The update scores through one function, `token_logps(family, model, ..., path=...)`, whose `ScoringPath` is
+chosen once per run at setup (`choose_scoring_path`: prompt-once, shared vision, or plain) and is required
+afterwards; everything that depends on that choice (the forward, the micro-batch cost) reads the same path.
+Calls go one way: the update calls scoring, and scoring asks the family's small protocol methods (`position_ids`,
+`fork_cache`, `vision_features`, `logps_from_logits`, ...); the family never calls back into scoring.
+
 Every function here gives, up to floating-point rounding, what the plain full-sequence forward gives;
 tests/integration/test_fast_paths.py checks values, gradients and greedy tokens. Nothing here names a model family:
 what differs between families is asked of the family (gpg_vl/models/family.py).
@@ -22,11 +28,158 @@ what differs between families is asked of the family (gpg_vl/models/family.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from transformers import DynamicLayer
 
+import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
+from gpg_vl.models.router import weigh_router_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# the scoring path, chosen once per run
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScoringPath:
+    """How the update scores sequences. `prompt_once`: each distinct prompt runs once, its G completions on
+    its forked cache; `shared_vision`: every sequence runs whole, its images encoded once per group;
+    `wrapped`: the forward goes through the wrapper (FSDP / ZeRO-3 gather weights there), whole sequences."""
+
+    prompt_once: bool = False
+    shared_vision: bool = False
+    wrapped: bool = False
+
+    def describe(self) -> str:
+        if self.prompt_once:
+            return "prompt-once (each prompt runs once per group, completions on its forked cache)"
+        how = "through the wrapped model" if self.wrapped else "on the bare model"
+        vision = "images encoded once per group" if self.shared_vision else "images encoded per sequence"
+        return f"whole sequences {how}, {vision}"
+
+
+def checkpointing(model: torch.nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on: it drops the key/value cache in training forwards."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers >= 5.x name first
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
+
+
+def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, share_vision: bool,
+                        warn=None) -> ScoringPath:
+    """The scoring path of a run: the fastest the settings allow that is exact for this family and engine.
+
+    Prompt-once needs a cache in the training forward (no gradient checkpointing), the bare model's parts
+    (not FSDP / ZeRO-3) and a family that forks its cache exactly; otherwise it steps aside, with one
+    warning when the family is the reason. Shared vision needs a family whose model takes image features back.
+    """
+    wrapped = distributed.forward_is_collective(model)
+    bare = unwrap(model)
+    prompt_once = share_prompt and not wrapped and not checkpointing(bare)
+    if prompt_once and family.prompt_once_unsupported(bare):
+        if warn is not None:
+            warn(f"trainer.share_prompt=true steps aside for this model: {family.prompt_once_unsupported(bare)}; "
+                 "each sequence runs whole (same result, more compute).")
+        prompt_once = False
+    shared = share_vision and family.shares_vision(bare)
+    return ScoringPath(prompt_once=prompt_once, shared_vision=shared, wrapped=wrapped)
+
+
+SHARED_VISION = "gpg_shared_vision"  # model(..., gpg_shared_vision=(prompts, prompt_index)): see below
+
+
+# ---------------------------------------------------------------------------------------------
+# the one scoring function
+# ---------------------------------------------------------------------------------------------
+def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
+                temperature: float = 1.0, logits_chunk_tokens: int = 0) -> Tensor:
+    """Log-probs [N, C] of `completion_ids` [N, C] under `model`; sequence n continues prompt `prompt_index[n]`.
+
+    `path` (the run's, from `choose_scoring_path`) says how: prompt-once runs each distinct prompt once, with
+    gradient, its G sequences' completions on its forked cache (`prompt_once_hidden`); otherwise every sequence
+    runs prompt + completion, and with shared vision each distinct prompt's images go through the vision tower
+    once (with gradient), the G sequences reusing those features. `observations[n]` (multi-turn trajectories,
+    rollout/trajectory.py) puts trajectory n's observations (token types and images) in its forward on every
+    path; `completion_mask` then covers every token of a trajectory (the loss mask is the caller's). Logits are
+    computed for completion positions only; with `logits_chunk_tokens` > 0 that many tokens at a time, forward
+    and backward. Suppressed tokens get -inf before the softmax, exactly as in sampling. The fast paths call the
+    bare model's parts (the trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs
+    whole sequences (images still encoded once per group, inside its forward) and full completion logits are
+    computed.
+    """
+    bare = unwrap(model)
+    chunked = logits_chunk_tokens > 0 and not path.wrapped
+    if path.prompt_once:
+        hidden = prompt_once_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask,
+                                    observations)  # [N, C, H]
+        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
+    shared = path.shared_vision and (prompts.has_images or prompts.has_videos) and observations is None
+    sequences = trim_left_padding(prompts.select(prompt_index, drop=family.pixel_keys if shared else ()).inputs)
+    if observations is None:
+        full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, P + C] per-token keys
+    else:  # multi-turn: the observations' token types and images inside the completions
+        full = with_observations(prompts, prompt_index, sequences, completion_ids, completion_mask, observations)
+    if shared and path.wrapped:  # encoded inside the wrapped model's forward, see encode_shared_vision_in_forward
+        encode_shared_vision_in_forward(model, family)
+        full[SHARED_VISION] = (prompts, prompt_index)
+    elif shared:
+        full["mm_encoder_outputs"] = family.vision_features(bare, prompts, prompt_index)
+    positions = family.position_ids(bare, full)
+    if positions is not None:
+        full["position_ids"] = positions
+    completion_length = completion_ids.shape[1]
+    # the router loss's tokens, as on the prompt-once path: not the padding, not the last completion column
+    mask = full["attention_mask"]
+    weigh_router_tokens(bare, lambda: torch.cat([mask[:, :-1], mask[:, -1:] * 0], dim=1))
+    if chunked:  # hidden states only; the output layer runs chunk by chunk
+        hidden = bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
+        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                             chunk_tokens=logits_chunk_tokens)
+    outputs = (model if path.wrapped else bare)(**full, use_cache=False, logits_to_keep=completion_length + 1)
+    logits = outputs.logits[:, :-1].float()  # [N, C, V]
+    return family.logps_from_logits(logits, completion_ids, temperature=temperature)
+
+
+def _hidden_logps(family, bare, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
+                  temperature: float, chunk_tokens: int) -> Tensor:
+    """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks."""
+    return completion_logps(hidden, bare.get_output_embeddings().weight, completion_ids, completion_mask.bool(),
+                            suppressed_ids=family.suppressed_ids, temperature=temperature, chunk_tokens=chunk_tokens,
+                            softcap=family.logit_softcap(bare))
+
+
+def encode_shared_vision_in_forward(model: torch.nn.Module, family) -> None:
+    """Let `model(...)` take `gpg_shared_vision=(prompts, prompt_index)` and encode those images itself.
+
+    The shared vision features must be computed INSIDE the forward of whatever wraps the model
+    (DDP, FSDP, DeepSpeed): FSDP all-gathers the root's parameters (the vision tower's patch embedding
+    and merger among them) in its forward pre-hook, so encoding before calling the wrapper reads
+    sharded weights; DDP prepares its gradient reducer in its forward. A forward pre-hook on the bare
+    model runs inside the wrapper's forward and after FSDP's own pre-hook (FSDP prepends its hook).
+    Under PEFT the bare model may be reached through its `forward` (PeftModelForCausalLM -> LoRA tuner ->
+    `model.forward`), where no hook runs, or through its `__call__` (PeftModel): the hook goes on the tuner
+    and on the bare model, and whichever runs first takes the keyword. Registered once per module; without
+    the keyword the model behaves exactly as before.
+    """
+    bare, inner = unwrap(model), getattr(model, "module", model)
+    modules = [bare]
+    if callable(getattr(inner, "get_base_model", None)):  # PEFT
+        modules.insert(0, inner.base_model)
+
+    def encode(_, args, kwargs):
+        request = kwargs.pop(SHARED_VISION, None)
+        if request is not None:
+            kwargs["mm_encoder_outputs"] = family.vision_features(bare, *request)
+        return args, kwargs
+
+    for module in modules:
+        if getattr(module, "_gpg_shared_vision_hook", None) is None:
+            module._gpg_shared_vision_hook = module.register_forward_pre_hook(encode, with_kwargs=True)
 
 
 def _cache_of(outputs):
@@ -204,14 +357,14 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
                             if key not in ("input_ids", "attention_mask")}
         completion_extra.update(observation_images(observations, completion_ids.device))
     # the router loss counts a prompt token once per sequence that continues it, as the plain path does
-    family.weigh_router_tokens(bare, lambda: prompt_mask * torch.bincount(expand, minlength=len(distinct))[:, None])
+    weigh_router_tokens(bare, lambda: prompt_mask * torch.bincount(expand, minlength=len(distinct))[:, None])
     prompt_out = bare.model(**inputs, position_ids=positions[..., :width], use_cache=True)
     last = prompt_out.last_hidden_state[:, -1][expand].unsqueeze(1)  # [N, 1, H]
     if length == 1:
         return last
     cache = family.fork_cache(bare, _cache_of(prompt_out), expand)  # [N, ...] per layer, still in the graph
     mask = torch.cat([prompt_mask[expand], completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1)  # [N, P + C - 1]
-    family.weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
+    weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
     completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
                                 position_ids=completion_positions, cache=cache, use_cache=True, **completion_extra)
     return torch.cat([last, completion_out.last_hidden_state], dim=1)  # [N, C, H]
@@ -223,7 +376,7 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
 class _ChunkedTokenLogps(torch.autograd.Function):
     """log softmax(hidden @ weight.T / temperature)[target], suppressed ids at -inf, chunk by chunk.
 
-    Forward keeps only each token's log-normaliser; backward recomputes a chunk's logits and uses
+    Forward keeps only each token's log-normalizer; backward recomputes a chunk's logits and uses
     d logp / d logits = (onehot(target) - softmax) / temperature.
     """
 
@@ -231,26 +384,26 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, suppressed: Tensor | None,
                 temperature: float, chunk: int, softcap: float | None) -> Tensor:
         logps = hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # [T]
-        normalisers = torch.empty_like(logps)  # [T]
+        normalizers = torch.empty_like(logps)  # [T]
         for start in range(0, hidden.shape[0], chunk):
             logits = _chunk_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
-            normalisers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
+            normalizers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1)  # [t]
-            logps[start:start + chunk] = picked - normalisers[start:start + chunk]
-        ctx.save_for_backward(hidden, weight, targets, normalisers, suppressed)
+            logps[start:start + chunk] = picked - normalizers[start:start + chunk]
+        ctx.save_for_backward(hidden, weight, targets, normalizers, suppressed)
         ctx.temperature, ctx.chunk, ctx.softcap = temperature, chunk, softcap
         return logps
 
     @staticmethod
     def backward(ctx, grad_logps: Tensor):
-        hidden, weight, targets, normalisers, suppressed = ctx.saved_tensors
+        hidden, weight, targets, normalizers, suppressed = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
             logits = _chunk_logits(hidden[start:end], weight, suppressed, ctx.temperature, ctx.softcap)  # [t, V]
-            grad = torch.exp(logits - normalisers[start:end, None]).mul_(-grad_logps[start:end, None].float())
+            grad = torch.exp(logits - normalizers[start:end, None]).mul_(-grad_logps[start:end, None].float())
             grad.scatter_add_(-1, targets[start:end, None], grad_logps[start:end, None].float())
             grad.div_(ctx.temperature)  # d logp / d capped logits [t, V]
             if ctx.softcap:  # d cap * tanh(x / cap) / dx = 1 - tanh(x / cap)^2

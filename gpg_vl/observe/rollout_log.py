@@ -37,9 +37,9 @@ from PIL import Image, ImageDraw
 
 from gpg_vl.data.sources import load_image
 from gpg_vl.data.task import prompt_text
+from gpg_vl.files import write_atomic
 from gpg_vl.reward.primitives import extract_answer, parse_box
 from gpg_vl.rollout.types import in_task_frame
-from gpg_vl.train.checkpoint import write_atomic
 
 MAX_EDGE = 256  # thumbnail side, pixels
 MAX_THUMB_BYTES = 64 * 1024  # one thumbnail's JPEG
@@ -180,7 +180,7 @@ def completion_records(attempt, b: int, texts: list[str], *, policy, task, text_
     for g in range(group_size):
         sequence = b * group_size + g
         tokens = int(mask[sequence].sum())
-        ended = tokens > 0 and int(attempt.rollout.completion_ids[sequence, tokens - 1]) in policy.adapter.eos_ids
+        ended = tokens > 0 and int(attempt.rollout.completion_ids[sequence, tokens - 1]) in policy.family.eos_ids
         text = texts[sequence]
         completions.append({
             **_clipped(text, text_chars),
@@ -189,7 +189,7 @@ def completion_records(attempt, b: int, texts: list[str], *, policy, task, text_
             "advantage": _number(attempt.advantages[b, g]),
             "tokens": tokens, "end": "eos" if ended else "cut",
             **({"box": answer_box(text)} if task.uses_boxes else {}),
-            **(trajectory_record(trajectories[sequence], policy.adapter.tokenizer, text_chars=text_chars,
+            **(trajectory_record(trajectories[sequence], policy.family.tokenizer, text_chars=text_chars,
                                  store=store) if trajectories else {}),
         })
     return completions

@@ -60,7 +60,7 @@ class LocalJudge(Judge):
 
     def __init__(self, policy, *, batch_size: int = 16) -> None:
         super().__init__()
-        self.model, self.family, self.batch_size = policy.model, policy.adapter, int(batch_size)
+        self.model, self.family, self.batch_size = policy.model, policy.family, int(batch_size)
         self.model.eval()
         self.model.requires_grad_(False)
         self.yes_id, self.no_id = answer_token(self.family, "yes"), answer_token(self.family, "no")

@@ -2,10 +2,11 @@
 
 A math check may take its whole time limit (`rewards.math_reward`, 5 s, in a child process that is killed at
 the limit), so B * G pathological answers scored one after another would stall a step for minutes.
-`score_completions` runs `task.reward_components` on up to `workers` threads (each math check waits on its own
+`score_completions` runs `task.scored_components` on up to `workers` threads (each math check waits on its own
 child process, so they overlap), and stops waiting when the step's `RewardBudget` is spent: a completion not
-scored by then scores 0 for every reward and is counted as a reward timeout. Rewards are pure functions of a
-completion and its row, so the scores do not depend on the order or the thread they are computed in.
+scored by then scores 0 for every reward and is counted as a reward timeout. It returns the scores with both
+counts: the timeouts and the reward errors (reward function calls that raised, each scored 0). Rewards are pure
+functions of a completion and its row, so the scores do not depend on the order or the thread they are computed in.
 
 The threads are daemons, never joined: a reward that never returns cannot keep the step, or the process at
 exit, waiting. With `workers=1` everything runs in the calling thread (for a reward function that needs the
@@ -19,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 
 class RewardBudget:
@@ -31,18 +33,33 @@ class RewardBudget:
         self.left -= seconds
 
 
+class Scores(NamedTuple):
+    """A batch's scores: `task.reward_components` of each completion, in order; `timeouts`, the completions not
+    scored within the budget (0 for every reward); `errors`, the reward function calls that raised (each 0)."""
+
+    scores: list[dict[str, float]]
+    timeouts: int
+    errors: int
+
+
 def score_completions(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int = 1,
-                      budget: RewardBudget | None = None) -> tuple[list[dict[str, float]], int]:
-    """`task.reward_components(completion, row)` for each pair, in order, and how many were not scored within
-    `budget` (those score 0 for every reward)."""
-    scores = score_within(task, completions, rows, workers=workers, budget=budget)
+                      budget: RewardBudget | None = None) -> Scores:
+    """Each completion's reward components, with the counts of timeouts and reward errors (`Scores`)."""
+    scored = _score(task, completions, rows, workers=workers, budget=budget)
     zero = dict.fromkeys(task.reward_functions, 0.0)
-    return [dict(zero) if s is None else s for s in scores], sum(s is None for s in scores)
+    return Scores([dict(zero) if s is None else s[0] for s in scored], sum(s is None for s in scored),
+                  sum(s[1] for s in scored if s is not None))
 
 
 def score_within(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int = 1,
                  budget: RewardBudget | None = None) -> list[dict[str, float] | None]:
-    """As `score_completions`, with None for each completion not scored within `budget`."""
+    """Each completion's reward components, None for each one not scored within `budget`."""
+    return [None if s is None else s[0] for s in _score(task, completions, rows, workers=workers, budget=budget)]
+
+
+def _score(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int,
+           budget: RewardBudget | None) -> list[tuple[dict[str, float], int] | None]:
+    """`task.scored_components` of each pair, None where the budget ran out first."""
     budget = budget or RewardBudget(0)
     started = time.monotonic()
     if workers <= 1:
@@ -53,14 +70,14 @@ def score_within(task, completions: Sequence[str], rows: Sequence[dict], *, work
     return scores
 
 
-def _in_this_thread(task, completions, rows, deadline: float) -> list[dict | None]:
-    return [task.reward_components(c, r) if time.monotonic() < deadline else None
+def _in_this_thread(task, completions, rows, deadline: float) -> list[tuple | None]:
+    return [task.scored_components(c, r) if time.monotonic() < deadline else None
             for c, r in zip(completions, rows, strict=True)]
 
 
-def _in_threads(task, completions, rows, workers: int, seconds: float) -> list[dict | None]:
+def _in_threads(task, completions, rows, workers: int, seconds: float) -> list[tuple | None]:
     count = len(completions)
-    results: list[dict | None] = [None] * count
+    results: list[tuple | None] = [None] * count
     jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
     for index in range(count):
         jobs.put(index)
@@ -73,7 +90,7 @@ def _in_threads(task, completions, rows, workers: int, seconds: float) -> list[d
             except queue.Empty:
                 return
             try:
-                results[index] = task.reward_components(completions[index], rows[index])
+                results[index] = task.scored_components(completions[index], rows[index])
             finally:
                 with lock:
                     left[0] -= 1

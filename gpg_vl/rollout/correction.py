@@ -8,7 +8,7 @@ under the sampler, log q, differs slightly from the trainer's, log p:
 - `logp_mismatch`: sum, max and count of |log q - log p| over the completion tokens (the trainer logs the
   mean and the max each step);
 - `truncated_is_weights`: w = min(exp(log p - log q), cap), per token, without gradient; the loss of each
-  token is multiplied by w (rollout.vllm.tis_cap > 0). AGE's normaliser is untouched: no token or sequence
+  token is multiplied by w (rollout.vllm.tis_cap > 0). AGE's normalizer is untouched: no token or sequence
   is masked out, every weight is positive.
 """
 

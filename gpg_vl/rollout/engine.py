@@ -75,7 +75,7 @@ def encode_prompts(policy, messages: list[list[dict]], ids: list[str] | None = N
                    tools: list[dict] | None = None) -> EnginePrompts:
     """Messages -> EnginePrompts, encoded by the policy's family; `tools`: the function schemas the prompts list
     (`Engine.prompt_tools`)."""
-    return EnginePrompts(policy.adapter.encode(messages, ids=ids, tools=tools), messages)
+    return EnginePrompts(policy.family.encode(messages, ids=ids, tools=tools), messages)
 
 
 class Engine:

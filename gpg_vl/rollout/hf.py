@@ -24,8 +24,7 @@ from torch import Tensor
 from gpg_vl.distributed import forward_is_collective, gathered_for_generation
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
-from gpg_vl.models.batch import PromptBatch, extend_per_token, unwrap
-from gpg_vl.models.family import eval_mode
+from gpg_vl.models.batch import PromptBatch, eval_mode, extend_per_token, unwrap
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
 from gpg_vl.rollout.sampling import next_tokens, process_logits  # noqa: F401  (process_logits re-exported)
@@ -49,7 +48,7 @@ class HFEngine(Engine):
         if settings.multi_turn:
             from gpg_vl.rollout.multiturn import require_multi_turn
 
-            require_multi_turn(self.policy.adapter, self.policy.model, settings)
+            require_multi_turn(self.policy.family, self.policy.model, settings)
         super().take_tools(settings, tools)
 
     @classmethod
@@ -83,7 +82,7 @@ def generate(policy: Policy, prompts: PromptBatch, *, group_size: int, sampling:
     """
     if decode not in DECODERS:
         raise UserError(f"unknown rollout.hf.decode {decode!r}; use one of {', '.join(DECODERS)}.")
-    family, model = policy.adapter, policy.model
+    family, model = policy.family, policy.model
     inputs = prompts.to(model.device).inputs
     family.reset_positions(model)  # rotary offsets an earlier generate cached for its own batch
     collective = forward_is_collective(model)

@@ -31,8 +31,7 @@ from torch import Tensor
 
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
-from gpg_vl.models.batch import extend_per_token, per_token_keys, trim_left_padding, unwrap
-from gpg_vl.models.family import eval_mode
+from gpg_vl.models.batch import eval_mode, extend_per_token, per_token_keys, trim_left_padding, unwrap
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.sampling import next_tokens
 from gpg_vl.rollout.tools import ImageView, ToolContext, ToolResult, answer_call
@@ -81,7 +80,7 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
 
     `tools`: the tools offered (None: any registered tool). `scripted(row, turn)`: token ids that segment
     `turn` of trajectory `row` is made of (forced, still scored by the model), or None to sample it (tests)."""
-    family, model = policy.adapter, policy.model
+    family, model = policy.family, policy.model
     require_multi_turn(family, model, settings)
     bare = unwrap(model)
     incremental = settings.hf_multiturn == "incremental" and incremental_unsupported(bare) is None

@@ -52,10 +52,10 @@ def in_task_frame(policy, task, texts: list[str], prompts: PromptBatch, group_si
     think block), and boxes moved from the model's frame into original pixels. `policy` is a
     gpg_vl.models.load.Policy (not imported: models.load reads the settings schema, whose rollout check reads
     the engines, which import this module)."""
-    prefixes = [policy.adapter.completion_prefix(text) for text in prompts.texts] if prompts.texts else []
+    prefixes = [policy.family.completion_prefix(text) for text in prompts.texts] if prompts.texts else []
     if prefixes:
         texts = [prefixes[i // group_size] + text for i, text in enumerate(texts)]
     if not getattr(task, "uses_boxes", False) or not prompts.image_sizes:
         return texts
-    return [policy.adapter.completion_to_original(text, prompts.image_sizes[i // group_size])
+    return [policy.family.completion_to_original(text, prompts.image_sizes[i // group_size])
             for i, text in enumerate(texts)]

@@ -246,7 +246,7 @@ class VLLMEngine(Engine):
 
     def __init__(self, policy, rollout, *, accelerator=None, llm=None, sampling_params=None) -> None:
         """`llm` / `sampling_params`: a vllm.LLM and vllm.SamplingParams stand-in (tests); else vLLM's own."""
-        self.policy, self.family, self.settings = policy, policy.adapter, rollout.vllm
+        self.policy, self.family, self.settings = policy, policy.family, rollout.vllm
         rank = accelerator.process_index if accelerator is not None else 0
         world = accelerator.num_processes if accelerator is not None else 1
         tp = self.settings.tensor_parallel_size

@@ -45,10 +45,10 @@ def build_policy(model_cfg: DictConfig, device):
     elif training_lora:
         model = apply_lora(model, r=int(lora.r), alpha=float(lora.alpha), dropout=float(lora.dropout),
                            target_modules=_plain(lora.target_modules), include_vision=bool(lora.include_vision),
-                           vision_modules=policy.adapter.vision_modules(model),
+                           vision_modules=policy.family.vision_modules(model),
                            target_parameters=_plain(lora.get("target_parameters")) or None)
     if model_cfg.get("freeze_vision"):
-        freeze_vision(model, policy.adapter.vision_modules(model))
+        freeze_vision(model, policy.family.vision_modules(model))
     return replace(policy, model=model, save_format=str(lora.save) if training_lora else "full")
 
 

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 
 from gpg_vl.errors import UserError
+from gpg_vl.files import PARTIAL, write_atomic
 from gpg_vl.models.lora import save_model
 
 STATE_FILE = "trainer_state.pt"
 MARKER_FILE = "checkpoint.json"
-PARTIAL = ".partial"
 OLD = ".old"  # a folder being replaced: renamed aside, deleted once the new one is in place
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
@@ -172,17 +172,6 @@ def writing(what: str, output_dir: Path):
         yield
     except OSError as error:
         raise unwritable(what, Path(output_dir), error) from None
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Replace `path` with `data` whole: a failed write (a full disk) leaves the previous file, never a cut one."""
-    partial = path.with_name(path.name + PARTIAL)
-    try:
-        partial.write_bytes(data) if isinstance(data, bytes) else partial.write_text(data)
-        os.replace(partial, path)
-    except OSError:
-        partial.unlink(missing_ok=True)
-        raise
 
 
 def _full_optimizer_state(accelerator, model, optimizer) -> dict | None:

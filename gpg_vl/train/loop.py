@@ -9,7 +9,7 @@ output folder's claim, the policy with LoRA and a frozen vision tower, the refer
 `train(run)`.
 
 Nothing here assumes one process: prompts of a step are split across processes, every count that
-drives a decision (valid groups, resampling, the loss normaliser) is all-reduced, and checkpoints are
+drives a decision (valid groups, resampling, the loss normalizer) is all-reduced, and checkpoints are
 written by the main process only.
 """
 
@@ -35,8 +35,9 @@ from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream, Subset, scan_rows
 from gpg_vl.distributed import forward_is_collective
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import choose_scoring_path
+from gpg_vl.files import write_atomic
 from gpg_vl.models.load import Policy
+from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
 from gpg_vl.observe.rollout_log import log_rollouts
@@ -54,7 +55,6 @@ from gpg_vl.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
     truncate_metrics,
-    write_atomic,
     writing,
 )
 from gpg_vl.train.evaluate import Share, evaluate
@@ -271,7 +271,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     step. Checkpoints never hold it."""
     _start_process(accelerator, settings)
     trainer = settings.trainer
-    policy.adapter.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
+    policy.family.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
     train_rows = task.load(task.train_split)
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
@@ -292,14 +292,11 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
                                "reward_timeouts": 0},
                      summary={}, record={"train_seconds": 0.0})
     run = Run(settings, learner, engine, data=None, state=state, bar=None, held=held)
-    # The scoring path, once for the run: the update's forward and its micro-batch cost both read it.
-    run.learner.path = choose_scoring_path(policy.adapter, learner.model, share_prompt=trainer.share_prompt,
-                                           share_vision=trainer.share_vision, warn=run.warn)
-    accelerator.print(f"model: {policy.adapter.describe(learner.model)}; the update scores "
+    accelerator.print(f"model: {policy.family.describe(learner.model)}; the update scores "
                       f"{run.learner.path.describe()}")
     stream = PromptStream(train_rows, seed=settings.seed, rank=accelerator.process_index,
                           world_size=accelerator.num_processes, max_bad_fraction=settings.max_bad_fraction,
-                          warn=run.warn, stop=run.stop, max_aspect_ratio=policy.adapter.max_aspect_ratio)
+                          warn=run.warn, stop=run.stop, max_aspect_ratio=policy.family.max_aspect_ratio)
     run.data = RunData(task, stream, eval_rows=None, eval_kwargs={},
                        reward_names=reward_names(task, trainer))
     _resume(run)
@@ -335,7 +332,9 @@ def _start_process(accelerator: Accelerator, settings: RunSettings) -> None:
 def _build_learner(policy: Policy, trainer: TrainerSettings, rollout: RolloutSettings, accelerator: Accelerator,
                    reference: torch.nn.Module | None, *, resuming: bool) -> Learner:
     """The model side, prepared by accelerate: the model (gradient checkpointing, train mode), AdamW, the
-    schedule (it counts optimizer steps: mu x mini-batches per rollout, one per step for GPG), the reference."""
+    schedule (it counts optimizer steps: mu x mini-batches per rollout, one per step for GPG), the reference,
+    and the scoring path, chosen once for the run on the prepared model: the update's forward and its
+    micro-batch cost both read it."""
     model = policy.model
     frozen = build_reference(model, trainer, reference, resuming=resuming)
     if trainer.gradient_checkpointing:
@@ -351,8 +350,10 @@ def _build_learner(policy: Policy, trainer: TrainerSettings, rollout: RolloutSet
     _check_engine(accelerator)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
+    path = choose_scoring_path(policy.family, model, share_prompt=trainer.share_prompt,
+                               share_vision=trainer.share_vision, warn=lambda m: accelerator.print(f"warning: {m}"))
     return Learner(policy, model, optimizer, scheduler, accelerator, trainer, temperature=rollout.temperature,
-                   reference=place_reference(frozen, accelerator), max_new_tokens=rollout.max_new_tokens)
+                   path=path, reference=place_reference(frozen, accelerator), max_new_tokens=rollout.max_new_tokens)
 
 
 def _resume(run: Run) -> None:
@@ -382,14 +383,14 @@ def _held_out(run: Run) -> None:
     """The held-out rows (checked once, here, when they will be evaluated), how they are evaluated, and the
     summary's start."""
     task, evaluation, trainer = run.data.task, run.settings.evaluation, run.trainer
-    accelerator, adapter = run.accelerator, run.learner.policy.adapter
+    accelerator, family = run.accelerator, run.learner.policy.family
     evaluated = (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after
     eval_rows = task.load(evaluation.split or task.eval_split) if evaluated else []  # evaluation off: never read
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
     eval_data = None
     if evaluated:
         good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=run.settings.max_bad_fraction,
-                                    max_aspect_ratio=adapter.max_aspect_ratio)
+                                    max_aspect_ratio=family.max_aspect_ratio)
         if eval_data.bad:
             run.warn(f"{eval_data.bad} held-out rows are bad and left out of evaluation:\n{eval_data.report()}")
         if eval_data.over_limit():
@@ -480,7 +481,6 @@ def step(run: Run) -> dict:
     trainer, accelerator, task, state = run.trainer, run.accelerator, run.data.task, run.state
     state.step += 1
     started = time.perf_counter()
-    errors_before = sum(getattr(task, "reward_errors", {}).values())
     budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
     collected = collect_valid_groups(
         lambda: sample_attempt(run.learner.policy, task, run.data.stream, engine=run.engine, trainer=trainer,
@@ -507,10 +507,9 @@ def step(run: Run) -> dict:
                  "it was skipped (check the task's rewards, or raise rollout.temperature).")
     updated = time.perf_counter()
     _count_bad_step(run, result)
-    errors = sum(getattr(task, "reward_errors", {}).values()) - errors_before
     stream = run.data.stream
     turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
-    return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names, reward_errors=errors),
+    return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names),
             **turns,
             "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
             "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
@@ -554,25 +553,23 @@ def trajectory_step_metrics(collected, accelerator: Accelerator) -> dict[str, fl
     return {n: (v / max(totals[-1], 1.0) if n.endswith("_mean") else v) for n, v in zip(names, totals, strict=False)}
 
 
-def step_metrics(collected, accelerator: Accelerator, reward_names: list[str],
-                 reward_errors: int = 0) -> dict[str, float]:
+def step_metrics(collected, accelerator: Accelerator, reward_names: list[str]) -> dict[str, float]:
     """Global reward statistics over every completion sampled in this step (collective: one all-reduce, called
     once per step by every process; a process without prompts adds zeros). Completions with a NaN or
-    infinite reward are counted (`rewards_nonfinite`), not averaged; `reward_errors` (this process's count of
-    reward function calls that raised) and the completions not scored within the reward budget
-    (`reward_timeouts`) are summed over processes."""
+    infinite reward are counted (`rewards_nonfinite`), not averaged; the reward function calls that raised
+    (`reward_errors`) and the completions not scored within the reward budget (`reward_timeouts`), each as its
+    attempt's scoring returned them, are summed over processes."""
     # one row per attempt: completions, finite rewards, their sum and sum of squares, completion tokens,
-    # reward errors, reward timeouts, each component's sum over the finite rewards; plus a row for this
-    # process's errors
+    # reward errors, reward timeouts, each component's sum over the finite rewards; plus a row of zeros (a
+    # process without prompts adds nothing)
     rows = [torch.zeros(7 + len(reward_names), dtype=torch.float64)]
-    rows[0][5] = reward_errors
     for attempt in collected.attempts:
         lengths = attempt.rollout.completion_mask.sum(dim=1).float() if attempt.rollout else torch.zeros(0)
         r = attempt.rewards.flatten()
         finite = torch.isfinite(r)
         rows.append(torch.stack([
             torch.tensor(float(r.numel())), finite.sum().float(), r[finite].sum(), (r[finite] ** 2).sum(),
-            lengths.sum(), torch.tensor(0.0), torch.tensor(float(attempt.reward_timeouts)),
+            lengths.sum(), torch.tensor(float(attempt.reward_errors)), torch.tensor(float(attempt.reward_timeouts)),
             *[attempt.components[n].flatten()[finite].sum() for n in reward_names]]).double())
     totals = accelerator.reduce(torch.stack(rows).sum(0).to(accelerator.device), "sum").cpu().tolist()
     completions, scored, total, squares, tokens, errors, timeouts = totals[:7]

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 def placeholder_prompts(policy: Policy) -> PromptBatch:
     """One prompt holding a blank image: what a process without data feeds the model so that it still runs
     the same modules (the vision tower included) as the processes that have data (the family builds it)."""
-    return policy.adapter.placeholder_prompts()
+    return policy.family.placeholder_prompts()
 
 
 def placeholder_chunk(policy: Policy, attempts: list, device: torch.device):
@@ -28,5 +28,5 @@ def placeholder_chunk(policy: Policy, attempts: list, device: torch.device):
             return (attempt.prompts, [0], rollout.completion_ids[:1, :1], rollout.completion_mask[:1, :1],
                     torch.zeros(1))
     prompts = placeholder_prompts(policy)
-    ids = torch.full((1, 1), policy.adapter.pad_id, dtype=torch.long)
+    ids = torch.full((1, 1), policy.family.pad_id, dtype=torch.long)
     return prompts, [0], ids, torch.ones(1, 1, dtype=torch.bool), torch.zeros(1)

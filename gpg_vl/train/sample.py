@@ -100,6 +100,7 @@ class Attempt:
     valid: torch.Tensor  # [b] bool
     reward_timeouts: int = 0  # completions not scored within the step's reward budget (scored 0)
     tokens_sampled: int = 0  # this process's sampled tokens: its rollout's and T-GRPO's shuffled rollouts'
+    reward_errors: int = 0  # reward function calls that raised on its completions (T-GRPO's shuffled ones too)
 
 
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, trainer: TrainerSettings,
@@ -137,16 +138,17 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     result = engine.generate(prompts, group_size, Sampling.from_settings(rollout))
     prompts = prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
-    scores, timeouts = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
-                                         workers=trainer.reward_workers, budget=reward_budget)
+    scores, timeouts, errors = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
+                                                 workers=trainer.reward_workers, budget=reward_budget)
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size)
                   for n in task.reward_functions}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
     tokens = result.sampled_tokens()
     if getattr(task, "temporal", False):  # T-GRPO: a bonus from rollouts of the same videos with shuffled frames
-        components["temporal"], shuffled_tokens = temporal_component(
+        components["temporal"], shuffled_tokens, shuffled_errors = temporal_component(
             policy, task, engine, [drawn[i].messages for i in keep], rows, components["accuracy"], rollout,
             workers=trainer.reward_workers, budget=reward_budget)  # [b, G]
+        errors += shuffled_errors
         rewards = rewards + components["temporal"]
         tokens += shuffled_tokens
     if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
@@ -156,34 +158,36 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
         rewards = rewards + components["overlong"]
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
-    return Attempt(rows, prompts, result, rewards, components, advantages, valid, timeouts, tokens)
+    return Attempt(rows, prompts, result, rewards, components, advantages, valid, reward_timeouts=timeouts,
+                   tokens_sampled=tokens, reward_errors=errors)
 
 
 def temporal_component(policy: Policy, task, engine, messages: list[list[dict]], rows: list[dict],
                        accuracy: torch.Tensor, rollout: RolloutSettings, *, workers: int,
-                       budget: RewardBudget | None) -> tuple[torch.Tensor, int]:
-    """T-GRPO's temporal reward (Video-R1) [b, G], and the tokens its shuffled rollouts sampled (they count
-    towards trainer.max_sampled_tokens): each video prompt (`task.shuffled_messages` gives its frames shuffled; None
-    for a prompt without video) is also rolled out G / 2 times with its frames shuffled, those completions scored
-    for accuracy only (never trained on), and `task.temporal_bonus(ordered, shuffled)` gives each of the G ordered
-    completions its bonus from the two groups' accuracies `accuracy` [b, G]. Shuffles are drawn from torch's
-    generator, which checkpoints hold: a resumed run draws the same."""
+                       budget: RewardBudget | None) -> tuple[torch.Tensor, int, int]:
+    """T-GRPO's temporal reward (Video-R1) [b, G], the tokens its shuffled rollouts sampled (they count
+    towards trainer.max_sampled_tokens) and the reward errors of scoring them: each video prompt
+    (`task.shuffled_messages` gives its frames shuffled; None for a prompt without video) is also rolled out
+    G / 2 times with its frames shuffled, those completions scored for accuracy only (never trained on), and
+    `task.temporal_bonus(ordered, shuffled)` gives each of the G ordered completions its bonus from the two groups'
+    accuracies `accuracy` [b, G]. Shuffles are drawn from torch's generator, which checkpoints hold: a resumed run
+    draws the same."""
     group_size = accuracy.shape[1]
     shuffled = [task.shuffled_messages(m, int(torch.randint(2**31 - 1, ()))) for m in messages]
     videos = [b for b, m in enumerate(shuffled) if m is not None]
     bonus = torch.zeros_like(accuracy)  # [b, G]
     if not videos:
-        return bonus, 0
+        return bonus, 0, 0
     half = max(1, group_size // 2)
     prompts = encode_prompts(policy, [shuffled[b] for b in videos], tools=engine.prompt_tools(task))
     result = engine.generate(prompts, half, Sampling.from_settings(rollout))
     texts = in_task_frame(policy, task, result.texts, prompts.batch, half)
-    scores, _ = score_completions(task, texts, [rows[videos[i // half]] for i in range(len(texts))], workers=workers,
-                                  budget=budget)
+    scores, _, errors = score_completions(task, texts, [rows[videos[i // half]] for i in range(len(texts))],
+                                          workers=workers, budget=budget)
     shuffled_accuracy = torch.tensor([s["accuracy"] for s in scores]).view(len(videos), half)  # [v, G / 2]
     for i, b in enumerate(videos):
         bonus[b] = task.temporal_bonus(accuracy[b], shuffled_accuracy[i]).to(bonus.dtype)
-    return bonus, result.sampled_tokens()
+    return bonus, result.sampled_tokens(), errors
 
 
 def reward_names(task, trainer: TrainerSettings) -> list[str]:

@@ -1,8 +1,8 @@
 """The update: a rollout's valid groups in micro-batches (by count or by tokens of forward work), in
-mini-batches for the GRPO family's several optimizer steps, each optimizer step with its loss normalised over
+mini-batches for the GRPO family's several optimizer steps, each optimizer step with its loss normalized over
 all processes, gradients averaged explicitly under DDP; the frozen reference of a KL loss; the optimizer.
 
-Every count that drives a decision (the loss normaliser, the number of forwards under FSDP / ZeRO-3) is
+Every count that drives a decision (the loss normalizer, the number of forwards under FSDP / ZeRO-3) is
 all-reduced, so every process takes the same branches and reaches the same collectives.
 """
 
@@ -21,12 +21,13 @@ from accelerate import Accelerator
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.distributed import forward_is_collective, require_images
 from gpg_vl.errors import UserError
+from gpg_vl.models import router, scoring
 from gpg_vl.models.batch import PromptBatch
-from gpg_vl.models.family import ScoringPath, choose_scoring_path
 from gpg_vl.models.load import Policy
+from gpg_vl.models.scoring import ScoringPath
 from gpg_vl.objective import (
     LOSS_NORMALIZERS,
-    TOKEN_NORMALISED,
+    TOKEN_NORMALIZED,
     get_policy_loss,
     loss_aggregation,
     loss_needs,
@@ -122,12 +123,10 @@ class MicroBatch(NamedTuple):
     def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
               logits_chunk_tokens: int) -> torch.Tensor:
         """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward)."""
-        args = (model, self.prompts.to(device), self.prompt_index, self.completion_ids.to(device),
-                self.completion_mask.to(device))
-        kwargs = {"temperature": temperature, "path": path, "logits_chunk_tokens": logits_chunk_tokens}
-        if self.trajectories is not None:
-            return policy.adapter.trajectory_logps(*args, self.trajectories, **kwargs)
-        return policy.adapter.token_logps(*args, **kwargs)
+        return scoring.token_logps(policy.family, model, self.prompts.to(device), self.prompt_index,
+                                   self.completion_ids.to(device), self.completion_mask.to(device), path=path,
+                                   observations=self.trajectories, temperature=temperature,
+                                   logits_chunk_tokens=logits_chunk_tokens)
 
 
 @dataclass
@@ -153,8 +152,9 @@ LOSS_REPORTS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean")  
 class Learner:
     """What the update trains and how: the policy and its prepared (possibly wrapped) `model` with their
     optimizer and schedule on `accelerator`; the trainer's `settings`; the rollout's sampling `temperature`;
-    the run's scoring `path` (None: chosen from the settings); the frozen `reference` of a KL loss; the
-    completion limit `max_new_tokens` (a loss's max_tokens); the engine's `correction` (its on-policy check)."""
+    the run's scoring `path` (chosen once at setup: `scoring.choose_scoring_path`); the frozen `reference` of a
+    KL loss; the completion limit `max_new_tokens` (a loss's max_tokens); the engine's `correction` (its on-policy
+    check)."""
 
     policy: Policy
     model: torch.nn.Module
@@ -163,7 +163,7 @@ class Learner:
     accelerator: Accelerator
     settings: TrainerSettings
     temperature: float
-    path: ScoringPath | None = None
+    path: ScoringPath
     reference: Reference | None = None
     max_new_tokens: int | None = None
     correction: Correction = field(default_factory=Correction)
@@ -201,7 +201,7 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
 
     GPG (the default) takes one step, on the valid groups only, and needs nothing but the current log-probs.
     A loss whose KL to the reference is on (`kl_on_every_group`) forwards every sampled group instead, the
-    invalid ones with zero advantages (only their KL acts), normalised over all sampled sequences as TRL's and
+    invalid ones with zero advantages (only their KL acts), normalized over all sampled sequences as TRL's and
     R1-V's GRPO do, and steps even when no group is valid; its metrics then say `groups_used` (every group
     forwarded), `groups_kl_only` (those forwarded for their KL alone) and `alpha` 1. A loss that declares
     "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
@@ -214,10 +214,6 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     kl_everywhere = kl_on_every_group(settings)
     if kl_everywhere:  # the KL acts on every sampled sequence, as in TRL's and R1-V's GRPO: invalid groups too
         attempts, kl_only = _every_group(attempts, accelerator)
-    if learner.path is None:
-        learner = replace(learner, path=choose_scoring_path(learner.policy.adapter, learner.model,
-                                                            share_prompt=settings.share_prompt,
-                                                            share_vision=settings.share_vision))
     loss_fn = get_policy_loss(settings.loss)
     aggregation = loss_aggregation(loss_fn, settings.aggregation)
     parts = 1
@@ -232,7 +228,7 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if int(per_part[..., 0].sum()) == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
-    column = 1 if aggregation in TOKEN_NORMALISED else 0  # the normaliser counts tokens, or sequences
+    column = 1 if aggregation in TOKEN_NORMALIZED else 0  # the normalizer counts tokens, or sequences
     counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
     needs = loss_needs(loss_fn)
     # Collective under FSDP / ZeRO-3 like the update's forwards: every process scores max-over-processes
@@ -258,7 +254,7 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
         if results[-1].get("nonfinite"):
             break
     metrics = _combine_results(results)
-    if kl_everywhere:  # every sampled group forwarded, normalised over all of them (alpha 1)
+    if kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
         metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
                         "groups_kl_only": kl_only, "alpha": 1.0})
     if needs:  # the same on every process (it depends on the loss only): the collective below matches
@@ -403,7 +399,7 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     """One optimizer step on `step.chunks`, the loss their sum over the global `step.normalizer` (AGE: the
     valid groups' count; without AGE every sampled sequence's, alpha = 1).
 
-    The normaliser is the count over ALL processes (sequences, or tokens for `token_mean`), and each
+    The normalizer is the count over ALL processes (sequences, or tokens for `token_mean`), and each
     process's loss is multiplied by the number of processes because gradients are then averaged over
     processes: the update's gradient is the mean over every valid sequence of every process.
     Under DDP the fast paths of `token_logps` run the bare model, outside DDP's hooks, so every
@@ -479,7 +475,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                         sums.gap_count + count
                     if tis_cap > 0:
                         logps = logps * truncated_is_weights(logps, sampler, mask, tis_cap)  # [n, C]
-                router = policy.adapter.router_aux_loss(model)  # MoE load balancing (None unless turned on)
+                router_loss = router.router_aux_loss(model)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
@@ -488,8 +484,8 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                                               ref_logps=ref[index] if ref is not None else None,
                                               aggregation=step.aggregation, normalizer=step.normalizer,
                                               **step.options)
-                    if router is not None:  # averaged over the micro-batches, weighted by their sequences
-                        loss = loss + router * (len(adv) / step.sequences)
+                    if router_loss is not None:  # averaged over the micro-batches, weighted by their sequences
+                        loss = loss + router_loss * (len(adv) / step.sequences)
                     sums.loss += float(loss.detach())
                     sums.logp += info["logp_mean"] * info["num_tokens"]
                     sums.tokens += int(info["num_tokens"])

@@ -72,19 +72,19 @@ def make_accelerator(engine: str):
 
 def fixed_rollouts(policy, task):
     """8 prompts of the shapes task, G completions each with known tokens, lengths and rewards."""
-    from gpg_vl.models.load import PromptBatch
+    from gpg_vl.models.batch import PromptBatch
     from gpg_vl.objective import group_advantages
 
     rows = task.load(task.train_split)[:len(REWARDS)]
-    prompts: PromptBatch = policy.adapter.encode([task.messages(r) for r in rows], ids=[str(i) for i in range(8)])
+    prompts: PromptBatch = policy.family.encode([task.messages(r) for r in rows], ids=[str(i) for i in range(8)])
     generator = torch.Generator().manual_seed(1)
     count, width = len(rows) * GROUP_SIZE, 7
     vocab = policy.model.get_input_embeddings().num_embeddings
-    allowed = torch.tensor([t for t in range(vocab) if t not in policy.adapter.suppressed_ids])
+    allowed = torch.tensor([t for t in range(vocab) if t not in policy.family.suppressed_ids])
     ids = allowed[torch.randint(len(allowed), (count, width), generator=generator)]  # [8 * G, 7]
     lengths = torch.randint(1, width + 1, (count,), generator=generator)  # [8 * G]
     mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [8 * G, 7]
-    ids = ids.masked_fill(~mask, policy.adapter.pad_id)
+    ids = ids.masked_fill(~mask, policy.family.pad_id)
     rewards = torch.tensor(REWARDS)  # [8, G]
     advantages, valid = group_advantages(rewards)
     return rows, prompts, ids, mask, rewards, advantages, valid
@@ -124,13 +124,14 @@ def run_update(out: Path, engine: str, dtype: str, cases: list[str] | None = Non
     from gpg_vl import get_task
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.models.load import Policy, load_policy
+    from gpg_vl.models.scoring import choose_scoring_path
     from gpg_vl.train.update import Learner, build_reference, place_reference, update
 
     accelerator = make_accelerator(engine)
     rank, world = accelerator.process_index, accelerator.num_processes
     task = get_task("shapes", train_size=16, test_size=4)
     # Plain SGD without clipping: the weights then move by exactly lr x the gradient, so a gradient off by
-    # any factor (a missing x num_processes, a local normaliser) shows. AdamW's first step (g / |g|) and
+    # any factor (a missing x num_processes, a local normalizer) shows. AdamW's first step (g / |g|) and
     # clipping to a norm would both hide a wrong scale; the trainer's own optimizer is tested elsewhere.
     settings = TrainerSettings(group_size=GROUP_SIZE, micro_batch_size=4, lr=0.1, max_grad_norm=1e9)
     results = {"world": world, "engine": str(accelerator.distributed_type), "cases": {}}
@@ -150,14 +151,16 @@ def run_update(out: Path, engine: str, dtype: str, cases: list[str] | None = Non
         optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
         scheduler = get_scheduler("constant", optimizer)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-        policy = Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, policy.name_or_path)
+        policy = Policy(accelerator.unwrap_model(model), policy.processor, policy.family, policy.name_or_path)
         results["offload"] = sorted({type(group.offload_policy).__name__ for module in model.modules()
                                      if hasattr(module, "_get_fsdp_state")
                                      for group in module._get_fsdp_state()._fsdp_param_groups})
         reference = place_reference(reference, accelerator)  # sharded like the policy under FSDP2
         if reference is not None and accelerator.distributed_type == DistributedType.FSDP:
             results["reference_sharded"] = isinstance(reference.model, FSDPModule)
-        learner = Learner(policy, model, optimizer, scheduler, accelerator, case_settings, temperature=1.0,
+        path = choose_scoring_path(policy.family, model, share_prompt=case_settings.share_prompt,
+                                   share_vision=case_settings.share_vision)
+        learner = Learner(policy, model, optimizer, scheduler, accelerator, case_settings, temperature=1.0, path=path,
                           reference=reference)
         metrics = [update(learner, attempts) for _ in range(2)]
         weights = full_weights(accelerator, model)

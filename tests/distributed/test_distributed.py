@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.scoring import token_logps
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +146,7 @@ def test_placeholder_micro_batch_reaches_every_parameter_with_a_zero_gradient(po
 
     prompts, prompt_index, ids, mask, _ = placeholder_chunk(policy, [], torch.device("cpu"))
     assert "pixel_values" in prompts.inputs
-    logps = policy.adapter.token_logps(policy.model, prompts, prompt_index, ids, mask)  # [1, 1]
+    logps = token_logps(policy.family, policy.model, prompts, prompt_index, ids, mask)  # [1, 1]
     (torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0).backward()
     untouched = [n for n, p in policy.model.named_parameters() if p.grad is None]
     assert not untouched

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.scoring import path_for
 
 from gpg_vl.config.compose import load_config
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
@@ -83,7 +84,7 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_without_age_only_the_normaliser_changes_to_every_sampled_sequence_across_resampled_attempts(policy, shapes):
+def test_without_age_only_the_normalizer_changes_to_every_sampled_sequence_across_resampled_attempts(policy, shapes):
     """Two attempts (a resampled step) of 3 groups x G 2, 3 of the 6 groups valid: the gradient the optimizer
     steps on without AGE is exactly (valid sequences / sampled sequences) = 1/2 of the AGE gradient."""
     from accelerate import Accelerator
@@ -105,7 +106,7 @@ def test_without_age_only_the_normaliser_changes_to_every_sampled_sequence_acros
         scheduler = get_scheduler("constant", optimizer)
         settings = TrainerSettings(age=age, micro_batch_size=4, max_grad_norm=1e9)
         result = update(Learner(dataclasses.replace(policy, model=model), model, optimizer, scheduler, accelerator,
-                                settings, temperature=1.0), attempts)
+                                settings, temperature=1.0, path=path_for(policy.family, model, settings)), attempts)
         losses[age], grads[age] = result["loss"], optimizer.grad
     assert grads[True].abs().max() > 0
     assert losses[False] == pytest.approx(0.5 * losses[True], rel=1e-5)

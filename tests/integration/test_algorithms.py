@@ -10,6 +10,7 @@ from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
+from gpg_vl.models import scoring
 from gpg_vl.train.loop import RunSettings, setup_policy, train
 
 TINY = ["task=shapes", "model=tiny", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4",
@@ -46,15 +47,15 @@ def test_presets_print_their_values_and_every_key_stays_overridable(capsys):
 
 
 def test_grpo_takes_mu_times_mini_batches_steps_and_scores_old_and_reference_once_per_rollout(tmp_path, policy,
-                                                                                               shapes):
+                                                                                               shapes, monkeypatch):
     calls = []
-    original = policy.adapter.token_logps
+    original = scoring.token_logps
 
-    def counting(model, *args, **kwargs):
+    def counting(family, model, *args, **kwargs):
         calls.append((torch.is_grad_enabled(), model))
-        return original(model, *args, **kwargs)
+        return original(family, model, *args, **kwargs)
 
-    policy.adapter.token_logps = counting
+    monkeypatch.setattr(scoring, "token_logps", counting)
     settings = TrainerSettings(max_steps=2, group_size=4, batch_size=4, micro_batch_size=16, micro_batch_tokens=0,
                                lr=1e-3, eval_before=False, eval_after=False, beta_th=0.0,
                                advantage="std_normalized", loss="grpo", kl_coef=0.04, ppo_epochs=2,
@@ -79,15 +80,15 @@ def test_grpo_takes_mu_times_mini_batches_steps_and_scores_old_and_reference_onc
     assert any(abs(m["logp_drift"]) > 0 for m in metrics)
 
 
-def test_gpg_keeps_one_forward_per_micro_batch_and_no_loss_report(tmp_path, policy, shapes):
+def test_gpg_keeps_one_forward_per_micro_batch_and_no_loss_report(tmp_path, policy, shapes, monkeypatch):
     calls = []
-    original = policy.adapter.token_logps
+    original = scoring.token_logps
 
-    def counting(model, *args, **kwargs):
+    def counting(*args, **kwargs):
         calls.append(torch.is_grad_enabled())
-        return original(model, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    policy.adapter.token_logps = counting
+    monkeypatch.setattr(scoring, "token_logps", counting)
     trainer = TrainerSettings(max_steps=2, group_size=4, batch_size=4, micro_batch_tokens=0, micro_batch_size=4,
                               eval_before=False, eval_after=False, beta_th=0)
     train(setup_policy(policy, shapes, RunSettings(trainer, RolloutSettings(max_new_tokens=12), output_dir=tmp_path)))

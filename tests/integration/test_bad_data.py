@@ -257,13 +257,13 @@ def test_a_run_skips_and_counts_bad_rows_and_goes_on(tmp_path, monkeypatch):
     from gpg_vl.models import qwen as base  # the Qwen families (models.load no longer re-exports them)
 
     encoded = []
-    original = base.QwenVLAdapter.encode
+    original = base.QwenVLFamily.encode
 
     def spy(self, messages_batch, ids=None, tools=None):
         encoded.extend(ids or [])
         return original(self, messages_batch, ids, tools)
 
-    monkeypatch.setattr(base.QwenVLAdapter, "encode", spy)
+    monkeypatch.setattr(base.QwenVLFamily, "encode", spy)
     out = tmp_path / "run"
     train_main(load_config("train", [f"output_dir={out}", "task=geoqa", "model=tiny", f"data.path={file}",
                                       "data.max_bad_fraction=0.7", "trainer.max_steps=3", "trainer.epochs=null",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import train_run as run
+from helpers.runs import train_run as run
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 

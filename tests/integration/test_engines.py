@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.scoring import path_for, token_logps
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
@@ -116,7 +117,7 @@ def test_decode_loop_samples_the_tokens_generate_samples_from_the_same_seed(poli
 
 def test_decode_loop_stops_at_eos_and_ignore_eos_never_samples_it(policy, shapes):
     prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:2]])
-    eos = torch.tensor(policy.adapter.eos_ids)
+    eos = torch.tensor(policy.family.eos_ids)
     forced = generate(policy, prompts.batch, group_size=2, sampling=Sampling(max_new_tokens=9, ignore_eos=True))
     assert forced.completion_ids.shape == (4, 9) and forced.completion_mask.all()
     assert not torch.isin(forced.completion_ids, eos).any()
@@ -149,7 +150,7 @@ def test_hf_engine_through_the_seam(policy, shapes):
 # the vLLM engine's pure parts, with a fake LLM
 # ---------------------------------------------------------------------------------------------
 def test_vllm_prompts_hold_one_placeholder_per_image_and_the_processors_pixels(policy, shapes):
-    family = policy.adapter
+    family = policy.family
     messages = [shapes.messages(r) for r in shapes.load("train")[:2]]
     encoded = family.encode([list(m) for m in messages])
     requests = prompt_requests(family, messages)
@@ -167,7 +168,7 @@ def test_vllm_prompts_hold_one_placeholder_per_image_and_the_processors_pixels(p
 
 
 def test_vllm_sampling_params_match_the_hf_engine(policy):
-    family = policy.adapter
+    family = policy.family
     kwargs = sampling_kwargs(family, Sampling(32, temperature=0.7, top_p=0.9), group_size=8)
     assert kwargs["n"] == 8 and kwargs["max_tokens"] == 32 and kwargs["temperature"] == 0.7 and kwargs["top_p"] == 0.9
     assert kwargs["logprobs"] == 0 and not kwargs["ignore_eos"] and kwargs["stop_token_ids"] == family.eos_ids
@@ -224,7 +225,7 @@ class FakeLLM:
 
 
 def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
-    eos = policy.adapter.eos_ids[0]
+    eos = policy.family.eos_ids[0]
     fake = FakeLLM([11, 12, eos, 13])
     engine = VLLMEngine(policy, RolloutSettings(), llm=fake, sampling_params=dict)
     assert engine.returns_logps
@@ -233,7 +234,7 @@ def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
     assert set(fake.loaded) == {name for name, _ in engine_weights(policy.model)} and fake.loaded  # synced at start
     prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:2]])
     rollout = engine.generate(prompts, 3, Sampling(max_new_tokens=4))
-    assert rollout.completion_ids.tolist() == [[11, 12, eos, policy.adapter.pad_id]] * 6
+    assert rollout.completion_ids.tolist() == [[11, 12, eos, policy.family.pad_id]] * 6
     assert rollout.completion_mask.tolist() == [[True, True, True, False]] * 6
     assert torch.allclose(rollout.sampler_logps[0], torch.tensor([-0.25, -0.5, -0.75, 0.0]))
     with torch.no_grad():
@@ -254,7 +255,7 @@ def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
 def test_vllm_engine_options(policy):
     options = engine_options(RolloutSettings(max_new_tokens=64, max_prompt_tokens=1000,
                                              vllm={"tensor_parallel_size": 2, "gpu_memory_utilization": 0.3}),
-                             model_path="/m", family=policy.adapter, dtype=torch.bfloat16, seed=3)
+                             model_path="/m", family=policy.family, dtype=torch.bfloat16, seed=3)
     assert options["distributed_executor_backend"] == "external_launcher" and options["tensor_parallel_size"] == 2
     assert options["max_model_len"] == 1064 and options["dtype"] == "bfloat16" and options["load_format"] == "dummy"
     assert options["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 50176}
@@ -298,7 +299,7 @@ def test_truncated_importance_weights_by_hand_and_without_gradient():
 
 def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, shapes):
     """The update with sampler log-probs: equal ones give mismatch 0 and (with TIS) the plain gradient;
-    a sampler twice as likely on every token (w = 1/2) halves it; AGE's normaliser is unchanged."""
+    a sampler twice as likely on every token (w = 1/2) halves it; AGE's normalizer is unchanged."""
     from accelerate import Accelerator
     from transformers import get_scheduler
 
@@ -316,15 +317,16 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
     attempt.valid = torch.tensor([True, True])
     settings = TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0, share_prompt=False)
     mask = attempt.rollout.completion_mask
-    logps = policy.adapter.token_logps(policy.model, attempt.prompts, [0, 0, 1, 1], attempt.rollout.completion_ids,
-                                       mask, share_prompt=False).detach()
+    logps = token_logps(policy.family, policy.model, attempt.prompts, [0, 0, 1, 1], attempt.rollout.completion_ids,
+                        mask, share_prompt=False).detach()
 
     def gradient(sampler, tis_cap):
         attempt.rollout.sampler_logps = sampler
         accelerator = Accelerator(cpu=True)
         optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
         learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), accelerator, settings,
-                          temperature=1.0, correction=Correction(sampler_check=sampler is not None, tis_cap=tis_cap))
+                          temperature=1.0, path=path_for(policy.family, policy.model, settings),
+                          correction=Correction(sampler_check=sampler is not None, tis_cap=tis_cap))
         result = update(learner, [attempt])
         return result, policy.model.lm_head.weight.grad
 
@@ -367,27 +369,27 @@ def test_engine_weights_are_the_checkpoints_and_lora_is_merged_then_unmerged(pol
 
     policy.model.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / "model.safetensors"))
-    pushed = dict(engine_weights(policy.model, policy.adapter))
+    pushed = dict(engine_weights(policy.model, policy.family))
     assert set(pushed) <= set(saved) and set(saved) - set(pushed) <= {"lm_head.weight"}  # tied: saved once
     assert all(torch.equal(pushed[name], saved[name]) for name in pushed)
     lora = apply_lora(policy.model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj"],
-                      vision_modules=policy.adapter.vision_modules(policy.model))
+                      vision_modules=policy.family.vision_modules(policy.model))
     for name, parameter in lora.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.1)
     name = next(n for n in pushed if n.endswith("self_attn.q_proj.weight") and "visual" not in n)
     before = pushed[name].clone()
     with merged_lora(lora):
-        merged = dict(engine_weights(lora, policy.adapter))
+        merged = dict(engine_weights(lora, policy.family))
     assert set(merged) == set(pushed) and not torch.equal(merged[name], before)
-    again = dict(engine_weights(lora, policy.adapter))
+    again = dict(engine_weights(lora, policy.family))
     assert torch.allclose(again[name], before, atol=1e-6)  # unmerged after the sync
 
 
 def test_vllm_gets_videos_as_multi_modal_data_with_the_trainer_s_frames_and_metadata(policy):
-    from video_clips import clip_frames
+    from helpers.video_clips import clip_frames
 
-    family = policy.adapter
+    family = policy.family
     messages = [[{"role": "user", "content": [{"type": "video", "video": clip_frames(8), "fps": 2},
                                               {"type": "text", "text": "Where does the dot go?"}]}]]
     fake = FakeLLM([11, family.eos_ids[0]])

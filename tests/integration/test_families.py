@@ -11,19 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import tiny_family_path
+from helpers.scoring import token_logps
 from PIL import Image
-from runs import tiny_family_path
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from gpg_vl.cli import build_policy, train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.errors import UserError
+from gpg_vl.models import router
 from gpg_vl.models.load import load_policy
 from gpg_vl.reward.primitives import format_reward
 from gpg_vl.rollout.types import in_task_frame
 
-VOWELS = "task=vowel_task:Vowels"
+VOWELS = "task=helpers.vowel_task:Vowels"
 QUICK = ["trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=5", "trainer.eval_before=false",
          "trainer.beta_th=0", "eval.limit=2", "eval.max_new_tokens=4", "trainer.lr=1e-2"]
 ALIASES = {"llava_onevision": "tiny-llava-onevision", "gemma3": "tiny-gemma3", "gemma4": "tiny-gemma4",
@@ -101,7 +103,7 @@ def test_freeze_vision_and_lora_find_the_vision_tower_through_the_family(tmp_pat
     trained = weights(tmp_path / "frozen" / "final")
     policy = build_policy(load_config("train", [f"model={ALIASES[family]}",
                                                 f"model.name_or_path={family_paths[family]}"]).model, "cpu")
-    roots = policy.adapter.vision_modules(policy.model)
+    roots = policy.family.vision_modules(policy.model)
     assert roots
     vision = {n for n in trained if any(n.startswith(r + ".") for r in roots)}
     assert vision and all(torch.equal(trained[n], before[n]) for n in vision)
@@ -125,14 +127,14 @@ def test_box_frames_are_declared_and_a_grounding_task_on_a_family_without_one_fa
 
     for family, frame in FRAMES.items():
         policy = load_policy(str(family_paths[family]), family="auto", dtype="float32")
-        assert policy.adapter.box_frame == frame
+        assert policy.family.box_frame == frame
         if frame == "none":
             with pytest.raises(UserError, match="declares no box frame"):
-                policy.adapter.require_box_frame(Grounding())
+                policy.family.require_box_frame(Grounding())
         else:
-            policy.adapter.require_box_frame(Grounding())
+            policy.family.require_box_frame(Grounding())
             size = (200, 100, 64, 32)
-            box = policy.adapter.to_original_frame(policy.adapter.to_model_frame((10, 20, 150, 90), size), size)
+            box = policy.family.to_original_frame(policy.family.to_model_frame((10, 20, 150, 90), size), size)
             assert box == pytest.approx((10, 20, 150, 90))
 
 
@@ -141,7 +143,7 @@ def test_qwen3_5_completions_start_inside_the_opened_think_block_and_are_scored_
     policy = load_policy(str(family_paths["qwen3_5"]), family="auto", dtype="float32")
     question = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 48))},
                                              {"type": "text", "text": "Which colour?"}]}]
-    prompts = policy.adapter.encode([question])
+    prompts = policy.family.encode([question])
     assert prompts.texts[0].endswith("<|im_start|>assistant\n<think>\n")  # the template opened the block
     completion = "it is dark</think><answer>black</answer>"  # what the model writes from inside the block
 
@@ -154,7 +156,7 @@ def test_qwen3_5_completions_start_inside_the_opened_think_block_and_are_scored_
     # enable_thinking=false: the template's closed, empty block; the completion is the answer alone
     off = build_policy(load_config("train", ["model=tiny-qwen3.5", f"model.name_or_path={family_paths['qwen3_5']}",
                                              "model.enable_thinking=false"]).model, "cpu")
-    closed = off.adapter.encode([question])
+    closed = off.family.encode([question])
     assert closed.texts[0].endswith("assistant\n<think>\n\n</think>\n\n")
     assert in_task_frame(off, Task(), ["<answer>black</answer>"], closed, 1) == ["<answer>black</answer>"]
 
@@ -184,14 +186,14 @@ def test_moe_router_aux_loss_when_on_is_the_models_own_and_reaches_the_router(tm
     policy = build_policy(cfg.model, "cpu")
     question = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 48))},
                                              {"type": "text", "text": "Which colour?"}]}]
-    prompts = policy.adapter.encode([question])
+    prompts = policy.family.encode([question])
     completion = torch.randint(20, 300, (1, 4), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(completion, dtype=torch.bool)
     with torch.no_grad():  # sampling-like forwards are not recorded
-        policy.adapter.token_logps(policy.model, prompts, [0], completion, mask, share_vision=False)
-    assert policy.adapter.router_aux_loss(policy.model) is None
-    policy.adapter.token_logps(policy.model, prompts, [0], completion, mask, share_vision=False, share_prompt=False)
-    ours = policy.adapter.router_aux_loss(policy.model)
+        token_logps(policy.family, policy.model, prompts, [0], completion, mask, share_vision=False)
+    assert router.router_aux_loss(policy.model) is None
+    token_logps(policy.family, policy.model, prompts, [0], completion, mask, share_vision=False, share_prompt=False)
+    ours = router.router_aux_loss(policy.model)
     # the completion's last token predicts nothing: the router loss leaves it out (the prompt-once path never
     # runs it); masking the last position changes no other position's output (causal attention)
     last_out = torch.cat([mask[:, :-1], torch.zeros_like(mask[:, -1:])], 1).long()
@@ -205,15 +207,15 @@ def test_moe_router_aux_loss_when_on_is_the_models_own_and_reaches_the_router(tm
     assert routers and all(g is not None and g.abs().sum() > 0 for g in routers)
     # a forward nobody weighed (the reference one above) is recorded too, every token counting; weighed by
     # its attention mask it gives the same loss as ours
-    assert policy.adapter.router_aux_loss(policy.model) is not None
-    policy.adapter.weigh_router_tokens(policy.model, lambda: full["attention_mask"])
+    assert router.router_aux_loss(policy.model) is not None
+    router.weigh_router_tokens(policy.model, lambda: full["attention_mask"])
     policy.model(**full)
-    torch.testing.assert_close(policy.adapter.router_aux_loss(policy.model), ours)
-    assert policy.adapter.router_aux_loss(policy.model) is None  # each forward's logits are used once
+    torch.testing.assert_close(router.router_aux_loss(policy.model), ours)
+    assert router.router_aux_loss(policy.model) is None  # each forward's logits are used once
 
 
 def test_moe_router_loss_leaves_padding_out_and_is_the_same_on_prompt_once_and_plain_paths(tmp_path, monkeypatch):
-    from gpg_vl.models.family import router_balance_loss
+    from gpg_vl.models.router import router_balance_loss
 
     monkeypatch.setenv("GPG_VL_CACHE", str(tmp_path))
     policy = build_policy(load_config("train", ["model=tiny-qwen3.5-moe", "model.router_aux_loss_coef=1"]).model,
@@ -221,16 +223,16 @@ def test_moe_router_loss_leaves_padding_out_and_is_the_same_on_prompt_once_and_p
     questions = [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", size)},
                                                {"type": "text", "text": text}]}]
                  for size, text in (((64, 48), "Which colour?"), ((32, 32), "How many shapes are in the picture?"))]
-    prompts = policy.adapter.encode(questions)  # two prompts of different lengths: left padding
+    prompts = policy.family.encode(questions)  # two prompts of different lengths: left padding
     index = [0, 0, 1, 1]  # G = 2
     completion = torch.randint(20, 300, (4, 5), generator=torch.Generator().manual_seed(1))
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     losses, grads = [], []
     for share_prompt in (False, True):
         policy.model.zero_grad()
-        policy.adapter.token_logps(policy.model, prompts, index, completion, mask, share_prompt=share_prompt,
-                                   share_vision=False)
-        loss = policy.adapter.router_aux_loss(policy.model)
+        token_logps(policy.family, policy.model, prompts, index, completion, mask, share_prompt=share_prompt,
+                    share_vision=False)
+        loss = router.router_aux_loss(policy.model)
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten() for n, p in policy.model.named_parameters()

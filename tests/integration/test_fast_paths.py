@@ -13,13 +13,14 @@ import time
 import pytest
 import torch
 from accelerate import Accelerator
+from helpers.runs import tiny_family_policy
+from helpers.scoring import path_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from runs import tiny_family_policy
 from transformers import get_scheduler
 
 from gpg_vl.config.schema import TrainerSettings
-from gpg_vl.models.load import PromptBatch
+from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.scoring import ReservedLayer, completion_logps, reserve
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
@@ -45,7 +46,7 @@ def mixed_prompts(policy, shapes) -> PromptBatch:
     two_images = [{"role": "user", "content": [
         {"type": "image", "image": rows[0]["image"]}, {"type": "image", "image": rows[2]["image"]},
         {"type": "text", "text": "Which image has more shapes?"}]}]
-    prompts = policy.adapter.encode([shapes.messages(rows[0]), longer, two_images])
+    prompts = policy.family.encode([shapes.messages(rows[0]), longer, two_images])
     assert len(set(prompts.inputs["attention_mask"].sum(dim=1).tolist())) == 3
     assert prompts.images_per_prompt == [1, 1, 2]
     return prompts
@@ -65,8 +66,8 @@ def one_update_gradient(policy, attempt: Attempt, settings: TrainerSettings) -> 
     model.train()
     optimizer = RecordingSGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     scheduler = get_scheduler("constant", optimizer)
-    result = update(Learner(policy, model, optimizer, scheduler, Accelerator(cpu=True), settings, temperature=0.7),
-                    [attempt])
+    result = update(Learner(policy, model, optimizer, scheduler, Accelerator(cpu=True), settings, temperature=0.7,
+                            path=path_for(policy.family, model, settings)), [attempt])
     assert result["skipped"] == 0.0
     return optimizer.seen
 
@@ -83,7 +84,7 @@ def mixed_attempt(policy, shapes) -> Attempt:
     rewards = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.9, 0.4], [1.0, 1.0, 1.0]])
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     return Attempt(rows=[{}] * 3, prompts=prompts,
-                   rollout=Rollout(ids.masked_fill(~mask, policy.adapter.pad_id), mask, [""] * 9, group_size),
+                   rollout=Rollout(ids.masked_fill(~mask, policy.family.pad_id), mask, [""] * 9, group_size),
                    rewards=rewards, components={}, advantages=advantages, valid=torch.tensor([True, True, False]))
 
 
@@ -114,11 +115,11 @@ def lora_policy(policy):
     from gpg_vl.models.load import Policy
     from gpg_vl.models.lora import apply_lora
 
-    lora = apply_lora(policy.model, r=4, alpha=8.0, vision_modules=policy.adapter.vision_modules(policy.model))
+    lora = apply_lora(policy.model, r=4, alpha=8.0, vision_modules=policy.family.vision_modules(policy.model))
     for name, parameter in lora.named_parameters():
         if "lora_B" in name:  # B starts at zero, which would make the base path's gradient the only one
             torch.nn.init.normal_(parameter, std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    return Policy(lora, policy.processor, policy.adapter, policy.name_or_path)
+    return Policy(lora, policy.processor, policy.family, policy.name_or_path)
 
 
 def test_fast_paths_run_the_lora_adapters_and_give_their_plain_gradient(policy, shapes):
@@ -147,11 +148,11 @@ def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes)
     policy = family_policy
     prompts = mixed_prompts(policy, shapes)
     group_size = 2
-    declined = policy.adapter.prefill_once_unsupported(policy.model)
+    declined = policy.family.prefill_once_unsupported(policy.model)
     if declined is not None:  # the family steps aside (said once, in its one-line description)
         assert type(policy.model).__name__ in ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration") \
             and "sliding-window" in declined, declined
-        assert declined in policy.adapter.describe(policy.model)
+        assert declined in policy.family.describe(policy.model)
         return
     greedy = Sampling(max_new_tokens=12, greedy=True)
     # the reference: transformers' generate prefilling every one of the B * G rows
@@ -163,7 +164,7 @@ def test_prompt_once_prefill_gives_the_same_greedy_tokens(family_policy, shapes)
                             static_cache=static_cache, reserve_cache=reserve_cache, decode=decode)
             assert torch.equal(once.completion_ids, every_row.completion_ids), (decode, static_cache, reserve_cache)
             assert torch.equal(once.completion_mask, every_row.completion_mask)
-    assert policy.adapter.position_ids(policy.model, prompts.inputs).shape[-2] == 3  # stale rope deltas are reset
+    assert policy.family.position_ids(policy.model, prompts.inputs).shape[-2] == 3  # stale rope deltas are reset
 
 
 def test_a_reserved_cache_layer_gives_what_a_dynamic_layer_gives_without_copying_per_token():
@@ -278,7 +279,7 @@ def test_micro_batch_cost_counts_padding_and_shared_prompts():
 # ----------------------------------------------------------------------------- several processes
 def _two_group_attempt(policy, shapes, rank: int, valid: list[bool]) -> Attempt:
     rows = shapes.load("train")[2 * rank:2 * rank + 2]
-    prompts = policy.adapter.encode([shapes.messages(row) for row in rows])
+    prompts = policy.family.encode([shapes.messages(row) for row in rows])
     ids = torch.randint(20, 300, (4, 5), generator=torch.Generator().manual_seed(rank))  # [b * G, C]
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[1, 3:] = False
@@ -300,8 +301,9 @@ def _weight_change(attempts_of, share_prompt: bool, accelerator: Accelerator) ->
     optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
     model, optimizer, scheduler = accelerator.prepare(policy.model, optimizer, get_scheduler("constant", optimizer))
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    update(Learner(Policy(accelerator.unwrap_model(model), policy.processor, policy.adapter, "tiny"), model,
-                   optimizer, scheduler, accelerator, settings, temperature=1.0), attempts)
+    update(Learner(Policy(accelerator.unwrap_model(model), policy.processor, policy.family, "tiny"), model,
+                   optimizer, scheduler, accelerator, settings, temperature=1.0,
+                   path=path_for(policy.family, model, settings)), attempts)
     return torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
 
@@ -365,13 +367,13 @@ def test_the_scoring_path_is_chosen_once_and_micro_batches_keep_the_token_budget
     """Where prompt-once steps aside (gradient checkpointing, FSDP / ZeRO-3), the forward runs whole sequences,
     and the micro-batches are cut by the cost of whole sequences: none holds more than trainer.micro_batch_tokens."""
     import gpg_vl.distributed
-    from gpg_vl.models.family import choose_scoring_path
+    from gpg_vl.models.scoring import choose_scoring_path
 
     if engine == "gradient_checkpointing":
         policy.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         monkeypatch.setattr(gpg_vl.distributed, "forward_is_collective", lambda model: True)
-    path = choose_scoring_path(policy.adapter, policy.model, share_prompt=True, share_vision=True)
+    path = choose_scoring_path(policy.family, policy.model, share_prompt=True, share_vision=True)
     assert not path.prompt_once and path.shared_vision and path.wrapped == (engine == "sharded")
     attempt = mixed_attempt(policy, shapes)
     prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()

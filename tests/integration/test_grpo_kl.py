@@ -13,9 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.scoring import token_logps
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
-from gpg_vl.models.family import choose_scoring_path
+from gpg_vl.models import scoring
+from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train.sample import sample_attempt
 from gpg_vl.train.update import Learner, Reference, kl_on_every_group, update
@@ -96,7 +98,7 @@ def test_grpo_update_equals_trl_compute_loss_with_invalid_groups(policy, drawn, 
     assert kl_on_every_group(settings)
     model = copy.deepcopy(policy.model)
     optimizer = RecordingSGD(model.parameters(), lr=1.0)
-    path = choose_scoring_path(policy.adapter, model, share_prompt=settings.share_prompt,
+    path = choose_scoring_path(policy.family, model, share_prompt=settings.share_prompt,
                                share_vision=settings.share_vision)
     learner = Learner(dataclasses.replace(policy, model=model), model, optimizer, get_scheduler("constant", optimizer),
                       Accelerator(cpu=True), settings, temperature=1.0, path=path, reference=Reference(reference))
@@ -107,8 +109,8 @@ def test_grpo_update_equals_trl_compute_loss_with_invalid_groups(policy, drawn, 
     mask = rollout.completion_mask
 
     def logps(scorer):
-        return policy.adapter.token_logps(scorer, attempt.prompts, [s // 2 for s in everything],
-                                          rollout.completion_ids, mask, temperature=1.0, path=path)
+        return token_logps(policy.family, scorer, attempt.prompts, [s // 2 for s in everything],
+                           rollout.completion_ids, mask, temperature=1.0, path=path)
 
     with torch.no_grad():
         ref_logps = logps(reference)
@@ -127,7 +129,7 @@ def test_grpo_update_equals_trl_compute_loss_with_invalid_groups(policy, drawn, 
     assert (result["skipped"], result["optimizer_steps"], result["alpha"]) == (0.0, 1.0, 1.0)
 
 
-def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn):
+def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn, monkeypatch):
     from accelerate import Accelerator
     from transformers import get_scheduler
 
@@ -137,22 +139,23 @@ def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn):
         assert not kl_on_every_group(settings)
         forwarded = []
         model = copy.deepcopy(policy.model)
-        original = policy.adapter.token_logps
+        original = scoring.token_logps
 
-        def counting(scorer, prompts, prompt_index, *args, _original=original, _seen=forwarded, **kwargs):
+        def counting(family, scorer, prompts, prompt_index, *args, _original=original, _seen=forwarded, **kwargs):
             _seen.append(len(prompt_index))
-            return _original(scorer, prompts, prompt_index, *args, **kwargs)
+            return _original(family, scorer, prompts, prompt_index, *args, **kwargs)
 
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        adapter = copy.copy(policy.adapter)
-        adapter.token_logps = counting
-        result = update(Learner(dataclasses.replace(policy, model=model, adapter=adapter), model, optimizer,
+        monkeypatch.setattr(scoring, "token_logps", counting)
+        path = scoring.choose_scoring_path(policy.family, model, share_prompt=settings.share_prompt,
+                                           share_vision=settings.share_vision)
+        result = update(Learner(dataclasses.replace(policy, model=model), model, optimizer,
                                 get_scheduler("constant", optimizer), Accelerator(cpu=True), settings,
-                                temperature=1.0), [attempt])
+                                temperature=1.0, path=path), [attempt])
         assert sum(forwarded) == 2 and "groups_kl_only" not in result  # the one valid group's 2 sequences
-        empty = update(Learner(dataclasses.replace(policy, model=model, adapter=adapter), model, optimizer,
+        empty = update(Learner(dataclasses.replace(policy, model=model), model, optimizer,
                                get_scheduler("constant", optimizer), Accelerator(cpu=True), settings,
-                               temperature=1.0), [_attempt(drawn, [False] * 3, seed=3)])
+                               temperature=1.0, path=path), [_attempt(drawn, [False] * 3, seed=3)])
         assert empty["skipped"] == 1.0
 
 

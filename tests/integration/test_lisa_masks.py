@@ -332,12 +332,12 @@ def test_box_points_answer_prompt_and_rewards(reasonseg):
 
 
 def test_adapters_rewrite_seg_zero_points_into_original_pixels():
-    from gpg_vl.models.qwen import Qwen2VLAdapter, QwenVLAdapter
+    from gpg_vl.models.qwen import Qwen2VLFamily, QwenVLFamily
 
     text = '<answer>[{"bbox_2d": [100, 200, 500, 1000], "point_2d": [250,500]}]</answer>'
-    qwen2 = object.__new__(Qwen2VLAdapter)  # the frame maths need no processor
+    qwen2 = object.__new__(Qwen2VLFamily)  # the frame maths need no processor
     assert qwen2.completion_to_original(text, [(64, 48, 56, 56)]) == \
         '<answer>[{"bbox_2d": [6.4, 9.6, 32, 48], "point_2d": [16,24]}]</answer>'  # 0-1000 -> 64 x 48 px
-    qwen25 = object.__new__(QwenVLAdapter)
+    qwen25 = object.__new__(QwenVLFamily)
     assert qwen25.completion_to_original(text, [(64, 48, 128, 96)]) == \
         '<answer>[{"bbox_2d": [50, 100, 250, 500], "point_2d": [125,250]}]</answer>'  # resized 128 x 96 -> 64 x 48

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from runs import tiny_family_policy
+from helpers.runs import tiny_family_policy
 
 from gpg_vl.reward.judge import judge_prompt
 from gpg_vl.reward.local_judge import LocalJudge

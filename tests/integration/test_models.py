@@ -6,22 +6,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import tiny_family_path
+from helpers.scoring import token_logps
 from PIL import Image
-from runs import tiny_family_path
 from transformers import AutoModelForImageTextToText
 
 from gpg_vl.cli import build_policy, train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.errors import UserError
-from gpg_vl.models.load import FAMILIES, load_policy
+from gpg_vl.models.family import FAMILIES
+from gpg_vl.models.load import load_policy
 from gpg_vl.models.lora import LANGUAGE_LINEARS, apply_lora
-from gpg_vl.models.qwen import Qwen3VLAdapter
+from gpg_vl.models.qwen import Qwen3VLFamily
 from gpg_vl.models.tiny import EMBEDDED_TINY
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import generate
 
 ROOT = Path(__file__).resolve().parents[2]
-VOWELS = "task=vowel_task:Vowels"  # tests/ is on sys.path: one import, one registration
+VOWELS = "task=helpers.vowel_task:Vowels"  # tests/ is on sys.path: one import, one registration
 ALIASES = {"qwen2_vl": "tiny-qwen2-vl", "qwen2_5_vl": "tiny-qwen2.5-vl", "qwen3_vl": "tiny-qwen3-vl",
            "qwen3_vl_moe": "tiny-qwen3-vl-moe", "qwen3_5": "tiny-qwen3.5", "qwen3_5_moe": "tiny-qwen3.5-moe"}
 QWEN = sorted(ALIASES)  # the Qwen families' tiny models (the generic ones are tested in test_generic.py)
@@ -69,9 +71,9 @@ def tiny_model(family, tiny_paths):
 def test_each_family_generates_and_its_images_reach_the_language_model(tiny_paths, family):
     policy = load(tiny_paths, family)
     assert type(policy.model).__name__ == CLASSES[family]
-    prompts = policy.adapter.encode([question(picture(0)), question(picture(1))])
+    prompts = policy.family.encode([question(picture(0)), question(picture(1))])
     patch = 16 if family.startswith("qwen3") else 14
-    assert policy.adapter.image_patch_size == patch
+    assert policy.family.image_patch_size == patch
     width, height = prompts.image_sizes[0][0][2:]
     assert width % (2 * patch) == 0 and height % (2 * patch) == 0  # resized to whole merged patches
     assert prompts.inputs["image_grid_thw"].tolist() == [[1, height // patch, width // patch]] * 2
@@ -80,11 +82,11 @@ def test_each_family_generates_and_its_images_reach_the_language_model(tiny_path
     # the same completions score differently under different images, and sharing the vision tower's
     # output over a group (DeepStack features included for Qwen3-VL) equals encoding per sequence
     index = [0, 0, 0, 1, 1, 1]
-    shared = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids, result.completion_mask)
-    repeated = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids,
+    shared = token_logps(policy.family, policy.model, prompts, index, result.completion_ids, result.completion_mask)
+    repeated = token_logps(policy.family, policy.model, prompts, index, result.completion_ids,
                                           result.completion_mask, share_vision=False)
     torch.testing.assert_close(shared, repeated, rtol=1e-5, atol=1e-6)
-    swapped = policy.adapter.token_logps(policy.model, prompts, [1, 1, 1, 0, 0, 0], result.completion_ids,
+    swapped = token_logps(policy.family, policy.model, prompts, [1, 1, 1, 0, 0, 0], result.completion_ids,
                                          result.completion_mask)
     assert not torch.allclose(shared, swapped)
 
@@ -105,20 +107,20 @@ def test_each_family_trains_two_steps_through_the_trainer_and_every_parameter_ch
 @pytest.mark.parametrize("family", QWEN)
 def test_boxes_round_trip_between_original_pixels_and_the_model_frame(tiny_paths, family):
     policy = load(tiny_paths, family)
-    prompts = policy.adapter.encode([question(picture(0, (333, 217)))])
+    prompts = policy.family.encode([question(picture(0, (333, 217)))])
     size = prompts.image_sizes[0][0]
     width, height, resized_width, resized_height = size
     assert (width, height) == (333, 217) and (resized_width, resized_height) != (333, 217)
     box = (12.0, 30.5, 301.0, 200.0)
-    model_box = policy.adapter.to_model_frame(box, size)
-    whole = policy.adapter.to_model_frame((0, 0, width, height), size)
+    model_box = policy.family.to_model_frame(box, size)
+    whole = policy.family.to_model_frame((0, 0, width, height), size)
     if family == "qwen2_5_vl":  # absolute pixels of the resized image
         assert whole == pytest.approx((0, 0, resized_width, resized_height))
     else:  # 0-1000, relative to the image
         assert whole == pytest.approx((0, 0, 1000, 1000))
-    assert policy.adapter.to_original_frame(model_box, size) == pytest.approx(box, abs=1e-9)
+    assert policy.family.to_original_frame(model_box, size) == pytest.approx(box, abs=1e-9)
     text = "<answer>[" + ", ".join(f"{v:.6f}" for v in model_box) + "]</answer>"
-    assert policy.adapter.completion_to_original(text, [size]) == "<answer>[12, 30.5, 301, 200]</answer>"
+    assert policy.family.completion_to_original(text, [size]) == "<answer>[12, 30.5, 301, 200]</answer>"
 
 
 # ---- base models: raw-text prompts ------------------------------------------------------------------
@@ -126,15 +128,15 @@ def test_base_model_aliases_use_raw_prompts_with_the_images_inline(tiny_paths):
     assert load_config("train", ["model=qwen2-vl-2b"]).model.prompt_style == "raw"
     assert load_config("train", ["model=qwen2-vl-2b-instruct"]).model.prompt_style == "chat"
     policy = load(tiny_paths, "qwen2_vl", prompt_style="raw", raw_template="Question: {prompt}\nAnswer:")
-    text = policy.adapter.render(question(picture(0), "How many?"))
+    text = policy.family.render(question(picture(0), "How many?"))
     assert text == "Question: <|vision_start|><|image_pad|><|vision_end|>How many?\nAnswer:"
-    prompts = policy.adapter.encode([question(picture(0), "How many?")])
+    prompts = policy.family.encode([question(picture(0), "How many?")])
     ids = prompts.inputs["input_ids"][0]
-    assert "<|im_start|>" not in policy.adapter.tokenizer.decode(ids)
+    assert "<|im_start|>" not in policy.family.tokenizer.decode(ids)
     merged_tokens = int(prompts.inputs["image_grid_thw"][0].prod()) // 4
     assert int((ids == policy.model.config.image_token_id).sum()) == merged_tokens
     assert generate(policy, prompts, group_size=2, sampling=Sampling(max_new_tokens=4)).completion_ids.shape == (2, 4)
-    default = load(tiny_paths, "qwen2_vl", prompt_style="raw").adapter.render(question(picture(0), "How many?"))
+    default = load(tiny_paths, "qwen2_vl", prompt_style="raw").family.render(question(picture(0), "How many?"))
     assert default.startswith("A conversation between User and Assistant.") and default.endswith(
         "User: <|vision_start|><|image_pad|><|vision_end|>How many?\nAssistant:")
 
@@ -171,7 +173,7 @@ def test_tiny_aliases_build_their_model_once_into_the_cache(tmp_path, monkeypatc
     monkeypatch.setenv("GPG_VL_CACHE", str(tmp_path))
     cfg = load_config("train", ["model=tiny-qwen3-vl"])
     policy = build_policy(cfg.model, "cpu")
-    assert isinstance(policy.adapter, Qwen3VLAdapter) and Path(policy.name_or_path) == tmp_path / "tiny-qwen3_vl"
+    assert isinstance(policy.family, Qwen3VLFamily) and Path(policy.name_or_path) == tmp_path / "tiny-qwen3_vl"
     stamp = (tmp_path / "tiny-qwen3_vl" / "model.safetensors").stat().st_mtime_ns
     build_policy(cfg.model, "cpu")
     assert (tmp_path / "tiny-qwen3_vl" / "model.safetensors").stat().st_mtime_ns == stamp
@@ -184,16 +186,16 @@ def test_tiny_aliases_build_their_model_once_into_the_cache(tmp_path, monkeypatc
 def test_lora_targets_the_language_model_only_unless_the_vision_tower_is_asked_for(tiny_paths):
     # Qwen2.5-VL's vision MLP also has gate/up/down_proj layers: the default must still leave it alone
     loaded = load(tiny_paths, "qwen2_5_vl")
-    model = apply_lora(loaded.model, r=4, alpha=8, vision_modules=loaded.adapter.vision_modules(loaded.model))
+    model = apply_lora(loaded.model, r=4, alpha=8, vision_modules=loaded.family.vision_modules(loaded.model))
     adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in model.named_parameters() if ".lora_A." in name}
     assert adapted and not [n for n in adapted if ".visual." in n]
     assert {n.rsplit(".", 1)[1] for n in adapted} == set(LANGUAGE_LINEARS)
     assert all(".lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     policy = load(tiny_paths, "qwen2_5_vl")
-    prompts = policy.adapter.encode([question(picture(0)), question(picture(1))])
+    prompts = policy.family.encode([question(picture(0)), question(picture(1))])
     completion = torch.randint(20, 300, (4, 5), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(completion, dtype=torch.bool)
-    shared, repeated = (policy.adapter.token_logps(model, prompts, [0, 0, 1, 1], completion, mask, share_vision=s)
+    shared, repeated = (token_logps(policy.family, model, prompts, [0, 0, 1, 1], completion, mask, share_vision=s)
                         for s in (True, False))
     torch.testing.assert_close(shared, repeated, rtol=1e-5, atol=1e-6)  # the PEFT model shares its vision tower
     with_vision = apply_lora(load(tiny_paths, "qwen2_5_vl").model, r=4, alpha=8, include_vision=True)
@@ -226,7 +228,7 @@ def test_lora_trains_its_adapter_only_and_saves_it_loadable_by_peft(tmp_path, ti
     # evaluating the folder (no LoRA settings) loads base + adapter, merged
     cfg = load_config("eval", [f"model={final}"])
     policy = build_policy(cfg.model, "cpu")
-    assert not hasattr(policy.model, "peft_config") and type(policy.adapter).__name__ == type(
+    assert not hasattr(policy.model, "peft_config") and type(policy.family).__name__ == type(
         FAMILIES[family].__new__(FAMILIES[family])).__name__
 
 
@@ -240,13 +242,13 @@ def test_lora_merged_save_loads_with_transformers_alone_and_equals_the_adapter(t
     with_adapter = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(EMBEDDED_TINY),
                                              final / "adapter")
     policy = load(tiny_paths, "qwen2_5_vl")
-    prompts = policy.adapter.encode([question(picture(0)), question(picture(1))])
+    prompts = policy.family.encode([question(picture(0)), question(picture(1))])
     completion = torch.randint(20, 300, (2, 5), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(completion, dtype=torch.bool)
     with torch.no_grad():
-        a = policy.adapter.token_logps(merged, prompts, [0, 1], completion, mask)
-        b = policy.adapter.token_logps(with_adapter, prompts, [0, 1], completion, mask)
-        c = policy.adapter.token_logps(policy.model, prompts, [0, 1], completion, mask)
+        a = token_logps(policy.family, merged, prompts, [0, 1], completion, mask)
+        b = token_logps(policy.family, with_adapter, prompts, [0, 1], completion, mask)
+        c = token_logps(policy.family, policy.model, prompts, [0, 1], completion, mask)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(a, c)  # and the adapter did change the model
     evaluated = build_policy(load_config("eval", [f"model={final}"]).model, "cpu").model  # the merged weights
@@ -284,7 +286,7 @@ def test_frozen_vision_tower_is_not_trained_nor_in_the_optimizer(tmp_path, tiny_
 @pytest.mark.parametrize("family", QWEN)
 def test_gradient_checkpointing_gives_the_same_gradient(tiny_paths, family):
     policy = load(tiny_paths, family)
-    prompts = policy.adapter.encode([question(picture(0)), question(picture(1))])
+    prompts = policy.family.encode([question(picture(0)), question(picture(1))])
     completion = torch.randint(20, 300, (4, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(completion, dtype=torch.bool)
     policy.model.train()
@@ -295,7 +297,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tiny_paths, family):
             layers = [m for m in policy.model.modules() if hasattr(m, "gradient_checkpointing")]
             assert layers and all(m.gradient_checkpointing for m in layers)  # language model and vision tower
         policy.model.zero_grad()
-        logps = policy.adapter.token_logps(policy.model, prompts, [0, 0, 1, 1], completion, mask)
+        logps = token_logps(policy.family, policy.model, prompts, [0, 0, 1, 1], completion, mask)
         logps.sum().backward()
         grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(policy.model.parameters()))

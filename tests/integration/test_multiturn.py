@@ -8,14 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.runs import tiny_family_policy
+from helpers.tool_engine import call_text
 from PIL import Image
-from runs import tiny_family_policy
 from test_fast_paths import assert_fast_paths_give_the_plain_gradient, one_update_gradient
-from tool_engine import call_text
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.batch import trim_left_padding
-from gpg_vl.models.family import ScoringPath
+from gpg_vl.models.scoring import ScoringPath, token_logps
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn import generate_trajectories
 from gpg_vl.rollout.trajectory import MultiTurnSettings, sequence_inputs
@@ -36,11 +36,11 @@ def prompts(policy) -> EnginePrompts:
                                               {"type": "text", "text": text}]}]
                 for size, color, text in (((200, 150), (0, 90, 0), "What is it?"),
                                           ((160, 240), (90, 0, 0), "Which shape is red? Look closely."))]
-    return EnginePrompts(policy.adapter.encode(messages), messages)
+    return EnginePrompts(policy.family.encode(messages), messages)
 
 
 def call_tokens(policy, box) -> list[int]:
-    family = policy.adapter
+    family = policy.family
     ids = family.tokenizer(call_text(family, box), add_special_tokens=False)["input_ids"]
     assert len(ids) < MAX_NEW
     return ids
@@ -48,7 +48,7 @@ def call_tokens(policy, box) -> list[int]:
 
 def script(policy, batch):
     """Row 0: a good crop then free text; row 1: free text; row 2: a box too small (an error); row 3: a crop."""
-    family = policy.adapter
+    family = policy.family
 
     def box(prompt, region):
         return "[" + ", ".join(str(round(v)) for v in family.to_model_frame(region, batch.image_sizes[prompt][0])) + "]"
@@ -100,7 +100,7 @@ def test_greedy_incremental_equals_naive_re_prefill(policy):
 
 def test_sampling_logps_equal_the_whole_sequence_in_one_forward(policy):
     batch, rollout = sample(policy, "incremental")
-    family, bare = policy.adapter, policy.model
+    family, bare = policy.family, policy.model
     for row, trajectory in enumerate(rollout.trajectories):
         prompt = trim_left_padding(batch.batch.select([row // 2]).inputs)
         full = sequence_inputs(prompt, trajectory)
@@ -120,7 +120,7 @@ def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
     both equal what the sampler recorded."""
 
     batch, rollout = sample(policy, "incremental")
-    family, model = policy.adapter, policy.model
+    family, model = policy.family, policy.model
     index = [row // 2 for row in range(len(rollout.trajectories))]
     loss_mask = rollout.loss_mask.bool()
     recorded = torch.zeros_like(rollout.loss_mask)
@@ -130,9 +130,9 @@ def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
     for name, path in (("plain", ScoringPath()), ("prompt_once", ScoringPath(prompt_once=True)),
                        ("chunked", ScoringPath(prompt_once=True))):
         model.zero_grad()
-        logps = family.trajectory_logps(model, batch.batch, index, rollout.completion_ids, rollout.completion_mask,
-                                        rollout.trajectories, path=path,
-                                        logits_chunk_tokens=7 if name == "chunked" else 0)
+        logps = token_logps(family, model, batch.batch, index, rollout.completion_ids, rollout.completion_mask,
+                            observations=rollout.trajectories, path=path,
+                            logits_chunk_tokens=7 if name == "chunked" else 0)
         (logps * loss_mask).sum().backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results[name] = (logps.detach(), grads)
@@ -168,7 +168,7 @@ def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_traje
     """The update's gradient on trajectories equals the gradient of the loss written out by hand over generated
     tokens (seq_mean_token_mean: each trajectory's mean over its generated tokens, summed over trajectories and
     divided by their number). With on_limit=mask, a trajectory cut by a limit carries no gradient but still
-    counts in the normaliser: the gradient equals the one with its advantage set to zero."""
+    counts in the normalizer: the gradient equals the one with its advantage set to zero."""
     from gpg_vl.rollout.trajectory import pad_trajectories
 
     policy = qwen2_5_vl  # the loss's arithmetic: one family shows it
@@ -176,10 +176,10 @@ def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_traje
     attempt = trajectory_attempt(batch, rollout)
     settings = TrainerSettings(max_grad_norm=1e9, group_size=2, share_prompt=False, share_vision=False)
     gradient = one_update_gradient(policy, attempt, settings)
-    family, model = policy.adapter, policy.model
+    family, model = policy.family, policy.model
     model.zero_grad()
-    logps = family.trajectory_logps(model, batch.batch, [0, 0, 1, 1], rollout.completion_ids, rollout.completion_mask,
-                                    rollout.trajectories, path=ScoringPath(), temperature=0.7)  # [4, C]
+    logps = token_logps(family, model, batch.batch, [0, 0, 1, 1], rollout.completion_ids, rollout.completion_mask,
+                        observations=rollout.trajectories, path=ScoringPath(), temperature=0.7)  # [4, C]
     generated = rollout.loss_mask  # [4, C] 1 on generated tokens only
     per_sequence = (logps * generated).sum(dim=1) / generated.sum(dim=1)  # [4]
     (-(per_sequence * attempt.advantages.flatten()).sum() / 4).backward()

@@ -1,4 +1,4 @@
-"""The ablation variants of gpg_vl.objective: advantage estimators, AGE on/off normalisers, alpha.
+"""The ablation variants of gpg_vl.objective: advantage estimators, AGE on/off normalizers, alpha.
 
 Hand-worked cases, loop references over random shapes and seeds, and edge cases.
 """
@@ -76,14 +76,14 @@ def test_hand_worked_raw_reward_advantages():
     adv, valid = ADVANTAGE_ESTIMATORS["group_mean"](rewards)
     assert adv.tolist() == [[0, -1, 1, 0], [0] * 4, [0] * 4, [0] * 4]
     assert valid.tolist() == [True, False, False, False]
-    # std-normalised (GRPO): the sample std of (1, 0, 2, 1) is sqrt(2 / 3)
+    # std-normalized (GRPO): the sample std of (1, 0, 2, 1) is sqrt(2 / 3)
     adv, valid = ADVANTAGE_ESTIMATORS["std_normalized"](rewards)
     a = 1 / (math.sqrt(2 / 3) + 1e-4)
     assert torch.allclose(adv[0], torch.tensor([0, -a, a, 0], dtype=F64), rtol=0, atol=1e-12)
     assert valid.tolist() == [True, False, False, False]
 
 
-def test_hand_worked_normalisers_and_alpha():
+def test_hand_worked_normalizers_and_alpha():
     # B = 8 groups of G = 4 sampled (32 sequences), 2 valid (8 sequences)
     assert age_normalizer(8, 32) == 8 and all_sampled_normalizer(8, 32) == 32
     assert LOSS_NORMALIZERS[True] is age_normalizer and LOSS_NORMALIZERS[False] is all_sampled_normalizer
@@ -190,7 +190,7 @@ def test_raw_rewards_non_finite_tiny_and_integer():
     assert adv.dtype.is_floating_point and adv.tolist() == [[0.0, 1.0], [0.0, 0.0]] and valid.tolist() == [True, False]
 
 
-def test_every_group_invalid_gives_zero_loss_with_either_normaliser():
+def test_every_group_invalid_gives_zero_loss_with_either_normalizer():
     for name, estimator in ADVANTAGE_ESTIMATORS.items():
         adv, valid = estimator(torch.zeros(3, 4))
         assert not valid.any(), name

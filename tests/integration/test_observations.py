@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.runs import tiny_family_policy
 from PIL import Image
-from runs import tiny_family_policy
 
 from gpg_vl.models.batch import trim_left_padding
 from gpg_vl.rollout.trajectory import Trajectory, sequence_inputs
@@ -26,7 +26,7 @@ def image_token_id(policy) -> int:
     for key in ("image_token_id", "image_token_index"):
         if isinstance(getattr(config, key, None), int):
             return getattr(config, key)
-    return policy.adapter._image_token_id()
+    return policy.family._image_token_id()
 
 
 def count_features(encoded) -> int:
@@ -36,7 +36,7 @@ def count_features(encoded) -> int:
 
 
 def test_every_turns_images_match_their_placeholder_tokens(policy):
-    family, bare = policy.adapter, policy.model
+    family, bare = policy.family, policy.model
     if family.config.model_type in REFUSED:
         assert REFUSED[family.config.model_type] in family.multi_turn_unsupported()
         return
@@ -79,7 +79,7 @@ def test_every_prompt_lists_the_tools_it_offers_once(policy):
     of the task keeps its text, the tool list after it."""
     from gpg_vl.rollout.tools import TOOLS, tool_schema
 
-    family = policy.adapter
+    family = policy.family
     tools = [tool_schema(TOOLS.get("zoom_in"))]
     question = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))},
                                              {"type": "text", "text": "What is it?"}]}]

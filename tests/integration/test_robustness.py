@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import train_run as run
+from helpers.runs import train_run as run
 from safetensors.torch import load_file
 
 from gpg_vl.cli import eval_main
@@ -147,7 +147,7 @@ def copy_run(source: Path, target: Path) -> Path:
     ("model.lora.r=4", "model.lora.r", "0", "4"),
     ("model.freeze_vision=true", "model.freeze_vision", "False", "True"),
     ("model.family=qwen2_vl", "model.family", "'qwen2_5_vl'", "'qwen2_vl'"),
-    ("task=vowel_task:Vowels", "task.name", "'shapes'", "'vowel_task:Vowels'"),
+    ("task=helpers.vowel_task:Vowels", "task.name", "'shapes'", "'helpers.vowel_task:Vowels'"),
 ])
 def test_resume_refuses_settings_that_change_what_the_checkpoint_means(two_steps, tmp_path, no_model, change, key,
                                                                        before, after):
@@ -420,17 +420,17 @@ class Scored:
         self.release = threading.Event()
         self.reward_functions = {"len": None, "one": None}
 
-    def reward_components(self, completion, row):
+    def scored_components(self, completion, row):
         if completion.startswith("slow"):
             self.release.wait()
-        return {"len": float(len(completion)), "one": 1.0}
+        return {"len": float(len(completion)), "one": 1.0}, 0
 
 
 def test_completions_not_scored_within_the_budget_score_zero_and_are_counted():
     task = Scored()
     texts = ["a", "slow1", "bb", "slow2", "ccc", "dddd"]
     try:
-        scores, timeouts = score_completions(task, texts, [{}] * 6, workers=3, budget=RewardBudget(2.0))
+        scores, timeouts, _ = score_completions(task, texts, [{}] * 6, workers=3, budget=RewardBudget(2.0))
     finally:
         task.release.set()
     assert timeouts == 2  # the two slow ones hold two workers; the third scores the rest
@@ -438,27 +438,27 @@ def test_completions_not_scored_within_the_budget_score_zero_and_are_counted():
                       {"len": 0.0, "one": 0.0}, {"len": 3.0, "one": 1.0}, {"len": 4.0, "one": 1.0}]
     plenty = RewardBudget(0)  # no limit
     assert score_completions(task, texts, [{}] * 6, workers=4, budget=plenty) == (
-        [{"len": float(len(t)), "one": 1.0} for t in texts], 0)
+        [{"len": float(len(t)), "one": 1.0} for t in texts], 0, 0)
 
 
 def test_one_worker_scores_in_this_thread_until_the_budget_is_spent(monkeypatch):
     clock = iter(range(100))  # each reading of the clock is one second later
     monkeypatch.setattr("gpg_vl.reward.pool.time.monotonic", lambda: float(next(clock)))
     task, seen = Scored(), []
-    task.reward_components = lambda c, r: seen.append(threading.current_thread()) or {"len": 1.0, "one": 1.0}
+    task.scored_components = lambda c, r: (seen.append(threading.current_thread()), ({"len": 1.0, "one": 1.0}, 0))[1]
     budget = RewardBudget(3.5)
-    scores, timeouts = score_completions(task, ["x"] * 6, [{}] * 6, workers=1, budget=budget)
+    scores, timeouts, _ = score_completions(task, ["x"] * 6, [{}] * 6, workers=1, budget=budget)
     # start at t=0; completions checked at t=1, 2, 3 are scored, those at t=4, 5, 6 are past the budget
     assert timeouts == 3 and [s["one"] for s in scores] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert seen == [threading.main_thread()] * 3 and budget.left < 0
 
 
 def test_a_step_with_a_reward_that_never_returns_goes_on_and_counts_it(tmp_path):
-    import slow_task
+    from helpers import slow_task
 
     slow_task.RELEASE.clear()  # blocked until this test is done (an earlier test may have released it)
     try:
-        summary = run(tmp_path, "task=slow_task:SlowVowels", "trainer.max_steps=2", "trainer.save_every=0",
+        summary = run(tmp_path, "task=helpers.slow_task:SlowVowels", "trainer.max_steps=2", "trainer.save_every=0",
                       "trainer.max_attempts=1", "trainer.reward_workers=8", "trainer.reward_budget_s=3")
     finally:
         slow_task.RELEASE.set()
@@ -468,11 +468,11 @@ def test_a_step_with_a_reward_that_never_returns_goes_on_and_counts_it(tmp_path)
 
 
 def test_evaluation_scores_each_completion_once_on_threads_within_its_budget(tmp_path, capsys):
-    import slow_task
+    from helpers import slow_task
 
     slow_task.RELEASE.clear()
     try:
-        metrics = eval_main(load_config("eval", [f"output_dir={tmp_path}", "task=slow_task:SlowVowels",
+        metrics = eval_main(load_config("eval", [f"output_dir={tmp_path}", "task=helpers.slow_task:SlowVowels",
                                                  "eval.batch_size=4", "eval.reward_workers=4",
                                                  "eval.reward_budget_s=2", "rollout.max_new_tokens=8"]))
     finally:

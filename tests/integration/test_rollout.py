@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers.scoring import token_logps
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
@@ -12,7 +13,7 @@ from gpg_vl.train.sample import sample_attempt
 
 
 def encode(policy, task, rows):
-    return policy.adapter.encode([task.messages(r) for r in rows], ids=[r["id"] for r in rows])
+    return policy.family.encode([task.messages(r) for r in rows], ids=[r["id"] for r in rows])
 
 
 def test_completion_mask_ends_at_first_eos():
@@ -26,7 +27,7 @@ def test_group_rollout_shapes_and_masks(policy, shapes):
     rows = shapes.load("train")[:3]
     result = generate(policy, encode(policy, shapes, rows), group_size=4, sampling=Sampling(max_new_tokens=12))
     assert result.completion_ids.shape[0] == 12 and len(result.texts) == 12
-    eos = torch.tensor(policy.adapter.eos_ids)
+    eos = torch.tensor(policy.family.eos_ids)
     for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True):
         n = int(mask.sum())
         assert mask[:n].all() and not mask[n:].any()
@@ -35,7 +36,7 @@ def test_group_rollout_shapes_and_masks(policy, shapes):
 
 def push_vision_tokens(policy):
     """Make the model strongly prefer <|image_pad|> and friends, so suppression is really tested."""
-    suppressed = torch.tensor(policy.adapter.suppressed_ids)
+    suppressed = torch.tensor(policy.family.suppressed_ids)
 
     def hook(module, inputs, output):
         output = output.clone()
@@ -52,8 +53,8 @@ def test_vision_tokens_are_never_sampled_and_logps_use_the_same_suppression(poli
     try:
         result = generate(policy, prompts, group_size=4, sampling=Sampling(max_new_tokens=10))
         kept = result.completion_ids[result.completion_mask]
-        assert not torch.isin(kept, torch.tensor(policy.adapter.suppressed_ids)).any()
-        logps = policy.adapter.token_logps(policy.model, prompts, [i // 4 for i in range(8)],
+        assert not torch.isin(kept, torch.tensor(policy.family.suppressed_ids)).any()
+        logps = token_logps(policy.family, policy.model, prompts, [i // 4 for i in range(8)],
                                            result.completion_ids, result.completion_mask)
     finally:
         handle.remove()
@@ -66,14 +67,14 @@ def test_stale_rope_deltas_after_generate_do_not_leak_into_training_forward(poli
     rows = shapes.load("train")[:5]
     prompts = encode(policy, shapes, rows)
     index = [0, 1, 2, 3, 4]
-    completion = torch.full((5, 4), policy.adapter.tokenizer.convert_tokens_to_ids("<think>") or 3)
+    completion = torch.full((5, 4), policy.family.tokenizer.convert_tokens_to_ids("<think>") or 3)
     completion = torch.randint(20, 200, (5, 4), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(completion, dtype=torch.bool)
     with torch.no_grad():
-        fresh = policy.adapter.token_logps(policy.model, prompts, index, completion, mask)
+        fresh = token_logps(policy.family, policy.model, prompts, index, completion, mask)
         generate(policy, prompts.select([0, 1, 2]), group_size=1, sampling=Sampling(max_new_tokens=6))  # batch size 3
         assert policy.model.model.rope_deltas is not None and policy.model.model.rope_deltas.shape[0] == 3
-        after = policy.adapter.token_logps(policy.model, prompts, index, completion, mask)  # batch size 5
+        after = token_logps(policy.family, policy.model, prompts, index, completion, mask)  # batch size 5
     torch.testing.assert_close(after, fresh)
 
 
@@ -87,7 +88,7 @@ def test_shared_vision_matches_per_sequence_vision_in_value_and_gradient(policy,
     grads, values = [], []
     for share in (True, False):
         policy.model.zero_grad()
-        logps = policy.adapter.token_logps(policy.model, prompts, index, completion, mask, share_vision=share)
+        logps = token_logps(policy.family, policy.model, prompts, index, completion, mask, share_vision=share)
         (logps * mask).sum().backward()
         values.append(logps.detach())
         grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters() if p.grad is not None]))
@@ -111,34 +112,34 @@ def test_prompts_with_several_images_keep_their_images_when_selected_and_shared(
     two_images = [{"role": "user", "content": [
         {"type": "image", "image": rows[0]["image"]}, {"type": "image", "image": rows[1]["image"]},
         {"type": "text", "text": "Which image has more shapes?"}]}]
-    prompts = policy.adapter.encode([two_images, shapes.messages(rows[2])])
+    prompts = policy.family.encode([two_images, shapes.messages(rows[2])])
     assert prompts.images_per_prompt == [2, 1]
     reordered = prompts.select([1, 0, 0])
     assert reordered.images_per_prompt == [1, 2, 2] and reordered.inputs["image_grid_thw"].shape[0] == 5
     result = generate(policy, prompts, group_size=2, sampling=Sampling(max_new_tokens=6))
     index = [0, 0, 1, 1]
-    shared = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids, result.completion_mask)
-    repeated = policy.adapter.token_logps(policy.model, prompts, index, result.completion_ids,
+    shared = token_logps(policy.family, policy.model, prompts, index, result.completion_ids, result.completion_mask)
+    repeated = token_logps(policy.family, policy.model, prompts, index, result.completion_ids,
                                           result.completion_mask, share_vision=False)
     torch.testing.assert_close(shared, repeated, rtol=1e-4, atol=1e-5)
 
 
 def test_box_frames_round_trip_and_completions_are_rewritten_into_original_pixels(policy, shapes):
-    from gpg_vl.models.qwen import Qwen2VLAdapter, QwenVLAdapter
+    from gpg_vl.models.qwen import Qwen2VLFamily, QwenVLFamily
 
     size = (640, 480, 644, 476)  # original W, H; resized w, h
     box = (100.0, 50.0, 300.0, 200.0)
-    for adapter_class, expected in ((QwenVLAdapter, (100.625, 49.5833, 301.875, 198.3333)),
-                                    (Qwen2VLAdapter, (156.25, 104.1667, 468.75, 416.6667))):
-        adapter = adapter_class.__new__(adapter_class)  # the frame maths needs no processor
-        model_box = adapter.to_model_frame(box, size)
+    for family_class, expected in ((QwenVLFamily, (100.625, 49.5833, 301.875, 198.3333)),
+                                    (Qwen2VLFamily, (156.25, 104.1667, 468.75, 416.6667))):
+        family = family_class.__new__(family_class)  # the frame maths needs no processor
+        model_box = family.to_model_frame(box, size)
         assert model_box == pytest.approx(expected, abs=1e-3)
-        assert adapter.to_original_frame(model_box, size) == pytest.approx(box, abs=1e-9)
+        assert family.to_original_frame(model_box, size) == pytest.approx(box, abs=1e-9)
         text = f"<answer>[{model_box[0]:.4f}, {model_box[1]:.4f}, {model_box[2]:.4f}, {model_box[3]:.4f}]</answer>"
-        assert adapter.completion_to_original(text, [size]) == "<answer>[100, 50, 300, 200]</answer>"
-    qwen2 = Qwen2VLAdapter.__new__(Qwen2VLAdapter)
+        assert family.completion_to_original(text, [size]) == "<answer>[100, 50, 300, 200]</answer>"
+    qwen2 = Qwen2VLFamily.__new__(Qwen2VLFamily)
     assert qwen2.completion_to_original("(500,500),(1000,1000)", [size]) == "(320,240),(640,480)"
     # the sizes recorded at encoding time: original image size, then the size the processor fed the model
     rows = shapes.load("train")[:1]
-    prompts = policy.adapter.encode([shapes.messages(rows[0])])
+    prompts = policy.family.encode([shapes.messages(rows[0])])
     assert prompts.image_sizes == [[(112, 112, 112, 112)]]

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.runs import QUICK_RUN as TINY
 from PIL import Image
-from runs import QUICK_RUN as TINY
 
 from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli

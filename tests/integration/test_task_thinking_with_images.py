@@ -1,4 +1,4 @@
-"""The vstar, hrbench and deepeyes tasks on fixtures in the published layouts (tests/thinking_fixtures.py): they
+"""The vstar, hrbench and deepeyes tasks on fixtures in the published layouts (tests/helpers/thinking_fixtures.py): they
 load, prompt (messages and tools rendered by the tiny model's chat template), score by hand-worked rewards,
 report per-category metrics, and V* and HR-Bench evaluate through the CLI with multi-turn decoding."""
 
@@ -12,9 +12,8 @@ import datasets
 import gpg_vl_tasks.deepeyes
 import gpg_vl_tasks.vstar
 import pytest
-from omegaconf import OmegaConf
-from runs import tiny_family_policy
-from thinking_fixtures import (  # tests/thinking_fixtures.py: the published layouts, built on the fly
+from helpers.runs import tiny_family_policy
+from helpers.thinking_fixtures import (  # tests/helpers/thinking_fixtures.py: the published layouts, built on the fly
     DEEPEYES_SYSTEM,
     SIZE,
     V_STAR_LINE,
@@ -25,6 +24,7 @@ from thinking_fixtures import (  # tests/thinking_fixtures.py: the published lay
     vstar_folder,
     vstar_parquet,
 )
+from omegaconf import OmegaConf
 
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main, train_main
@@ -102,7 +102,7 @@ def test_vstar_prompt_lists_the_zoom_tool_through_the_chat_template(data):
     engine = build_engine(rollout, policy, tools=task.tools)
     tools = engine.prompt_tools(task)
     assert [tool["function"]["name"] for tool in tools] == ["zoom_in"]
-    rendered = policy.adapter.render(task.messages(row), tools=tools)
+    rendered = policy.family.render(task.messages(row), tools=tools)
     assert '"name": "zoom_in"' in rendered and "<tool_call>" in rendered and "(D) red" in rendered
     batch = encode_prompts(policy, [task.messages(row)], tools=tools).batch
     assert len(batch) == 1 and '"name": "zoom_in"' in batch.texts[0]
@@ -218,7 +218,7 @@ def test_deepeyes_rows_keep_their_prompt_and_the_tool_it_names(data):
     engine = build_engine(load_config("train", ["task=deepeyes", "rollout.max_turns=3"]).rollout, policy,
                           tools=task.tools)
     assert engine.prompt_tools(task) is None  # the data's system message lists the tool: never twice
-    rendered = policy.adapter.render(task.messages(row), tools=engine.prompt_tools(task))
+    rendered = policy.family.render(task.messages(row), tools=engine.prompt_tools(task))
     assert rendered.count("# Tools") == 1 and rendered.count('"name":"image_zoom_in_tool"') == 1
 
 
@@ -470,7 +470,7 @@ def test_a_deepeyes_trajectory_that_crops_with_its_tool_earns_the_bonus(data):
     row = task.load("train")[0]  # the red square at (400, 300), ground truth "B" (red)
     policy = tiny_family_policy("qwen2_5_vl", None)
     prompts = encode_prompts(policy, [task.messages(row)], tools=None)
-    family, size = policy.adapter, prompts.batch.image_sizes[0][0]
+    family, size = policy.family, prompts.batch.image_sizes[0][0]
     box = [round(v) for v in family.to_model_frame((370, 270, 440, 340), size)]
     call = f'<tool_call>\n{{"name": "image_zoom_in_tool", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
     answer = "<think>the square is red</think><answer>B</answer>"

@@ -11,8 +11,8 @@ import gpg_vl_tasks.videor1
 import numpy as np
 import pytest
 from gpg_vl_tasks.videor1 import shuffle_frames
+from helpers.runs import train_run
 from PIL import Image
-from runs import train_run
 
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main, train_main

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runs import train_run
+from helpers.runs import train_run
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("rollout_s", "update_s", "step_s")
@@ -29,8 +29,8 @@ def assert_stopped_on_budget(steps: list[dict], step_tokens: list[int], budget: 
 def test_multi_turn_count_is_the_generated_tokens(tmp_path):
     """The scripted tool run of tests/integration/test_tool_runs.py: observation tokens never count."""
     budget = 100  # 4 trajectories of up to 2 segments of 16 tokens per step: 2 steps or more
-    tool_run = [f"task.name={ROOT / 'tests/tool_engine.py'}:ShapesWithZoom",
-                f"rollout.engine={ROOT / 'tests/tool_engine.py'}:ScriptedToolEngine", "rollout.max_turns=2",
+    tool_run = [f"task.name={ROOT / 'tests/helpers/tool_engine.py'}:ShapesWithZoom",
+                f"rollout.engine={ROOT / 'tests/helpers/tool_engine.py'}:ScriptedToolEngine", "rollout.max_turns=2",
                 "rollout.max_new_tokens=16", "trainer.batch_size=2", "trainer.group_size=2", "trainer.save_every=0",
                 "trainer.log_rollouts_every=1", f"trainer.max_sampled_tokens={budget}", "trainer.max_steps=10"]
     summary = train_run(tmp_path, *tool_run)

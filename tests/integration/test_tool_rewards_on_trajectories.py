@@ -5,7 +5,7 @@ box, a crop), so the rule is checked against what the engine writes, not against
 from __future__ import annotations
 
 import pytest
-from runs import tiny_family_policy
+from helpers.runs import tiny_family_policy
 
 from gpg_vl.reward.tooluse import crops_used, final_segment, tool_bonus, tool_format_reward
 

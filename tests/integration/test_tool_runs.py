@@ -1,9 +1,9 @@
-"""Multi-turn runs through the command line: an out-of-tree task offering `zoom_in` (tests/tool_engine.py) trains
-3 steps with rollout.max_turns=3 on tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5 models, its rollout log holding the
+"""Multi-turn runs through the command line: an out-of-tree task offering `zoom_in` (tests/helpers/tool_engine.py)
+trains 3 steps with rollout.max_turns=3 on tiny Qwen2.5-VL, Qwen3-VL and Qwen3.5 models, its rollout log holding the
 tool calls; and a multi-turn run resumes bit-exactly.
 
-The tiny models are random, so the sampler is scripted (tests/tool_engine.py's `ScriptedToolEngine`): the first
-segment of every other trajectory is a `zoom_in` call on the middle of the image, forced but scored by the model;
+The tiny models are random, so the sampler is scripted (tests/helpers/tool_engine.py's `ScriptedToolEngine`): the
+first segment of every other trajectory is a `zoom_in` call on the middle of the image, forced but scored by the model;
 the other segments are sampled. The task rewards a trajectory that received a crop, so the groups carry signal."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import tiny_family_path, train_run
+from helpers.runs import tiny_family_path, train_run
 from safetensors.torch import load_file
 
 from gpg_vl.cli import eval_main
@@ -21,8 +21,8 @@ from gpg_vl.config.compose import load_config
 from gpg_vl.models.load import load_policy
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOL_RUN = [f"task.name={ROOT / 'tests/tool_engine.py'}:ShapesWithZoom",
-            f"rollout.engine={ROOT / 'tests/tool_engine.py'}:ScriptedToolEngine", "rollout.max_turns=3",
+TOOL_RUN = [f"task.name={ROOT / 'tests/helpers/tool_engine.py'}:ShapesWithZoom",
+            f"rollout.engine={ROOT / 'tests/helpers/tool_engine.py'}:ScriptedToolEngine", "rollout.max_turns=3",
             "rollout.max_new_tokens=100", "trainer.batch_size=2", "trainer.group_size=2",
             "trainer.log_rollouts_every=1"]
 TIMING = ("rollout_s", "update_s", "step_s")

@@ -19,9 +19,9 @@ import re
 
 import pytest
 import torch
-from runs import tiny_family_policy
+from helpers.runs import tiny_family_policy
+from helpers.video_clips import clip_frames, write_clip
 from test_fast_paths import one_update_gradient
-from video_clips import clip_frames, write_clip
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.data.stream import PromptStream
@@ -39,7 +39,7 @@ VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5
 @pytest.fixture(scope="module", params=VIDEO_FAMILIES)
 def video_policy(request, tmp_path_factory):
     policy = tiny_family_policy(request.param, tmp_path_factory)
-    policy.adapter.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}  # a few tokens per frame pair
+    policy.family.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}  # a few tokens per frame pair
     return policy
 
 
@@ -50,7 +50,7 @@ def video_messages(video, question: str, **sampling) -> list[dict]:
 
 def two_video_prompts(policy):
     """Two prompts of different lengths: an 8-frame clip and a 4-frame clip with a longer question."""
-    prompts = policy.adapter.encode([
+    prompts = policy.family.encode([
         video_messages(clip_frames(8), "Where does the dot go?"),
         video_messages(clip_frames(4, (48, 64)), "Where does the dot go? Think, then answer with one word.")])
     assert prompts.videos_per_prompt == [1, 1] and not prompts.has_images
@@ -66,7 +66,7 @@ def video_attempt(policy) -> Attempt:
     mask = torch.arange(width)[None, :] < lengths[:, None]  # [B * G, C]
     rewards = torch.tensor([[1.0, 0.0], [0.2, 0.9]])
     return Attempt(rows=[{}] * 2, prompts=prompts,
-                   rollout=Rollout(ids.masked_fill(~mask, policy.adapter.pad_id), mask, [""] * 4, group_size),
+                   rollout=Rollout(ids.masked_fill(~mask, policy.family.pad_id), mask, [""] * 4, group_size),
                    rewards=rewards, components={}, advantages=rewards - rewards.mean(dim=1, keepdim=True),
                    valid=torch.tensor([True, True]))
 
@@ -88,9 +88,9 @@ def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_vid
 
 
 def test_prompt_once_prefill_gives_generate_s_greedy_tokens_on_video(video_policy):
-    declined = video_policy.adapter.prefill_once_unsupported(video_policy.model)
+    declined = video_policy.family.prefill_once_unsupported(video_policy.model)
     if declined is not None:  # Gemma 4 steps aside, as on images (tests/integration/test_fast_paths.py)
-        assert "sliding-window" in declined and declined in video_policy.adapter.describe(video_policy.model)
+        assert "sliding-window" in declined and declined in video_policy.family.describe(video_policy.model)
         return
     prompts, group_size = two_video_prompts(video_policy), 2
     greedy = Sampling(max_new_tokens=8, greedy=True)
@@ -124,14 +124,14 @@ def four_second_clip_prompt(tmp_path, fps: float) -> list[dict]:
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_video_metadata_gives_hand_computed_grid_seconds_and_timestamps(tmp_path_factory, tmp_path, family, fps):
     policy = tiny_family_policy(family, tmp_path_factory)
-    policy.adapter.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
-    prompts = policy.adapter.encode([four_second_clip_prompt(tmp_path, fps)])
+    policy.family.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
+    prompts = policy.family.encode([four_second_clip_prompt(tmp_path, fps)])
     grid = prompts.inputs["video_grid_thw"][0].tolist()
     assert grid[0] == len(TIMESTAMPS[fps])  # temporal grid steps: frames / 2
     if family == "qwen2_5_vl":
         assert prompts.inputs["second_per_grid_ts"].tolist() == SECONDS[fps]
     else:
-        text = policy.adapter.tokenizer.decode(prompts.inputs["input_ids"][0])
+        text = policy.family.tokenizer.decode(prompts.inputs["input_ids"][0])
         assert re.findall(r"<([\d.]+) seconds>", text) == TIMESTAMPS[fps]
 
 
@@ -147,21 +147,21 @@ FRAME_TIMES = {"glm4v": (r"<\|end_of_image\|>(\d+)", {2: ["0", "1", "2", "3"], 1
 @pytest.mark.parametrize("family", sorted(FRAME_TIMES))
 def test_generic_models_write_hand_computed_frame_times_from_the_metadata(tmp_path_factory, tmp_path, family, fps):
     policy = tiny_family_policy(family, tmp_path_factory)
-    prompts = policy.adapter.encode([four_second_clip_prompt(tmp_path, fps)])
+    prompts = policy.family.encode([four_second_clip_prompt(tmp_path, fps)])
     assert prompts.videos_per_prompt == [1]
     pattern, expected = FRAME_TIMES[family]
-    assert re.findall(pattern, policy.adapter.tokenizer.decode(prompts.inputs["input_ids"][0])) == expected[fps]
+    assert re.findall(pattern, policy.family.tokenizer.decode(prompts.inputs["input_ids"][0])) == expected[fps]
 
 
 def test_the_processor_without_metadata_would_assume_24_fps(tmp_path_factory):
     """The pitfall the metadata avoids: the same frames without it get 2 / 24 s per grid step."""
     policy = tiny_family_policy("qwen2_5_vl", tmp_path_factory)
-    frames, _ = policy.adapter._video_frames({"video": clip_frames(8), "fps": 2, "min_pixels": 1024,
+    frames, _ = policy.family._video_frames({"video": clip_frames(8), "fps": 2, "min_pixels": 1024,
                                               "max_pixels": 4096})
-    text = policy.adapter.render(video_messages(clip_frames(8), "q"))
+    text = policy.family.render(video_messages(clip_frames(8), "q"))
     bare = policy.processor(text=[text], videos=[frames], do_sample_frames=False, return_tensors="pt")
     assert bare["second_per_grid_ts"].tolist() == pytest.approx([2 / 24])
-    ours = policy.adapter.encode([video_messages(clip_frames(8), "q", fps=2, min_pixels=1024, max_pixels=4096)])
+    ours = policy.family.encode([video_messages(clip_frames(8), "q", fps=2, min_pixels=1024, max_pixels=4096)])
     assert ours.inputs["second_per_grid_ts"].tolist() == [1.0]
 
 
@@ -182,7 +182,7 @@ def test_a_broken_video_is_a_counted_bad_row(tmp_path):
 def test_a_generic_family_refuses_video_in_one_sentence_naming_the_model(tmp_path_factory, family, model_type, why):
     policy = tiny_family_policy(family, tmp_path_factory)
     with pytest.raises(UserError, match=f"{model_type} model .*does not take video prompts .*{why}"):
-        policy.adapter.encode([video_messages(clip_frames(4), "q")])
+        policy.family.encode([video_messages(clip_frames(4), "q")])
 
 
 def test_internvl_refuses_one_prompt_s_videos_of_different_frame_counts(tmp_path_factory):
@@ -191,8 +191,8 @@ def test_internvl_refuses_one_prompt_s_videos_of_different_frame_counts(tmp_path
     two = [{"role": "user", "content": [{"type": "video", "video": clip_frames(4)},
                                         {"type": "video", "video": clip_frames(6)}, {"type": "text", "text": "q"}]}]
     with pytest.raises(UserError, match="internvl model's processor cannot take videos of different frame counts"):
-        policy.adapter.encode([two])
-    same = policy.adapter.encode([[{"role": "user", "content": [two[0]["content"][0]] * 2}],
+        policy.family.encode([two])
+    same = policy.family.encode([[{"role": "user", "content": [two[0]["content"][0]] * 2}],
                                   video_messages(clip_frames(6), "q")])
     assert same.videos_per_prompt == [2, 1] and same.rows["pixel_values"] == [8, 6]  # one tile per frame
 
@@ -209,8 +209,9 @@ CLI_MODELS = {"qwen2_5_vl": "tiny", "qwen2_vl": "tiny-qwen2-vl", "qwen3_vl": "ti
 
 
 # the moving-dot clips (frames lists and MPEG-4 files) through the CLI, the fast paths on
-VIDEO_RUN = ["task=video_task:MovingDot", "trainer.batch_size=2", "trainer.group_size=3", "rollout.max_new_tokens=4",
-             "rollout.temperature=3.0", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.beta_th=0",
+VIDEO_RUN = ["task=helpers.video_task:MovingDot", "trainer.batch_size=2", "trainer.group_size=3",
+             "rollout.max_new_tokens=4", "rollout.temperature=3.0", "trainer.eval_before=false",
+             "trainer.eval_after=false", "trainer.beta_th=0",
              "data.max_video_frames=4", "model.video_min_pixels=1024", "model.video_max_pixels=4096"]
 
 
@@ -279,10 +280,10 @@ def test_a_raw_text_prompt_holds_its_video_where_the_part_stands(tmp_path_factor
     """model.prompt_style=raw (a base model): the video's placeholder stands where its part stands, and the
     processor expands it into the same video tokens as the chat style."""
     policy = tiny_family_policy(family, tmp_path_factory)
-    chat = policy.adapter.encode([video_messages(clip_frames(4), "Where?", min_pixels=1024, max_pixels=4096)])
-    policy.adapter.prompt_style = "raw"
-    raw = policy.adapter.encode([video_messages(clip_frames(4), "Where?", min_pixels=1024, max_pixels=4096)])
-    pad = policy.adapter.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    chat = policy.family.encode([video_messages(clip_frames(4), "Where?", min_pixels=1024, max_pixels=4096)])
+    policy.family.prompt_style = "raw"
+    raw = policy.family.encode([video_messages(clip_frames(4), "Where?", min_pixels=1024, max_pixels=4096)])
+    pad = policy.family.tokenizer.convert_tokens_to_ids("<|video_pad|>")
     assert raw.texts[0].index("<|video_pad|>") < raw.texts[0].index("Where?")
     assert int((raw.inputs["input_ids"] == pad).sum()) == int((chat.inputs["input_ids"] == pad).sum()) > 0
     assert torch.equal(raw.inputs["video_grid_thw"], chat.inputs["video_grid_thw"])
@@ -293,16 +294,16 @@ def test_a_raw_text_prompt_holds_a_generic_model_s_video_where_the_part_stands(t
     """GLM-4.1V, InternVL and Gemma 4: the raw style's video placeholder expands into as many frame tokens as
     the chat style's (image tokens on the first two, video tokens on Gemma 4)."""
     policy = tiny_family_policy(family, tmp_path_factory)
-    chat = policy.adapter.encode([video_messages(clip_frames(4), "Where?")])
-    policy.adapter.prompt_style = "raw"
-    raw = policy.adapter.encode([video_messages(clip_frames(4), "Where?")])
-    video_token = policy.adapter.tokenizer.convert_tokens_to_ids(policy.processor.video_token)
-    tokens = torch.tensor([policy.adapter._image_token_id(), video_token])  # the frames' tokens
+    chat = policy.family.encode([video_messages(clip_frames(4), "Where?")])
+    policy.family.prompt_style = "raw"
+    raw = policy.family.encode([video_messages(clip_frames(4), "Where?")])
+    video_token = policy.family.tokenizer.convert_tokens_to_ids(policy.processor.video_token)
+    tokens = torch.tensor([policy.family._image_token_id(), video_token])  # the frames' tokens
 
     def frame_tokens(prompts) -> int:
         return int(torch.isin(prompts.inputs["input_ids"], tokens).sum())
 
-    assert raw.texts[0].index(policy.adapter.video_placeholder) < raw.texts[0].index("Where?")
+    assert raw.texts[0].index(policy.family.video_placeholder) < raw.texts[0].index("Where?")
     assert frame_tokens(raw) == frame_tokens(chat) > 0
 
 
@@ -319,10 +320,10 @@ def test_a_generic_batch_of_videos_and_images_selects_each_prompt_s_own_rows(tmp
     batch = [video_messages(clip_frames(6), "Where?"), [{"role": "user", "content": [image, {"type": "text",
                                                                                             "text": "Colour?"}]}],
              [{"role": "user", "content": [image, *video_messages(clip_frames(4), "Both?")[0]["content"]]}]]
-    prompts = policy.adapter.encode(batch)
+    prompts = policy.family.encode(batch)
     assert prompts.videos_per_prompt == [1, 0, 1] and prompts.images_per_prompt == [0, 1, 1]
     for order in ([2, 0], [1, 2], [0]):
-        alone = policy.adapter.encode([batch[i] for i in order]).inputs
+        alone = policy.family.encode([batch[i] for i in order]).inputs
         picked = trim_left_padding(prompts.select(order).inputs)
         assert all(picked[key].shape[0] == 0 for key in picked.keys() - alone.keys())  # e.g. no image among them
         for key, value in alone.items():

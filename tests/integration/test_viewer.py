@@ -120,7 +120,7 @@ def test_logged_rollouts_hold_the_rewards_and_advantages_the_trainer_used(run):
                 assert completion["text"] == attempt.rollout.texts[sequence]  # shapes has no boxes to move
                 assert completion["tokens"] == int(attempt.rollout.completion_mask[sequence].sum())
                 kept = attempt.rollout.completion_ids[sequence, :completion["tokens"]].tolist()
-                assert completion["end"] == ("eos" if set(kept) & set(run.policy.adapter.eos_ids) else "cut")
+                assert completion["end"] == ("eos" if set(kept) & set(run.policy.family.eos_ids) else "cut")
     assert resampled > 0  # groups of resampled attempts are shown, not only the first rollout's
     # the same numbers as metrics.jsonl's step means (all of this process's completions)
     lines = [json.loads(x) for x in (run.output / "metrics.jsonl").read_text().splitlines()]
@@ -217,7 +217,7 @@ def fake_attempt(texts, groups, group_size, ids=None, eos=2):
 
 def test_disk_use_is_bounded_whatever_the_model_writes(tmp_path):
     groups, group_size = 8, 80  # 8 x 80 completions of 2000 characters are over MAX_STEP_BYTES: texts are cut more
-    policy = SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2]))
+    policy = SimpleNamespace(family=SimpleNamespace(eos_ids=[2]))
     attempt = fake_attempt([SCRIPT + "x" * 200_000] * (groups * group_size), groups, group_size)
     path = log_rollouts(10, [attempt], policy=policy, task=NoiseTask(), output_dir=tmp_path, every=5, groups=groups)
     images = list((tmp_path / "rollouts" / "images").iterdir())
@@ -247,7 +247,7 @@ def test_disk_use_is_bounded_whatever_the_model_writes(tmp_path):
 
 
 def test_completion_text_is_escaped_on_the_page(tmp_path):
-    policy = SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2]))
+    policy = SimpleNamespace(family=SimpleNamespace(eos_ids=[2]))
     texts = [SCRIPT, "<b>bold</b> & <img src=x onerror=alert(1)>"]
     log_rollouts(1, [fake_attempt(texts, 1, 2)], policy=policy, task=NoiseTask(size=64, images=1),
                  output_dir=tmp_path, every=10, groups=8)
@@ -258,7 +258,7 @@ def test_completion_text_is_escaped_on_the_page(tmp_path):
 
 
 def test_a_resumed_run_shows_no_step_past_its_last_metrics_line(tmp_path):
-    policy = SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2]))
+    policy = SimpleNamespace(family=SimpleNamespace(eos_ids=[2]))
     for step in (1, 10, 20):  # step 20 was logged by a continuation that a resume from step 10 abandoned
         log_rollouts(step, [fake_attempt(["a", "b"], 1, 2)], policy=policy, task=NoiseTask(size=32, images=1),
                      output_dir=tmp_path, every=10, groups=8)
@@ -273,7 +273,7 @@ def test_view_script_writes_the_page_or_names_a_folder_without_rollouts_in_one_s
     assert view([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "log_rollouts_every" in err and err.count("\n") == 1
-    log_rollouts(1, [fake_attempt(["a", "b"], 1, 2)], policy=SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2])),
+    log_rollouts(1, [fake_attempt(["a", "b"], 1, 2)], policy=SimpleNamespace(family=SimpleNamespace(eos_ids=[2])),
                  task=NoiseTask(size=32, images=1), output_dir=tmp_path, every=10, groups=8)
     assert view([str(tmp_path)]) == 0 and (tmp_path / "rollouts.html").is_file()
 
@@ -281,7 +281,7 @@ def test_view_script_writes_the_page_or_names_a_folder_without_rollouts_in_one_s
 @pytest.mark.parametrize("damage", ["truncated", "empty", "list", "step_not_int", "bad_group"])
 def test_a_damaged_step_file_is_skipped_with_a_warning_naming_it(tmp_path, capsys, damage):
     view = runpy.run_path(str(ROOT / "scripts" / "view.py"))["main"]
-    policy = SimpleNamespace(adapter=SimpleNamespace(eos_ids=[2]))
+    policy = SimpleNamespace(family=SimpleNamespace(eos_ids=[2]))
     for step in (1, 10):
         log_rollouts(step, [fake_attempt(["a", "b"], 1, 2)], policy=policy, task=NoiseTask(size=32, images=1),
                      output_dir=tmp_path, every=10, groups=8)
@@ -327,14 +327,14 @@ def grounding_run(policy, reasonseg, output):
     """One logged lisa step from a hand-made attempt: completions in the MODEL's frame, as the model writes them."""
     task = get_task("lisa", data_path=str(reasonseg))
     row = task.load("test")[0]
-    prompts = policy.adapter.encode([task.messages(row)], ids=[row["id"]])
-    sx, sy = policy.adapter.box_scale(prompts.image_sizes[0][0])
+    prompts = policy.family.encode([task.messages(row)], ids=[row["id"]])
+    sx, sy = policy.family.box_scale(prompts.image_sizes[0][0])
     x1, y1, x2, y2 = row["box"]
     model_box = f"({round(x1 * sx)},{round(y1 * sy)}),({round(x2 * sx)},{round(y2 * sy)})"
     texts = [f"<think> the red one </think>\n<answer>{model_box}</answer>", f"<answer>[10,10,60,50]</answer>{SCRIPT}",
              "no box at all"]
-    tokens = policy.adapter.tokenizer(texts, padding=True, return_tensors="pt").input_ids
-    ids = torch.cat([tokens, torch.full((3, 1), policy.adapter.eos_ids[0])], dim=1)
+    tokens = policy.family.tokenizer(texts, padding=True, return_tensors="pt").input_ids
+    ids = torch.cat([tokens, torch.full((3, 1), policy.family.eos_ids[0])], dim=1)
     mask = torch.ones_like(ids, dtype=torch.bool)
     from gpg_vl.rollout.types import in_task_frame
 

@@ -52,7 +52,7 @@ class LookTask:
 def sampled():
     torch.manual_seed(0)
     policy = load_policy(str(EMBEDDED_TINY), family="auto", dtype="float32", min_pixels=3136, max_pixels=50176)
-    family, task = policy.adapter, LookTask()
+    family, task = policy.family, LookTask()
     rows = [{"id": 0}, {"id": 1}]
     messages = [task.messages(row) for row in rows]
     prompts = EnginePrompts(family.encode(messages), messages)
@@ -136,7 +136,7 @@ def predictions_page(sampled, path):
                        rewards={"accuracy": float(i % 2)}, trajectory=trajectory)
                for i, (text, trajectory) in enumerate(zip(sampled.rollout.texts, sampled.rollout.trajectories,
                                                           strict=True))]
-    records = prediction_records(sampled.task, decoded, "test", tokenizer=sampled.policy.adapter.tokenizer)
+    records = prediction_records(sampled.task, decoded, "test", tokenizer=sampled.policy.family.tokenizer)
     json.dumps(records)  # JSON lines as written
     rows = [sampled.rows[i // 2] for i in range(4)]
     return records, write_predictions_html(path, sampled.task, records, rows, {"accuracy": 0.5})
@@ -170,14 +170,14 @@ def test_chromium_shows_the_turns_and_crops_without_errors(sampled, tmp_path):
 @pytest.mark.slow
 def test_a_cli_multi_turn_run_logs_and_shows_its_trajectories(tmp_path):
     """One step through the command line: the out-of-tree shapes task offering zoom_in, rollout.max_turns=3, the
-    HF engine scripted to call zoom_in in every other trajectory (tests/tool_engine.py); scripts/view.py."""
+    HF engine scripted to call zoom_in in every other trajectory (tests/helpers/tool_engine.py); scripts/view.py."""
     import runpy
 
-    from runs import train_run
+    from helpers.runs import train_run
 
     root = Path(__file__).resolve().parents[2]
-    train_run(tmp_path, "task.name=tests/tool_engine.py:ShapesWithZoom",
-              "rollout.engine=tests/tool_engine.py:ScriptedToolEngine", "rollout.max_turns=3",
+    train_run(tmp_path, "task.name=tests/helpers/tool_engine.py:ShapesWithZoom",
+              "rollout.engine=tests/helpers/tool_engine.py:ScriptedToolEngine", "rollout.max_turns=3",
               "rollout.max_new_tokens=100", "trainer.max_steps=1", "trainer.batch_size=2", "trainer.group_size=2",
               "trainer.save_every=0", "trainer.log_rollouts_every=1")
     (record,) = read_steps(tmp_path)

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.runs import tiny_family_policy
+from helpers.scoring import path_for
 from PIL import Image
-from runs import tiny_family_policy
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
@@ -80,11 +81,11 @@ def prompts(policy, tools) -> EnginePrompts:
                                               {"type": "text", "text": text}]}]
                 for size, color, text in (((200, 150), (0, 90, 0), "What is it?"),
                                           ((160, 240), (90, 0, 0), "Which shape is red? Look closely."))]
-    return EnginePrompts(policy.adapter.encode(messages, tools=tools), messages)
+    return EnginePrompts(policy.family.encode(messages, tools=tools), messages)
 
 
 def call_text(policy, box) -> str:
-    if policy.adapter.tool_call_format == "xml":
+    if policy.family.tool_call_format == "xml":
         return f"<tool_call>\n<function=zoom_in>\n<parameter=bbox_2d>\n{box}\n</parameter>\n</function>\n</tool_call>"
     return f'<tool_call>\n{{"name": "zoom_in", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
 
@@ -92,7 +93,7 @@ def call_text(policy, box) -> str:
 def rollout_through(policy, *, group_size=2, logps_of=None, **settings):
     """B=2, G=2 through the engine. First turn: row 0 a good crop, row 1 an answer, row 2 a box too small (an
     error observation), row 3 a crop; each call followed by text past the stop string. Later turns: answers."""
-    family = policy.adapter
+    family = policy.family
     tokens = lambda text: family.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     engine = VLLMEngine(policy, RolloutSettings(vllm={"enable_sleep_mode": False}),
                         llm=ScriptedLLM(family.tokenizer, None, logps_of), sampling_params=dict)
@@ -124,7 +125,7 @@ def collapse(ids: list[int], pad: int) -> list[int]:
 
 def test_each_turns_requests_hold_one_placeholder_per_image_and_every_turns_images(policy):
     engine, batch, rollout, tokens = rollout_through(policy)
-    family, llm = policy.adapter, engine.llm
+    family, llm = policy.family, engine.llm
     pad = family.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert len(llm.calls) == 2
     (first, first_params), (later, later_params) = llm.calls
@@ -153,7 +154,7 @@ def test_each_turns_requests_hold_one_placeholder_per_image_and_every_turns_imag
 
 def test_trajectories_are_assembled_from_the_segments_and_logps_align(policy):
     engine, _, rollout, tokens = rollout_through(policy)
-    family, llm = policy.adapter, engine.llm
+    family, llm = policy.family, engine.llm
     crop, answer, refused, crop_again = rollout.trajectories
     assert (crop.turns, len(crop.images), crop.calls[0].error, crop.limit) == (2, 1, False, "none")
     assert (answer.turns, answer.calls) == (1, [])
@@ -186,13 +187,13 @@ def test_segments_get_what_is_left_of_the_token_budget_and_limits_end_trajectori
     assert later_params[0]["max_tokens"] == min(MAX_NEW, 1000 - refused.observations[0][1])
     engine, _, rollout, _ = rollout_through(policy, max_total_tokens=12)
     assert [p["max_tokens"] for p in engine.llm.calls[0][1]] == [12, 12] and len(engine.llm.calls) == 1
-    assert all(t.limit == "token" for t in rollout.trajectories if t.token_ids[-1] not in policy.adapter.eos_ids)
+    assert all(t.limit == "token" for t in rollout.trajectories if t.token_ids[-1] not in policy.family.eos_ids)
 
 
 def test_a_model_that_cannot_carry_images_in_later_turns_is_refused_in_one_sentence(policy, monkeypatch):
-    engine = VLLMEngine(policy, RolloutSettings(), llm=ScriptedLLM(policy.adapter.tokenizer, None),
+    engine = VLLMEngine(policy, RolloutSettings(), llm=ScriptedLLM(policy.family.tokenizer, None),
                         sampling_params=dict)
-    monkeypatch.setattr(policy.adapter, "multi_turn_unsupported", lambda: "its template drops tool images")
+    monkeypatch.setattr(policy.family, "multi_turn_unsupported", lambda: "its template drops tool images")
     with pytest.raises(UserError, match=r"rollout.max_turns=3 cannot run on this model: its template drops tool "
                                         r"images; set rollout.max_turns=1\."):
         engine.take_tools(MultiTurnSettings(max_turns=3), ("zoom_in",))
@@ -217,16 +218,16 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
     from transformers import get_scheduler
 
     from gpg_vl.config.schema import TrainerSettings
-    from gpg_vl.models.family import ScoringPath
+    from gpg_vl.models.scoring import ScoringPath, token_logps
     from gpg_vl.rollout.engine import Correction
     from gpg_vl.train.sample import Attempt
     from gpg_vl.train.update import Learner, update
 
     _, batch, rollout, _ = rollout_through(policy)
-    family = policy.adapter
+    family = policy.family
     with torch.no_grad():
-        trainer = family.trajectory_logps(policy.model, batch.batch, [0, 0, 1, 1], rollout.completion_ids,
-                                          rollout.completion_mask, rollout.trajectories, path=ScoringPath())
+        trainer = token_logps(family, policy.model, batch.batch, [0, 0, 1, 1], rollout.completion_ids,
+                              rollout.completion_mask, observations=rollout.trajectories, path=ScoringPath())
     later = [0, 2, 3]  # the trajectories that took a second turn, in the second call's order
 
     def logps_of(call, row):
@@ -239,8 +240,9 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
     attempt = Attempt(rows=[{"id": 0}, {"id": 1}], prompts=batch.batch, rollout=rollout, rewards=rewards,
                       components={"r": rewards}, advantages=rewards - 0.5, valid=torch.tensor([True, True]))
     optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    settings = TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0)
     learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), Accelerator(cpu=True),
-                      TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0), temperature=1.0,
+                      settings, temperature=1.0, path=path_for(policy.family, policy.model, settings),
                       correction=Correction(sampler_check=True))
     assert update(learner, [attempt])["logp_mismatch_mean"] < 1e-5
     policy.model.zero_grad()

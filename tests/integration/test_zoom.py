@@ -65,7 +65,7 @@ def test_rows_are_seeded_and_every_cell_holds_a_symbol_the_named_one_of_the_answ
 
 def test_the_symbol_is_a_speck_at_the_pixel_budget_and_most_of_a_patch_in_its_crop(task, tiny):
     """qwen-vl-utils' resize (Family.fit_image) of the whole image and of the named cell's crop."""
-    family = tiny.adapter
+    family = tiny.family
     full_sizes, crop_sizes = [], []
     for row in task.load("test"):
         full, crop = family.fit_image(row["image"]), family.fit_image(row["image"].crop(row["cell"]))
@@ -117,7 +117,7 @@ def test_a_call_counts_as_on_the_named_cell_when_its_box_covers_it(task):
 
 def test_demonstrations_zoom_on_the_cell_and_train_on_generated_tokens_only(task, tiny):
     build = load_script("build_tiny")
-    family, rows = tiny.adapter, task.load("train")[:2]
+    family, rows = tiny.family, task.load("train")[:2]
     batch = family.encode([task.messages(r) for r in rows])
     zoomed = build.zoom_demonstration(family, rows[0], batch.image_sizes[0][0], True)
     direct = build.zoom_demonstration(family, rows[1], batch.image_sizes[1][0], False)
@@ -130,10 +130,10 @@ def test_demonstrations_zoom_on_the_cell_and_train_on_generated_tokens_only(task
     text = family.tokenizer.decode(zoomed.token_ids, skip_special_tokens=True)
     assert task.reward_components(text, rows[0]) == {"accuracy": 1.0, "format": 1.0}
     ids, attention, loss_mask = pad_trajectories([zoomed, direct], family.pad_id)
-    from gpg_vl.models.family import choose_scoring_path
+    from gpg_vl.models.scoring import choose_scoring_path, token_logps
 
     path = choose_scoring_path(family, tiny.model, share_prompt=False, share_vision=True)
-    logps = family.trajectory_logps(tiny.model, batch, [0, 1], ids, attention, [zoomed, direct], path=path)
+    logps = token_logps(family, tiny.model, batch, [0, 1], ids, attention, observations=[zoomed, direct], path=path)
     assert torch.isfinite(logps[loss_mask > 0]).all()
 
 

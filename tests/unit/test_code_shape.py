@@ -1,11 +1,13 @@
-"""The code's shape: no function in gpg_vl/ over 80 lines or over 10 parameters (self / cls not counted), `train`
-at most 40 lines, and no engine name in the trainer's stages (engines own their settings and checks)."""
+"""The code's shape: no function in gpg_vl/ over 80 lines or over 10 parameters (self / cls not counted), no module
+over 800 lines, the family protocol (models/family.py) at most 500, `train` at most 40 lines, and no engine name in
+the trainer's stages (engines own their settings and checks)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "gpg_vl"
 MAX_LINES, MAX_PARAMETERS, MAX_TRAIN_LINES = 80, 10, 40
+MAX_MODULE_LINES, MAX_FAMILY_LINES = 800, 500
 
 def functions():
     """(path relative to gpg_vl/, qualified name, node) of every function and method."""
@@ -42,6 +44,14 @@ def test_no_function_is_over_80_lines_or_10_parameters():
         if lines(node) > MAX_LINES or parameters(node) > MAX_PARAMETERS:
             over.append(f"gpg_vl/{path}:{node.lineno} {name}: {lines(node)} lines, {parameters(node)} parameters")
     assert not over, "over the limits (80 lines, 10 parameters):\n" + "\n".join(over)
+
+
+def test_no_module_is_over_800_lines_and_the_family_protocol_stays_small():
+    sizes = {path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
+             for path in sorted(PACKAGE.rglob("*.py"))}
+    over = [f"gpg_vl/{path}: {lines} lines" for path, lines in sizes.items() if lines > MAX_MODULE_LINES]
+    assert not over, "modules over 800 lines:\n" + "\n".join(over)
+    assert sizes["models/family.py"] <= MAX_FAMILY_LINES, "models/family.py holds the protocol alone"
 
 
 def test_train_reads_in_40_lines():

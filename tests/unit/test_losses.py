@@ -68,7 +68,7 @@ def test_losses_match_the_loop_reference_on_random_inputs(name, seed):
               for a, b, m in zip(ra, rb, rm, strict=True) if m]
     assert metrics["ratio_mean"] == pytest.approx(sum(ratios) / len(ratios))
     assert metrics["ratio_max"] == pytest.approx(max(ratios))
-    # the gradient of a loss over chunks with the global normaliser equals the full-batch gradient
+    # the gradient of a loss over chunks with the global normalizer equals the full-batch gradient
     x = logps.clone().requires_grad_(True)
     loss_fn(x, mask, advs, **kwargs)[0].backward()
     parts = torch.zeros_like(x)
@@ -195,7 +195,7 @@ def test_registries_reject_duplicates_list_valid_names_and_load_outside_function
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_a_registered_loss_called_directly_equals_the_trainers_use_of_it(name):
     """Through the public names: called with its options only, a loss computes what the trainer computes with
-    it (the registered aggregation, the batch's own count as normaliser): the same loss and gradient."""
+    it (the registered aggregation, the batch's own count as normalizer): the same loss and gradient."""
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.train.update import trainer_loss_options
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from gpg_vl import get_task
 from gpg_vl.reward import primitives as rewards
+from gpg_vl.reward.pool import score_completions
 from gpg_vl.reward.primitives import (
     box_giou,
     box_iou,
@@ -142,6 +143,11 @@ def test_a_reward_that_raises_scores_zero_is_counted_and_its_first_traceback_sho
     err = capsys.readouterr().err
     assert err.count("Traceback") == 1 and "reward 'mine' of task 'shapes' raised" in err
     assert "ZeroDivisionError" in err
+    # the trainer's scoring returns its own count, whatever the task counted before
+    scored = score_completions(task, ["", "ok", " ", "no"], [{"answer": "red"}] * 4, workers=2)
+    assert (scored.errors, scored.timeouts) == (2, 0) and [s["mine"] for s in scored.scores] == [0.0, 0.5, 0.0, 0.5]
+    assert task.scored_components("", {"answer": "red"})[1] == 1
+    assert task.scored_components("a", {"answer": "red"})[1] == 0
 
 
 

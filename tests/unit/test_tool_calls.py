@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpg_vl.models.family import FAMILIES, ToolCall, parse_hermes_call, parse_xml_call
+from gpg_vl.models.family import FAMILIES
+from gpg_vl.models.tool_calls import ToolCall, parse_hermes_call, parse_xml_call
 from gpg_vl.rollout.tools import answer_call
 from tests.unit.test_tools import context
 

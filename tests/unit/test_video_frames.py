@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.video_clips import clip_frames, write_clip
 from PIL import Image
-from video_clips import clip_frames, write_clip
 
 from gpg_vl.data.video import DECODED, decode_video, frame_count, frame_indices
 from gpg_vl.errors import BadRow

@@ -1,8 +1,8 @@
 """Out-of-tree pieces for multi-turn runs through the command line: `ShapesWithZoom`, the shapes task offering
 `zoom_in`, and `ScriptedToolEngine`, the HF engine whose first segment of every other trajectory is a `zoom_in`
 call on the middle of the image (forced, still scored by the model; later segments sampled), so that a tiny
-random model's rollouts hold tool calls and crops. Loaded as `task.name=tests/tool_engine.py:ShapesWithZoom` and
-`rollout.engine=tests/tool_engine.py:ScriptedToolEngine`."""
+random model's rollouts hold tool calls and crops. Loaded as `task.name=tests/helpers/tool_engine.py:ShapesWithZoom` and
+`rollout.engine=tests/helpers/tool_engine.py:ScriptedToolEngine`."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class ScriptedToolEngine(HFEngine):
     def generate(self, prompts, group_size, sampling):
         if not self.multiturn.multi_turn:
             return super().generate(prompts, group_size, sampling)
-        family, sizes = self.policy.adapter, prompts.batch.image_sizes
+        family, sizes = self.policy.family, prompts.batch.image_sizes
 
         def scripted(row: int, turn: int):
             return centre_call(family, sizes[row // group_size][0]) if turn == 0 and row % 2 == 0 else None

@@ -3,9 +3,8 @@ that overruns any budget, so the tests can count the completions the trainer sto
 
 import threading
 
-from vowel_task import Vowels, vowel_share
-
 from gpg_vl.data.task import register_task
+from helpers.vowel_task import Vowels, vowel_share
 
 RELEASE = threading.Event()  # set by the test when it is done: the blocked reward calls then return
 SLOW_ROWS = ("0", "1000")  # the first row of the train split and of the held-out split

@@ -7,10 +7,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from video_clips import clip_frames, write_clip
-from vowel_task import vowel_share
-
 from gpg_vl.data.task import Task, register_task
+from helpers.video_clips import clip_frames, write_clip
+from helpers.vowel_task import vowel_share
 
 QUESTION = "Which way does the dot move, left or right? Answer in one word."
 
