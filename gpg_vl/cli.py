@@ -12,11 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from gpg_vl.config.names import MULTITURN_DEFAULTS
 from gpg_vl.errors import Interrupted, UserError
 
-# the rollout keys evaluation decodes with: the engine, and the multi-turn keys (greedy trajectories with tools)
-ENGINE_KEYS = ("engine", "hf", "vllm", *(key for key in MULTITURN_DEFAULTS if key != "hf_multiturn"))
 _LAZY = {"build_policy": "gpg_vl.train.build", "build_task": "gpg_vl.train.build"}
 
 
@@ -101,11 +98,11 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         torch.manual_seed(cfg.seed)
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
         _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
-        from gpg_vl.config.schema import RolloutSettings
         from gpg_vl.rollout.engine import build_engine
 
-        chosen = OmegaConf.to_container(cfg.rollout, resolve=True)  # the engine, checked before the model loads
-        engine_settings = RolloutSettings(**{k: v for k, v in chosen.items() if k in ENGINE_KEYS})
+        # rollout.* as training has it (the engine and its own section, the multi-turn keys, the tools'
+        # sections), typed by the config's schema; greedy decoding takes no sampling key from it
+        engine_settings = OmegaConf.to_object(cfg.rollout)
         check_model_folder(cfg.model)
         policy = build.build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,

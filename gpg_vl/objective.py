@@ -61,6 +61,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from gpg_vl.config.names import ADVANTAGE_BUILTINS, LOSS_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
 
@@ -72,8 +73,9 @@ AdvantageEstimator = Callable[[Tensor], tuple[Tensor, Tensor]]  # rewards [B, G]
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
 Normalizer = Callable[[float, float], float]  # (count over valid groups, count over all sampled groups) -> denominator
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "trainer.advantage")
-POLICY_LOSSES = Registry("policy loss", "trainer.loss")
+# the built-ins are defined below (gpg_vl/config/names.py lists them, as every kind's built-ins are listed)
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "trainer.advantage", builtins=ADVANTAGE_BUILTINS)
+POLICY_LOSSES = Registry("policy loss", "trainer.loss", builtins=LOSS_BUILTINS)
 
 
 # ----------------------------------------------------------------------------- registries

@@ -16,12 +16,16 @@ from gpg_vl.errors import UserError
 
 def load_reference(reference: str, key: str) -> Any:
     """The attribute `name` of `module:name` or `file.py:name`; `key` (e.g. ``task.name``) names the setting
-    in the one-sentence error for a missing file, module or attribute."""
+    in the one-sentence error for a missing file, module or attribute (or, with a space in it, says in words
+    where the reference was written: "a task's `tools`")."""
     location, _, attribute = reference.rpartition(":")
+    prose = " " in key  # not a setting: say where the reference was written
+    given = f"{reference!r} in {key}" if prose else f"{key}={reference}"
     if location.endswith(".py"):
         path = Path(location).expanduser().resolve()
         if not path.is_file():
-            raise UserError(f"file {location!r} does not exist; give {key}=path/to/file.py:name.")
+            fix = f"fix {given} (a path/to/file.py:name)" if prose else f"give {key}=path/to/file.py:name"
+            raise UserError(f"file {location!r} does not exist; {fix}.")
         module_name = f"gpg_vl_user_{abs(hash(str(path)))}"
         module = sys.modules.get(module_name)
         if module is None:
@@ -33,9 +37,9 @@ def load_reference(reference: str, key: str) -> Any:
         try:
             module = importlib.import_module(location)
         except ImportError as error:
-            raise UserError(f"cannot import module {location!r} ({error}); check {key}.") from None
+            raise UserError(f"cannot import module {location!r} ({error}); check {given if prose else key}.") from None
     if not hasattr(module, attribute):
-        raise UserError(f"{location!r} defines no {attribute!r}; check the name after ':' in {key}={reference}.")
+        raise UserError(f"{location!r} defines no {attribute!r}; check the name after ':' in {given}.")
     return getattr(module, attribute)
 
 
@@ -43,9 +47,10 @@ class Registry(Mapping):
     """The plugins of one kind (tasks, model families, advantages, policy losses, rollout engines), by name.
 
     `kind` names them in messages ("rollout engine"), `config_key` is the setting that picks one
-    (``rollout.engine``). `builtins` maps each built-in name to ``"module.path:attr"``: a built-in is imported on
-    first use (`get`), so no module imports another just to register it. `packages` are imported, once, when a
-    name is not found otherwise or every name is asked for (the task plugins of ``gpg_vl_tasks``).
+    (``rollout.engine``), or says in words where one is named when no setting does ("a task's `tools`").
+    `builtins` maps each built-in name to ``"module.path:attr"`` (the tables of gpg_vl/config/names.py, one per
+    kind: every kind's built-ins are registered this one way): a built-in is imported on first use (`get`), so
+    no module imports another just to register it.
     `accepts(obj)` says whether an object is a plugin of this kind, `expects` says what one is ("a Task
     subclass"). `get` also takes ``module:name`` and ``path.py:name``, loaded by `load_reference`.
 
@@ -54,15 +59,12 @@ class Registry(Mapping):
     """
 
     def __init__(self, kind: str, config_key: str, builtins: dict[str, str] | None = None, *,
-                 packages: tuple[str, ...] = (), accepts: Callable[[Any], bool] = callable,
-                 expects: str = "a function") -> None:
+                 accepts: Callable[[Any], bool] = callable, expects: str = "a function") -> None:
         self.kind, self.config_key = kind, config_key
         self.builtins = dict(builtins or {})
-        self.packages = tuple(packages)
         self.accepts, self.expects = accepts, expects
         self._entries: dict[str, Any] = {}
         self._origins: dict[str, str] = {}
-        self._packages_loaded = False
 
     # ---- registering ---------------------------------------------------------------------------
     def register(self, target: Any = None, /, **attributes: Any):
@@ -77,7 +79,6 @@ class Registry(Mapping):
     def add(self, name: str, obj: Any, **attributes: Any) -> Any:
         """Register `obj` as `name`; a second object under a registered (or built-in) name raises UserError."""
         origin = _origin(obj)
-        self._load_packages()  # a name a package's plugin takes is taken before that package is imported, too
         if name in self._entries:
             taken = self._entries[name] is not obj
         else:  # a built-in registers itself when its module is imported; anything else takes the name
@@ -104,37 +105,33 @@ class Registry(Mapping):
         if ":" in name:
             obj = load_reference(name, self.config_key)
             if not self.accepts(obj):
-                raise UserError(f"{self.config_key}={name} is not {self.expects}; name {self.expects} after ':'.")
+                given = f"{name!r} in {self.config_key}" if " " in self.config_key else f"{self.config_key}={name}"
+                raise UserError(f"{given} is not {self.expects}; name {self.expects} after ':'.")
             return obj
         if name not in self._entries and name in self.builtins:
             obj = load_reference(self.builtins[name], self.config_key)
             self._entries.setdefault(name, obj)  # the module may have registered it itself
             self._origins.setdefault(name, self.builtins[name])
-        if name not in self._entries and not self._packages_loaded:
-            self._load_packages()
         if name not in self._entries:
+            if " " in self.config_key:  # no setting names it: say where it was named
+                raise UserError(f"unknown {self.kind} {name!r} in {self.config_key}; valid options: "
+                                f"{', '.join(self.names())} (or name a {self.kind} from outside as module:name or "
+                                "path.py:name).")
             raise UserError(f"unknown {self.config_key} {name!r}; valid options: {', '.join(self.names())} (or "
                             f"load a {self.kind} from outside with {self.config_key}=module:name or "
                             f"{self.config_key}=path.py:name).")
         return self._entries[name]
 
     def names(self) -> list[str]:
-        """Every registered name, built-in ones included (sorted); imports the `packages`, not the built-ins."""
-        self._load_packages()
+        """Every registered name, built-in ones included (sorted), without importing the built-ins."""
         return sorted({*self._entries, *self.builtins})
 
     def load_all(self) -> dict[str, Any]:
         """Name -> plugin for every name, importing each built-in."""
         return {name: self.get(name) for name in self.names()}
 
-    def _load_packages(self) -> None:
-        if not self._packages_loaded:
-            self._packages_loaded = True
-            for package in self.packages:
-                importlib.import_module(package)
-
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self._entries or name in self.builtins or name in self.names())
+        return isinstance(name, str) and (name in self._entries or name in self.builtins)
 
     def __getitem__(self, name: str) -> Any:
         try:

@@ -52,13 +52,14 @@ import psutil
 import torch
 from PIL import Image
 
-from gpg_vl.config.schema import HFEngineSettings, RolloutSettings, TrainerSettings
+from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.data.task import Task, image_question
 from gpg_vl.models.family import FAMILIES
 from gpg_vl.models.load import Policy, resolve_path
 from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
+from gpg_vl.rollout.settings import HFEngineSettings
 from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
 from gpg_vl.train.update import Learner, build_optimizer, update
 

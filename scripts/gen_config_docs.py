@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's gpg_vl
 
-from gpg_vl.config.schema import CHOICE_SOURCES, EvalSchema, TrainSchema, declared, default_of, key_of  # noqa: E402
+from gpg_vl.config.keys import declared, default_of, key_of  # noqa: E402
+from gpg_vl.config.schema import CHOICE_SOURCES, EvalSchema, TrainSchema  # noqa: E402
 from gpg_vl.config.validate import rule_for, value_type  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
@@ -30,8 +31,10 @@ SECTIONS = [  # (heading, key prefix, what it is)
                             "checkpoints and logging (`TrainerSettings`). Training only; a task config's `trainer.*` "
                             "values are accepted and ignored by evaluation."),
     ("rollout", "rollout.", "Sampling the G completions of each prompt, through the engine `rollout.engine` names "
-                            "(`RolloutSettings`, `HFEngineSettings`, `VLLMEngineSettings`); evaluation decodes "
-                            "through the same engine."),
+                            "(`RolloutSettings`); evaluation decodes through the same engine. Each engine's own "
+                            "settings are `rollout.<engine>.*` and each tool's `rollout.tools.<tool>.*`, declared "
+                            "by the engine and the tool (`gpg_vl/rollout/settings.py` for the built-ins; an "
+                            "out-of-tree engine or tool declares its own: [Extending](extending.md))."),
     ("eval", "eval.", "Greedy evaluation of the held-out split, during training and by `scripts/eval.py` "
                       "(`EvalSettings`)."),
     ("model", "model.", "Which model, how it is loaded and how it is trained (`ModelSettings`, `LoraSettings`): the "

@@ -1,16 +1,2 @@
-"""Built-in task plugins; importing this package registers them."""
-
-from . import (  # noqa: F401
-    classification,
-    cvbench,
-    deepeyes,
-    geoqa,
-    hrbench,
-    lisa,
-    motion,
-    shapes,
-    videor1,
-    vsibench,
-    vstar,
-    zoom,
-)
+"""The built-in task plugins (the package gpg_vl_tasks). Each registers itself when imported; the registry
+imports one on first use, from the table of built-ins in gpg_vl/config/names.py (`TASK_BUILTINS`)."""

@@ -15,7 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from gpg_vl.config.schema import register_schema
+from gpg_vl.config import names
+from gpg_vl.config.schema import register_schema, schemas_with
 from gpg_vl.config.validate import check_values
 from gpg_vl.errors import Interrupted, UserError
 
@@ -89,19 +90,70 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             base = compose(config_name=config_name, overrides=group_overrides)
+            schemas = _plugin_schemas(base, overrides)
+            if schemas is not None:  # an out-of-tree engine or tool brings its own section of rollout.*
+                register_schema(*schemas)
+                base = compose(config_name=config_name, overrides=group_overrides)
             for override in overrides:
                 _check_override(base, override)
             cfg = compose(config_name=config_name, overrides=overrides)
     except HydraException as error:
         raise UserError(_type_error(error) or f"bad command line: {str(error).splitlines()[0]}") from None
-    check_values(cfg)  # every value's range (types: the schema, gpg_vl/config/schema.py), before anything loads
+    finally:
+        register_schema()  # the next config starts from the built-in sections
+    check_values(cfg, *(schemas or ()))  # every value's range (types: the schema), before anything loads
     if config_name == "train":  # the variant names and the keys' agreement, as the typed settings check them
         trainer = OmegaConf.to_object(cfg.trainer)  # deprecated keys resolved here, once (one warning)
         cfg.trainer.advantage, cfg.trainer.baseline, cfg.trainer.std_normalize = trainer.advantage, None, None
-        for section in ("rollout", "eval"):
-            OmegaConf.to_object(cfg[section])
+        OmegaConf.to_object(cfg.eval)
+    _check_engine(OmegaConf.to_object(cfg.rollout))
     OmegaConf.to_object(cfg.reward)  # a judge without the key it needs (reward.judge.url, .model), train and eval
     return cfg
+
+
+def _chosen(base: DictConfig, overrides: list[str], key: str):
+    """The value `key` will have: its last `key=value` override, else the composed config's."""
+    given = [o.split("=", 1)[1].strip("'\"") for o in overrides if o.split("=", 1)[0].lstrip("+") == key]
+    return given[-1] if given else OmegaConf.select(base, key, default=None)
+
+
+def _plugin_schemas(base: DictConfig, overrides: list[str]):
+    """The train and eval schemas with the sections of the out-of-tree engine and tools the run uses, or None.
+
+    An engine that is not built in (`rollout.engine=module:Name` / `path.py:Name`) is loaded now (its code runs),
+    and its `settings_class` becomes `rollout.<its name>.*`. An override of `rollout.tools.<tool>.*` for a
+    tool that is not built in loads the task (`task.name`) whose `tools` offer it, and that tool's `settings_class`
+    becomes `rollout.tools.<tool>.*`. Built-in engines and tools have their sections in the schema already."""
+    engines, tools = {}, {}
+    engine = _chosen(base, overrides, "rollout.engine")
+    if engine and engine not in names.ENGINE_SETTINGS and (":" in engine or names.imported("engines")):
+        from gpg_vl.rollout.engine import ENGINES
+
+        found = ENGINES.get(engine)  # an unknown name fails here, with the valid ones
+        if vars(found).get("settings_class") is not None:  # declared by the engine itself, not inherited
+            engines[found.name] = found.settings_class
+    wanted = {o.split("=", 1)[0].split(".")[2] for o in overrides
+              if o.startswith("rollout.tools.") and o.count(".") >= 3} - set(names.TOOL_SETTINGS)
+    task = _chosen(base, overrides, "task.name")
+    if wanted and task:
+        from gpg_vl.data.task import TASKS
+        from gpg_vl.rollout.tools import TOOLS
+
+        for name in getattr(TASKS.get(task), "tools", ()):
+            tool = TOOLS.get(name)
+            if tool.name in wanted and getattr(tool, "settings_class", None) is not None:
+                tools[tool.name] = tool.settings_class
+    return schemas_with(engines, tools) if engines or tools else None
+
+
+def _check_engine(rollout) -> None:
+    """The engine `rollout.engine` names can run here with these settings (else one sentence, before any model
+    loads). The HF engine runs anywhere: it is left to build_engine, so that the config loads without torch."""
+    if rollout.engine == "hf" and not names.imported("engines"):
+        return
+    from gpg_vl.rollout.engine import require_engine
+
+    require_engine(rollout)
 
 
 def _type_error(error: Exception) -> str | None:

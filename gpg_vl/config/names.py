@@ -3,10 +3,12 @@ the modules that define them (those import torch, transformers or accelerate). S
 checked in well under a second (docs/robustness.md, "Errors in a second"), and the heavy libraries load only
 once it passed.
 
-A registry's names (`registered`) come from its module when that module is imported, else from the built-in
-names here: nothing registers a plugin by name without importing the registry's module first, so until then
-the built-ins are the whole list. tests/unit/test_config_light.py checks every list here against its source
-(the registries, and the installed transformers' and accelerate's own lists).
+Every kind of plugin registers its built-ins one way: a table here, name -> "module:attr", which its registry
+takes (`Registry(builtins=...)`) and imports on first use; the module's own decorator (`register_task`,
+`register_engine`, ...) then finds its name in the table. A registry's names (`registered`) come from its module
+when that module is imported, else from the tables here: nothing registers a plugin by name without importing the
+registry's module first, so until then the built-ins are the whole list. tests/unit/test_config_light.py checks
+every list here against its source (the registries, and the installed transformers' and accelerate's own lists).
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ ENGINE_BUILTINS = {
     "hf": "gpg_vl.rollout.hf:HFEngine",
     "vllm": "gpg_vl.rollout.vllm:VLLMEngine",
 }
+# Where each built-in engine's and tool's settings are declared (the engine's `settings`, the tool's): light
+# modules, so the config types and checks rollout.<engine>.* and rollout.tools.<tool>.* before torch loads.
+ENGINE_SETTINGS = {
+    "hf": "gpg_vl.rollout.settings:HFEngineSettings",
+    "vllm": "gpg_vl.rollout.settings:VLLMEngineSettings",
+}
+# The built-in tools a task may offer (gpg_vl/rollout/tools.py's TOOLS), and their settings.
+TOOL_BUILTINS = {"zoom_in": "gpg_vl.rollout.tools:zoom_in"}
+TOOL_SETTINGS = {"zoom_in": "gpg_vl.rollout.settings:ZoomInSettings"}
 FAMILY_BUILTINS = {
     "generic": "gpg_vl.models.generic:GenericFamily",
     "qwen2_5_vl": "gpg_vl.models.qwen:QwenVLFamily",
@@ -33,6 +44,22 @@ FAMILY_BUILTINS = {
     "qwen3_vl": "gpg_vl.models.qwen:Qwen3VLFamily",
     "qwen3_5": "gpg_vl.models.qwen:Qwen3_5Family",
 }
+# The built-in tasks (gpg_vl_tasks is the tasks/ folder), advantage estimators and policy losses.
+TASK_BUILTINS = {
+    "classification": "gpg_vl_tasks.classification:Classification", "cvbench": "gpg_vl_tasks.cvbench:CVBench",
+    "deepeyes": "gpg_vl_tasks.deepeyes:DeepEyes", "geoqa": "gpg_vl_tasks.geoqa:GeoQA",
+    "hrbench": "gpg_vl_tasks.hrbench:HRBench", "lisa": "gpg_vl_tasks.lisa:Lisa", "motion": "gpg_vl_tasks.motion:Motion",
+    "shapes": "gpg_vl_tasks.shapes:Shapes", "videor1": "gpg_vl_tasks.videor1:VideoR1",
+    "vsibench": "gpg_vl_tasks.vsibench:VSIBench", "vstar": "gpg_vl_tasks.vstar:VStar", "zoom": "gpg_vl_tasks.zoom:Zoom",
+}
+ADVANTAGE_BUILTINS = {"group_mean": "gpg_vl.objective:group_mean_advantages",
+                      "none": "gpg_vl.objective:raw_reward_advantages",
+                      "std_normalized": "gpg_vl.objective:std_normalized_advantages"}
+LOSS_BUILTINS = {"dapo": "gpg_vl.objective:dapo_loss", "dr_grpo": "gpg_vl.objective:dr_grpo_loss",
+                 "gpg": "gpg_vl.objective:policy_loss", "grpo": "gpg_vl.objective:grpo_loss"}
+# The built-in tool-use reward sets (task.options.rewards of the thinking-with-images tasks).
+TOOL_REWARD_BUILTINS = {"accuracy": "gpg_vl.reward.tooluse:accuracy_rewards",
+                        "deepeyes": "gpg_vl.reward.tooluse:deepeyes_rewards"}
 # The built-in judges (reward.judge.kind): builders registered in gpg_vl/reward/judge.py's JUDGES.
 JUDGE_BUILTINS = {
     "none": "gpg_vl.reward.judge:no_judge",
@@ -44,11 +71,14 @@ JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatib
                "local": ("model", "/models/Qwen2.5-VL-7B-Instruct, a model folder or hub id")}
 # registry -> (its module, its attribute, the built-in names)
 REGISTRIES = {
-    "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", ("group_mean", "none", "std_normalized")),
-    "losses": ("gpg_vl.objective", "POLICY_LOSSES", ("dapo", "dr_grpo", "gpg", "grpo")),
+    "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", tuple(ADVANTAGE_BUILTINS)),
+    "losses": ("gpg_vl.objective", "POLICY_LOSSES", tuple(LOSS_BUILTINS)),
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),
+    "tasks": ("gpg_vl.data.task", "TASKS", tuple(TASK_BUILTINS)),
+    "tools": ("gpg_vl.rollout.tools", "TOOLS", tuple(TOOL_BUILTINS)),
+    "tool_rewards": ("gpg_vl.reward.tooluse", "TOOL_REWARDS", tuple(TOOL_REWARD_BUILTINS)),
 }
 # what each built-in loss declares (gpg_vl/objective.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),
@@ -72,23 +102,3 @@ def imported(registry: str) -> bool:
     """Whether the module holding `registry` is imported (then it, not the list here, answers)."""
     module, attribute, _ = REGISTRIES[registry]
     return getattr(sys.modules.get(module), attribute, None) is not None
-
-
-def loss_declaration(name: str) -> tuple[tuple[str, ...], str | None]:
-    """(needs, fixed aggregation) of the loss `trainer.loss` names: a built-in's from the table above while
-    gpg_vl/objective.py is not imported, else (and for `module:fn` / `path.py:fn`) the loss's own."""
-    if name in LOSSES and not imported("losses"):
-        return LOSSES[name]
-    from gpg_vl.objective import get_policy_loss, loss_needs
-
-    loss = get_policy_loss(name)
-    return loss_needs(loss), getattr(loss, "aggregation", None)
-
-
-# The multi-turn keys' defaults (rollout.max_turns, ...): read by the schema and by rollout/trajectory.py's
-# MultiTurnSettings, which is what the engines take.
-MULTITURN_DEFAULTS = {"max_turns": 1, "max_images": 8, "max_total_tokens": 4096, "on_limit": "score",
-                      "tool_seconds": 10.0, "zoom_min_side": 30, "zoom_max_aspect_ratio": 100.0,
-                      "hf_multiturn": "incremental"}
-ON_LIMIT = ("score", "mask")
-MULTITURN_MODES = ("incremental", "naive")

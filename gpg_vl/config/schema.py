@@ -17,35 +17,13 @@ gpg_vl/config/validate.py's `choices_of` from gpg_vl/config/names.py, which also
 declare; a plugin (`module:name`) is loaded to be checked.
 """
 
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
-from gpg_vl.config.names import JUDGE_NEEDS, MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
+from gpg_vl.config.keys import as_sections, meta, with_sections
+from gpg_vl.config.names import ENGINE_SETTINGS, JUDGE_NEEDS, TOOL_SETTINGS
 from gpg_vl.errors import UserError
-
-
-@dataclass(frozen=True)
-class Key:
-    """What one setting means and allows, beyond its type (bool, int, float, str; `| None`: null allowed)."""
-
-    help: str  # its one-line meaning
-    low: float | None = None  # inclusive lower bound
-    above: float | None = None  # exclusive lower bound
-    high: float | None = None  # inclusive upper bound
-    choices: tuple[str, ...] | str = ()  # the names allowed, or the name of a lazy source (`CHOICE_SOURCES`)
-    references: bool = False  # `module:name` / `path/to/file.py:name` is allowed too (a plugin)
-    nonempty: bool = False  # a string with something in it
-    note: str = ""  # why, appended to what is allowed in an error
-
-
-def meta(help: str, **allowed) -> dict:
-    """A field's metadata: `field(default=1e-6, metadata=meta("AdamW learning rate", above=0))`."""
-    return {"key": Key(help, **allowed)}
-
-
-def key_of(item: Field) -> Key | None:
-    return item.metadata.get("key")
-
+from gpg_vl.registry import load_reference
 
 # The choices read lazily (gpg_vl/config/validate.py's `choices_of`), and how the reference page names them.
 CHOICE_SOURCES = {
@@ -64,22 +42,17 @@ CHOICE_SOURCES = {
 }
 
 
-def declared(cls, prefix: str = "") -> list[tuple[str, Field]]:
-    """Every leaf setting of a settings dataclass as (dotted key, field), sections expanded, in order."""
-    keys = []
-    for item in fields(cls):
-        nested = item.default_factory if item.default_factory is not MISSING else None
-        if isinstance(nested, type) and hasattr(nested, "__dataclass_fields__"):
-            keys += declared(nested, f"{prefix}{item.name}.")
-        else:
-            keys.append((f"{prefix}{item.name}", item))
-    return keys
+def loss_declaration(name: str) -> tuple[tuple[str, ...], str | None]:
+    """(needs, fixed aggregation) of the loss `trainer.loss` names: a built-in's from names.LOSSES while
+    gpg_vl/objective.py is not imported, else (and for `module:fn` / `path.py:fn`) the loss's own."""
+    from gpg_vl.config import names
 
+    if name in names.LOSSES and not names.imported("losses"):
+        return names.LOSSES[name]
+    from gpg_vl.objective import get_policy_loss, loss_needs
 
-def default_of(item: Field):
-    if item.default is not MISSING:
-        return item.default
-    return item.default_factory() if item.default_factory is not MISSING else None
+    loss = get_policy_loss(name)
+    return loss_needs(loss), getattr(loss, "aggregation", None)
 
 
 @dataclass
@@ -192,7 +165,7 @@ class TrainerSettings:
             from gpg_vl.objective import get_advantage
 
             get_advantage(self.advantage)
-        needs, fixed = names.loss_declaration(self.loss)
+        needs, fixed = loss_declaration(self.loss)
         if self.aggregation not in names.AGGREGATIONS:
             raise UserError(f"unknown trainer.aggregation {self.aggregation!r}; valid options: "
                             f"{', '.join(names.AGGREGATIONS)}.")
@@ -218,62 +191,32 @@ class TrainerSettings:
         return self.ppo_epochs * (-(-sequences // self.ppo_mini_batch) if self.ppo_mini_batch else 1)
 
 
-@dataclass
-class HFEngineSettings:
-    """`rollout.hf.*`: the Hugging Face engine (gpg_vl/rollout/hf.py), sampling with the trained model itself."""
+# deprecated key -> the key that replaced it (one warning naming the new key; the old one still works)
+ROLLOUT_ALIASES = {"prefill_once": "hf.prefill_once", "static_cache": "hf.static_cache",
+                   "zoom_min_side": "tools.zoom_in.min_side", "zoom_max_aspect_ratio": "tools.zoom_in.max_aspect_ratio"}
+ON_LIMIT = ("score", "mask")
+MULTITURN_KEYS = ("max_turns", "max_images", "max_total_tokens", "on_limit", "tool_seconds")  # MultiTurnSettings'
 
-    prefill_once: bool = field(default=True, metadata=meta(
-        "prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)"))
-    static_cache: bool = field(default=False, metadata=meta(
-        "preallocate the decoding cache (a cache that cannot be, e.g. one holding linear-attention "
-        "recurrent states, stays dynamic); exact, but not measured faster on CPU"))
-    reserve_cache: bool = field(default=True, metadata=meta(
-        "reserve the dynamic cache's room for the whole completion once (written in place, not copied per "
-        "token; exact); static_cache takes precedence"))
-    decode: str = field(default="loop", metadata=meta(
-        "loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate",
-        choices="decoders"))
-    multiturn: str = field(default=MULTITURN_DEFAULTS["hf_multiturn"], metadata=meta(
-        "multi-turn rollouts (rollout.max_turns > 1): incremental prefills each observation onto the trajectory's "
-        "cache; naive re-prefills the whole conversation every turn (for comparison)",
-        choices=MULTITURN_MODES))
+
+def _sections(table: dict[str, str]) -> dict[str, type]:
+    """name -> settings dataclass of the built-ins in `table` (gpg_vl/config/names.py: light modules only)."""
+    return {name: load_reference(reference, "settings") for name, reference in table.items()}
 
 
 @dataclass
-class VLLMEngineSettings:
-    """`rollout.vllm.*`: the vLLM engine (gpg_vl/rollout/vllm.py), colocated: one engine in every training process."""
-
-    gpu_memory_utilization: float = field(default=0.4, metadata=meta(
-        "the share of GPU memory vLLM takes for weights and its KV cache", low=0.01, high=1))
-    tensor_parallel_size: int = field(default=1, metadata=meta(
-        "processes that shard one engine (within the training processes)", low=1))
-    enable_sleep_mode: bool = field(default=True, metadata=meta(
-        "free vLLM's memory while the update runs (sleep level 1, woken per rollout)"))
-    max_model_len: int | None = field(default=None, metadata=meta(
-        "prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens; with "
-        "rollout.max_turns > 1, max_prompt_tokens + max(max_new_tokens, max_total_tokens))", low=1))
-    max_images: int = field(default=4, metadata=meta(
-        "most images in one prompt (vLLM plans its encoder memory for them; with rollout.max_turns > 1, "
-        "rollout.max_images more for the tools' images)", low=1))
-    max_videos: int = field(default=1, metadata=meta(
-        "most videos in one prompt (vLLM plans its encoder memory for them; none for a family that passes an "
-        "engine no video)", low=0))
-    enforce_eager: bool = field(default=False, metadata=meta(
-        "no CUDA graphs (slower decoding, faster start, less memory)"))
-    max_logp_mismatch: float = field(default=0.05, metadata=meta(
-        "warn once when a step's mean |vLLM log-prob - trainer log-prob| is above this", low=0))
-    tis_cap: float = field(default=0.0, metadata=meta(
-        "> 0: token-level truncated importance weight min(p_trainer / p_vllm, cap) multiplies the loss (0 = off)",
-        low=0, note="0 = off"))
-    seed: int = field(default=0, metadata=meta("vLLM's sampling seed (each process adds its rank)", low=0))
+class ToolSettings:
+    """`rollout.tools.<tool>.*`: each tool's own settings, declared by the tool (`register_tool(..., settings=)`)."""
 
 
-ROLLOUT_ALIASES = {"prefill_once": "hf.prefill_once", "static_cache": "hf.static_cache"}  # deprecated -> new key
+# one section per built-in tool with settings; an out-of-tree tool's is added with the config that uses it
+ToolSettings = with_sections(ToolSettings, _sections(TOOL_SETTINGS))
 
 
 @dataclass
 class RolloutSettings:
-    """`rollout.*`: sampling the G completions of each prompt, through the engine `engine` names."""
+    """`rollout.*`: sampling the G completions of each prompt, through the engine `engine` names; each engine's own
+    settings under `rollout.<engine>.*`, each tool's under `rollout.tools.<tool>.*` (declared by the engine and
+    the tool: gpg_vl/rollout/settings.py for the built-ins)."""
 
     engine: str = field(default="hf", metadata=meta(
         "hf (transformers, any device) or vllm (CUDA; pip install -e \".[vllm]\")", choices="engines",
@@ -286,51 +229,50 @@ class RolloutSettings:
     ignore_eos: bool = field(default=False, metadata=meta("always generate max_new_tokens (benchmarks)"))
     max_prompt_tokens: int = field(default=4096, metadata=meta(
         "longer prompts are skipped with a warning, never truncated", low=1))
-    max_turns: int = field(default=MULTITURN_DEFAULTS["max_turns"], metadata=meta(
+    max_turns: int = field(default=1, metadata=meta(
         "model segments per trajectory: > 1 lets the model call the task's tools (thinking with images) and "
         "continue after each observation; 1 = one completion per rollout", low=1))
-    max_images: int = field(default=MULTITURN_DEFAULTS["max_images"], metadata=meta(
+    max_images: int = field(default=8, metadata=meta(
         "images the tools may add to one trajectory, in all (an observation past it ends the trajectory)", low=0))
-    max_total_tokens: int = field(default=MULTITURN_DEFAULTS["max_total_tokens"], metadata=meta(
+    max_total_tokens: int = field(default=4096, metadata=meta(
         "tokens after the prompt of one trajectory (segments and observations), in all; each segment has at most "
         "max_new_tokens", low=1))
-    on_limit: str = field(default=MULTITURN_DEFAULTS["on_limit"], metadata=meta(
+    on_limit: str = field(default="score", metadata=meta(
         "a trajectory cut by a limit (turns, images, tokens): score it as it is (DeepEyes) or mask its loss, "
         "keeping its reward in the group's mean (Mini-o3)", choices=ON_LIMIT))
-    tool_seconds: float = field(default=MULTITURN_DEFAULTS["tool_seconds"], metadata=meta(
+    tool_seconds: float = field(default=10.0, metadata=meta(
         "time budget of one tool call; past it the call is an error observation", above=0))
-    zoom_min_side: int = field(default=MULTITURN_DEFAULTS["zoom_min_side"], metadata=meta(
-        "zoom_in refuses a box whose short side, in original pixels, is at most this (DeepEyes: 30)", low=0))
-    zoom_max_aspect_ratio: float = field(default=MULTITURN_DEFAULTS["zoom_max_aspect_ratio"], metadata=meta(
-        "zoom_in refuses a box more elongated than this (DeepEyes: 100)", above=0))
-    hf: HFEngineSettings = field(default_factory=HFEngineSettings)
-    vllm: VLLMEngineSettings = field(default_factory=VLLMEngineSettings)
+    tools: ToolSettings = field(default_factory=ToolSettings)
     prefill_once: bool | None = field(default=None, metadata=meta(
         "deprecated: rollout.hf.prefill_once", note="deprecated: rollout.hf.prefill_once"))
     static_cache: bool | None = field(default=None, metadata=meta(
         "deprecated: rollout.hf.static_cache", note="deprecated: rollout.hf.static_cache"))
+    zoom_min_side: int | None = field(default=None, metadata=meta(
+        "deprecated: rollout.tools.zoom_in.min_side", note="deprecated: rollout.tools.zoom_in.min_side"))
+    zoom_max_aspect_ratio: float | None = field(default=None, metadata=meta(
+        "deprecated: rollout.tools.zoom_in.max_aspect_ratio",
+        note="deprecated: rollout.tools.zoom_in.max_aspect_ratio"))
 
     def __post_init__(self) -> None:
         import warnings
 
-        if isinstance(self.hf, dict):  # RolloutSettings(**container): the sections arrive as plain dicts
-            self.hf = HFEngineSettings(**self.hf)
-        if isinstance(self.vllm, dict):
-            self.vllm = VLLMEngineSettings(**self.vllm)
+        as_sections(self)  # RolloutSettings(**container): the sections arrive as plain dicts
+        as_sections(self.tools)
         for old, new in ROLLOUT_ALIASES.items():
             value = getattr(self, old)
             if value is not None:  # the old key still works, with one warning that names the new one
                 warnings.warn(f"rollout.{old} is deprecated; set rollout.{new}={str(value).lower()} instead.",
                               FutureWarning, stacklevel=2)
-                setattr(self.hf, new.split(".")[1], value)
+                *path, last = new.split(".")
+                holder = self
+                for part in path:
+                    holder = getattr(holder, part)
+                setattr(holder, last, value)
                 setattr(self, old, None)
-        from gpg_vl.config import names
 
-        if self.engine == "hf" and not names.imported("engines"):
-            return  # runs anywhere; hf.decode is checked by the config, and again by build_engine
-        from gpg_vl.rollout.engine import require_engine
 
-        require_engine(self)  # an unknown engine, or vllm without a GPU or the package: one sentence, before any model
+# one section per built-in engine (rollout.hf, rollout.vllm); an out-of-tree engine's is added with the config
+RolloutSettings = with_sections(RolloutSettings, _sections(ENGINE_SETTINGS))
 
 
 @dataclass
@@ -527,10 +469,22 @@ class EvalSchema:
     reward: RewardSettings = field(default_factory=RewardSettings)
 
 
-def register_schema() -> None:
-    """Register `TrainSchema` and `EvalSchema` with Hydra's ConfigStore as `train_schema` and `eval_schema`
-    (idempotent)."""
+def schemas_with(engines: dict[str, type] | None = None, tools: dict[str, type] | None = None):
+    """(TrainSchema, EvalSchema) with the sections of out-of-tree engines (`rollout.<engine>`) and tools
+    (`rollout.tools.<tool>`) a run uses: name -> the plugin's settings dataclass. The schemas themselves when
+    there is none."""
+    if not engines and not tools:
+        return TrainSchema, EvalSchema
+    rollout = with_sections(RolloutSettings, dict(engines or {}))
+    if tools:
+        rollout = with_sections(rollout, {"tools": with_sections(ToolSettings, tools)})
+    return tuple(with_sections(schema, {"rollout": rollout}) for schema in (TrainSchema, EvalSchema))
+
+
+def register_schema(train=TrainSchema, evaluation=EvalSchema) -> None:
+    """Register the train and eval schemas (`schemas_with`'s for a run with plugin sections) with Hydra's
+    ConfigStore as `train_schema` and `eval_schema` (each call replaces the last)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="train_schema", node=TrainSchema)
-    ConfigStore.instance().store(name="eval_schema", node=EvalSchema)
+    ConfigStore.instance().store(name="train_schema", node=train)
+    ConfigStore.instance().store(name="eval_schema", node=evaluation)

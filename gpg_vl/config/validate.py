@@ -24,7 +24,8 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpg_vl.config import names
-from gpg_vl.config.schema import EvalSchema, Key, TrainSchema, declared, key_of
+from gpg_vl.config.keys import Key, declared, key_of
+from gpg_vl.config.schema import EvalSchema, TrainSchema
 from gpg_vl.errors import UserError
 
 
@@ -126,10 +127,11 @@ def rule_for(item: Field) -> Rule | None:
 
 
 @cache
-def rules() -> dict[str, Rule]:
-    """Every checked key of train.yaml and eval.yaml (dotted) and its rule, in the schema's order."""
+def rules(*schemas) -> dict[str, Rule]:
+    """Every checked key of train.yaml and eval.yaml (dotted) and its rule, in the schema's order; `schemas`: the
+    run's (with an out-of-tree engine's or tool's section), else the built-in TrainSchema and EvalSchema."""
     table = {}
-    for schema in (TrainSchema, EvalSchema):
+    for schema in schemas or (TrainSchema, EvalSchema):
         for name, item in declared(schema):
             rule = rule_for(item)
             if rule is not None:
@@ -160,10 +162,11 @@ def _cross_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Raise one UserError naming every config value outside what the schema allows (and the cross-key rules)."""
+def check_values(cfg: DictConfig, *schemas) -> None:
+    """Raise one UserError naming every config value outside what the schema allows (and the cross-key rules);
+    `schemas`: the run's train and eval schemas when they hold a plugin's section."""
     problems = []
-    for key, rule in rules().items():
+    for key, rule in rules(*schemas).items():
         value = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
         if value is _ABSENT or isinstance(value, DictConfig | ListConfig):
             continue

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from gpg_vl.config.names import TASK_BUILTINS
 from gpg_vl.errors import BadRow, UserError
 from gpg_vl.registry import Registry
 from gpg_vl.reward.primitives import _as_box, extract_answer
@@ -288,7 +289,8 @@ def _is_task(obj) -> bool:
     return isinstance(obj, type) and issubclass(obj, Task)
 
 
-TASKS = Registry("task", "task.name", packages=("gpg_vl_tasks",), accepts=_is_task, expects="a Task subclass")
+# The built-in tasks (gpg_vl_tasks, the tasks/ folder: gpg_vl/config/names.py), imported on first use.
+TASKS = Registry("task", "task.name", builtins=TASK_BUILTINS, accepts=_is_task, expects="a Task subclass")
 
 
 def register_task(task_class: type[Task]) -> type[Task]:

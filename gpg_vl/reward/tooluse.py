@@ -16,6 +16,7 @@ import random
 import re
 from collections.abc import Sequence
 
+from gpg_vl.config.names import TOOL_REWARD_BUILTINS
 from gpg_vl.registry import Registry
 from gpg_vl.reward.primitives import extract_answer
 
@@ -90,7 +91,7 @@ def tool_bonus(completion: str, accuracy: float) -> float:
 # ---------------------------------------------------------------- reward sets, picked by name
 # A reward set turns a task's accuracy rule `accuracy(completion, row) -> float` and the weights given in the
 # task's options into (reward functions, their weights): what `Task.reward_functions` / `reward_weights` hold.
-TOOL_REWARDS = Registry("tool-use reward set", "task.options.rewards")
+TOOL_REWARDS = Registry("tool-use reward set", "task.options.rewards", builtins=TOOL_REWARD_BUILTINS)
 
 
 @TOOL_REWARDS.register("deepeyes")

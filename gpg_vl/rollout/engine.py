@@ -12,8 +12,13 @@ Engines register by name (`register_engine`) and `rollout.engine` picks one (or 
 - `hf` (rollout/hf.py): the trained model itself, through gpg-vl's decode loop or transformers' `generate`;
 - `vllm` (rollout/vllm.py): a colocated vLLM engine in every training process (CUDA only).
 
-`require_engine` checks, when the settings are built (before any model loads), that the chosen engine can
-run here, and says in one sentence what is missing otherwise.
+An engine owns its settings: its `settings_class` (a dataclass of `meta` fields, gpg_vl/config/keys.py) is the
+section `rollout.<name>.*`, typed, checked and documented from that declaration; `settings_in(rollout)` reads
+the engine's section of a run's settings. The built-ins' are in gpg_vl/rollout/settings.py (light: the config
+reads them before torch loads), an out-of-tree engine's in its own file.
+
+`require_engine` checks, when the config is loaded (before any model loads), that the chosen engine can run
+here, and says in one sentence what is missing otherwise.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class Engine:
     `sync`, and one without a sleep mode the no-op `sleep` / `wake`."""
 
     name = "engine"
+    settings_class: type | None = None  # the dataclass of `rollout.<name>.*` (None: the engine has no settings)
     returns_logps = False  # whether Rollout.sampler_logps is filled (the trainer then checks it is on-policy)
     multi_turn = False  # whether it can roll out trajectories with tools (rollout.max_turns > 1)
     # set by `build_engine`: the multi-turn settings (rollout.max_turns, ...) and the tools the task offers
@@ -123,6 +129,17 @@ class Engine:
         from gpg_vl.rollout.tools import TOOLS, tool_schema
 
         return [tool_schema(TOOLS.get(name)) for name in self.tools]
+
+    @classmethod
+    def settings_in(cls, rollout):
+        """This engine's settings in `rollout` (RolloutSettings): its section `rollout.<name>`, or the defaults of
+        its `settings_class` where the run's settings hold none (None for an engine without settings)."""
+        if cls.settings_class is None:
+            return None
+        section = getattr(rollout, cls.name, None)
+        if isinstance(section, dict):
+            return cls.settings_class(**section)
+        return section if section is not None else cls.settings_class()
 
     @classmethod
     def unavailable(cls, settings) -> str | None:

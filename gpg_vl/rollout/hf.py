@@ -18,6 +18,8 @@ Two decoders (`rollout.hf.decode`), the same tokens:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,7 @@ from gpg_vl.models.batch import PromptBatch, eval_mode, extend_per_token, unwrap
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
 from gpg_vl.rollout.sampling import next_tokens, process_logits  # noqa: F401  (process_logits re-exported)
+from gpg_vl.rollout.settings import HFEngineSettings
 from gpg_vl.rollout.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
 
@@ -39,12 +42,14 @@ class HFEngine(Engine):
     """Samples with `policy.model`: nothing to sync (the sampler is the trained model), no sleep mode."""
 
     name = "hf"
+    settings_class = HFEngineSettings
     multi_turn = True
 
     def __init__(self, policy: Policy, rollout, *, accelerator=None) -> None:
-        self.policy, self.settings = policy, rollout.hf
+        self.policy, self.settings = policy, HFEngine.settings_in(rollout)  # rollout.hf, in a subclass too
 
     def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
+        settings = replace(settings, hf_multiturn=self.settings.multiturn)  # rollout.hf.multiturn
         if settings.multi_turn:
             from gpg_vl.rollout.multiturn import require_multi_turn
 
@@ -53,8 +58,9 @@ class HFEngine(Engine):
 
     @classmethod
     def unavailable(cls, rollout) -> str | None:
-        if rollout.hf.decode not in DECODERS:
-            return f"unknown rollout.hf.decode {rollout.hf.decode!r}; use one of {', '.join(DECODERS)}."
+        decode = HFEngine.settings_in(rollout).decode
+        if decode not in DECODERS:
+            return f"unknown rollout.hf.decode {decode!r}; use one of {', '.join(DECODERS)}."
         return None
 
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:

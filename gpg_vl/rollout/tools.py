@@ -8,14 +8,16 @@ that do not fit the schema, a refused call, an exception or a call past its time
 error observation (`ToolResult.error`), which the trajectory shows the model and the metrics count.
 
 `TOOLS` is the registry (`zoom_in` built in); a task offers tools by name, and out-of-tree tools load as
-tasks do: `module:name` or `path.py:name`.
+tasks do: `module:name` or `path.py:name`. A tool owns its settings (`register_tool(..., settings=)`):
+`rollout.tools.<tool>.*`, typed, checked and documented from that one declaration.
 
 `zoom_in` is DeepEyes' crop: `bbox_2d` = [x1, y1, x2, y2] in the model's own box frame of the image it names
 (`source`: 0 or "original_image" for the prompt's first image, k or "observation_k" for the k-th image the
 model has seen, Mini-o3), converted by the family into original pixels; the crop is always cut from the
 ORIGINAL image (a crop of a crop is the same region cut again at full resolution), the box clamped to the
-source image, refused when its short side is at most `zoom_min_side` pixels or its aspect ratio above
-`zoom_max_aspect_ratio`, and the crop resized within the family's pixel limits.
+source image, refused when its short side is at most `min_side` pixels or its aspect ratio above
+`max_aspect_ratio` (its settings, `rollout.tools.zoom_in.*`), and the crop resized within the family's pixel
+limits.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+from gpg_vl.config.names import TOOL_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
+from gpg_vl.rollout.settings import ZoomInSettings
 from gpg_vl.rollout.trajectory import MultiTurnSettings
 
 
@@ -93,17 +97,22 @@ def _is_tool(obj) -> bool:
     return callable(obj) and isinstance(getattr(obj, "parameters", None), dict)
 
 
-TOOLS = Registry("tool", "task.tools", builtins={"zoom_in": "gpg_vl.rollout.tools:zoom_in"}, accepts=_is_tool,
+# The built-in tools (gpg_vl/config/names.py), imported on first use; tools are named by a task's `tools`.
+TOOLS = Registry("tool", "a task's `tools`", builtins=TOOL_BUILTINS, accepts=_is_tool,
                  expects="a tool (a function registered with register_tool)")
 
 
-def register_tool(name: str, *, description: str, parameters: dict):
-    """Decorator: register `function(context, **arguments)` as the tool `name` with its JSON schema."""
+def register_tool(name: str, *, description: str, parameters: dict, settings: type | None = None):
+    """Decorator: register `function(context, **arguments)` as the tool `name` with its JSON schema. `settings`:
+    the tool's own settings, a dataclass of `meta` fields (gpg_vl/config/keys.py), which the config types, checks
+    and documents as `rollout.tools.<name>.*`; the tool reads the run's values with `context.settings.tool(name,
+    settings)`."""
     if parameters.get("type") != "object" or not isinstance(parameters.get("properties"), dict):
         raise UserError(f"tool {name!r}: parameters must be a JSON schema of type object with properties.")
 
     def decorate(function):
         function.name, function.description, function.parameters = name, description, parameters
+        function.settings_class = settings
         return TOOLS.add(name, function)
 
     return decorate
@@ -204,7 +213,7 @@ ZOOM_PARAMETERS = {
 
 
 @register_tool("zoom_in", description="Zoom in on a region of the image: returns that region, cropped and enlarged.",
-               parameters=ZOOM_PARAMETERS)
+               parameters=ZOOM_PARAMETERS, settings=ZoomInSettings)
 def zoom_in(context: ToolContext, bbox_2d, label: str | None = None, source=None) -> ToolResult:
     view = context.view(source)
     if len(bbox_2d) != 4 or not all(isinstance(v, int | float) and math.isfinite(v) for v in bbox_2d):
@@ -219,13 +228,13 @@ def zoom_in(context: ToolContext, bbox_2d, label: str | None = None, source=None
     x1, x2 = min(max(x1, left), right), min(max(x2, left), right)  # clamped to the source image
     y1, y2 = min(max(y1, top), bottom), min(max(y2, top), bottom)
     width, height = x2 - x1, y2 - y1
-    settings = context.settings
-    if min(width, height) <= settings.zoom_min_side:
+    settings = context.settings.tool("zoom_in", ZoomInSettings)  # rollout.tools.zoom_in.*
+    if min(width, height) <= settings.min_side:
         raise ToolError(f"the box is {width:.0f} x {height:.0f} pixels after clamping to the image; its short side "
-                        f"must be more than {settings.zoom_min_side} pixels.")
-    if max(width, height) / min(width, height) > settings.zoom_max_aspect_ratio:
+                        f"must be more than {settings.min_side} pixels.")
+    if max(width, height) / min(width, height) > settings.max_aspect_ratio:
         raise ToolError(f"the box's aspect ratio is {max(width, height) / min(width, height):.0f}; it must be at "
-                        f"most {settings.zoom_max_aspect_ratio:g}.")
+                        f"most {settings.max_aspect_ratio:g}.")
     box = (round(x1), round(y1), round(x2), round(y2))
     source_image = context.originals[view.original] if view.original >= 0 else view.image
     crop = source_image.crop(box)

@@ -11,49 +11,62 @@ observation (as the model saw them), the tool calls and their results, and which
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
-from gpg_vl.config.names import MULTITURN_DEFAULTS, MULTITURN_MODES, ON_LIMIT
+from gpg_vl.config.keys import default_of
+from gpg_vl.config.schema import MULTITURN_KEYS, RolloutSettings
+from gpg_vl.config.validate import rule_for
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS
+from gpg_vl.rollout.settings import HFEngineSettings
 
 LIMITS = ("turn", "image", "token")  # what can cut a trajectory short
+_ROLLOUT = {item.name: item for item in fields(RolloutSettings)}
+_HF_MULTITURN = next(item for item in fields(HFEngineSettings) if item.name == "multiturn")
 
 
 @dataclass(frozen=True)
 class MultiTurnSettings:
-    """How a trajectory may go on: the multi-turn keys of `rollout.*` (their meaning in config/schema.py)."""
+    """How a trajectory may go on: the multi-turn keys of `rollout.*` (their defaults, ranges and meaning declared
+    once, in config/schema.py's RolloutSettings, and checked here by the same rules as in the config); `tools`, the
+    settings of the tools by name (`rollout.tools.<tool>`; a tool whose section is absent gets its defaults); and
+    the HF engine's `hf_multiturn` (`rollout.hf.multiturn`, which the HF engine sets here)."""
 
-    max_turns: int = MULTITURN_DEFAULTS["max_turns"]
-    max_images: int = MULTITURN_DEFAULTS["max_images"]
-    max_total_tokens: int = MULTITURN_DEFAULTS["max_total_tokens"]
-    on_limit: str = MULTITURN_DEFAULTS["on_limit"]
-    tool_seconds: float = MULTITURN_DEFAULTS["tool_seconds"]
-    zoom_min_side: int = MULTITURN_DEFAULTS["zoom_min_side"]
-    zoom_max_aspect_ratio: float = MULTITURN_DEFAULTS["zoom_max_aspect_ratio"]
-    hf_multiturn: str = MULTITURN_DEFAULTS["hf_multiturn"]
+    max_turns: int = default_of(_ROLLOUT["max_turns"])
+    max_images: int = default_of(_ROLLOUT["max_images"])
+    max_total_tokens: int = default_of(_ROLLOUT["max_total_tokens"])
+    on_limit: str = default_of(_ROLLOUT["on_limit"])
+    tool_seconds: float = default_of(_ROLLOUT["tool_seconds"])
+    hf_multiturn: str = default_of(_HF_MULTITURN)
+    tools: dict = field(default_factory=dict)
 
     @classmethod
     def from_rollout(cls, rollout) -> MultiTurnSettings:
-        """The multi-turn settings of `rollout.*` (RolloutSettings): its keys of the same names, and hf.multiturn."""
-        keys = [key for key in MULTITURN_DEFAULTS if key != "hf_multiturn"]
-        return cls(**{key: getattr(rollout, key) for key in keys}, hf_multiturn=rollout.hf.multiturn)
+        """The multi-turn settings of `rollout.*` (RolloutSettings): its keys of the same names, and its tools'."""
+        tools = {item.name: getattr(rollout.tools, item.name) for item in fields(rollout.tools)}
+        return cls(**{key: getattr(rollout, key) for key in MULTITURN_KEYS}, tools=tools)
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise UserError(f"rollout.max_turns={self.max_turns} must be at least 1 (1 = a single completion).")
-        if self.on_limit not in ON_LIMIT:
-            raise UserError(f"unknown rollout.on_limit {self.on_limit!r}; use one of {', '.join(ON_LIMIT)}.")
-        if self.hf_multiturn not in MULTITURN_MODES:
-            raise UserError(f"unknown rollout.hf.multiturn {self.hf_multiturn!r}; use one of "
-                            f"{', '.join(MULTITURN_MODES)}.")
+        checked = [(f"rollout.{key}", getattr(self, key), _ROLLOUT[key]) for key in MULTITURN_KEYS]
+        for key, value, item in [*checked, ("rollout.hf.multiturn", self.hf_multiturn, _HF_MULTITURN)]:
+            rule = rule_for(item)
+            if rule is not None and not rule.allows(value):
+                raise UserError(f"{key}={value!r} is not allowed; use {rule.allowed()}.")
 
     @property
     def multi_turn(self) -> bool:
         return self.max_turns > 1
+
+    def tool(self, name: str, settings: type | None):
+        """The settings of the tool `name` (its `settings` dataclass): the run's `rollout.tools.<name>`, else the
+        dataclass's defaults; None for a tool without settings."""
+        if settings is None:
+            return None
+        chosen = self.tools.get(name)
+        return settings(**chosen) if isinstance(chosen, dict) else chosen if chosen is not None else settings()
 
 
 @dataclass

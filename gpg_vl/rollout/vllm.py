@@ -42,6 +42,7 @@ from torch import Tensor
 
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Correction, Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.settings import VLLMEngineSettings
 from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
 
@@ -199,7 +200,7 @@ def sampled_logps(completion) -> list[float]:
 
 def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed: int) -> dict:
     """`vllm.LLM` keywords for a colocated engine in one training process."""
-    settings = rollout.vllm
+    settings = VLLMEngine.settings_in(rollout)
     turns = rollout.max_turns > 1  # a trajectory's later requests hold its observations (tokens and images) too
     after_prompt = max(rollout.max_new_tokens, rollout.max_total_tokens) if turns else rollout.max_new_tokens
     images = settings.max_images + (rollout.max_images if turns else 0)
@@ -235,6 +236,7 @@ class VLLMEngine(Engine):
     """A colocated vLLM engine with its own copy of the weights, synced after every optimizer step."""
 
     name = "vllm"
+    settings_class = VLLMEngineSettings
     returns_logps = True
     multi_turn = True
 
@@ -246,7 +248,7 @@ class VLLMEngine(Engine):
 
     def __init__(self, policy, rollout, *, accelerator=None, llm=None, sampling_params=None) -> None:
         """`llm` / `sampling_params`: a vllm.LLM and vllm.SamplingParams stand-in (tests); else vLLM's own."""
-        self.policy, self.family, self.settings = policy, policy.family, rollout.vllm
+        self.policy, self.family, self.settings = policy, policy.family, self.settings_in(rollout)
         rank = accelerator.process_index if accelerator is not None else 0
         world = accelerator.num_processes if accelerator is not None else 1
         tp = self.settings.tensor_parallel_size

@@ -226,7 +226,7 @@ def setup(cfg) -> Run:
         reference = None
         if needs_reference(trainer) and not int((cfg.model.get("lora") or {}).get("r") or 0):
             reference = build.build_policy(cfg.model, accelerator.device).model
-        settings = RunSettings(trainer, RolloutSettings(**container["rollout"]), EvalSettings(**container["eval"]),
+        settings = RunSettings(trainer, OmegaConf.to_object(cfg.rollout), EvalSettings(**container["eval"]),
                                output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, config=container,
                                max_bad_fraction=cfg.data.max_bad_fraction)
         return _build_run(policy, task, settings, accelerator, reference, held)

@@ -17,7 +17,7 @@ from helpers.scoring import path_for, token_logps
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
-from gpg_vl.rollout.engine import ENGINES, EnginePrompts, Sampling, build_engine, encode_prompts
+from gpg_vl.rollout.engine import ENGINES, EnginePrompts, Sampling, build_engine, encode_prompts, require_engine
 from gpg_vl.rollout.hf import DECODERS, HFEngine, generate, process_logits
 from gpg_vl.rollout.vllm import (
     BANNED_BIAS,
@@ -39,9 +39,9 @@ needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.
 def test_engines_are_registered_by_name_and_unknown_ones_fail_in_one_sentence():
     assert {"hf", "vllm"} <= set(ENGINES)
     with pytest.raises(UserError, match=r"unknown rollout.engine 'sglang'; valid options: hf, vllm \(or load"):
-        RolloutSettings(engine="sglang")
+        require_engine(RolloutSettings(engine="sglang"))
     with pytest.raises(UserError, match="rollout.hf.decode"):
-        RolloutSettings(hf={"decode": "fast"})
+        require_engine(RolloutSettings(hf={"decode": "fast"}))
 
 
 def test_old_rollout_keys_still_work_with_one_warning_naming_the_new_key():
@@ -60,10 +60,13 @@ def test_vllm_engine_says_what_is_missing_in_one_sentence():
     assert "vllm package" in missing(cuda=True, installed=False) and '.[vllm]' in missing(True, False)
     assert missing(cuda=True, installed=True) is None
     assert all(reason.count(". ") == 0 for reason in (missing(False, False), missing(True, False)))
+    from gpg_vl.config.compose import load_config
+
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="needs a CUDA GPU"):
-            RolloutSettings(engine="vllm")
-    from gpg_vl.config.compose import load_config
+            require_engine(RolloutSettings(engine="vllm"))
+        with pytest.raises(UserError, match="needs a CUDA GPU"):  # with the config, before any model loads
+            load_config("train", ["rollout.engine=vllm"])
 
     with pytest.raises(UserError, match="rollout.vllm.tis_cap"):  # ranges: gpg_vl/config/validate.py
         load_config("train", ["rollout.vllm.tis_cap=-1"])

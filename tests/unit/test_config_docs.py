@@ -18,7 +18,8 @@ def test_configuration_reference_is_what_the_generator_writes():
 
 
 def test_every_key_of_train_and_eval_has_a_row_with_its_meaning():
-    from gpg_vl.config.schema import EvalSchema, TrainSchema, declared, key_of
+    from gpg_vl.config.keys import declared, key_of
+    from gpg_vl.config.schema import EvalSchema, TrainSchema
 
     rows = gen_config_docs.table_rows(gen_config_docs.render())
     for schema in (TrainSchema, EvalSchema):

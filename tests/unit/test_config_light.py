@@ -85,12 +85,13 @@ def test_the_built_in_names_are_the_registries_built_ins():
 
 
 def test_the_built_in_losses_declare_what_the_table_says():
+    from gpg_vl.config.schema import loss_declaration
     from gpg_vl.objective import AGGREGATIONS, BASELINES, get_policy_loss, loss_needs
 
     for name, (needs, aggregation) in names.LOSSES.items():
         loss = get_policy_loss(name)
         assert (loss_needs(loss), getattr(loss, "aggregation", None)) == (needs, aggregation), name
-        assert names.loss_declaration(name) == (needs, aggregation), name
+        assert loss_declaration(name) == (needs, aggregation), name
     assert set(names.LOSSES) == set(names.REGISTRIES["losses"][2])
     assert tuple(sorted(AGGREGATIONS)) == names.AGGREGATIONS and tuple(BASELINES) == names.BASELINES
 

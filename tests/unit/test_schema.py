@@ -5,7 +5,8 @@ import subprocess
 import sys
 from dataclasses import asdict
 
-from gpg_vl.config.schema import EvalSchema, ModelSettings, TrainSchema, declared, key_of
+from gpg_vl.config.keys import declared, key_of
+from gpg_vl.config.schema import EvalSchema, ModelSettings, TrainSchema
 from gpg_vl.config.validate import rules, value_type
 
 

@@ -9,6 +9,7 @@ from PIL import Image
 
 from gpg_vl.errors import UserError
 from gpg_vl.models.family import Family
+from gpg_vl.rollout.settings import ZoomInSettings
 from gpg_vl.rollout.tools import TOOLS, ToolContext, ToolError, register_tool, run_tool, tool_schema
 from gpg_vl.rollout.trajectory import MultiTurnSettings
 
@@ -84,14 +85,16 @@ def test_a_box_whose_short_side_is_at_most_the_minimum_is_refused(side, refused)
 
 
 def test_the_minimum_side_and_the_aspect_ratio_are_configurable():
-    assert run_tool("zoom_in", {"bbox_2d": [0, 0, 200, 40]}, context("resized-pixels", zoom_min_side=50)).error
-    assert not run_tool("zoom_in", {"bbox_2d": [0, 0, 200, 40]}, context("resized-pixels", zoom_min_side=10)).error
+    strict, lenient = ({"zoom_in": ZoomInSettings(min_side=side)} for side in (50, 10))  # rollout.tools.zoom_in
+    assert run_tool("zoom_in", {"bbox_2d": [0, 0, 200, 40]}, context("resized-pixels", tools=strict)).error
+    assert not run_tool("zoom_in", {"bbox_2d": [0, 0, 200, 40]}, context("resized-pixels", tools=lenient)).error
     wide = context("resized-pixels", (4000, 100))
     result = run_tool("zoom_in", {"bbox_2d": [0, 0, 3200, 31]}, wide)  # ratio 103 > 100
     assert result.error and "aspect ratio" in result.text
     assert not run_tool("zoom_in", {"bbox_2d": [0, 0, 3000, 31]}, wide).error  # ratio 96.8
     assert not run_tool("zoom_in", {"bbox_2d": [0, 0, 3200, 31]},
-                        context("resized-pixels", (4000, 100), zoom_max_aspect_ratio=200)).error
+                        context("resized-pixels", (4000, 100),
+                                tools={"zoom_in": ZoomInSettings(max_aspect_ratio=200)})).error
 
 
 def test_a_family_without_a_box_frame_gets_an_error_observation():

@@ -50,7 +50,7 @@ def test_sequence_inputs_interleave_token_types_and_append_image_inputs():
 
 def test_settings_fail_in_one_sentence():
     assert not MultiTurnSettings().multi_turn and MultiTurnSettings(max_turns=3).multi_turn
-    for bad, says in (({"max_turns": 0}, "at least 1"), ({"on_limit": "drop"}, "rollout.on_limit"),
+    for bad, says in (({"max_turns": 0}, "rollout.max_turns=0"), ({"on_limit": "drop"}, "rollout.on_limit"),
                       ({"hf_multiturn": "fast"}, "rollout.hf.multiturn")):
         with pytest.raises(UserError, match=says):
             MultiTurnSettings(**bad)

@@ -1,0 +1,75 @@
+"""The settings of the built-in rollout engines and tools, each declared once: `rollout.hf.*` (the HF engine,
+rollout/hf.py), `rollout.vllm.*` (the vLLM engine, rollout/vllm.py) and `rollout.tools.zoom_in.*` (the zoom_in
+tool, rollout/tools.py).
+
+An engine or a tool owns its settings: it names its dataclass (`Engine.settings`, `register_tool(...,
+settings=)`), and the config takes the section from there: it is typed, range-checked and listed in
+docs/configuration.md from this one declaration (gpg_vl/config/names.py lists where each built-in's settings are,
+so the config reads them without importing the engine). The built-ins' settings sit here, in a module that
+imports nothing heavy, because the config is read and checked before torch loads; an out-of-tree engine or tool
+declares its dataclass in its own file, beside its code (docs/extending.md).
+"""
+
+from dataclasses import dataclass, field
+
+from gpg_vl.config.keys import meta
+
+
+@dataclass
+class HFEngineSettings:
+    """`rollout.hf.*`: the Hugging Face engine (gpg_vl/rollout/hf.py), sampling with the trained model itself."""
+
+    prefill_once: bool = field(default=True, metadata=meta(
+        "prefill each prompt once and fork its cache G ways (false = prefill all B x G rows)"))
+    static_cache: bool = field(default=False, metadata=meta(
+        "preallocate the decoding cache (a cache that cannot be, e.g. one holding linear-attention "
+        "recurrent states, stays dynamic); exact, but not measured faster on CPU"))
+    reserve_cache: bool = field(default=True, metadata=meta(
+        "reserve the dynamic cache's room for the whole completion once (written in place, not copied per "
+        "token; exact); static_cache takes precedence"))
+    decode: str = field(default="loop", metadata=meta(
+        "loop: gpg-vl's own decode loop over the model's forward; generate: transformers' generate",
+        choices="decoders"))
+    multiturn: str = field(default="incremental", metadata=meta(
+        "multi-turn rollouts (rollout.max_turns > 1): incremental prefills each observation onto the trajectory's "
+        "cache; naive re-prefills the whole conversation every turn (for comparison)",
+        choices=("incremental", "naive")))
+
+
+@dataclass
+class VLLMEngineSettings:
+    """`rollout.vllm.*`: the vLLM engine (gpg_vl/rollout/vllm.py), colocated: one engine in every training process."""
+
+    gpu_memory_utilization: float = field(default=0.4, metadata=meta(
+        "the share of GPU memory vLLM takes for weights and its KV cache", low=0.01, high=1))
+    tensor_parallel_size: int = field(default=1, metadata=meta(
+        "processes that shard one engine (within the training processes)", low=1))
+    enable_sleep_mode: bool = field(default=True, metadata=meta(
+        "free vLLM's memory while the update runs (sleep level 1, woken per rollout)"))
+    max_model_len: int | None = field(default=None, metadata=meta(
+        "prompt + completion tokens vLLM plans for (null = rollout's max_prompt_tokens + max_new_tokens; with "
+        "rollout.max_turns > 1, max_prompt_tokens + max(max_new_tokens, max_total_tokens))", low=1))
+    max_images: int = field(default=4, metadata=meta(
+        "most images in one prompt (vLLM plans its encoder memory for them; with rollout.max_turns > 1, "
+        "rollout.max_images more for the tools' images)", low=1))
+    max_videos: int = field(default=1, metadata=meta(
+        "most videos in one prompt (vLLM plans its encoder memory for them; none for a family that passes an "
+        "engine no video)", low=0))
+    enforce_eager: bool = field(default=False, metadata=meta(
+        "no CUDA graphs (slower decoding, faster start, less memory)"))
+    max_logp_mismatch: float = field(default=0.05, metadata=meta(
+        "warn once when a step's mean |vLLM log-prob - trainer log-prob| is above this", low=0))
+    tis_cap: float = field(default=0.0, metadata=meta(
+        "> 0: token-level truncated importance weight min(p_trainer / p_vllm, cap) multiplies the loss (0 = off)",
+        low=0, note="0 = off"))
+    seed: int = field(default=0, metadata=meta("vLLM's sampling seed (each process adds its rank)", low=0))
+
+
+@dataclass
+class ZoomInSettings:
+    """`rollout.tools.zoom_in.*`: DeepEyes' crop tool (gpg_vl/rollout/tools.py)."""
+
+    min_side: int = field(default=30, metadata=meta(
+        "zoom_in refuses a box whose short side, in original pixels, is at most this (DeepEyes: 30)", low=0))
+    max_aspect_ratio: float = field(default=100.0, metadata=meta(
+        "zoom_in refuses a box more elongated than this (DeepEyes: 100)", above=0))
