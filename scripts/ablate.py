@@ -7,7 +7,7 @@
 Every cell gets the same budget of sampled completions (`trainer.max_completions`; completions drawn by
 threshold resampling count too), so a larger G gets fewer steps and a resampling variant fewer updates.
 Each run is the trainer itself, called in-process through `gpg_vl.cli.train_main` with the variant's
-command-line overrides, in `--workers` processes.
+command-line overrides, in `--workers` processes (gpg_vl/experiments.py, which scripts/compare.py shares).
 
 Measured per run: held-out accuracy after training (greedy decoding of the first `--eval-limit` test
 rows), and a RUNNING REWARD PROXY of learning: the accuracy reward of the completions sampled for
@@ -20,18 +20,16 @@ per variant: the proxy against completions sampled, mean and spread over seeds f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import resource
-import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
+
+from gpg_vl.experiments import completions_to_target, paired_differences, run_cell, run_jobs, running_proxy
 
 # variant name -> the command-line overrides that select it (`python scripts/train.py <overrides>`)
 VARIANTS: dict[str, list[str]] = {
@@ -82,12 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 # one run, in a worker process
 # ---------------------------------------------------------------------------------------------
-def _init_worker(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
 def run_overrides(variant: str, group_size: int, seed: int, args: argparse.Namespace, output_dir: Path) -> list[str]:
     """The command line of one run: the shapes/tiny defaults, the cell's G and budget, the variant's keys."""
     return ["task=shapes", "model=tiny", f"seed={seed}", f"output_dir={output_dir}",
@@ -95,30 +87,6 @@ def run_overrides(variant: str, group_size: int, seed: int, args: argparse.Names
             f"trainer.max_completions={args.budget}",
             f"trainer.max_steps={args.budget // (args.batch_size * group_size)}",
             "trainer.eval_before=false", f"eval.limit={args.eval_limit}", *VARIANTS[variant]]
-
-
-def run_cell(variant: str, group_size: int, seed: int, overrides: list[str]) -> dict:
-    """Train one run in this process; return its summary and per-step curve (the checkpoint is deleted)."""
-    from gpg_vl.cli import train_main
-    from gpg_vl.config.compose import load_config
-
-    cfg = load_config("train", overrides)
-    output_dir = Path(cfg.output_dir)
-    shutil.rmtree(output_dir, ignore_errors=True)
-    output_dir.mkdir(parents=True)
-    started = time.perf_counter()
-    with (output_dir / "log.txt").open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        summary = train_main(cfg)
-    wall = time.perf_counter() - started
-    shutil.rmtree(output_dir / "final", ignore_errors=True)  # 35 MB per run, not needed here
-    steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    curve = [{"completions": m["completions_sampled"], "tokens": m["tokens_sampled"], "accuracy": m["reward/accuracy"],
-              "reward": m["reward_mean"], "alpha": m["alpha"], "attempts": m["attempts"],
-              "valid_fraction": m["valid_fraction"], "step_s": m["step_s"]} for m in steps]
-    return {"variant": variant, "group_size": group_size, "seed": seed, "overrides": overrides,
-            "accuracy_after": summary["accuracy_after"], "steps": summary["steps"],
-            "completions_sampled": summary["completions_sampled"], "tokens_sampled": summary["tokens_sampled"],
-            "train_seconds": summary["train_seconds"], "wall_seconds": wall, "curve": curve}
 
 
 def evaluate_start(args: argparse.Namespace) -> float:
@@ -142,31 +110,6 @@ def evaluate_start(args: argparse.Namespace) -> float:
 # ---------------------------------------------------------------------------------------------
 # measurements
 # ---------------------------------------------------------------------------------------------
-def running_proxy(curve: list[dict], window: int) -> list[tuple[int, float, bool]]:
-    """(completions so far, accuracy of the completions sampled in the last `window`, full window?) per step.
-
-    A step's completions all fall in the window if the step ended less than `window` completions ago.
-    """
-    points = []
-    for i, now in enumerate(curve):
-        previous = 0
-        total, weight = 0.0, 0
-        for j in range(i, -1, -1):
-            if now["completions"] - curve[j]["completions"] >= window:
-                break
-            start = curve[j - 1]["completions"] if j else 0
-            count = curve[j]["completions"] - start
-            total, weight = total + curve[j]["accuracy"] * count, weight + count
-            previous = start
-        points.append((now["completions"], total / weight, now["completions"] - previous >= window))
-    return points
-
-
-def completions_to_target(curve: list[dict], window: int, target: float) -> int | None:
-    """The first completion count at which the full-window running proxy reaches `target` (None: never)."""
-    return next((c for c, value, full in running_proxy(curve, window) if full and value >= target), None)
-
-
 def summarise(runs: list[dict], args: argparse.Namespace) -> list[dict]:
     """One entry per (variant, G): mean and std over seeds of every reported number."""
     cells = []
@@ -190,19 +133,6 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> list[dict]:
                 "attempts_mean": statistics.fmean(p["attempts"] for r in chosen for p in r["curve"]),
             })
     return cells
-
-
-def paired_differences(runs: list[dict], args: argparse.Namespace) -> list[dict]:
-    """Held-out accuracy of gpg minus each other variant, paired by (G, seed): mean and standard error."""
-    accuracy = {(r["variant"], r["group_size"], r["seed"]): r["accuracy_after"] for r in runs}
-    pairs = [(g, s) for g in args.groups for s in args.seeds]
-    result = []
-    for variant in (v for v in args.variants if v != "gpg" and "gpg" in args.variants):
-        diffs = [accuracy[("gpg", g, s)] - accuracy[(variant, g, s)] for g, s in pairs]
-        error = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
-        result.append({"variant": variant, "gpg_minus_variant": statistics.fmean(diffs), "standard_error": error,
-                       "pairs": len(diffs)})
-    return result
 
 
 def tables(cells: list[dict], args: argparse.Namespace, accuracy_before: float, paired: list[dict]) -> str:
@@ -265,24 +195,16 @@ def plot(runs: list[dict], args: argparse.Namespace, path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 def run_grid(args: argparse.Namespace, out: Path) -> dict:
     """Every (variant, G, seed) run in `args.workers` processes, and the starting checkpoint's accuracy."""
-    jobs = [(v, g, s) for v in args.variants for g in sorted(args.groups, reverse=True) for s in args.seeds]
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    jobs = [(v, g, s, run_overrides(v, g, s, args, out / "runs" / f"{v}-G{g}-s{s}"))
+            for v in args.variants for g in sorted(args.groups, reverse=True) for s in args.seeds]
     started = time.perf_counter()
     print(f"{len(jobs)} runs ({len(args.variants)} variants x G {args.groups} x seeds {args.seeds}), budget "
           f"{args.budget} completions each, {args.workers} workers", flush=True)
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                             initargs=(threads,)) as pool:
-        before = pool.submit(evaluate_start, args)
-        futures = [pool.submit(run_cell, v, g, s, run_overrides(v, g, s, args, out / "runs" / f"{v}-G{g}-s{s}"))
-                   for v, g, s in jobs]
-        runs = []
-        for future in futures:
-            runs.append(future.result())
-            r = runs[-1]
-            print(f"  [{len(runs)}/{len(jobs)}] {r['variant']:<15} G={r['group_size']:<3} seed={r['seed']}  "
-                  f"accuracy {r['accuracy_after']:.3f}  steps {r['steps']:>3}  completions "
-                  f"{r['completions_sampled']}  ({r['wall_seconds']:.0f} s)", flush=True)
-        accuracy_before = before.result()
+    runs, accuracy_before = run_jobs(
+        run_cell, jobs, workers=args.workers, first=(evaluate_start, args),
+        describe=lambda r: (f"{r['variant']:<15} G={r['group_size']:<3} seed={r['seed']}  accuracy "
+                            f"{r['accuracy_after']:.3f}  steps {r['steps']:>3}  completions "
+                            f"{r['completions_sampled']}  ({r['wall_seconds']:.0f} s)"))
     wall = time.perf_counter() - started
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, reaped when the pool closed
     return {"runs": runs, "accuracy_before": accuracy_before, "wall_seconds": wall,

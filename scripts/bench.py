@@ -37,11 +37,9 @@ torch.cuda.max_memory_allocated during the step instead.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import statistics
 import tempfile
-import threading
 import time
 import warnings
 import zlib
@@ -55,6 +53,7 @@ from PIL import Image
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.data.task import Task, image_question
+from gpg_vl.experiments import Meter
 from gpg_vl.models.family import FAMILIES
 from gpg_vl.models.load import Policy, resolve_path
 from gpg_vl.models.scoring import choose_scoring_path
@@ -175,84 +174,6 @@ class BenchTask(Task):
 # ---------------------------------------------------------------------------------------------
 # measuring
 # ---------------------------------------------------------------------------------------------
-class Meter:
-    """Wall and CPU seconds, and the peak memory above the starting level, of one window at a time.
-
-    On Linux the peak is the kernel's own high-water mark of the resident set (VmHWM in /proc/self/status),
-    reset at the start of each window (writing 5 to /proc/self/clear_refs): exact, and nothing runs beside
-    the trainers. Elsewhere a sampling thread reads RSS every 2 ms (it takes the interpreter lock and a
-    core now and then, so the times carry a little of its cost).
-    """
-
-    STATUS, CLEAR = "/proc/self/status", "/proc/self/clear_refs"
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-        self.process = psutil.Process()
-        self.peak = 0
-        self._lock = threading.Lock()  # a sample read before start() must not land in the new window
-        self._closed = threading.Event()
-        self.kernel_peak = not self.cuda and self._reset_kernel_peak()
-        if not self.cuda and not self.kernel_peak:
-            threading.Thread(target=self._sample, daemon=True).start()
-        try:
-            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except OSError:  # not glibc: RSS then also counts freed pages the allocator kept
-            self._trim = None
-
-    def _reset_kernel_peak(self) -> bool:
-        """Reset the kernel's resident high-water mark to the current RSS; False where it cannot be."""
-        try:
-            with open(self.CLEAR, "w") as clear:
-                clear.write("5")
-            return self._kernel_peak() is not None
-        except OSError:
-            return False
-
-    def _kernel_peak(self) -> int | None:
-        with open(self.STATUS) as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-        return None
-
-    def close(self) -> None:
-        """End the sampling thread, where there is one."""
-        self._closed.set()
-
-    def _sample(self) -> None:
-        while not self._closed.wait(0.002):
-            with self._lock:
-                self.peak = max(self.peak, self.process.memory_info().rss)
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            if self._trim is not None:
-                self._trim(0)
-            if self.kernel_peak:
-                self._reset_kernel_peak()
-            with self._lock:
-                self.base = self.peak = self.process.memory_info().rss
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def stop(self) -> dict[str, float]:
-        if self.cuda:
-            torch.cuda.synchronize()  # the step's queued GPU work belongs to its time
-        wall, cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated()
-        elif self.kernel_peak:
-            peak = max(self._kernel_peak(), self.process.memory_info().rss)
-        else:
-            with self._lock:
-                peak = max(self.peak, self.process.memory_info().rss)
-        return {"step_s": wall, "cpu_s": cpu, "peak_mib": (peak - self.base) / 2**20}
-
-
 def state_mib(model, optimizer) -> float:
     """Weights, gradients and optimizer state, in MiB."""
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]

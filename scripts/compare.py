@@ -7,16 +7,16 @@
     python scripts/compare.py --zoom --out runs/compare-zoom   # multi-turn: +experiment=zoom-tiny (zoom_in tool)
     python scripts/compare.py --zoom --budget-tokens 40000     # an equal budget of sampled tokens instead
 
-Each run is the trainer itself (`gpg_vl.cli.train_main`, through scripts/ablate.py's `run_cell`) with
+Each run is the trainer itself (`gpg_vl.cli.train_main`, through gpg_vl/experiments.py's `run_cell`) with
 `algorithm=<name>` (configs/algorithm/), the same B, G, seed and budget (`trainer.max_completions`; completions
 drawn by resampling count too; with --budget-tokens N, `trainer.max_sampled_tokens=N` instead: tokens the policy
 generated, tool observations excluded, each run stopping at the first step that reaches N), in `--workers`
-processes. Per run: held-out accuracy after training, wall time,
-seconds per step and the peak memory of the run above its start (scripts/bench.py's Meter: CUDA's peak
-allocation on a GPU, the kernel's resident high-water mark on Linux CPUs). Writes compare.json (every
-number), table.md (accuracy mean ± std, cost, paired differences against gpg from ablate.py, one sentence
-per claim marked supported or not supported by these data) and compare.png (one panel per algorithm: the
-training-sample accuracy proxy against completions sampled, and against wall time).
+processes (gpg_vl/experiments.py, which scripts/ablate.py shares). Per run: held-out accuracy after training, wall
+time, seconds per step and the peak memory of the run above its start (gpg_vl/experiments.py's Meter, as
+scripts/bench.py measures: CUDA's peak allocation on a GPU, the kernel's resident high-water mark on Linux CPUs).
+Writes compare.json (every number), table.md (accuracy mean ± std, cost, paired differences against gpg as in
+ablate.py, one sentence per claim marked supported or not supported by these data) and compare.png (one panel per
+algorithm: the training-sample accuracy proxy against completions sampled, and against wall time).
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ablate  # noqa: E402  (paired differences, the running proxy, run_cell)
+from gpg_vl.experiments import mean_std, paired_differences, run_jobs, run_measured, running_proxy
 
 ALGORITHMS = ("gpg", "grpo", "dr_grpo", "dapo")
 DEFAULT = {"seeds": [0, 1, 2], "budget": 512, "batch_size": 8, "group_size": 8, "eval_limit": 200, "window": 128}
@@ -96,46 +93,20 @@ def run_overrides(algorithm: str, seed: int, args: argparse.Namespace, output_di
             "trainer.eval_before=false", f"eval.limit={args.eval_limit}"]
 
 
-def run_measured(algorithm: str, group_size: int, seed: int, overrides: list[str]) -> dict:
-    """One run in this worker, with its wall time and peak memory above the level it started at."""
-    import bench  # its Meter (the kernel's RSS high-water mark on Linux, CUDA's peak allocation on a GPU)
-    import torch
-
-    meter = bench.Meter("cuda" if torch.cuda.is_available() else "cpu")
-    meter.start()
-    run = ablate.run_cell(algorithm, group_size, seed, overrides)
-    measured = meter.stop()
-    meter.close()
-    run.update(peak_mib=measured["peak_mib"], seconds_per_step=run["train_seconds"] / max(run["steps"], 1))
-    return run
-
-
 def run_all(args: argparse.Namespace, out: Path) -> dict:
-    jobs = [(a, s) for a in args.algorithms for s in args.seeds]
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    jobs = [(a, args.group_size, s, run_overrides(a, s, args, out / "runs" / f"{a}-s{s}"))
+            for a in args.algorithms for s in args.seeds]
     print(f"{len(jobs)} runs ({', '.join(args.algorithms)} x seeds {args.seeds}), {budget_text(args)} each, "
           f"B={args.batch_size} G={args.group_size}, {args.workers} workers", flush=True)
     started = time.perf_counter()
-    # a fresh process per run (max_tasks_per_child=1): every run's memory is measured from the same start; --quick
-    # checks the machinery only, so its workers take run after run (the meter still resets the peak for each)
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=ablate._init_worker,
-                             initargs=(threads,), max_tasks_per_child=None if args.quick else 1) as pool:
-        futures = [pool.submit(run_measured, a, args.group_size, s,
-                               run_overrides(a, s, args, out / "runs" / f"{a}-s{s}")) for a, s in jobs]
-        runs = []
-        for future in futures:
-            runs.append(future.result())
-            r = runs[-1]
-            print(f"  [{len(runs)}/{len(jobs)}] {r['variant']:<8} seed={r['seed']}  "
-                  f"accuracy {r['accuracy_after']:.3f}  steps {r['steps']}  tokens {r['tokens_sampled']}  "
-                  f"{r['seconds_per_step']:.2f} s/step  "
-                  f"peak {r['peak_mib']:.0f} MiB  "
-                  f"({r['wall_seconds']:.0f} s)", flush=True)
+    # a fresh process per run: every run's memory is measured from the same start; --quick checks the machinery
+    # only, so its workers take run after run (the meter still resets the peak for each)
+    runs, _ = run_jobs(run_measured, jobs, workers=args.workers, fresh_process=not args.quick,
+                       describe=lambda r: (f"{r['variant']:<8} seed={r['seed']}  accuracy {r['accuracy_after']:.3f}  "
+                                           f"steps {r['steps']}  tokens {r['tokens_sampled']}  "
+                                           f"{r['seconds_per_step']:.2f} s/step  peak {r['peak_mib']:.0f} MiB  "
+                                           f"({r['wall_seconds']:.0f} s)"))
     return {"runs": runs, "wall_seconds": time.perf_counter() - started}
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def claims(cells: dict, paired: list[dict]) -> list[dict]:
@@ -176,7 +147,7 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, list[di
     cells = {}
     for algorithm in args.algorithms:
         chosen = [r for r in runs if r["variant"] == algorithm]
-        accuracy, spread = _mean_std([r["accuracy_after"] for r in chosen])
+        accuracy, spread = mean_std([r["accuracy_after"] for r in chosen])
         cells[algorithm] = {"accuracy_mean": accuracy, "accuracy_std": spread,
                             "seconds_per_step": statistics.fmean(r["seconds_per_step"] for r in chosen),
                             "wall_seconds": statistics.fmean(r["wall_seconds"] for r in chosen),
@@ -184,7 +155,7 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> tuple[dict, list[di
                             "steps": statistics.fmean(r["steps"] for r in chosen),
                             "completions_sampled": statistics.fmean(r["completions_sampled"] for r in chosen),
                             "tokens_sampled": statistics.fmean(r["tokens_sampled"] for r in chosen)}
-    paired = ablate.paired_differences(runs, args)
+    paired = paired_differences(runs, args)
     stated = claims(cells, paired)
     lines = [f"Held-out accuracy after training, {budget_text(args)} per run (B={args.batch_size}, "
              f"G={args.group_size}, first {args.eval_limit} test rows, greedy), mean ± std over seeds {args.seeds}; "
@@ -220,7 +191,7 @@ def plot(runs: list[dict], args: argparse.Namespace, path: Path) -> None:
                                 squeeze=False)
     for column, algorithm in enumerate(args.algorithms):
         for run in (r for r in runs if r["variant"] == algorithm):
-            points = ablate.running_proxy(run["curve"], args.window)
+            points = running_proxy(run["curve"], args.window)
             seconds, elapsed = [], 0.0
             for point in run["curve"]:
                 elapsed += point["step_s"]

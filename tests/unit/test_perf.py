@@ -48,14 +48,12 @@ def test_gpu_check_fails_in_one_sentence_without_a_gpu():
 
 
 def test_the_bench_meter_reads_a_window_s_memory_peak_without_a_sampling_thread():
-    import importlib.util
     import threading
 
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from gpg_vl.experiments import Meter  # scripts/bench.py's and the experiment scripts'
+
     threads = threading.active_count()
-    meter = bench.Meter("cpu")
+    meter = Meter("cpu")
     if not meter.kernel_peak:
         pytest.skip("this kernel does not let a process reset its resident high-water mark (/proc/self/clear_refs)")
     assert threading.active_count() == threads  # the kernel keeps the peak: nothing samples beside the trainers
