@@ -67,6 +67,7 @@ def test_the_docs_example_task_registers_and_trains_two_steps(tmp_path):
                                                "trainer.group_size=4", "rollout.max_new_tokens=12",
                                                "eval.limit=8", "trainer.lr=1e-5", "trainer.max_attempts=2"]))
     assert summary["task"] == "dominant" and summary["steps"] == 2
-    assert 0.0 <= summary["accuracy_after"] <= 1.0
+    # measured: two steps at lr 1e-5 teach the tiny model no answer within 12 tokens
+    assert summary["accuracy_after"] == 0.0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and "reward/accuracy" in json.loads(lines[0])

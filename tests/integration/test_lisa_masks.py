@@ -269,7 +269,6 @@ def test_tiny_sam_pipeline_runs_end_to_end(name, build, reasonseg, tmp_path, no_
                          capsys)
     assert code == 0, err
     metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
-    assert 0.0 <= metrics["mask_giou"] <= 1.0 and 0.0 <= metrics["mask_ciou"] <= 1.0
     assert metrics["miou"] == pytest.approx(HAND_MIOU)  # box mIoU does not depend on the segmenter
     # the masks: one per row, of the image's size; no box gives an empty mask; batching does not mix rows up
     task.segmenter = load_segmenter(name, str(model_dir), batch_size=4)
