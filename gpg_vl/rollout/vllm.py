@@ -352,14 +352,11 @@ class VLLMEngine(Engine):
             if not live and self.tp_group is None:
                 break
         self.sleep()
-        rollout = trajectory_rollout(family, rows, group_size, settings)
-        logps = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [B * G, C], 0 on observations
-        for n, row in enumerate(rows):
-            logps[n, :len(row.trajectory.logps)] = torch.tensor(row.trajectory.logps, dtype=torch.float32)
+        rollout = trajectory_rollout(family, rows, group_size, settings)  # its sampler_logps: 0 on observations
         device = self.policy.model.device
         rollout.completion_ids, rollout.completion_mask = rollout.completion_ids.to(device), \
             rollout.completion_mask.to(device)
-        rollout.loss_mask, rollout.sampler_logps = rollout.loss_mask.to(device), logps.to(device)
+        rollout.loss_mask, rollout.sampler_logps = rollout.loss_mask.to(device), rollout.sampler_logps.to(device)
         return rollout
 
     # ---- weights and memory ----------------------------------------------------------------------
