@@ -89,7 +89,8 @@ class Engine:
 
     name = "engine"
     settings_class: type | None = None  # the dataclass of `rollout.<name>.*` (None: the engine has no settings)
-    returns_logps = False  # whether Rollout.sampler_logps is filled (the trainer then checks it is on-policy)
+    returns_logps = False  # whether Rollout.sampler_logps is filled: the behaviour log-probs trainer.correction reads
+    own_weights = False  # whether it samples with weights of its own (vLLM), which `sync` pushes in
     multi_turn = False  # whether it can roll out trajectories with tools (rollout.max_turns > 1)
     # set by `build_engine`: the multi-turn settings (rollout.max_turns, ...) and the tools the task offers
     multiturn: MultiTurnSettings = MultiTurnSettings()

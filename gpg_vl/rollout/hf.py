@@ -44,6 +44,7 @@ class HFEngine(Engine):
     name = "hf"
     settings_class = HFEngineSettings
     multi_turn = True
+    returns_logps = True  # each sampled token's log-prob at the sampling temperature (`behaviour_logps`)
 
     def __init__(self, policy: Policy, rollout, *, accelerator=None) -> None:
         self.policy, self.settings = policy, HFEngine.settings_in(rollout)  # rollout.hf, in a subclass too

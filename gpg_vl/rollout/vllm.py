@@ -238,6 +238,7 @@ class VLLMEngine(Engine):
     name = "vllm"
     settings_class = VLLMEngineSettings
     returns_logps = True
+    own_weights = True
     multi_turn = True
 
     @classmethod

@@ -275,8 +275,8 @@ class AsyncPipeline:
 
 
 def _has_own_weights(engine) -> bool:
-    """Whether an engine samples with weights of its own (vLLM: it returns its own log-probs and syncs)."""
-    return bool(getattr(engine, "returns_logps", False))
+    """Whether an engine samples with weights of its own (vLLM), which `sync` pushes in."""
+    return bool(getattr(engine, "own_weights", False))
 
 
 def start_pipeline(run, resumed: dict | None = None):
