@@ -124,3 +124,16 @@ def test_settings_k1_cannot_run_with_are_refused_before_the_model_loads(monkeypa
 
     with pytest.raises(UserError, match="set rollout.vllm.enable_sleep_mode=false"):
         require_pipeline(TrainerSettings(max_staleness=2), cfg.rollout, processes=1)
+
+
+def test_the_viewer_shows_the_off_policy_curves_of_an_asynchronous_run_only():
+    from gpg_vl.observe.viewer import curves_html
+
+    synchronous = [{"step": s, "reward_mean": 0.5, "valid_fraction": 1.0, "alpha": 1.0, "version_lag_max": 0}
+                   for s in (1, 2)]
+    asynchronous = [{**m, "version_lag_mean": 1.0, "version_lag_max": 1, "is_weight_mean": 1.0, "is_weight_max": 1.2,
+                     "rejected_fraction": 0.0, "behaviour_kl": 0.01, "learner_idle_s": 0.1, "sampler_idle_s": 0.2,
+                     "generated_tokens_per_s": 100.0} for m in synchronous]
+    assert curves_html(synchronous, [1]).count("<polyline") == 3
+    page = curves_html(asynchronous, [1])
+    assert page.count("<polyline") == 11 and "version lag" in page and "learner idle" in page
