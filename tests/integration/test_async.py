@@ -137,3 +137,13 @@ def test_the_viewer_shows_the_off_policy_curves_of_an_asynchronous_run_only():
     assert curves_html(synchronous, [1]).count("<polyline") == 3
     page = curves_html(asynchronous, [1])
     assert page.count("<polyline") == 11 and "version lag" in page and "learner idle" in page
+
+
+@pytest.mark.slow
+def test_the_readme_main_job_learns_one_step_behind(tmp_path):
+    """`python scripts/train.py trainer.max_staleness=1`: the README's main job with the sampler one step behind."""
+    from gpg_vl.cli import train_main
+    from gpg_vl.config.compose import load_config
+
+    summary = train_main(load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=1", "seed=0"]))
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.25, summary
