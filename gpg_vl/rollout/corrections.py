@@ -8,7 +8,7 @@ weight w [n, C] (no gradient) and may reject whole sequences; GPG's loss becomes
 
     L = -1/N * sum_i 1/|o_i| * sum_t sg(w_i,t) * A_i * log pi_theta(o_i,t)
 
-over the sequences it keeps (N: the AGE normaliser, rejected sequences left out; see `age_counts`).
+over the sequences it keeps (N: the AGE normalizer, rejected sequences left out; see `age_counts`).
 
 Built in (ρ_seq = exp(sum_t log rho_t), ρ_geo = exp(mean_t log rho_t)):
 
@@ -20,7 +20,7 @@ Built in (ρ_seq = exp(sum_t log rho_t), ρ_geo = exp(mean_t log rho_t)):
 
 A correction declares its options as keyword arguments with defaults (`correction_options` checks
 trainer.correction_options against them) and `rejects=True` when it may reject sequences: the update then scores
-pi_theta once before its optimizer step, so that the normaliser already leaves the rejected sequences out.
+pi_theta once before its optimizer step, so that the normalizer already leaves the rejected sequences out.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def sequence_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *, cap: fl
 @register_correction("geo_reject", rejects=True)
 def geo_reject(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *, delta: float = 0.2) -> tuple[Tensor, Tensor]:
     """Geometric-mean rejection: a sequence whose exp(mean_t log rho_t) leaves [1 - delta, 1 + delta] is rejected
-    (it adds nothing to the gradient and leaves the normaliser); the others keep w = 1."""
+    (it adds nothing to the gradient and leaves the normalizer); the others keep w = 1."""
     tokens = mask.sum(dim=1).clamp(min=1)  # [n]
     geometric = torch.exp(_sequence_log_ratio(log_ratio, mask) / tokens)  # [n]
     rejected = (geometric < 1.0 - delta) | (geometric > 1.0 + delta)
@@ -175,23 +175,23 @@ def correction_metrics(rows: Tensor) -> dict[str, float]:
 @dataclass(frozen=True)
 class AgeCounts:
     """AGE's counts once staleness and the correction have acted: B (groups sampled, minus those dropped as too
-    stale), M (groups without signal, plus those whose sequences were all rejected), the loss normaliser
+    stale), M (groups without signal, plus those whose sequences were all rejected), the loss normalizer
     (sequences of the other groups, rejected ones left out) and alpha = B / (B - M)."""
 
     groups: int
     without_signal: int
-    normaliser: int
+    normalizer: int
     alpha: float
 
 
 def age_counts(valid: Tensor, rejected: Tensor, stale: Tensor | None = None) -> AgeCounts:
     """AGE's counts for groups `valid` [g] bool, rejected sequences `rejected` [g, G] bool and groups dropped as
-    too stale `stale` [g] bool (None: none). The reference the update's normaliser is tested against."""
+    too stale `stale` [g] bool (None: none). The reference the update's normalizer is tested against."""
     stale = torch.zeros_like(valid) if stale is None else stale.bool()
     kept = ~stale
     all_rejected = rejected.all(dim=1)
     groups = int(kept.sum())
     without_signal = int((kept & (~valid | all_rejected)).sum())
-    normaliser = int(((kept & valid).unsqueeze(1) & ~rejected).sum())
+    normalizer = int(((kept & valid).unsqueeze(1) & ~rejected).sum())
     alpha = groups / (groups - without_signal) if groups > without_signal else 0.0
-    return AgeCounts(groups, without_signal, normaliser, alpha)
+    return AgeCounts(groups, without_signal, normalizer, alpha)

@@ -23,6 +23,8 @@ here, and says in one sentence what is missing otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 from gpg_vl.config.names import ENGINE_BUILTINS
@@ -48,6 +50,27 @@ class Sampling:
         """The sampling of `rollout.*` (RolloutSettings)."""
         return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
                    ignore_eos=rollout.ignore_eos)
+
+
+_LOCAL = threading.local()
+
+
+def sampling_generator():
+    """The calling thread's own torch.Generator (`thread_generator`), else None: torch's global one. The asynchronous
+    sampler (gpg_vl/train/pipeline.py) samples beside the learner, whose gradient checkpointing forks and restores
+    the global generator, so it draws from a generator of its own, which its checkpoints hold."""
+    return getattr(_LOCAL, "generator", None)
+
+
+@contextlib.contextmanager
+def thread_generator(generator):
+    """Within the block, this thread's sampling draws (`next_tokens`, T-GRPO's shuffles) come from `generator`."""
+    previous = sampling_generator()
+    _LOCAL.generator = generator
+    try:
+        yield generator
+    finally:
+        _LOCAL.generator = previous
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,15 @@
 """Drawing the next token from last-position logits, exactly as transformers' `generate` processes them: shared
 by the HF engine's single-turn decode loop (rollout/hf.py) and its multi-turn decoding (rollout/multiturn.py).
 
-Draws come from torch's global generator, unless the calling thread set its own (`thread_generator`): the
-asynchronous sampler (gpg_vl/train/pipeline.py) samples beside the learner, whose gradient checkpointing forks and
-restores the global generator, so it draws from a generator of its own, which its checkpoints hold."""
+Draws come from torch's global generator, unless the calling thread set its own (rollout/engine.py's
+`thread_generator`)."""
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 from torch import Tensor
 
-from gpg_vl.rollout.engine import Sampling
-
-_LOCAL = threading.local()
-
-
-def sampling_generator() -> torch.Generator | None:
-    """The calling thread's own generator (`thread_generator`), else None: torch's global one."""
-    return getattr(_LOCAL, "generator", None)
-
-
-@contextlib.contextmanager
-def thread_generator(generator: torch.Generator | None):
-    """Within the block, this thread's sampling draws (`next_tokens`, T-GRPO's shuffles) come from `generator`."""
-    previous = sampling_generator()
-    _LOCAL.generator = generator
-    try:
-        yield generator
-    finally:
-        _LOCAL.generator = previous
+from gpg_vl.rollout.engine import Sampling, sampling_generator
 
 
 def process_logits(logits: Tensor, sampling: Sampling, suppressed: Tensor | None) -> Tensor:

@@ -12,9 +12,9 @@ did. With k >= 1, `AsyncPipeline` runs the sampling stage on a thread of its own
 The sampler owns the whole stage of its step: rollouts, rewards, advantages, AGE's valid groups and threshold
 resampling, all with the same weight version; it hands the learner a complete `SampledStep`. After each update the
 learner snapshots its trainable weights (`learned`) and releases them to the sampler once the step is logged and
-saved (`released`), so a checkpoint sees the sampler stopped at a known point. The sampler draws its random numbers
-from a generator of its own (gpg_vl/rollout/sampling.py: the learner's gradient checkpointing forks torch's global
-one), so the same seed gives the same run.
+saved (`released`). The sampler draws its random numbers from a generator of its own (rollout/engine.py's
+`thread_generator`: the learner's gradient checkpointing forks torch's global one), so the same seed gives the
+same run.
 
 Checkpoints regenerate what is in flight, never pickle it: a checkpoint after step s holds the sampler's state as
 it began step s + 1 (the data stream's position, which the checkpoint saves as its data position, the sampler's
@@ -36,8 +36,7 @@ import torch
 
 from gpg_vl.errors import UserError
 from gpg_vl.reward.pool import RewardBudget
-from gpg_vl.rollout.engine import build_engine
-from gpg_vl.rollout.sampling import thread_generator
+from gpg_vl.rollout.engine import build_engine, thread_generator
 from gpg_vl.train.sample import (
     Collected,
     attempts_allowed,

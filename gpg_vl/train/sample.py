@@ -34,8 +34,7 @@ from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
 from gpg_vl.objective import get_advantage, overlong_penalty
 from gpg_vl.reward.pool import RewardBudget, score_completions
-from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
-from gpg_vl.rollout.sampling import sampling_generator
+from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts, sampling_generator
 from gpg_vl.rollout.types import Rollout, in_task_frame
 from gpg_vl.train.placeholder import placeholder_prompts
 

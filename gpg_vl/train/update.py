@@ -253,7 +253,7 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     plan = [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
                                share_prompt=learner.path.prompt_once)) for part in mini_batches(attempts, parts)]
     groups_rejected = None
-    if getattr(get_correction(learner.off_policy[0]), "rejects", False):  # the normaliser leaves rejected sequences
+    if getattr(get_correction(learner.off_policy[0]), "rejects", False):  # the normalizer leaves rejected sequences
         plan, groups_rejected = _reject_sequences(learner, plan, attempts)
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
@@ -453,7 +453,7 @@ def _corrected(name: str, options: dict, chunk: MicroBatch, logps: torch.Tensor,
 def _reject_sequences(learner: Learner, plan: list[list[MicroBatch]],
                       attempts: list[Attempt]) -> tuple[list[list[MicroBatch]], int]:
     """The plan with each micro-batch's `rejected` sequences marked (a correction that rejects: pi_theta scored
-    once, without gradient, before the step, so the normaliser leaves them out), and the number of valid groups,
+    once, without gradient, before the step, so the normalizer leaves them out), and the number of valid groups,
     over all processes, whose sequences were all rejected (they count in AGE's M). Collective."""
     accelerator = learner.accelerator
     name, options = learner.off_policy

@@ -1,6 +1,6 @@
 """trainer.max_staleness: the sampler beside the learner (gpg_vl/train/pipeline.py). At k = 1 the same seed gives the
 same weights and metrics; a run stopped after a checkpoint, with a step in flight, resumes to the uninterrupted run;
-the HF engine's behaviour log-probs are the update's own; the update's normaliser and alpha leave rejected
+the HF engine's behaviour log-probs are the update's own; the update's normalizer and alpha leave rejected
 sequences out as a hand computation says; impossible settings are refused before the model loads."""
 
 from __future__ import annotations
@@ -11,16 +11,17 @@ import shutil
 
 import pytest
 import torch
+from helpers.runs import train_run
 from safetensors.torch import load_file
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import choose_scoring_path
+from gpg_vl.models import scoring
+from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
 from gpg_vl.train.sample import sample_attempt
-from tests.runs import train_run
 
-SMALL = ["trainer.max_staleness=1", "seed=0"]  # on tests/runs.py's QUICK_RUN: B = 4, G = 4, 16 tokens
+SMALL = ["trainer.max_staleness=1", "seed=0"]  # on tests/helpers/runs.py's QUICK_RUN: B = 4, G = 4, 16 tokens
 TIMING = ("_s", "tokens_per_s")  # wall-clock metrics differ between any two runs
 
 
@@ -63,9 +64,9 @@ def test_the_hf_engines_behaviour_logps_are_the_updates_at_the_sampling_temperat
     prompts = encode_prompts(policy, [shapes.messages(row) for row in shapes.load("train")[:2]])
     rollout = build_engine(RolloutSettings(max_new_tokens=6), policy).generate(
         prompts, 3, Sampling(max_new_tokens=6, temperature=0.7))
-    path = choose_scoring_path(policy.adapter, policy.model, share_prompt=True, share_vision=True)
+    path = choose_scoring_path(policy.family, policy.model, share_prompt=True, share_vision=True)
     with torch.no_grad():
-        scored = policy.adapter.token_logps(policy.model, prompts.batch, [i // 3 for i in range(6)],
+        scored = scoring.token_logps(policy.family, policy.model, prompts.batch, [i // 3 for i in range(6)],
                                             rollout.completion_ids, rollout.completion_mask, temperature=0.7,
                                             path=path)
     mask = rollout.completion_mask
@@ -73,9 +74,9 @@ def test_the_hf_engines_behaviour_logps_are_the_updates_at_the_sampling_temperat
     assert torch.allclose(rollout.sampler_logps[mask], scored[mask], atol=1e-4)
 
 
-def test_rejected_sequences_leave_the_normaliser_and_all_rejected_groups_count_in_m(policy, shapes):
+def test_rejected_sequences_leave_the_normalizer_and_all_rejected_groups_count_in_m(policy, shapes):
     """Three valid groups of two; the behaviour log-probs of group 0's first sequence and of both of group 1's are
-    moved far off (geometric-mean rejection rejects them). By hand: normaliser = 3 kept sequences (group 0's second,
+    moved far off (geometric-mean rejection rejects them). By hand: normalizer = 3 kept sequences (group 0's second,
     group 2's two), M = 1 (group 1), and the loss is -1/3 sum over the kept of A_i x their token-mean log-prob."""
     from accelerate import Accelerator
     from transformers import get_scheduler
@@ -93,9 +94,9 @@ def test_rejected_sequences_leave_the_normaliser_and_all_rejected_groups_count_i
     behaviour[[0, 2, 3]] -= 3.0  # ratios e^3 per token: rejected
     attempt = dataclasses.replace(attempt, advantages=advantages, valid=torch.ones(3, dtype=torch.bool),
                                   rollout=dataclasses.replace(attempt.rollout, sampler_logps=behaviour))
-    path = choose_scoring_path(policy.adapter, policy.model, share_prompt=True, share_vision=True)
+    path = choose_scoring_path(policy.family, policy.model, share_prompt=True, share_vision=True)
     with torch.no_grad():
-        logps = policy.adapter.token_logps(policy.model, attempt.prompts, [0, 0, 1, 1, 2, 2],
+        logps = scoring.token_logps(policy.family, policy.model, attempt.prompts, [0, 0, 1, 1, 2, 2],
                                            attempt.rollout.completion_ids, attempt.rollout.completion_mask,
                                            temperature=1.0, path=path)
     mask = attempt.rollout.completion_mask

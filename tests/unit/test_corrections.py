@@ -84,7 +84,7 @@ def test_age_counts_by_hand():
     stale = torch.tensor([False, False, False, False, True])
     counts = age_counts(valid, rejected, stale)
     assert (counts.groups, counts.without_signal) == (4, 2)  # B = 5 - 1 stale; M = group 1 + group 3
-    assert counts.normaliser == 2 + 1  # group 0's two sequences and group 2's kept one
+    assert counts.normalizer == 2 + 1  # group 0's two sequences and group 2's kept one
     assert counts.alpha == pytest.approx(4 / 2)
 
 
