@@ -495,9 +495,10 @@ def step(run: Run) -> dict:
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
     if collected.groups_valid > 0 or kl_on_every_group(trainer):
         result = update(run.learner, collected.attempts)
-        if not result.get("skipped"):
+        aside = trainer.max_staleness > 0  # the sampler syncs an engine with its own weights by the schedule
+        if not result.get("skipped") and not aside:
             run.engine.sync(run.learner.model)  # an engine with its own weights takes the stepped ones (HF: none)
-        warning = run.engine.mismatch_warning(result)  # an engine that samples with its own weights: off-policy?
+        warning = None if aside else run.engine.mismatch_warning(result)  # its own weights off-policy?
         if warning:
             run.warn(warning)
     else:

@@ -226,6 +226,8 @@ class AsyncPipeline:
             self.shared.lock.notify_all()
         self.thread.join()
         torch.set_num_threads(self.restore_threads)
+        if self.own_weights:  # evaluation after training samples with the learner's weights
+            self.engine.sync(self.run.learner.model)
 
     # ---- the sampler's side ----------------------------------------------------------------
     def _sample_steps(self) -> None:
