@@ -170,6 +170,12 @@ class Engine:
         """One sentence saying why this engine cannot run here with these settings (None when it can)."""
         return None
 
+    @classmethod
+    def asynchronous_problem(cls, rollout, max_staleness: int) -> str | None:
+        """One sentence saying why this engine cannot sample beside the learner (trainer.max_staleness >= 1) with
+        these settings, else None."""
+        return None
+
 
 def _is_engine(obj) -> bool:
     return isinstance(obj, type) and issubclass(obj, Engine)

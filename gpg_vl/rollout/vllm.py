@@ -247,6 +247,14 @@ class VLLMEngine(Engine):
             return None
         return missing(torch.cuda.is_available(), importlib.util.find_spec("vllm") is not None)
 
+    @classmethod
+    def asynchronous_problem(cls, rollout, max_staleness: int) -> str | None:
+        if cls.settings_in(rollout).enable_sleep_mode:
+            return (f"trainer.max_staleness={max_staleness} keeps the colocated vLLM engine sampling while the learner "
+                    "updates, so it cannot sleep then; set rollout.vllm.enable_sleep_mode=false (vLLM's weights and KV "
+                    "cache then stay on the GPU throughout, beside the sampler's copy of the weights).")
+        return None
+
     def __init__(self, policy, rollout, *, accelerator=None, llm=None, sampling_params=None) -> None:
         """`llm` / `sampling_params`: a vllm.LLM and vllm.SamplingParams stand-in (tests); else vLLM's own."""
         self.policy, self.family, self.settings = policy, policy.family, self.settings_in(rollout)

@@ -36,7 +36,7 @@ import torch
 
 from gpg_vl.errors import UserError
 from gpg_vl.reward.pool import RewardBudget
-from gpg_vl.rollout.engine import build_engine, thread_generator
+from gpg_vl.rollout.engine import ENGINES, build_engine, thread_generator
 from gpg_vl.train.sample import (
     Collected,
     attempts_allowed,
@@ -296,7 +296,6 @@ def require_pipeline(trainer, rollout, *, processes: int) -> None:
         raise UserError(f"trainer.max_staleness={k} samples beside the learner in one process only in this version "
                         f"({processes} processes were launched: the sampler's collectives would interleave with the "
                         "learner's); launch one process, or set trainer.max_staleness=0.")
-    if rollout.engine == "vllm" and rollout.vllm.enable_sleep_mode:
-        raise UserError(f"trainer.max_staleness={k} keeps the colocated vLLM engine sampling while the learner "
-                        "updates, so it cannot sleep then; set rollout.vllm.enable_sleep_mode=false (vLLM's weights "
-                        "and KV cache then stay on the GPU throughout, beside the sampler's copy of the weights).")
+    problem = ENGINES.get(rollout.engine).asynchronous_problem(rollout, k)  # the engine's own settings
+    if problem:
+        raise UserError(problem)
