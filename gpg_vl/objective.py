@@ -378,6 +378,32 @@ def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
                              **{**inputs, "kl_coef": 0.0})
 
 
+@register_policy_loss("cispo", needs=("old",), aggregation="token_mean")
+def cispo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, old_logps: Tensor | None = None,
+               cap: float = 5.0, **inputs) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1): per token -sg(min(rho_t, cap)) * A * log pi_t, rho_t = exp(logp - old), the token mean
+    over the batch; the weight is detached, so every token keeps a gradient (no clipping takes it away). TRL 1.16's
+    loss_type="cispo" caps at its `epsilon_high` itself: cap here is that number. token_logps, old_logps,
+    completion_mask [N, L]; advantages [N]. Metrics: the gpg loss's, with ratio_mean / ratio_max, kl 0 and
+    clip_fraction_high (tokens whose weight was capped)."""
+    mask = completion_mask.bool()  # [N, L]
+    zeros = torch.zeros_like(token_logps)
+    logps = torch.where(mask, token_logps, zeros)  # [N, L]
+    old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
+    ratio = torch.exp(logps.detach() - old)  # [N, L]
+    weight = ratio.clamp(max=cap)  # [N, L] detached
+    per_token = torch.where(mask, -weight * advantages.detach().to(logps.dtype).unsqueeze(1) * logps, zeros)
+    loss = _aggregate(per_token, mask, inputs.get("aggregation", "token_mean"), inputs.get("normalizer"), None)
+    with torch.no_grad():
+        metrics = _base_metrics(loss, token_logps, mask, advantages.detach())
+        metrics.update({"kl": 0.0, "clip_fraction_low": 0.0,
+                        "clip_fraction_high": _masked_mean((ratio > cap).to(logps.dtype), mask),
+                        "ratio_mean": _masked_mean(ratio, mask),
+                        "ratio_max": float(torch.where(mask, ratio, zeros).max()) if mask.any() else 1.0,
+                        "logp_drift": _masked_mean(logps.detach() - old, mask)})
+    return loss, metrics
+
+
 # ----------------------------------------------------------------------------- loss options
 LOSS_INPUTS = ("old_logps", "ref_logps", "aggregation", "normalizer")  # what the trainer passes every loss
 

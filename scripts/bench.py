@@ -6,6 +6,13 @@
     python scripts/bench.py --steps 3 --gpg-variants default,no-share_prompt       # where gpg-vl's time goes
     python scripts/bench.py --family qwen3_5 --steps 3 --gpg-variants default,plain # Qwen3.5 (hybrid attention)
     python scripts/bench.py --video 8 --threads 2   # video prompts (8 frames): prompt-once against the plain path
+    python scripts/bench.py --staleness 1 --steps 4 # the sampler beside the learner (k = 1) against the synchronous run
+
+With `--staleness K` the synchronous trainer (trainer.max_staleness = 0) and the asynchronous one (K: the sampler
+thread of gpg_vl/train/pipeline.py beside the learner, each side on half of torch's threads) run in alternating
+blocks of --warmup + --steps steps, at 2 threads and at 1 thread, in this process, then TRL's GRPOTrainer runs the
+same work at each thread count; steps per second are over the measured steps of each block, and the learner's
+idle fraction is its seconds waiting for a sampled step over its step time.
 
 With `--video FRAMES` every prompt holds a clip of FRAMES frames (--image-sizes side, 2 fps, read once per
 prompt as training reads it) instead of an image, and TRL, which has no video, is left out: gpg-vl's
@@ -398,6 +405,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both trainers)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--staleness", type=int, default=0, metavar="K",
+                        help="the asynchronous trainer at trainer.max_staleness=K against the synchronous one and TRL")
     parser.add_argument("--video", type=int, default=0, metavar="FRAMES",
                         help="video prompts of FRAMES frames (even), gpg-vl against its plain path (TRL has no video)")
     args = parser.parse_args()
@@ -412,6 +421,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.video:
         return main_video(args)
+    if args.staleness:
+        return main_staleness(args)
     import transformers
     import trl
 
@@ -435,6 +446,95 @@ def main() -> None:
               f"({gpg['rollout_s']:.2f} + {gpg['update_s']:.2f}) | {trl_['step_s'] / gpg['step_s']:.2f}x | "
               f"{trl_['cpu_s'] / gpg['cpu_s']:.2f}x | "
               f"{trl_['peak_mib']:.0f} | {gpg['peak_mib']:.0f} |")
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+
+
+def _bench_run(runner: GpgRunner, k: int, start: int):
+    """What gpg_vl/train/pipeline.py reads of a run, around a GpgRunner's policy, engine, learner and data."""
+    from types import SimpleNamespace
+
+    trainer = replace(runner.settings, max_staleness=k, reward_workers=1, max_steps=10**9)
+    return SimpleNamespace(trainer=trainer, learner=runner.learner, engine=runner.engine, warn=print,
+                           accelerator=runner.accelerator, data=SimpleNamespace(task=runner.task, stream=runner.stream),
+                           settings=SimpleNamespace(rollout=runner.rollout, seed=0),
+                           state=SimpleNamespace(start_step=start, step=start,
+                                                 counters={"completions_sampled": 0, "tokens_sampled": 0}))
+
+
+def staleness_block(args, runner: GpgRunner, k: int, start: int) -> dict[str, float]:
+    """--warmup + --steps steps of `runner` at trainer.max_staleness=k (0: synchronous) from step `start`: steps/s
+    and the learner's idle fraction over the measured steps."""
+    from gpg_vl.train.pipeline import start_pipeline
+
+    run = _bench_run(runner, k, start)
+    pipeline = start_pipeline(run)
+    times, idle = [], []
+    try:
+        for n in range(start + 1, start + args.warmup + args.steps + 1):
+            run.state.step = n
+            began = time.perf_counter()
+            sampled = pipeline.take(n)
+            update(runner.learner, sampled.collected.attempts)
+            pipeline.learned(n)
+            pipeline.released(n)
+            times.append(time.perf_counter() - began)
+            idle.append(sampled.learner_idle_s)
+    finally:
+        pipeline.close()
+    measured, waited = times[args.warmup:], idle[args.warmup:]
+    return {"steps_per_s": len(measured) / sum(measured), "learner_idle": sum(waited) / sum(measured)}
+
+
+def trl_block(args, rows: list[dict], group_size: int, image_size: int) -> float:
+    """TRL's GRPOTrainer on the same work: steps per second over its measured steps."""
+    from transformers import PrinterCallback, TrainerCallback
+
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.began = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            times.append(time.perf_counter() - self.began)
+
+    trainer = trl_trainer(args, rows, group_size, image_size, args.warmup + args.steps, Clock())
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    measured = times[args.warmup:]
+    return len(measured) / sum(measured)
+
+
+def main_staleness(args) -> None:
+    group_size, image_size = int(args.group_sizes.split(",")[0]), int(args.image_sizes.split(",")[0])
+    print(f"torch {torch.__version__}, device {args.device}, B={args.prompts}, G={group_size}, image {image_size}, "
+          f"{args.new_tokens} tokens, k={args.staleness}, {psutil.cpu_count()} CPUs, load average "
+          f"{', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+    rows = make_rows(args.prompts * (args.warmup + args.steps) * 8, image_size, args.seed)
+    runners = {0: GpgRunner(args, rows, group_size, image_size, "default"),
+               args.staleness: GpgRunner(args, rows, group_size, image_size, "default")}
+    results, done = {}, {0: 0, args.staleness: 0}
+    for threads in (2, 1):
+        for k in (0, args.staleness, 0, args.staleness):  # two blocks each, alternating
+            torch.set_num_threads(threads)
+            block = staleness_block(args, runners[k], k, done[k])
+            done[k] += args.warmup + args.steps
+            results.setdefault((threads, k), []).append(block)
+            print(f"  {threads} threads, k={k}: {block['steps_per_s']:.3f} steps/s, learner idle "
+                  f"{block['learner_idle']:.0%}", flush=True)
+    trl_rates = {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        trl_rates[threads] = trl_block(args, rows, group_size, image_size)
+        print(f"  {threads} threads, TRL: {trl_rates[threads]:.3f} steps/s", flush=True)
+    print(f"\n| threads | sync steps/s | async steps/s (k={args.staleness}) | async / sync | learner idle (sync, "
+          "async) | TRL steps/s | async / TRL |")
+    print("|---|---|---|---|---|---|---|")
+    for threads in (2, 1):
+        sync, stale = (statistics.mean(b["steps_per_s"] for b in results[(threads, k)]) for k in (0, args.staleness))
+        idle = [statistics.mean(b["learner_idle"] for b in results[(threads, k)]) for k in (0, args.staleness)]
+        print(f"| {threads} | {sync:.3f} | {stale:.3f} | {stale / sync:.2f}x | {idle[0]:.0%}, {idle[1]:.0%} | "
+              f"{trl_rates[threads]:.3f} | {stale / trl_rates[threads]:.2f}x |")
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
 
 

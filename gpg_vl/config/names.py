@@ -55,8 +55,14 @@ TASK_BUILTINS = {
 ADVANTAGE_BUILTINS = {"group_mean": "gpg_vl.objective:group_mean_advantages",
                       "none": "gpg_vl.objective:raw_reward_advantages",
                       "std_normalized": "gpg_vl.objective:std_normalized_advantages"}
-LOSS_BUILTINS = {"dapo": "gpg_vl.objective:dapo_loss", "dr_grpo": "gpg_vl.objective:dr_grpo_loss",
-                 "gpg": "gpg_vl.objective:policy_loss", "grpo": "gpg_vl.objective:grpo_loss"}
+LOSS_BUILTINS = {"cispo": "gpg_vl.objective:cispo_loss", "dapo": "gpg_vl.objective:dapo_loss",
+                 "dr_grpo": "gpg_vl.objective:dr_grpo_loss", "gpg": "gpg_vl.objective:policy_loss",
+                 "grpo": "gpg_vl.objective:grpo_loss"}
+# The built-in off-policy corrections (trainer.correction): gpg_vl/rollout/corrections.py's CORRECTIONS.
+CORRECTION_BUILTINS = {"geo_reject": "gpg_vl.rollout.corrections:geo_reject",
+                       "none": "gpg_vl.rollout.corrections:no_correction",
+                       "sequence_tis": "gpg_vl.rollout.corrections:sequence_tis",
+                       "token_tis": "gpg_vl.rollout.corrections:token_tis", "topr": "gpg_vl.rollout.corrections:topr"}
 # The built-in tool-use reward sets (task.options.rewards of the thinking-with-images tasks).
 TOOL_REWARD_BUILTINS = {"accuracy": "gpg_vl.reward.tooluse:accuracy_rewards",
                         "deepeyes": "gpg_vl.reward.tooluse:deepeyes_rewards"}
@@ -73,6 +79,7 @@ JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatib
 REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", tuple(ADVANTAGE_BUILTINS)),
     "losses": ("gpg_vl.objective", "POLICY_LOSSES", tuple(LOSS_BUILTINS)),
+    "corrections": ("gpg_vl.rollout.corrections", "CORRECTIONS", tuple(CORRECTION_BUILTINS)),
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),
@@ -82,7 +89,7 @@ REGISTRIES = {
 }
 # what each built-in loss declares (gpg_vl/objective.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),
-          "dapo": (("old",), "token_mean")}
+          "dapo": (("old",), "token_mean"), "cispo": (("old",), "token_mean")}
 AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")  # gpg_vl/objective.py's AGGREGATIONS
 BASELINES = ("group_mean", "none")  # gpg_vl/objective.py's BASELINES (the deprecated trainer.baseline)
 DECODERS = ("loop", "generate")  # gpg_vl/rollout/hf.py

@@ -32,6 +32,7 @@ CHOICE_SOURCES = {
     "advantages": "a registered advantage estimator (`gpg_vl/objective.py`)",
     "baselines": "group_mean or none",
     "losses": "a registered policy loss (`gpg_vl/objective.py`)",
+    "corrections": "a registered off-policy correction (`gpg_vl/rollout/corrections.py`)",
     "aggregations": "a loss aggregation (`gpg_vl/objective.py`)",
     "engines": "a registered rollout engine (`gpg_vl/rollout/engine.py`)",
     "decoders": "loop or generate (`gpg_vl/rollout/hf.py`)",
@@ -147,6 +148,14 @@ class TrainerSettings:
         low=0, note="0 = never"))
     log_rollouts_groups: int = field(default=8, metadata=meta(
         "groups (prompt, images, G completions, rewards, advantages) recorded per logged step", low=1))
+    max_staleness: int = field(default=0, metadata=meta(
+        "k: step n samples with the weights after step max(0, n-1-k), beside the learner (0 = synchronous)", low=0,
+        note="0 = synchronous"))
+    correction: str = field(default="none", metadata=meta(
+        "off-policy correction of the loss: none, token_tis, sequence_tis, geo_reject, topr", choices="corrections",
+        references=True))
+    correction_options: dict = field(default_factory=dict, metadata=meta(
+        "options of trainer.correction by name (token_tis / sequence_tis: cap; geo_reject: delta)"))
     eval_before: bool = field(default=True, metadata=meta("evaluate the held-out split before training"))
     eval_after: bool = field(default=True, metadata=meta("evaluate the held-out split after training"))
 
@@ -178,6 +187,11 @@ class TrainerSettings:
         if self.ppo_mini_batch % self.group_size:
             raise UserError(f"trainer.ppo_mini_batch={self.ppo_mini_batch} is not a multiple of trainer.group_size="
                             f"{self.group_size}; mini-batches hold whole groups.")
+        if self.correction_options or self.correction not in names.REGISTRIES["corrections"][2] or \
+                names.imported("corrections"):  # a name or option that is not built in: the registry answers
+            from gpg_vl.rollout.corrections import correction_options
+
+            correction_options(self.correction, self.correction_options)
         if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in needs:
             raise UserError(f"trainer.ppo_epochs / trainer.ppo_mini_batch take several optimizer steps per rollout, "
                             f"which needs a loss with a ratio to the rollout policy; trainer.loss={self.loss} has "

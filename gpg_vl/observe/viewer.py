@@ -40,6 +40,18 @@ from gpg_vl.reward.primitives import box_iou
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "viewer"
 CURVES = (("reward_mean", "mean reward"), ("valid_fraction", "valid fraction (first rollout)"),
           ("alpha", "alpha = B / (B - M)"))
+# an asynchronous run's (trainer.max_staleness >= 1) or a corrected one's: shown when its metrics hold them
+OFF_POLICY_CURVES = (("version_lag_mean", "version lag (steps)"), ("is_weight_mean", "IS weight mean"),
+                     ("is_weight_max", "IS weight max"), ("rejected_fraction", "rejected fraction"),
+                     ("behaviour_kl", "KL(pi_theta, pi_behaviour), k3"), ("learner_idle_s", "learner idle (s)"),
+                     ("sampler_idle_s", "sampler idle (s)"), ("generated_tokens_per_s", "generated tokens / s"))
+
+
+def shown_curves(metrics: list[dict]) -> tuple[tuple[str, str], ...]:
+    """The curves of a run: reward, valid fraction and alpha; with a version lag or a correction, the off-policy
+    ones too (lag, importance weights, rejections, KL to the behaviour policy, each side's idle time, tokens/s)."""
+    off_policy = any(m.get("version_lag_max") or "is_weight_mean" in m for m in metrics)
+    return CURVES + (OFF_POLICY_CURVES if off_policy else ())
 RIGHT_IOU = 0.5  # a grounding prediction is right at box IoU >= 0.5 with the target
 RIGHT_ACCURACY = 0.5  # otherwise when its accuracy reward is >= 0.5 (the 0/1 rewards: when it is 1)
 TRUTH_RGBA, PRED_RGBA = (22, 163, 74, 110), (217, 70, 239, 120)  # mask overlay colours
@@ -111,7 +123,7 @@ def step_html(record: dict, metrics: dict, images: Path) -> str:
     counts = ", ".join(f"{valid}/{groups}" for valid, groups in zip(record["valid_per_attempt"],
                                                                      record["groups_per_attempt"], strict=True))
     facts = [f"{record['attempts']} rollout(s), valid groups {counts} (this process)"]
-    facts += [f"{label} {_fmt(metrics[key])}" for key, label in CURVES if key in metrics]
+    facts += [f"{label} {_fmt(metrics[key])}" for key, label in shown_curves([metrics]) if key in metrics]
     parts = [f"<section class='step' data-step='{step}'><h2>step {step}</h2><div class='sub'>{esc('; '.join(facts))}"
              "</div>"]
     names, weights = record["reward_names"], record["reward_weights"]
@@ -253,11 +265,12 @@ def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
 
 
 def curves_html(metrics: list[dict], marked: Sequence[int]) -> str:
-    """The run's reward, valid fraction and alpha over the steps, as inline SVG; logged steps marked."""
+    """The run's reward, valid fraction and alpha over the steps (and `shown_curves`' off-policy ones), as inline
+    SVG; logged steps marked."""
     if not metrics:
         return "<div class='sub'>no metrics.jsonl: no curves</div>"
     charts = []
-    for key, label in CURVES:
+    for key, label in shown_curves(metrics):
         points = [(m["step"], float(m[key])) for m in metrics
                   if isinstance(m.get(key), (int, float)) and math.isfinite(float(m[key]))]
         charts.append(f"<div class='curve'><div class='label'>{esc(label)}"

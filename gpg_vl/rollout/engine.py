@@ -23,6 +23,8 @@ here, and says in one sentence what is missing otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 from gpg_vl.config.names import ENGINE_BUILTINS
@@ -48,6 +50,27 @@ class Sampling:
         """The sampling of `rollout.*` (RolloutSettings)."""
         return cls(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
                    ignore_eos=rollout.ignore_eos)
+
+
+_LOCAL = threading.local()
+
+
+def sampling_generator():
+    """The calling thread's own torch.Generator (`thread_generator`), else None: torch's global one. The asynchronous
+    sampler (gpg_vl/train/pipeline.py) samples beside the learner, whose gradient checkpointing forks and restores
+    the global generator, so it draws from a generator of its own, which its checkpoints hold."""
+    return getattr(_LOCAL, "generator", None)
+
+
+@contextlib.contextmanager
+def thread_generator(generator):
+    """Within the block, this thread's sampling draws (`next_tokens`, T-GRPO's shuffles) come from `generator`."""
+    previous = sampling_generator()
+    _LOCAL.generator = generator
+    try:
+        yield generator
+    finally:
+        _LOCAL.generator = previous
 
 
 @dataclass(frozen=True)
@@ -89,7 +112,8 @@ class Engine:
 
     name = "engine"
     settings_class: type | None = None  # the dataclass of `rollout.<name>.*` (None: the engine has no settings)
-    returns_logps = False  # whether Rollout.sampler_logps is filled (the trainer then checks it is on-policy)
+    returns_logps = False  # whether Rollout.sampler_logps is filled: the behaviour log-probs trainer.correction reads
+    own_weights = False  # whether it samples with weights of its own (vLLM), which `sync` pushes in
     multi_turn = False  # whether it can roll out trajectories with tools (rollout.max_turns > 1)
     # set by `build_engine`: the multi-turn settings (rollout.max_turns, ...) and the tools the task offers
     multiturn: MultiTurnSettings = MultiTurnSettings()
@@ -144,6 +168,12 @@ class Engine:
     @classmethod
     def unavailable(cls, settings) -> str | None:
         """One sentence saying why this engine cannot run here with these settings (None when it can)."""
+        return None
+
+    @classmethod
+    def asynchronous_problem(cls, rollout, max_staleness: int) -> str | None:
+        """One sentence saying why this engine cannot sample beside the learner (trainer.max_staleness >= 1) with
+        these settings, else None."""
         return None
 
 

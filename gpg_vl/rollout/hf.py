@@ -44,6 +44,7 @@ class HFEngine(Engine):
     name = "hf"
     settings_class = HFEngineSettings
     multi_turn = True
+    returns_logps = True  # each sampled token's log-prob at the sampling temperature (`behaviour_logps`)
 
     def __init__(self, policy: Policy, rollout, *, accelerator=None) -> None:
         self.policy, self.settings = policy, HFEngine.settings_in(rollout)  # rollout.hf, in a subclass too
@@ -103,18 +104,29 @@ def generate(policy: Policy, prompts: PromptBatch, *, group_size: int, sampling:
         completion_ids = _generate(family, model, inputs, group_size=group_size, sampling=sampling,
                                    suppress=suppress, fork=forkable and group_size > 1, static_cache=static_cache,
                                    reserve_cache=reserve_cache, collective=collective)
+    completion_ids, logps = completion_ids  # [B * G, C] each: the ids and their behaviour log-probs
     if completion_ids.shape[1] == 0:
         completion_ids = torch.full((completion_ids.shape[0], 1), family.pad_id, dtype=completion_ids.dtype,
                                     device=completion_ids.device)
+        logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     mask = completion_mask_from_eos(completion_ids, family.eos_ids, ignore_eos=sampling.ignore_eos)  # [B * G, C]
     completion_ids = completion_ids.masked_fill(~mask, family.pad_id)  # [B * G, C]
     texts = family.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return Rollout(completion_ids=completion_ids, completion_mask=mask, texts=texts, group_size=group_size)
+    return Rollout(completion_ids=completion_ids, completion_mask=mask, texts=texts, group_size=group_size,
+                   sampler_logps=logps.float().masked_fill(~mask, 0.0))
+
+
+def behaviour_logps(family, logits: Tensor, chosen: Tensor, sampling: Sampling) -> Tensor:
+    """The log-prob [N] of each sampled token `chosen` [N] under the distribution it was drawn from: logits [N, V]
+    at the sampling temperature, suppressed ids removed, as the update scores it (`Family.logps_from_logits`)."""
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    return family.logps_from_logits(logits.unsqueeze(1), chosen.unsqueeze(1), temperature=temperature)[:, 0].float()
 
 
 def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, sampling: Sampling, suppress: list[int],
-              fork: bool, static_cache: bool, reserve_cache: bool, collective: bool) -> Tensor:
-    """Completion ids [B * G, C] from transformers' `generate` (after the prefill-once fork with `fork`)."""
+              fork: bool, static_cache: bool, reserve_cache: bool, collective: bool) -> tuple[Tensor, Tensor]:
+    """(completion ids [B * G, C], their behaviour log-probs [B * G, C]) from transformers' `generate` (after the
+    prefill-once fork with `fork`); the log-probs from the raw logits it returns (`output_logits`)."""
     expand, forked = group_size, None
     if fork:
         with eval_mode(model):
@@ -133,9 +145,14 @@ def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, samp
         output = model.generate(
             **inputs, max_new_tokens=sampling.max_new_tokens, num_return_sequences=expand,
             suppress_tokens=suppress or None, eos_token_id=family.eos_ids, pad_token_id=family.pad_id,
-            synced_gpus=collective, **how,
+            synced_gpus=collective, output_logits=True, return_dict_in_generate=True, **how,
         )
-    return output[:, width:]  # [B * G, C]
+    ids = output.sequences[:, width:]  # [B * G, C]
+    if not output.logits:
+        return ids, torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    logits = torch.stack(output.logits, dim=1).float()  # [B * G, C, V]
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    return ids, family.logps_from_logits(logits, ids, temperature=temperature)  # [B * G, C]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,9 +160,10 @@ def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, samp
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sampling: Sampling,
-                suppress: list[int], static_cache: bool, reserve_cache: bool) -> Tensor | None:
-    """Completion ids [B * G, C] sampled one token at a time on the prompts' forked cache, or None where
-    the prompts cannot be prefilled once (then `generate` decodes them).
+                suppress: list[int], static_cache: bool, reserve_cache: bool) -> tuple[Tensor, Tensor] | None:
+    """(completion ids [B * G, C], their behaviour log-probs [B * G, C]: `behaviour_logps`) sampled one token at
+    a time on the prompts' forked cache, or None where the prompts cannot be prefilled once (then `generate`
+    decodes them).
 
     Per token: one forward of the bare model on the B * G last tokens (positions and attention mask sliced
     from tensors built once), then `next_tokens` on its last logits. Rows that have produced an EOS
@@ -172,6 +190,7 @@ def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sa
         else None
     cache, token = forked["cache"], forked["input_ids"][:, -1:]  # [N, 1]: the prompt's last token
     out = prompt_ids.new_full((rows, steps), family.pad_id)  # [N, C]
+    logps = torch.zeros((rows, steps), dtype=torch.float32, device=prompt_ids.device)  # [N, C]
     unfinished = torch.ones(rows, dtype=torch.bool, device=prompt_ids.device)  # [N]
     done = 0
     for step in range(steps):
@@ -181,10 +200,11 @@ def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sa
         chosen = next_tokens(logits, sampling, suppressed)  # [N]
         chosen = torch.where(unfinished, chosen, torch.full_like(chosen, family.pad_id))
         out[:, step] = chosen
+        logps[:, step] = behaviour_logps(family, logits, chosen, sampling)
         done = step + 1
         if eos is not None:
             unfinished &= ~torch.isin(chosen, eos)
             if not bool(unfinished.any()):
                 break
         token = chosen.unsqueeze(1)
-    return out[:, :done]
+    return out[:, :done], logps[:, :done]

@@ -358,9 +358,13 @@ def _observe(family, row: _Row, call, result: ToolResult, turn: int, settings: M
 
 
 def trajectory_rollout(family, rows: list[_Row], group_size: int, settings: MultiTurnSettings) -> Rollout:
-    """The Rollout of finished rows (their trajectories padded, the loss mask, the texts)."""
+    """The Rollout of finished rows (their trajectories padded, the loss mask, the texts, and the sampler's log-prob
+    of each generated token, 0 on observations: the behaviour log-probs the update's correction reads)."""
     trajectories = [row.trajectory for row in rows]
     ids, attention, loss = pad_trajectories(trajectories, family.pad_id, on_limit=settings.on_limit)
     texts = family.tokenizer.batch_decode([t.token_ids for t in trajectories], skip_special_tokens=True)
+    logps = torch.zeros(ids.shape, dtype=torch.float32)  # [B * G, C]
+    for n, trajectory in enumerate(trajectories):
+        logps[n, :len(trajectory.logps)] = torch.tensor(trajectory.logps, dtype=torch.float32)
     return Rollout(completion_ids=ids, completion_mask=attention, texts=texts, group_size=group_size,
-                   loss_mask=loss, trajectories=trajectories)
+                   sampler_logps=logps.to(ids.device), loss_mask=loss, trajectories=trajectories)

@@ -1,12 +1,15 @@
 """Drawing the next token from last-position logits, exactly as transformers' `generate` processes them: shared
-by the HF engine's single-turn decode loop (rollout/hf.py) and its multi-turn decoding (rollout/multiturn.py)."""
+by the HF engine's single-turn decode loop (rollout/hf.py) and its multi-turn decoding (rollout/multiturn.py).
+
+Draws come from torch's global generator, unless the calling thread set its own (rollout/engine.py's
+`thread_generator`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from gpg_vl.rollout.engine import Sampling
+from gpg_vl.rollout.engine import Sampling, sampling_generator
 
 
 def process_logits(logits: Tensor, sampling: Sampling, suppressed: Tensor | None) -> Tensor:
@@ -32,4 +35,4 @@ def next_tokens(logits: Tensor, sampling: Sampling, suppressed: Tensor | None) -
     scores = process_logits(logits, sampling, suppressed)
     if sampling.greedy:
         return scores.argmax(dim=-1)
-    return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+    return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=sampling_generator()).squeeze(1)

@@ -238,6 +238,7 @@ class VLLMEngine(Engine):
     name = "vllm"
     settings_class = VLLMEngineSettings
     returns_logps = True
+    own_weights = True
     multi_turn = True
 
     @classmethod
@@ -245,6 +246,14 @@ class VLLMEngine(Engine):
         if rollout.engine != cls.name:
             return None
         return missing(torch.cuda.is_available(), importlib.util.find_spec("vllm") is not None)
+
+    @classmethod
+    def asynchronous_problem(cls, rollout, max_staleness: int) -> str | None:
+        if cls.settings_in(rollout).enable_sleep_mode:
+            return (f"trainer.max_staleness={max_staleness} keeps the colocated vLLM engine sampling while the learner "
+                    "updates, so it cannot sleep then; set rollout.vllm.enable_sleep_mode=false (vLLM's weights and KV "
+                    "cache then stay on the GPU throughout, beside the sampler's copy of the weights).")
+        return None
 
     def __init__(self, policy, rollout, *, accelerator=None, llm=None, sampling_params=None) -> None:
         """`llm` / `sampling_params`: a vllm.LLM and vllm.SamplingParams stand-in (tests); else vLLM's own."""
@@ -352,14 +361,11 @@ class VLLMEngine(Engine):
             if not live and self.tp_group is None:
                 break
         self.sleep()
-        rollout = trajectory_rollout(family, rows, group_size, settings)
-        logps = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [B * G, C], 0 on observations
-        for n, row in enumerate(rows):
-            logps[n, :len(row.trajectory.logps)] = torch.tensor(row.trajectory.logps, dtype=torch.float32)
+        rollout = trajectory_rollout(family, rows, group_size, settings)  # its sampler_logps: 0 on observations
         device = self.policy.model.device
         rollout.completion_ids, rollout.completion_mask = rollout.completion_ids.to(device), \
             rollout.completion_mask.to(device)
-        rollout.loss_mask, rollout.sampler_logps = rollout.loss_mask.to(device), logps.to(device)
+        rollout.loss_mask, rollout.sampler_logps = rollout.loss_mask.to(device), rollout.sampler_logps.to(device)
         return rollout
 
     # ---- weights and memory ----------------------------------------------------------------------

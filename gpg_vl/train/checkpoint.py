@@ -40,6 +40,7 @@ from gpg_vl.models.lora import save_model
 
 STATE_FILE = "trainer_state.pt"
 MARKER_FILE = "checkpoint.json"
+SAMPLER_FILE = "sampler.safetensors"  # the older weights the steps in flight sample with (trainer.max_staleness >= 1)
 OLD = ".old"  # a folder being replaced: renamed aside, deleted once the new one is in place
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
@@ -78,14 +79,17 @@ def set_rng_state(state: dict) -> None:
 # save
 # ---------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, counters: dict | None = None,
-                    config: dict | None = None, record: dict | None = None) -> None:
+                    config: dict | None = None, record: dict | None = None, in_flight: dict | None = None) -> None:
     """Write a complete checkpoint of `learner` (gpg_vl/train/update.py: the policy, its prepared model,
     optimizer and schedule) and `stream` at `step` to `path` atomically (see the module doc); every process
     calls it.
 
     The main process writes the files; the RNG states of every process are gathered into the trainer state.
     `counters` (numbers) and `record` (the run's summary so far: its pre-training evaluation, its training
-    time) go into the trainer state, `config` into checkpoint.json.
+    time) go into the trainer state, `config` into checkpoint.json. `in_flight` (trainer.max_staleness >= 1,
+    gpg_vl/train/pipeline.py's `state_dict`) regenerates the steps sampled ahead of the learner: the sampler's state
+    goes into the trainer state (its data position replaces the stream's), the older weights it samples with into
+    sampler.safetensors.
     `keep > 0` deletes all but the newest `keep` `checkpoint-<step>/` folders next to `path`. Every process
     calls it at the same step (save_every and the final save depend on the step only), so each reaches every
     collective below.
@@ -112,7 +116,9 @@ def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, co
             policy.processor.save_pretrained(partial)
             _write_trainer_state(partial, {
                 "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                "data": stream.state_dict(), "rng": rng, "counters": counters or {}, "record": record or {}})
+                "data": stream.state_dict() if in_flight is None else in_flight["stream"], "rng": rng,
+                "counters": counters or {}, "record": record or {},
+                **({} if in_flight is None else {"sampler": _sampler_state(partial, in_flight)})})
             (partial / MARKER_FILE).write_text(json.dumps({"step": step, "files": _manifest(partial),
                                                            "config": config or {}}, default=str))
             _fsync_tree(partial)
@@ -458,6 +464,33 @@ def _restore(state, path, optimizer, scheduler, stream, accelerator, model, coun
     if record is not None:
         record.update(state.get("record", {}))
     return int(state["step"])
+
+
+def _sampler_state(folder: Path, in_flight: dict) -> dict:
+    """Write the older weight versions of `in_flight` to folder/sampler.safetensors; the rest, for the state."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{version}/{name}": value.detach().contiguous().cpu()
+               for version, weights in in_flight["weights"].items() for name, value in weights.items()}
+    save_file(tensors, folder / SAMPLER_FILE)
+    return {"generator": in_flight["generator"], "counters": in_flight["counters"],
+            "next_step": in_flight["next_step"], "max_staleness": in_flight["max_staleness"],
+            "versions": sorted(in_flight["weights"])}
+
+
+def load_in_flight(path: Path) -> dict | None:
+    """What regenerates the steps a checkpoint had in flight (`save_checkpoint`'s `in_flight`, the weights as
+    {version: {name: tensor}}), None when it holds none (saved with trainer.max_staleness=0)."""
+    from safetensors.torch import load_file
+
+    state = torch.load(Path(path) / STATE_FILE, weights_only=True, map_location="cpu").get("sampler")
+    if state is None:
+        return None
+    weights = {int(version): {} for version in state["versions"]}
+    for key, value in load_file(Path(path) / SAMPLER_FILE).items():
+        version, name = key.split("/", 1)
+        weights[int(version)][name] = value
+    return {**state, "weights": weights}
 
 
 def truncate_metrics(metrics_file: Path, step: int) -> int:

@@ -41,7 +41,6 @@ from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
 from gpg_vl.observe.rollout_log import log_rollouts
-from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.rollout.trajectory import trajectory_metrics
 from gpg_vl.train import build
@@ -49,6 +48,7 @@ from gpg_vl.train.checkpoint import (
     compare_settings,
     later_checkpoints,
     latest_checkpoint,
+    load_in_flight,
     load_trainer_state,
     remove_checkpoint,
     remove_partials,
@@ -59,16 +59,13 @@ from gpg_vl.train.checkpoint import (
 )
 from gpg_vl.train.evaluate import Share, evaluate
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
-from gpg_vl.train.sample import (
-    Attempt,
-    attempts_allowed,
-    budget_spent,
-    collect_valid_groups,
-    global_counts,
-    reward_names,
-    sample_attempt,
-    tokens_left,
+from gpg_vl.train.pipeline import (
+    SyncPipeline,
+    count_sampled,
+    require_pipeline,
+    start_pipeline,
 )
+from gpg_vl.train.sample import Attempt, budget_spent, reward_names
 from gpg_vl.train.update import (
     Learner,
     build_optimizer,
@@ -139,6 +136,7 @@ class Run:
     bar: object
     held: contextlib.ExitStack  # the output folder's claim (gpg_vl/train/outdir.py), released when the run ends
     warned: set[str] = field(default_factory=set)
+    pipeline: object = None  # samples each step (gpg_vl/train/pipeline.py): in this thread, or beside the learner
 
     @property
     def trainer(self) -> TrainerSettings:
@@ -185,13 +183,18 @@ def train(run: Run) -> dict:
     with run.held:
         if run.trainer.eval_before and run.state.start_step == 0:
             evaluate_held_out(run, "before")
-        for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
-            if budget_spent(run.trainer, run.state.counters):  # checked first: a resume past the budget stops too
-                break  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
-            metrics = step(run)
-            log_step(run, metrics, run.state.attempts)
-            stop_on_bad_steps(run)
-            save_step(run)
+        run.pipeline = start_pipeline(run, _in_flight(run))  # trainer.max_staleness >= 1: a sampler thread
+        try:
+            for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
+                if budget_spent(run.trainer, run.state.counters):  # checked first: a resume past the budget stops
+                    break  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
+                metrics = step(run)
+                log_step(run, metrics, run.state.attempts)
+                stop_on_bad_steps(run)
+                save_step(run)
+                run.pipeline.released(run.state.step)  # the sampler may now sample with the weights after it
+        finally:
+            run.pipeline.close()
         return finish(run)
 
 
@@ -209,6 +212,7 @@ def setup(cfg) -> Run:
 
     trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
+    require_pipeline(trainer, cfg.rollout, processes=int(os.environ.get("WORLD_SIZE", "1")))
     task = build.build_task(cfg.task, cfg.data)
     accelerator = _command_line_accelerator(cfg)
     build.build_judge(cfg.get("reward"), task, accelerator.device)  # a judge that cannot be built fails first
@@ -247,6 +251,7 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
     that step. Bad rows are skipped and counted; more than settings.max_bad_fraction of the rows seen stops
     the run."""
     trainer_loss_options(settings.trainer, settings.rollout.max_new_tokens)
+    require_pipeline(settings.trainer, settings.rollout, processes=accelerator.num_processes if accelerator else 1)
     accelerator = accelerator or Accelerator(
         log_with=None if settings.trainer.report_to == "none" else settings.trainer.report_to,
         project_dir=str(settings.output_dir))
@@ -476,52 +481,57 @@ def _on_main(accelerator: Accelerator, action):
 # one step
 # ---------------------------------------------------------------------------------------------
 def step(run: Run) -> dict:
-    """One rollout and its update: sample + score + advantage (resampling until enough groups carry signal),
-    then the optimizer steps on the valid groups; returns the step's metrics."""
-    trainer, accelerator, task, state = run.trainer, run.accelerator, run.data.task, run.state
+    """One rollout and its update: the step's sampling stage (sample + score + advantage, resampling until enough
+    groups carry signal; run.pipeline's: in this thread, or a sampler's beside it), then the optimizer steps on the
+    valid groups; returns the step's metrics."""
+    trainer, accelerator, state = run.trainer, run.accelerator, run.state
     state.step += 1
     started = time.perf_counter()
-    budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
-    collected = collect_valid_groups(
-        lambda: sample_attempt(run.learner.policy, task, run.data.stream, engine=run.engine, trainer=trainer,
-                               rollout=run.settings.rollout, warn=run.warn, reward_budget=budget),
-        lambda attempt: global_counts(attempt, accelerator),
-        beta_th=trainer.beta_th, batch_size=trainer.batch_size,
-        max_attempts=attempts_allowed(trainer, state.counters["completions_sampled"]),
-        tokens_left=tokens_left(trainer, state.counters["tokens_sampled"]))
+    sampled = (run.pipeline or SyncPipeline(run)).take(state.step)
+    collected = sampled.collected
     rolled = time.perf_counter()
     state.attempts = collected.attempts
-    state.counters["completions_sampled"] += collected.groups_sampled * trainer.group_size  # resampling included
-    state.counters["tokens_sampled"] += collected.tokens_sampled  # generated tokens only, resampling included
+    count_sampled(state.counters, sampled, trainer.group_size)  # resampling included; generated tokens only
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
     if collected.groups_valid > 0 or kl_on_every_group(trainer):
         result = update(run.learner, collected.attempts)
-        if not result.get("skipped"):
+        aside = trainer.max_staleness > 0  # the sampler syncs an engine with its own weights by the schedule
+        if not result.get("skipped") and not aside:
             run.engine.sync(run.learner.model)  # an engine with its own weights takes the stepped ones (HF: none)
-        warning = run.engine.mismatch_warning(result)  # an engine that samples with its own weights: off-policy?
+        warning = None if aside else run.engine.mismatch_warning(result)  # its own weights off-policy?
         if warning:
             run.warn(warning)
     else:
         result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
         run.warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
                  "it was skipped (check the task's rewards, or raise rollout.temperature).")
+    if run.pipeline is not None:
+        run.pipeline.learned(state.step)  # the weights after this step, for the sampler (trainer.max_staleness)
     updated = time.perf_counter()
     _count_bad_step(run, result)
-    stream = run.data.stream
     turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
+    valid = collected.groups_valid - int(result.get("groups_rejected", 0))  # all-rejected groups count in M
     return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names),
             **turns,
             "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
             "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
             "groups_used": collected.groups_valid,
-            "alpha": loss_alpha(trainer.age, collected.groups_sampled, collected.groups_valid),
+            "alpha": loss_alpha(trainer.age, collected.groups_sampled, valid),
             "completions_sampled": state.counters["completions_sampled"],
             "tokens_sampled": state.counters["tokens_sampled"],
             **result, "lr": run.learner.scheduler.get_last_lr()[0],
             "nonfinite_steps": state.counters["nonfinite_steps"],
-            **stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position,
-            "rollout_s": rolled - started, "update_s": updated - rolled,
+            **sampled.stream, **pipeline_metrics(state.step, sampled),
+            "rollout_s": sampled.rollout_s, "update_s": updated - rolled,
             "step_s": time.perf_counter() - started}
+
+
+def pipeline_metrics(step: int, sampled) -> dict[str, float]:
+    """The sampling stage's timing and staleness: the version lag of the step's rollouts (step - 1 - version), how
+    long each side waited for the other, and the generated tokens per second of sampling."""
+    lag = step - 1 - sampled.version
+    return {"version_lag_mean": float(lag), "version_lag_max": lag, "sampler_idle_s": sampled.sampler_idle_s,
+            "learner_idle_s": sampled.learner_idle_s, "generated_tokens_per_s": sampled.tokens_per_s}
 
 
 def _count_bad_step(run: Run, result: dict) -> None:
@@ -647,9 +657,24 @@ def save_step(run: Run) -> None:
         if state.counters["bad_steps_in_a_row"] or not _finite_weights(run.learner.model, run.accelerator):
             run.warn(f"step {state.step}: no checkpoint written: the weights or the last step are not finite.")
         else:
+            in_flight = run.pipeline.state_dict() if run.pipeline is not None else None  # first: the stream waits
             save_checkpoint(run.output_dir / f"checkpoint-{state.step}", run.learner, run.data.stream, state.step,
                             keep=run.trainer.keep_checkpoints, counters=state.counters, config=run.settings.config,
-                            record=state.record)
+                            record=state.record, in_flight=in_flight)
+
+
+def _in_flight(run: Run) -> dict | None:
+    """The steps a resumed checkpoint holds in flight (trainer.max_staleness >= 1), checked against this run's k."""
+    if run.settings.resume_from is None or run.trainer.max_staleness == 0:
+        return None
+    state = load_in_flight(Path(run.settings.resume_from))
+    if state is None:
+        run.warn(f"{run.settings.resume_from} holds no steps in flight (saved with trainer.max_staleness=0): the "
+                 "steps up to the next k sample with its weights, so the run differs from an uninterrupted one.")
+    elif state["max_staleness"] != run.trainer.max_staleness:
+        raise UserError(f"{run.settings.resume_from} was saved with trainer.max_staleness={state['max_staleness']}, "
+                        f"and this run has {run.trainer.max_staleness}; resume with the same value.")
+    return state
 
 
 def evaluate_held_out(run: Run, when: str) -> None:

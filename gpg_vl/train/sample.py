@@ -34,7 +34,7 @@ from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
 from gpg_vl.objective import get_advantage, overlong_penalty
 from gpg_vl.reward.pool import RewardBudget, score_completions
-from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
+from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts, sampling_generator
 from gpg_vl.rollout.types import Rollout, in_task_frame
 from gpg_vl.train.placeholder import placeholder_prompts
 
@@ -173,7 +173,8 @@ def temporal_component(policy: Policy, task, engine, messages: list[list[dict]],
     accuracies `accuracy` [b, G]. Shuffles are drawn from torch's generator, which checkpoints hold: a resumed run
     draws the same."""
     group_size = accuracy.shape[1]
-    shuffled = [task.shuffled_messages(m, int(torch.randint(2**31 - 1, ()))) for m in messages]
+    generator = sampling_generator()  # the sampler's own (trainer.max_staleness >= 1), else torch's global one
+    shuffled = [task.shuffled_messages(m, int(torch.randint(2**31 - 1, (), generator=generator))) for m in messages]
     videos = [b for b, m in enumerate(shuffled) if m is not None]
     bonus = torch.zeros_like(accuracy)  # [b, G]
     if not videos:

@@ -33,7 +33,14 @@ from gpg_vl.objective import (
     loss_needs,
     loss_options,
 )
-from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.rollout.correction import logp_mismatch
+from gpg_vl.rollout.corrections import (
+    CORRECTION_METRICS,
+    CorrectionSums,
+    apply_correction,
+    correction_metrics,
+    get_correction,
+)
 from gpg_vl.rollout.engine import Correction
 from gpg_vl.train.placeholder import placeholder_chunk
 from gpg_vl.train.sample import Attempt
@@ -114,11 +121,18 @@ class MicroBatch(NamedTuple):
     # observations too); the loss counts `loss_mask` [n, C] bool, the generated tokens only
     loss_mask: torch.Tensor | None = None
     trajectories: list | None = None  # n Trajectory: their observations' token types and images go in the forward
+    rejected: torch.Tensor | None = None  # [n] bool: sequences the off-policy correction rejected (trainer.correction)
 
     @property
     def counted(self) -> torch.Tensor:
-        """[n, C] bool: the tokens the loss counts (generated ones)."""
-        return self.completion_mask if self.loss_mask is None else self.loss_mask
+        """[n, C] bool: the tokens the loss counts (generated ones, of sequences the correction did not reject)."""
+        counted = self.completion_mask if self.loss_mask is None else self.loss_mask
+        return counted if self.rejected is None else counted & ~self.rejected.to(counted.device).unsqueeze(1)
+
+    @property
+    def kept(self) -> int:
+        """The sequences the loss counts (those the correction did not reject)."""
+        return len(self.advantages) - (0 if self.rejected is None else int(self.rejected.sum()))
 
     def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
               logits_chunk_tokens: int) -> torch.Tensor:
@@ -167,6 +181,21 @@ class Learner:
     reference: Reference | None = None
     max_new_tokens: int | None = None
     correction: Correction = field(default_factory=Correction)
+
+    @property
+    def off_policy(self) -> tuple[str, dict]:
+        """trainer.correction and its options; rollout.vllm.tis_cap > 0 (the engine's) is token_tis with that cap."""
+        if self.settings.correction == "none" and self.correction.tis_cap > 0:
+            return "token_tis", {"cap": self.correction.tis_cap}
+        from gpg_vl.rollout.corrections import correction_options
+
+        return self.settings.correction, correction_options(self.settings.correction,
+                                                            self.settings.correction_options)
+
+    @property
+    def reports_correction(self) -> bool:
+        """Whether the update weighs the loss and logs the correction's metrics (the same on every process)."""
+        return self.settings.max_staleness > 0 or self.off_policy[0] != "none"
 
 
 @dataclass
@@ -223,6 +252,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
         parts = max(1, math.ceil(int(valid) * settings.group_size / settings.ppo_mini_batch))
     plan = [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
                                share_prompt=learner.path.prompt_once)) for part in mini_batches(attempts, parts)]
+    groups_rejected = None
+    if getattr(get_correction(learner.off_policy[0]), "rejects", False):  # the normalizer leaves rejected sequences
+        plan, groups_rejected = _reject_sequences(learner, plan, attempts)
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
@@ -235,6 +267,8 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     # micro-batches per mini-batch, padding with placeholders whose log-probs are dropped.
     calls = [int(per_part[:, part, 2].max()) for part in range(parts)]
     old, ref = _old_and_ref(learner, plan, attempts, calls, needs, steps=settings.ppo_epochs * parts)
+    if settings.max_staleness > 0 and "old" in needs:  # stale rollouts: the ratio is to the policy that sampled them
+        old = [[c.sampler_logps for c in chunks] for chunks in plan]
     options = trainer_loss_options(settings, learner.max_new_tokens)
     results, reports = [], []
     for _epoch in range(settings.ppo_epochs):
@@ -254,6 +288,8 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
         if results[-1].get("nonfinite"):
             break
     metrics = _combine_results(results)
+    if groups_rejected is not None:
+        metrics["groups_rejected"] = groups_rejected
     if kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
         metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
                         "groups_kl_only": kl_only, "alpha": 1.0})
@@ -291,10 +327,15 @@ def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelera
     depends only on its result."""
     sampled = [a.rollout.completion_mask if a.rollout.loss_mask is None else a.rollout.loss_mask.bool()
                for a in attempts if a.rollout is not None]  # [b * G, C] each: the tokens a loss counts
+    chunks = [c for part in plan for c in part]
+    rejected = [sum(len(c.advantages) - c.kept for c in chunks),  # what the correction rejected leaves the counts
+                sum(int((c.completion_mask if c.loss_mask is None else c.loss_mask).sum()) - int(c.counted.sum())
+                    for c in chunks)]
     local = torch.tensor([[*(value for chunks in plan for value in (
-        sum(len(c.advantages) for c in chunks), sum(int(c.counted.sum()) for c in chunks), len(chunks),
+        sum(c.kept for c in chunks), sum(int(c.counted.sum()) for c in chunks), len(chunks),
         sum(not c.prompts.has_images for c in chunks))),
-        sum(len(m) for m in sampled), sum(int(m.sum()) for m in sampled)]], device=accelerator.device)
+        sum(len(m) for m in sampled) - rejected[0], sum(int(m.sum()) for m in sampled) - rejected[1]]],
+        device=accelerator.device)
     return accelerator.gather(local)  # [processes, 4 * parts + 2]
 
 
@@ -322,7 +363,8 @@ def _combine_results(results: list[dict]) -> dict[str, float]:
         "skipped": float(all(r["skipped"] for r in results)),
         **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
         **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {}),
-        **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max") if k in results[0]}}
+        **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max", *CORRECTION_METRICS)
+           if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
     return metrics
 
@@ -392,6 +434,48 @@ class _Sums:
     gap_max: float = 0.0
     gap_count: int = 0
     report: dict = field(default_factory=dict)
+    correction: CorrectionSums = field(default_factory=CorrectionSums)
+
+
+def _corrected(name: str, options: dict, chunk: MicroBatch, logps: torch.Tensor, sampler: torch.Tensor,
+               sums: CorrectionSums) -> torch.Tensor:
+    """The correction's weights [n, C] (detached, in `logps`' dtype) for one micro-batch, its metrics added to
+    `sums`; the sequences `_reject_sequences` rejected (chunk.rejected) weigh 0."""
+    mask = (chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask).to(logps.device)
+    weights, rejected = apply_correction(name, options, logps, sampler, mask, chunk.advantages)
+    if chunk.rejected is not None:
+        rejected = chunk.rejected.to(rejected.device)
+        weights = torch.where(rejected.unsqueeze(1) & mask.bool(), torch.zeros_like(weights), weights)
+    sums.add(logps, sampler, mask, weights, rejected)
+    return weights.to(logps.dtype)
+
+
+def _reject_sequences(learner: Learner, plan: list[list[MicroBatch]],
+                      attempts: list[Attempt]) -> tuple[list[list[MicroBatch]], int]:
+    """The plan with each micro-batch's `rejected` sequences marked (a correction that rejects: pi_theta scored
+    once, without gradient, before the step, so the normalizer leaves them out), and the number of valid groups,
+    over all processes, whose sequences were all rejected (they count in AGE's M). Collective."""
+    accelerator = learner.accelerator
+    name, options = learner.off_policy
+    calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
+    scored = _score_plan(learner, learner.model, plan, attempts, calls.max(dim=0).values.tolist())
+    marked, groups = [], {}  # (prompts, prompt index) -> [rejected, sequences]
+    for chunks, logps in zip(plan, scored, strict=True):
+        marked.append([])
+        for chunk, current in zip(chunks, logps, strict=True):
+            rejected = None
+            if chunk.sampler_logps is not None:
+                mask = chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask
+                _, rejected = apply_correction(name, options, current, chunk.sampler_logps.to(current.device),
+                                               mask.to(current.device), chunk.advantages)
+                rejected = rejected.cpu()
+                for row, prompt in enumerate(chunk.prompt_index):
+                    count = groups.setdefault((id(chunk.prompts), prompt), [0, 0])
+                    count[0], count[1] = count[0] + int(rejected[row]), count[1] + 1
+            marked[-1].append(chunk._replace(rejected=rejected))
+    all_rejected = sum(1 for rejected, total in groups.values() if rejected == total)
+    total = accelerator.reduce(torch.tensor(all_rejected, device=accelerator.device), "sum")
+    return marked, int(total)
 
 
 def _optimizer_step(learner: Learner, attempts: list[Attempt],
@@ -438,6 +522,9 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     optimizer.zero_grad(set_to_none=True)
     result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
               "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+    if learner.reports_correction:  # collective, on every process alike (the settings are the same everywhere)
+        rows = accelerator.gather(torch.tensor([sums.correction.as_list()], device=device, dtype=torch.float64))
+        result.update(correction_metrics(rows.cpu()))
     if learner.correction.sampler_check:  # collective, on every process alike (the engine is the same everywhere)
         gaps = accelerator.gather(torch.tensor([[sums.gap, sums.gap_max, sums.gap_count]], device=device,
                                                dtype=torch.float64))  # [processes, 3]
@@ -450,7 +537,9 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
     """The forward and backward of every micro-batch of one optimizer step (placeholders included outside
     DDP, up to `step.steps_needed`); gradients accumulate, synced on the last (see `_optimizer_step`)."""
     policy, model, accelerator = learner.policy, learner.model, learner.accelerator
-    device, tis_cap = accelerator.device, learner.correction.tis_cap
+    device = accelerator.device
+    correct = learner.reports_correction
+    name, options = learner.off_policy
     chunks, old, ref = step.chunks, step.old, step.ref
     real = len(chunks)
     if step.steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one
@@ -473,8 +562,8 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                     total, worst, count = logp_mismatch(logps, sampler, mask)
                     sums.gap, sums.gap_max, sums.gap_count = sums.gap + total, max(sums.gap_max, worst), \
                         sums.gap_count + count
-                    if tis_cap > 0:
-                        logps = logps * truncated_is_weights(logps, sampler, mask, tis_cap)  # [n, C]
+                    if correct:  # -sg(w) * A * log pi: w from pi_theta / pi_behaviour (rollout/corrections.py)
+                        logps = logps * _corrected(name, options, chunk, logps, sampler, sums.correction)  # [n, C]
                 router_loss = router.router_aux_loss(model)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0

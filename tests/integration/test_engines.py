@@ -138,12 +138,13 @@ def test_decode_loop_stops_at_eos_and_ignore_eos_never_samples_it(policy, shapes
 
 def test_hf_engine_through_the_seam(policy, shapes):
     engine = build_engine(RolloutSettings(max_new_tokens=6), policy)
-    assert isinstance(engine, HFEngine) and not engine.returns_logps
+    assert isinstance(engine, HFEngine) and engine.returns_logps and not engine.own_weights
     prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:3]], ids=["a", "b", "c"])
     picked = prompts.select([2, 0])
     assert picked.batch.ids == ["c", "a"] and picked.messages == [prompts.messages[2], prompts.messages[0]]
     rollout = engine.generate(picked, 2, Sampling(max_new_tokens=6))
-    assert rollout.completion_ids.shape[0] == 4 and rollout.group_size == 2 and rollout.sampler_logps is None
+    assert rollout.completion_ids.shape[0] == 4 and rollout.group_size == 2
+    assert rollout.sampler_logps.shape == rollout.completion_ids.shape  # the behaviour log-probs (trainer.correction)
     engine.sync(policy.model)  # nothing to do: the sampler is the trained model
     engine.sleep()
     engine.wake()

@@ -340,10 +340,12 @@ def test_video_r1_fixture_trains_two_steps_on_images_and_videos(video_r1, tmp_pa
 
 
 @needs_video
+@pytest.mark.parametrize("staleness", [0, 1], ids=["synchronous", "sampler-beside-the-learner"])
 def test_video_r1_with_t_grpo_rolls_out_shuffled_frames_and_rewards_the_temporal_bonus(video_r1, tmp_path,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, staleness):
     """task.options.temporal=true: each video prompt is also rolled out G / 2 times with its frames shuffled, and
-    the bonus (Video-R1's rule, given those accuracies) is the "temporal" reward component."""
+    the bonus (Video-R1's rule, given those accuracies) is the "temporal" reward component; the same with the
+    sampler beside the learner (trainer.max_staleness=1), which runs the whole sampling stage, T-GRPO's included."""
     from gpg_vl_tasks import videor1
 
     calls = []
@@ -355,7 +357,7 @@ def test_video_r1_with_t_grpo_rolls_out_shuffled_frames_and_rewards_the_temporal
     monkeypatch.setattr(videor1.VideoR1, "temporal_bonus", recording)
     train_run(tmp_path / "run", "task=videor1", f"data.path={video_r1}", "trainer.max_steps=1",
               "task.options.nframes=4", "task.options.max_pixels=3136", "trainer.save_every=0",
-              "task.options.temporal=true", "trainer.beta_th=0")
+              "task.options.temporal=true", "trainer.beta_th=0", f"trainer.max_staleness={staleness}")
     line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/temporal" in line and calls  # at least one video prompt in the step's 4
     assert all(ordered.shape == (4,) and shuffled.shape == (2,) for ordered, shuffled in calls)

@@ -1,0 +1,301 @@
+"""The sampling stage of a step, and the pipeline that runs it beside the learner (trainer.max_staleness = k).
+
+The schedule is fixed by step number, never by timing: step n samples with the weights after step
+max(0, n - 1 - k) (`sampling_version`). With k = 0 that is the weights after step n - 1, the synchronous run:
+`SyncPipeline` samples each step in the learner's thread when the learner asks for it, exactly as the loop always
+did. With k >= 1, `AsyncPipeline` runs the sampling stage on a thread of its own, on its own copy of the weights
+(and of the model family, whose tokenizer is not shared across threads), synced by the schedule:
+
+    learner:  | update 1 (batch 1, v0) | update 2 (batch 2, v0) | update 3 (batch 3, v1) | ...
+    sampler:  | batch 1 (v0) | batch 2 (v0) | batch 3 (v1)     | batch 4 (v2)           | ...      (k = 1)
+
+The sampler owns the whole stage of its step: rollouts, rewards, advantages, AGE's valid groups and threshold
+resampling, all with the same weight version; it hands the learner a complete `SampledStep`. After each update the
+learner snapshots its trainable weights (`learned`) and releases them to the sampler once the step is logged and
+saved (`released`). The sampler draws its random numbers from a generator of its own (rollout/engine.py's
+`thread_generator`: the learner's gradient checkpointing forks torch's global one), so the same seed gives the
+same run.
+
+Checkpoints regenerate what is in flight, never pickle it: a checkpoint after step s holds the sampler's state as
+it began step s + 1 (the data stream's position, which the checkpoint saves as its data position, the sampler's
+generator and counters) and the weights steps s + 1 .. s + k sample with (after steps s - k .. s - 1, as safetensors;
+the checkpoint's own weights are s's). A resumed run samples those steps again from the same state with the same
+weights: the same batches as the uninterrupted run. The learner keeps the k + 1 newest versions for this.
+
+On CPU the two sides share the cores: each gets half of torch's intra-op threads (at least one), set in both threads.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from gpg_vl.errors import UserError
+from gpg_vl.reward.pool import RewardBudget
+from gpg_vl.rollout.engine import ENGINES, build_engine, thread_generator
+from gpg_vl.train.sample import (
+    Collected,
+    attempts_allowed,
+    budget_spent,
+    collect_valid_groups,
+    global_counts,
+    sample_attempt,
+    tokens_left,
+)
+
+SAMPLER_SEED_OFFSET = 1_000_003  # the sampler's generator: seed + process index + this
+
+
+def sampling_version(step: int, max_staleness: int) -> int:
+    """The weights step `step` samples with: those after step max(0, step - 1 - k)."""
+    return max(0, step - 1 - max_staleness)
+
+
+@dataclass
+class SampledStep:
+    """One step's complete sampling stage, as the sampler hands it to the learner."""
+
+    step: int
+    version: int  # sampled with the weights after this step
+    collected: Collected
+    rollout_s: float  # seconds the stage took
+    stream: dict  # the data stream's metrics once it was drawn (bad rows, epoch, position)
+    sampler_idle_s: float = 0.0  # seconds the sampler waited for its weights before it
+    learner_idle_s: float = 0.0  # seconds the learner waited for it
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.collected.tokens_sampled / self.rollout_s if self.rollout_s > 0 else 0.0
+
+
+def sample_step(run, step: int, policy, engine, counters: dict, version: int) -> SampledStep:
+    """Step `step`'s sampling stage with `policy` and `engine` (weights `version`): attempts of B prompts, scored,
+    with advantages and valid groups, resampled until enough groups carry signal (sample.py); `counters` are the
+    run's sampled completions and tokens before this step (budgets and trainer.max_completions)."""
+    trainer, task = run.trainer, run.data.task
+    started = time.perf_counter()
+    budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
+    collected = collect_valid_groups(
+        lambda: sample_attempt(policy, task, run.data.stream, engine=engine, trainer=trainer,
+                               rollout=run.settings.rollout, warn=run.warn, reward_budget=budget),
+        lambda attempt: global_counts(attempt, run.accelerator),
+        beta_th=trainer.beta_th, batch_size=trainer.batch_size,
+        max_attempts=attempts_allowed(trainer, counters["completions_sampled"]),
+        tokens_left=tokens_left(trainer, counters["tokens_sampled"]))
+    stream = run.data.stream
+    return SampledStep(step, version, collected, time.perf_counter() - started,
+                       {**stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position})
+
+
+def count_sampled(counters: dict, sampled: SampledStep, group_size: int) -> None:
+    """Add a step's sampled completions (resampling included) and generated tokens to `counters`."""
+    counters["completions_sampled"] += sampled.collected.groups_sampled * group_size
+    counters["tokens_sampled"] += sampled.collected.tokens_sampled
+
+
+class SyncPipeline:
+    """trainer.max_staleness = 0: each step is sampled in the learner's thread, with the learner's weights and
+    engine, when the learner asks for it (the synchronous run, bit for bit)."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def take(self, step: int) -> SampledStep | None:
+        run = self.run
+        return sample_step(run, step, run.learner.policy, run.engine, run.state.counters, step - 1)
+
+    def learned(self, step: int) -> None:
+        """The learner finished step `step`'s update."""
+
+    def released(self, step: int) -> None:
+        """Step `step` is logged and saved: its weights may be sampled with."""
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Shared:
+    """What the two threads share, under `lock`."""
+
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    versions: dict = field(default_factory=dict)  # step -> the trainable weights after it (released)
+    pending: dict = field(default_factory=dict)  # step -> weights snapshotted, not yet released
+    ready: dict = field(default_factory=dict)  # step -> SampledStep (None: the run's budget is spent)
+    starts: dict = field(default_factory=dict)  # step -> the sampler's state as it began sampling that step
+    next_step: int = 1  # the step the sampler samples next
+    error: BaseException | None = None
+    stop: bool = False
+
+
+class AsyncPipeline:
+    """trainer.max_staleness = k >= 1: a sampler thread on its own copy of the weights (see the module doc)."""
+
+    def __init__(self, run, *, resumed: dict | None = None) -> None:
+        self.run, self.k = run, run.trainer.max_staleness
+        policy = run.learner.policy
+        family = copy.deepcopy(policy.family)  # its own tokenizer and processor: not shared across threads
+        model = copy.deepcopy(policy.model)
+        model.requires_grad_(False)
+        self.policy = replace(policy, model=model, processor=family.processor, family=family)
+        # An engine with its own weights (vLLM) stays the run's, synced from the sampler's copy; the HF engine
+        # samples with the sampler's copy itself.
+        self.own_weights = _has_own_weights(run.engine)
+        self.engine = run.engine if self.own_weights else build_engine(
+            run.settings.rollout, self.policy, accelerator=run.accelerator, tools=run.data.task.tools)
+        start = run.state.start_step
+        self.shared = _Shared(next_step=start + 1)
+        self.shared.versions[start] = self._snapshot()
+        self.loaded = start  # the weights in the sampler's copy: those after this step
+        self.floor = start  # no version before it is known (a resume without the sampler's state)
+        self.counters = {key: run.state.counters[key] for key in ("completions_sampled", "tokens_sampled")}
+        self.generator = torch.Generator().manual_seed(run.settings.seed + run.accelerator.process_index
+                                                       + SAMPLER_SEED_OFFSET)
+        if resumed is not None:
+            self.shared.versions.update(resumed["weights"])
+            self.counters = dict(resumed["counters"])
+            self.generator.set_state(resumed["generator"])
+            self.floor = 0
+        threads = torch.get_num_threads()
+        self.threads, self.restore_threads = max(1, threads // 2), threads
+        torch.set_num_threads(self.threads)  # the learner's half (this thread); the sampler sets its own
+        self.thread = threading.Thread(target=self._sample_steps, name="gpg-vl-sampler", daemon=True)
+        self.thread.start()
+
+    def version(self, step: int) -> int:
+        return max(sampling_version(step, self.k), self.floor)
+
+    # ---- the learner's side ----------------------------------------------------------------
+    def take(self, step: int) -> SampledStep | None:
+        """Step `step`'s sampled batch (waiting for it: learner_idle_s); None when the run's budget is spent."""
+        shared, waited = self.shared, time.perf_counter()
+        with shared.lock:
+            shared.lock.wait_for(lambda: step in shared.ready or shared.error is not None)
+            if shared.error is not None and step not in shared.ready:
+                raise shared.error
+            sampled = shared.ready.pop(step)
+            for done in [s for s in shared.starts if s <= step]:
+                del shared.starts[done]
+        if sampled is not None:
+            sampled.learner_idle_s = time.perf_counter() - waited
+        return sampled
+
+    def _snapshot(self) -> dict:
+        return {name: p.detach().clone() for name, p in self.run.learner.policy.model.named_parameters()
+                if p.requires_grad}
+
+    def learned(self, step: int) -> None:
+        """Snapshot the trainable weights after step `step` (released to the sampler by `released`)."""
+        snapshot = self._snapshot()
+        with self.shared.lock:
+            self.shared.pending[step] = snapshot
+
+    def released(self, step: int) -> None:
+        """The weights after `step` may be sampled with; versions no later step samples with are dropped."""
+        with self.shared.lock:
+            if step in self.shared.pending:
+                self.shared.versions[step] = self.shared.pending.pop(step)
+            oldest = self.version(step + 1)
+            for old in [v for v in self.shared.versions if v < oldest]:
+                del self.shared.versions[old]
+            self.shared.lock.notify_all()
+
+    def state_dict(self) -> dict:
+        """What regenerates the steps in flight after the learner's current step s (see the module doc): the
+        sampler's state as it began step s + 1 (the data stream's position, its generator, its counters) and the
+        weights steps s + 1 .. s + k sample with (those after steps s - k .. s - 1; the checkpoint's own are s's)."""
+        shared, step = self.shared, self.run.state.step
+        with shared.lock:
+            shared.lock.wait_for(lambda: step + 1 in shared.starts or shared.error is not None)
+            if shared.error is not None:
+                raise shared.error
+            began = shared.starts[step + 1]
+            weights = {v: w for v, w in shared.versions.items() if v < step}
+        return {**began, "next_step": step + 1, "max_staleness": self.k, "weights": weights}
+
+    def close(self) -> None:
+        with self.shared.lock:
+            self.shared.stop = True
+            self.shared.lock.notify_all()
+        self.thread.join()
+        torch.set_num_threads(self.restore_threads)
+        if self.own_weights:  # evaluation after training samples with the learner's weights
+            self.engine.sync(self.run.learner.model)
+
+    # ---- the sampler's side ----------------------------------------------------------------
+    def _sample_steps(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's intra-op threads (OpenMP's setting is per thread)
+        shared, last = self.shared, self.run.trainer.max_steps
+        try:
+            while True:
+                with shared.lock:
+                    step = shared.next_step
+                    version = self.version(step)
+                    shared.starts[step] = {"stream": copy.deepcopy(self.run.data.stream.state_dict()),
+                                           "generator": self.generator.get_state(), "counters": dict(self.counters)}
+                    shared.lock.notify_all()
+                    waited = time.perf_counter()
+                    shared.lock.wait_for(lambda s=step, v=version: shared.stop or s > last or v in shared.versions)
+                    if shared.stop or step > last:
+                        return
+                    weights = shared.versions[version]
+                idle = time.perf_counter() - waited
+                if version != self.loaded:
+                    self._load(weights, version)
+                sampled = None
+                if not budget_spent(self.run.trainer, self.counters):
+                    with thread_generator(self.generator):
+                        sampled = sample_step(self.run, step, self.policy, self.engine, self.counters, version)
+                    sampled.sampler_idle_s = idle
+                    count_sampled(self.counters, sampled, self.run.trainer.group_size)
+                with shared.lock:
+                    shared.ready[step] = sampled
+                    shared.next_step = step + 1 if sampled is not None else last + 1
+                    shared.lock.notify_all()
+        except BaseException as error:  # handed to the learner, which raises it
+            with shared.lock:
+                shared.error = error
+                shared.lock.notify_all()
+
+    def _load(self, weights: dict, version: int) -> None:
+        """Put the weights after step `version` into the sampler's copy (and an engine with its own weights)."""
+        parameters = dict(self.policy.model.named_parameters())
+        with torch.no_grad():
+            for name, value in weights.items():
+                parameters[name].copy_(value)
+        if self.own_weights:
+            self.engine.sync(self.policy.model)
+        self.loaded = version
+
+
+def _has_own_weights(engine) -> bool:
+    """Whether an engine samples with weights of its own (vLLM), which `sync` pushes in."""
+    return bool(getattr(engine, "own_weights", False))
+
+
+def start_pipeline(run, resumed: dict | None = None):
+    """The run's pipeline: synchronous at trainer.max_staleness = 0, else the sampler thread."""
+    if run.trainer.max_staleness == 0:
+        return SyncPipeline(run)
+    return AsyncPipeline(run, resumed=resumed)
+
+
+def require_pipeline(trainer, rollout, *, processes: int) -> None:
+    """Refuse, in one sentence and before any model loads, what trainer.max_staleness >= 1 cannot run with."""
+    k = trainer.max_staleness
+    if k == 0:
+        return
+    if processes > 1:
+        raise UserError(f"trainer.max_staleness={k} samples beside the learner in one process only in this version "
+                        f"({processes} processes were launched: the sampler's collectives would interleave with the "
+                        "learner's); launch one process, or set trainer.max_staleness=0.")
+    problem = ENGINES.get(rollout.engine).asynchronous_problem(rollout, k)  # the engine's own settings
+    if problem:
+        raise UserError(problem)
