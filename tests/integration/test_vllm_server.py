@@ -298,6 +298,7 @@ def test_a_server_that_is_unreachable_is_retried_until_its_deadline():
 # ---------------------------------------------------------------------------------------------
 # several trainer processes, several servers
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_trainer_processes_train_against_one_server(tmp_path):
     """accelerate launch, 2 processes (gloo) against a `vllm serve` stand-in in its own process: both send their
     prompts, both take part in every sync (rank 0 sends), and step 2 is sampled by step 1's weights."""
