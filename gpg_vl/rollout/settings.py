@@ -95,7 +95,8 @@ class VLLMServerSettings:
     tis_cap: float = field(default=0.0, metadata=meta(
         "> 0: token-level truncated importance weight min(p_trainer / p_server, cap) multiplies the loss (0 = off)",
         low=0, note="0 = off"))
-    seed: int = field(default=0, metadata=meta("the servers' sampling seed (each request adds its index)", low=0))
+    seed: int = field(default=0, metadata=meta(
+        "the servers' sampling seed, varied per request and sync (0 = unseeded: the servers' own randomness)", low=0))
 
 
 
