@@ -17,6 +17,14 @@ every group has signal, AdamW at lr 1e-6) and prints:
 - logp_mismatch (vLLM only): the mean and max over tokens of |vLLM's log-prob - the trainer's|;
 - whether greedy decoding by vLLM after a weight sync gives the HF engine's (the trainer's) tokens.
 
+With --server it also starts a real `vllm serve` on the model (VLLM_SERVER_DEV_MODE=1, --enable-scale-out,
+--logprobs-mode processed_logprobs, weight transfer `nccl` on a second GPU, else `disk` on the same one) and trains
+the same steps through `rollout.engine=vllm_server` (docs/many-nodes.md): synchronously, and one step behind
+(k = 1) where the trainer has the asynchronous pipeline (`trainer.max_staleness`); it prints the server's
+generated tokens per second, the seconds of each weight sync and the log-prob gap (logp_mismatch):
+
+    python scripts/gpu_check.py --models qwen2.5-vl-3b --engines hf --server
+
 Without a CUDA GPU it stops in one sentence. It has not run on a GPU yet (see the README).
 """
 
@@ -25,9 +33,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import zlib
 from pathlib import Path
 
@@ -132,10 +142,12 @@ def run_engine(policy, engine_name: str, args) -> dict:
 
     data = rows(args.prompts * (args.steps + 2), 224)
     task = hash_task(data)
+    staleness = {"max_staleness": args.staleness} if getattr(args, "staleness", 0) else {}
     rollout = RolloutSettings(engine=engine_name, max_new_tokens=args.new_tokens, ignore_eos=True,
-                              vllm={"gpu_memory_utilization": args.gpu_memory_utilization})
+                              vllm={"gpu_memory_utilization": args.gpu_memory_utilization},
+                              vllm_server=getattr(args, "server_settings", None) or {})
     trainer = TrainerSettings(group_size=args.group_size, batch_size=args.prompts, lr=1e-6, beta_th=0.0,
-                              max_attempts=1, gradient_checkpointing=False, reward_workers=1)
+                              max_attempts=1, gradient_checkpointing=False, reward_workers=1, **staleness)
     accelerator = Accelerator(mixed_precision="no")
     model = policy.model
     model.train()
@@ -164,6 +176,8 @@ def run_engine(policy, engine_name: str, args) -> dict:
         torch.cuda.synchronize()
         rolled = time.perf_counter()
         result = update(learner, collected.attempts)
+        torch.cuda.synchronize()
+        synced = time.perf_counter()
         engine.sync(model)
         torch.cuda.synchronize()
         done = time.perf_counter()
@@ -175,13 +189,15 @@ def run_engine(policy, engine_name: str, args) -> dict:
         flops = perf.train_flops_per_token(weights, layers, width, context)
         free, total = torch.cuda.mem_get_info()
         records.append({"rollout_s": rolled - started, "update_s": done - rolled, "completion": completion,
+                        "sync_s": done - synced,
                         "mfu": perf.mfu(flops, computed, done - rolled, peak) if peak else float("nan"),
                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "used_gib": (total - free) / 2**30,
                         "mismatch": (result.get("logp_mismatch_mean"), result.get("logp_mismatch_max"))})
         print(f"  {engine_name} step {step} ({'warm-up' if step == 0 else 'measured'}): rollout "
               f"{records[-1]['rollout_s']:.2f} s + update {records[-1]['update_s']:.2f} s", flush=True)
     measured = records[1:]
-    mean = {key: float(np.mean([r[key] for r in measured])) for key in ("rollout_s", "update_s", "completion", "mfu")}
+    mean = {key: float(np.mean([r[key] for r in measured]))
+            for key in ("rollout_s", "update_s", "completion", "mfu", "sync_s")}
     summary = {**mean, "tokens_per_s": mean["completion"] / mean["rollout_s"],
                "peak_gib": max(r["peak_gib"] for r in measured), "used_gib": max(r["used_gib"] for r in measured)}
     if engine.returns_logps:
@@ -199,6 +215,59 @@ def run_engine(policy, engine_name: str, args) -> dict:
     return summary
 
 
+def start_server(folder: Path, args) -> tuple[subprocess.Popen, dict]:
+    """A real `vllm serve` on the model folder (weights: the trainer's, from the first sync), and the engine's
+    rollout.vllm_server settings for it; waits for /health (one sentence and the log's tail if it never answers)."""
+    second_gpu = torch.cuda.device_count() > 1
+    backend = "nccl" if second_gpu else "disk"  # NCCL cannot join two processes on one GPU
+    transfer = Path(folder) / "transfer"
+    port = 8017
+    command = ["vllm", "serve", str(folder), "--port", str(port), "--load-format", "dummy", "--dtype", "bfloat16",
+               "--max-model-len", "4096", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+               "--limit-mm-per-prompt", '{"image": 2}', "--enforce-eager",
+               "--mm-processor-kwargs", '{"min_pixels": 3136, "max_pixels": 50176}', "--enable-scale-out",
+               "--weight-transfer-config", f'{{"backend": "{backend}"}}', "--logprobs-mode", "processed_logprobs"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1" if second_gpu else "0"}
+    log = open(Path(folder) / "vllm-serve.log", "w")  # noqa: SIM115 (open while the server runs)
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    print(f"  started: {' '.join(command)} (weight transfer {backend})", flush=True)
+    for _ in range(900):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):  # noqa: S310
+                break
+        except OSError:
+            if server.poll() is not None:
+                break
+            time.sleep(1)
+    else:
+        server.kill()
+    if server.poll() is not None:
+        tail = (Path(folder) / "vllm-serve.log").read_text()[-3000:]
+        raise SystemExit(f"error: vllm serve did not start (exit {server.returncode}); its log ends:\n{tail}")
+    settings = {"urls": f"http://127.0.0.1:{port}", "weight_transfer": backend, "timeout_s": 600,
+                "sync_timeout_s": 600, **({"transfer_dir": str(transfer)} if backend == "disk" else {})}
+    return server, settings
+
+
+def server_runs(policy, folder: Path, args) -> list[tuple[str, dict]]:
+    """The synchronous run through the server, then k = 1 where the trainer schedules it (else one line)."""
+    from gpg_vl.config.schema import TrainerSettings
+
+    server, args.server_settings = start_server(folder, args)
+    results = []
+    try:
+        for staleness in (0, 1):
+            if staleness and "max_staleness" not in TrainerSettings.__dataclass_fields__:
+                print("  k=1: this trainer has no asynchronous pipeline (trainer.max_staleness); skipped")
+                continue
+            args.staleness = staleness
+            results.append((f"vllm_server k={staleness}", run_engine(policy, "vllm_server", args)))
+    finally:
+        server.kill()
+        server.wait()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
@@ -208,13 +277,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="completion length (EOS ignored)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per engine (after one warm-up)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--server", action="store_true", help="also train through a real `vllm serve`")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: gpu_check.py needs a CUDA GPU and none is visible here; run it on a GPU machine "
               "(pip install -e \".[vllm]\").", file=sys.stderr)
         raise SystemExit(2)
     engines = args.engines.split(",")
-    if "vllm" in engines and importlib.util.find_spec("vllm") is None:
+    if ("vllm" in engines or args.server) and importlib.util.find_spec("vllm") is None:
         print("error: the vllm package is not installed; run pip install -e \".[vllm]\" or pass --engines hf.",
               file=sys.stderr)
         raise SystemExit(2)
@@ -232,17 +302,19 @@ def main() -> None:
             print(f"\n== {name}: {size:.2f}B parameters (random, bf16)")
             for engine in engines:
                 table.append((name, engine, run_engine(policy, engine, args)))
+            if args.server:
+                table += [(name, engine, result) for engine, result in server_runs(policy, Path(folder), args)]
             del policy
             torch.cuda.empty_cache()
-    print("\n| model | engine | s/step | rollout s | update s | completion tok/s | update MFU | peak GiB (torch) "
-          "| device used GiB | logp_mismatch mean / max | greedy vLLM = trainer |")
+    print("\n| model | engine | s/step | rollout s | update s (sync s) | completion tok/s | update MFU | peak GiB "
+          "(torch) | device used GiB | logp_mismatch mean / max | greedy vLLM = trainer |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, engine, s in table:
         mismatch = f"{s['mismatch_mean']:.4f} / {s['mismatch_max']:.3f}" if "mismatch_mean" in s else "-"
         greedy = f"{s['greedy_rows_equal']}/{s['greedy_rows']} rows" if "greedy_rows" in s else "-"
         print(f"| {name} | {engine} | {s['rollout_s'] + s['update_s']:.2f} | {s['rollout_s']:.2f} | "
-              f"{s['update_s']:.2f} | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | {s['peak_gib']:.1f} | "
-              f"{s['used_gib']:.1f} | {mismatch} | {greedy} |")
+              f"{s['update_s']:.2f} ({s['sync_s']:.2f}) | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | "
+              f"{s['peak_gib']:.1f} | {s['used_gib']:.1f} | {mismatch} | {greedy} |")
 
 
 if __name__ == "__main__":

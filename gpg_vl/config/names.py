@@ -27,12 +27,14 @@ TRACKERS = ("all", "aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow
 ENGINE_BUILTINS = {
     "hf": "gpg_vl.rollout.hf:HFEngine",
     "vllm": "gpg_vl.rollout.vllm:VLLMEngine",
+    "vllm_server": "gpg_vl.rollout.vllm_server:VLLMServerEngine",
 }
 # Where each built-in engine's and tool's settings are declared (the engine's `settings`, the tool's): light
 # modules, so the config types and checks rollout.<engine>.* and rollout.tools.<tool>.* before torch loads.
 ENGINE_SETTINGS = {
     "hf": "gpg_vl.rollout.settings:HFEngineSettings",
     "vllm": "gpg_vl.rollout.settings:VLLMEngineSettings",
+    "vllm_server": "gpg_vl.rollout.settings:VLLMServerSettings",
 }
 # The built-in tools a task may offer (gpg_vl/rollout/tools.py's TOOLS), and their settings.
 TOOL_BUILTINS = {"zoom_in": "gpg_vl.rollout.tools:zoom_in"}

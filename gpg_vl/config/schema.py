@@ -233,7 +233,8 @@ class RolloutSettings:
     the tool: gpg_vl/rollout/settings.py for the built-ins)."""
 
     engine: str = field(default="hf", metadata=meta(
-        "hf (transformers, any device) or vllm (CUDA; pip install -e \".[vllm]\")", choices="engines",
+        "hf (transformers, any device), vllm (colocated, CUDA; pip install -e \".[vllm]\") or vllm_server "
+        "(stock `vllm serve` endpoints: rollout.vllm_server.*)", choices="engines",
         references=True))
     max_new_tokens: int = field(default=256, metadata=meta("completion length limit", low=1))
     temperature: float = field(default=1.0, metadata=meta(

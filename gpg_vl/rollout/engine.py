@@ -35,6 +35,11 @@ from gpg_vl.rollout.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout
 
 
+class EngineUnreachable(UserError):
+    """An engine that samples elsewhere (a vLLM server) could not be reached within its time limit: the run writes a
+    checkpoint and stops with this sentence (gpg_vl/train/loop.py)."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How an engine samples: the same fields for every engine."""

@@ -1,5 +1,6 @@
 """The settings of the built-in rollout engines and tools, each declared once: `rollout.hf.*` (the HF engine,
-rollout/hf.py), `rollout.vllm.*` (the vLLM engine, rollout/vllm.py) and `rollout.tools.zoom_in.*` (the zoom_in
+rollout/hf.py), `rollout.vllm.*` (the vLLM engine, rollout/vllm.py), `rollout.vllm_server.*` (the vLLM server
+engine, rollout/vllm_server.py) and `rollout.tools.zoom_in.*` (the zoom_in
 tool, rollout/tools.py).
 
 An engine or a tool owns its settings: it names its dataclass (`Engine.settings`, `register_tool(...,
@@ -63,6 +64,40 @@ class VLLMEngineSettings:
         "> 0: token-level truncated importance weight min(p_trainer / p_vllm, cap) multiplies the loss (0 = off)",
         low=0, note="0 = off"))
     seed: int = field(default=0, metadata=meta("vLLM's sampling seed (each process adds its rank)", low=0))
+
+
+@dataclass
+class VLLMServerSettings:
+    """`rollout.vllm_server.*`: the vLLM server engine (gpg_vl/rollout/vllm_server.py): stock `vllm serve` endpoints
+    on other GPUs or nodes, weights pushed through vLLM's weight-transfer API (docs/many-nodes.md)."""
+
+    urls: str = field(default="http://localhost:8000", metadata=meta(
+        "the `vllm serve` endpoints, comma-separated (http://host:port,...); prompts are spread across them",
+        nonempty=True))
+    timeout_s: float = field(default=300.0, metadata=meta(
+        "how long a request (and its retries, while a server is unreachable) may take before the run checkpoints "
+        "and stops", above=0))
+    sync_timeout_s: float = field(default=600.0, metadata=meta(
+        "how long one weight sync may take on every rank before every rank exits", above=0))
+    max_concurrency: int = field(default=64, metadata=meta(
+        "requests in flight at once, over all servers", low=1))
+    weight_transfer: str = field(default="nccl", metadata=meta(
+        "vLLM's weight-transfer backend the servers were started with: nccl (separate GPUs) or disk (safetensors "
+        "on a folder every server reads)", choices=("nccl", "disk")))
+    transfer_dir: str | None = field(default=None, metadata=meta(
+        "weight_transfer=disk: the shared folder the weights are written to (the servers read the same path)"))
+    master_address: str | None = field(default=None, metadata=meta(
+        "weight_transfer=nccl: the trainer's address the servers connect to (null: this host's address)"))
+    master_port: int = field(default=29551, metadata=meta(
+        "weight_transfer=nccl: the port of that rendezvous", low=1, high=65535))
+    max_logp_mismatch: float = field(default=0.05, metadata=meta(
+        "warn once when a step's mean |server log-prob - trainer log-prob| is above this", low=0))
+    tis_cap: float = field(default=0.0, metadata=meta(
+        "> 0: token-level truncated importance weight min(p_trainer / p_server, cap) multiplies the loss (0 = off)",
+        low=0, note="0 = off"))
+    seed: int = field(default=0, metadata=meta(
+        "the servers' sampling seed, varied per request and sync (0 = unseeded: the servers' own randomness)", low=0))
+
 
 
 @dataclass

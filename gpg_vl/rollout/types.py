@@ -5,7 +5,7 @@ A completion's mask covers its tokens up to and including the first end-of-seque
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -27,6 +27,24 @@ class Rollout:
     # whole trajectory 0 when a limit cut it under on_limit=mask); None: completion_mask is the loss mask
     loss_mask: Tensor | None = None
     trajectories: list | None = None  # B * G Trajectory (rollout/trajectory.py), or None for single turns
+    # an engine with its own weights (vLLM server): per row, the oldest weight version (sync number) that sampled
+    # any of its tokens; None: the trained model's own weights
+    weight_versions: list[int] | None = None
+    rejected: list[int] = field(default_factory=list)  # prompts the engine refused (too long for it): skip them
+    rejected_reasons: dict[int, str] = field(default_factory=dict)  # prompt -> the engine's own message
+
+    def keep_prompts(self, prompts: list[int]) -> Rollout:
+        """The rows of the prompts at `prompts` (b * G + g for each), in that order; nothing rejected left."""
+        index = [b * self.group_size + g for b in prompts for g in range(self.group_size)]
+        rows = torch.tensor(index, dtype=torch.long, device=self.completion_ids.device)
+
+        def take(tensor):
+            return tensor.index_select(0, rows) if tensor is not None else None
+
+        return Rollout(take(self.completion_ids), take(self.completion_mask), [self.texts[i] for i in index],
+                       self.group_size, take(self.sampler_logps), take(self.loss_mask),
+                       [self.trajectories[i] for i in index] if self.trajectories is not None else None,
+                       [self.weight_versions[i] for i in index] if self.weight_versions is not None else None)
 
     def sampled_tokens(self) -> int:
         """The tokens the policy sampled for these B * G completions (trainer.max_sampled_tokens counts them):

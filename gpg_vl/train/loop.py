@@ -41,7 +41,7 @@ from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
 from gpg_vl.observe.rollout_log import log_rollouts
-from gpg_vl.rollout.engine import build_engine
+from gpg_vl.rollout.engine import EngineUnreachable, build_engine
 from gpg_vl.rollout.trajectory import trajectory_metrics
 from gpg_vl.train import build
 from gpg_vl.train.checkpoint import (
@@ -120,6 +120,7 @@ class RunState:
     step: int = 0
     history: list[dict] = field(default_factory=list)
     attempts: list = field(default_factory=list)  # the last step's attempts (its rollouts, for the rollout log)
+    updated: bool = False  # whether the current step's update has changed the weights
 
 
 @dataclass
@@ -188,7 +189,11 @@ def train(run: Run) -> dict:
             for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
                 if budget_spent(run.trainer, run.state.counters):  # checked first: a resume past the budget stops
                     break  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
-                metrics = step(run)
+                before = run.data.stream.state_dict()  # a step the engine fails in draws its prompts again
+                try:
+                    metrics = step(run)
+                except EngineUnreachable as error:
+                    stop_on_lost_engine(run, error, before)
                 log_step(run, metrics, run.state.attempts)
                 stop_on_bad_steps(run)
                 save_step(run)
@@ -486,6 +491,7 @@ def step(run: Run) -> dict:
     valid groups; returns the step's metrics."""
     trainer, accelerator, state = run.trainer, run.accelerator, run.state
     state.step += 1
+    state.updated = False
     started = time.perf_counter()
     sampled = (run.pipeline or SyncPipeline(run)).take(state.step)
     collected = sampled.collected
@@ -495,6 +501,7 @@ def step(run: Run) -> dict:
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
     if collected.groups_valid > 0 or kl_on_every_group(trainer):
         result = update(run.learner, collected.attempts)
+        state.updated = not result.get("skipped")
         aside = trainer.max_staleness > 0  # the sampler syncs an engine with its own weights by the schedule
         if not result.get("skipped") and not aside:
             run.engine.sync(run.learner.model)  # an engine with its own weights takes the stepped ones (HF: none)
@@ -511,8 +518,9 @@ def step(run: Run) -> dict:
     _count_bad_step(run, result)
     turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
     valid = collected.groups_valid - int(result.get("groups_rejected", 0))  # all-rejected groups count in M
+    versions = [v for a in collected.attempts if a.rollout is not None for v in a.rollout.weight_versions or []]
     return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names),
-            **turns,
+            **turns, **({"rollout_weight_version": min(versions)} if versions else {}),
             "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
             "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
             "groups_used": collected.groups_valid,
@@ -647,6 +655,28 @@ def stop_on_bad_steps(run: Run) -> None:
                  f"or gradient (trainer.max_bad_steps={trainer.max_bad_steps}) and changed no weight; the last good "
                  f"checkpoint, {last or 'none (none was written)'}, is intact: lower trainer.lr, check the task's "
                  "rewards and data, then continue with resume=auto.")
+
+
+def stop_on_lost_engine(run: Run, error: EngineUnreachable, stream_state: dict) -> None:
+    """The rollout engine was lost mid-step (a vLLM server unreachable for rollout.vllm_server.timeout_s): on every
+    process, checkpoint what is done (this step's update if it ran, else the step before, its prompts to be drawn
+    again) and stop in one sentence. With trainer.max_staleness >= 1 the sampler's steps in flight cannot be
+    written: the last checkpoint of trainer.save_every is the one to continue from."""
+    state = run.state
+    if run.trainer.max_staleness:
+        last = latest_checkpoint(run.output_dir) if run.main else None
+        run.stop(f"{str(error).rstrip('.')}; the run stopped at step {state.step}: continue from its last "
+                 f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once the rollout engine "
+                 "is back.")
+    done = state.step if state.updated else state.step - 1
+    if not state.updated:
+        run.data.stream.load_state_dict(stream_state)
+    state.step = done
+    path = run.output_dir / f"checkpoint-{done}"
+    save_checkpoint(path, run.learner, run.data.stream, done, keep=run.trainer.keep_checkpoints,
+                    counters=state.counters, config=run.settings.config, record=state.record)
+    run.stop(f"{str(error).rstrip('.')}; the run stopped after step {done} and wrote {path.name}: continue with "
+             "resume=auto once the rollout engine is back.")
 
 
 def save_step(run: Run) -> None:

@@ -34,7 +34,7 @@ from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
 from gpg_vl.objective import get_advantage, overlong_penalty
 from gpg_vl.reward.pool import RewardBudget, score_completions
-from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts, sampling_generator
+from gpg_vl.rollout.engine import EnginePrompts, EngineUnreachable, Sampling, encode_prompts, sampling_generator
 from gpg_vl.rollout.types import Rollout, in_task_frame
 from gpg_vl.train.placeholder import placeholder_prompts
 
@@ -101,6 +101,14 @@ class Attempt:
     reward_timeouts: int = 0  # completions not scored within the step's reward budget (scored 0)
     tokens_sampled: int = 0  # this process's sampled tokens: its rollout's and T-GRPO's shuffled rollouts'
     reward_errors: int = 0  # reward function calls that raised on its completions (T-GRPO's shuffled ones too)
+    lost: str | None = None  # the engine could not be reached (its sentence): every process stops at the count
+
+
+def empty_attempt(names: list[str], group_size: int, lost: str | None = None) -> Attempt:
+    """An attempt without prompts (all skipped here, or the engine lost: `lost`)."""
+    empty = torch.zeros(0, group_size)
+    return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool),
+                   lost=lost)
 
 
 def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, trainer: TrainerSettings,
@@ -131,11 +139,17 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
         # completions it drops (the same call evaluation makes for a process out of rows, which is tested).
         if forward_is_collective(policy.model):
             engine.generate(EnginePrompts(placeholder_prompts(policy)), group_size, Sampling.from_settings(rollout))
-        empty = torch.zeros(0, group_size)
-        return Attempt([], None, None, empty, {n: empty for n in names}, empty, torch.zeros(0, dtype=torch.bool))
+        return empty_attempt(names, group_size)
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
     require_images(prompts.batch.has_images, stream.world_size, "a batch of training prompts")
-    result = engine.generate(prompts, group_size, Sampling.from_settings(rollout))
+    try:
+        result = engine.generate(prompts, group_size, Sampling.from_settings(rollout))
+    except EngineUnreachable as error:  # every process learns it at this attempt's count (global_counts)
+        return empty_attempt(names, group_size, lost=str(error))
+    if result.rejected:  # prompts the engine refused as too long for it: skipped, as over-long prompts are
+        rows, prompts, keep, result = skip_rejected(result, rows, prompts, keep, warn)
+        if not rows:
+            return empty_attempt(names, group_size)
     prompts = prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores, timeouts, errors = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
@@ -160,6 +174,19 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, reward_timeouts=timeouts,
                    tokens_sampled=tokens, reward_errors=errors)
+
+
+def skip_rejected(result: Rollout, rows: list[dict], prompts: EnginePrompts, keep: list[int], warn):
+    """Drop the prompts an engine refused (`Rollout.rejected`: too long for a vLLM server), each with a warning
+    naming it, as an over-long prompt is skipped; returns (rows, prompts, keep, rollout) of the others."""
+    for b in result.rejected:
+        warn(f"skipped prompt {prompts.batch.ids[b] if prompts.batch.ids else b!r}: the rollout engine refused it "
+             f"({result.rejected_reasons.get(b, 'too long')}); lower rollout.max_prompt_tokens to the server's "
+             "--max-model-len minus rollout.max_new_tokens, or start the server with a longer one.")
+    kept = [b for b in range(len(rows)) if b not in set(result.rejected)]
+    if not kept:
+        return [], None, [], None
+    return [rows[b] for b in kept], prompts.select(kept), [keep[b] for b in kept], result.keep_prompts(kept)
 
 
 def temporal_component(policy: Policy, task, engine, messages: list[list[dict]], rows: list[dict],
@@ -258,13 +285,20 @@ def attempts_allowed(trainer: TrainerSettings, completions_sampled: int) -> int:
 
 def local_counts(attempt: Attempt) -> tuple[int, int, int]:
     """(groups, valid groups, sampled tokens) of an attempt in this process: collect_valid_groups' `count_valid`
-    for one process (scripts/bench.py, scripts/gpu_check.py)."""
+    for one process (scripts/bench.py, scripts/gpu_check.py); raises the engine's sentence when it was lost."""
+    if attempt.lost is not None:
+        raise EngineUnreachable(attempt.lost)
     return attempt.valid.numel(), int(attempt.valid.sum()), attempt.tokens_sampled
 
 
 def global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int, int]:
     """local_counts summed over all processes. Collective: collect_valid_groups calls it once per attempt on every
-    process, and stops on its result, the same everywhere."""
-    counts = accelerator.reduce(torch.tensor(local_counts(attempt), device=accelerator.device), "sum")
+    process, and stops on its result, the same everywhere: an engine lost on any process stops every one."""
+    lost = attempt.lost is not None
+    local = (0, 0, 0) if lost else local_counts(attempt)
+    counts = accelerator.reduce(torch.tensor([*local, int(lost)], device=accelerator.device), "sum")
+    if int(counts[3]):
+        raise EngineUnreachable(attempt.lost or "another training process could not reach its rollout engine (its "
+                                "log names the server); check the servers, then continue with resume=auto.")
     return int(counts[0]), int(counts[1]), int(counts[2])
 

@@ -37,8 +37,9 @@ needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.
 # settings, registry, errors
 # ---------------------------------------------------------------------------------------------
 def test_engines_are_registered_by_name_and_unknown_ones_fail_in_one_sentence():
-    assert {"hf", "vllm"} <= set(ENGINES)
-    with pytest.raises(UserError, match=r"unknown rollout.engine 'sglang'; valid options: hf, vllm \(or load"):
+    assert {"hf", "vllm", "vllm_server"} <= set(ENGINES)
+    with pytest.raises(UserError,
+                       match=r"unknown rollout.engine 'sglang'; valid options: hf, vllm, vllm_server \(or load"):
         require_engine(RolloutSettings(engine="sglang"))
     with pytest.raises(UserError, match="rollout.hf.decode"):
         require_engine(RolloutSettings(hf={"decode": "fast"}))

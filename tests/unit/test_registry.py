@@ -101,7 +101,7 @@ def test_every_kind_refuses_a_duplicate(duplicate, kind):
     (get_advantage, "trainer.advantage", "group_mean, none, std_normalized"),
     (get_task, "task.name", "classification, .*shapes.*"),  # other tests may have registered more after shapes
     (get_family, "model.family", "generic, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl"),
-    (ENGINES.get, "rollout.engine", "hf, vllm"),
+    (ENGINES.get, "rollout.engine", "hf, vllm, vllm_server"),
 ])
 def test_every_kind_lists_its_valid_names_for_an_unknown_one(lookup, key, names):
     pattern = f"unknown {key} 'nope'; valid options: {names} \\(or load .* {key}=path.py:name"
@@ -204,7 +204,7 @@ def test_builtins_are_imported_on_first_use_only():
         import gpg_vl.models.family as family
         assert "gpg_vl.rollout.vllm" not in sys.modules and "gpg_vl.rollout.hf" not in sys.modules
         assert "gpg_vl.models.qwen" not in sys.modules and "gpg_vl.models.generic" not in sys.modules
-        assert engine.ENGINES.names() == ["hf", "vllm"] and "vllm" in engine.ENGINES
+        assert engine.ENGINES.names() == ["hf", "vllm", "vllm_server"] and "vllm" in engine.ENGINES
         assert "gpg_vl.rollout.vllm" not in sys.modules and "gpg_vl.models.qwen" not in sys.modules
         assert engine.ENGINES.get("hf").__name__ == "HFEngine" and "gpg_vl.rollout.vllm" not in sys.modules
         assert family.FAMILIES.get("generic").__name__ == "GenericFamily" and "gpg_vl.models.qwen" not in sys.modules

@@ -1,0 +1,129 @@
+"""Talking to stock `vllm serve` endpoints over HTTP (the standard library's urllib: no new dependency).
+
+The routes and JSON fields are vLLM's own (read from its source; the loopback test server in
+tests/vllm_loopback.py speaks the same):
+
+- `GET /health`, `GET /v1/models` (`data[0].id`, `root`, `max_model_len`), `GET /server_info?config_format=json`
+  (`vllm_config`: `model_config`, `weight_transfer_config`, ...; with `VLLM_SERVER_DEV_MODE=1`);
+- `POST /v1/chat/completions/render`: messages -> a `GenerateRequest` whose `features` (`MultiModalFeatures`:
+  `mm_hashes`, `mm_placeholders`, `kwargs_data`) hold the processed images (`--enable-scale-out`);
+- `POST /inference/v1/generate`: `token_ids` (+ `features`) and `sampling_params` -> `choices` with `token_ids`,
+  `logprobs.content[*].logprob`, `finish_reason` and, where the server has them, `weight_versions`;
+- `POST /pause?mode=...`, `POST /resume`, `POST /init_weight_transfer_engine` (`init_info`),
+  `/start_weight_update`, `/update_weights` (`update_info`), `/finish_weight_update` (`weight_version`),
+  `GET /get_world_size` (with `VLLM_SERVER_DEV_MODE=1`).
+
+Every request has a deadline. A server that cannot be reached (refused connection, reset, 502/503/504, a socket
+timeout) is retried until the deadline, then `ServerGone` says so in one sentence; a request the server refuses
+(4xx) raises `Rejected` with the server's own message, which the engine decides about (a prompt too long for the
+server is a bad row).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from gpg_vl.errors import UserError
+from gpg_vl.rollout.engine import EngineUnreachable
+
+RETRY_STATUSES = (502, 503, 504)  # a proxy in front of a server that is restarting, or an overloaded server
+BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits between retries (the last repeats)
+
+
+class ServerError(UserError):
+    """A server answered in a way the run cannot go on from (one sentence)."""
+
+
+class ServerGone(ServerError, EngineUnreachable):
+    """A server could not be reached within its deadline: the run checkpoints and stops (gpg_vl/train/loop.py)."""
+
+
+class Rejected(Exception):
+    """The server refused the request (HTTP 4xx); `detail` is its own message."""
+
+    def __init__(self, url: str, status: int, detail: str) -> None:
+        super().__init__(f"{url} refused the request (HTTP {status}): {detail}")
+        self.status, self.detail = status, detail
+
+
+def split_urls(urls: str) -> list[str]:
+    """`rollout.vllm_server.urls` -> base URLs without a trailing slash; one sentence for a malformed one."""
+    found = [url.strip().rstrip("/") for url in str(urls).split(",") if url.strip()]
+    for url in found:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UserError(f"rollout.vllm_server.urls holds {url!r}, which is not an http(s)://host:port address; "
+                            "write each `vllm serve` endpoint as http://host:port, separated by commas.")
+    if not found:
+        raise UserError("rollout.vllm_server.urls is empty; give the `vllm serve` endpoints as http://host:port,...")
+    return found
+
+
+class Server:
+    """One `vllm serve` endpoint."""
+
+    def __init__(self, url: str, *, timeout_s: float) -> None:
+        self.url, self.timeout_s = url, timeout_s
+
+    def get(self, route: str, *, timeout_s: float | None = None, retry: bool = True) -> dict:
+        return self.request("GET", route, None, timeout_s=timeout_s, retry=retry)
+
+    def post(self, route: str, body: dict | None = None, *, timeout_s: float | None = None,
+             retry: bool = True) -> dict:
+        return self.request("POST", route, {} if body is None else body, timeout_s=timeout_s, retry=retry)
+
+    def request(self, method: str, route: str, body: dict | None, *, timeout_s: float | None = None,
+                retry: bool = True) -> dict:
+        """The JSON answer of `method route` (body as JSON); retried while the server is unreachable, until
+        `timeout_s` (default: the server's) has passed. Raises ServerGone past it, Rejected on a 4xx."""
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        data = None if body is None else json.dumps(body).encode()
+        attempt, last = 0, ""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            request = urllib.request.Request(self.url + route, data=data, method=method,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=left) as response:  # noqa: S310 (http(s) only)
+                    text = response.read().decode() or "{}"
+                    return json.loads(text)
+            except urllib.error.HTTPError as error:
+                detail = _detail(error)
+                if error.code not in RETRY_STATUSES:
+                    raise Rejected(self.url + route, error.code, detail) from None
+                last = f"HTTP {error.code}: {detail}"
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError) as error:
+                last = str(getattr(error, "reason", error)) or type(error).__name__
+            if not retry:
+                break
+            time.sleep(min(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], max(0.0, deadline - time.monotonic())))
+            attempt += 1
+        raise ServerGone(f"the vLLM server at {self.url} did not answer {method} {route} within {budget:g} s "
+                         f"({attempt + 1} tries; last: {last or 'no answer'}); check that `vllm serve` is running "
+                         "there and reachable, or raise rollout.vllm_server.timeout_s.")
+
+
+def _detail(error: urllib.error.HTTPError) -> str:
+    """The message of an HTTP error answer: FastAPI's `detail`, vLLM's `error.message` / `message`, or the text."""
+    try:
+        text = error.read().decode()
+    except Exception:  # noqa: BLE001 (a broken body still gets its status reported)
+        return error.reason or ""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return text.strip()[:500]
+    if isinstance(answer, dict):
+        inner = answer.get("error")
+        if isinstance(inner, dict):
+            return str(inner.get("message", inner))
+        return str(answer.get("detail") or answer.get("message") or inner or answer)
+    return str(answer)

@@ -1,0 +1,426 @@
+"""The vLLM server engine: rollouts on stock `vllm serve` endpoints (other GPUs, other nodes), the trainer's
+weights pushed to them through vLLM's weight-transfer API after each optimizer step (docs/many-nodes.md).
+
+- Prompts: the token ids the trainer scores (the family's processor-expanded ids: one run of image tokens per
+  image), never text re-tokenised by the server, go to `POST /inference/v1/generate`. A prompt with images gets
+  `features`: each image, as the family's processor receives it (PNG, lossless), is processed by the server once
+  (`POST /v1/chat/completions/render`) and its features are pointed at that image's run of tokens in the prompt.
+  The server's own count of tokens for an image must equal the trainer's (the same min/max pixels on both sides:
+  `--mm-processor-kwargs`), else one sentence says so before anything is sampled.
+- Sampling: `n = G` per prompt, temperature, top_p, max tokens, ignore-EOS, the family's banned ids as a logit
+  bias, `logprobs=0`: each sampled token's log-prob comes back (`logprobs.content[*].logprob`; vLLM's
+  `--logprobs-mode processed_logprobs` makes it the distribution it drew from) for the sampler check and the
+  correction (rollout.vllm_server.tis_cap).
+- Weight versions: every sync labels the servers' weights with the sync's number (`/finish_weight_update`), and
+  each rollout row records the oldest label that sampled any of its tokens (`Rollout.weight_versions`, from the
+  choice's `weight_versions` where the server reports them, else the label in force: generation is paused around
+  each update).
+- Multi-turn (rollout.max_turns > 1): each later turn sends everything so far (the prompt's ids and the
+  trajectory's, observations processor-expanded as the trainer scores them) with the features of every image;
+  the tool calls are run by the HF engine's own code (rollout/multiturn.py).
+- Spread: each trainer process sends its own prompts, request i to server (rank + i) mod n, at most
+  rollout.vllm_server.max_concurrency at once.
+
+Faults, each in one sentence: no server at a URL when the settings are built (before the model loads); a server
+whose model differs from the trainer's (architecture and sizes from `/server_info`, name from `/v1/models`); a
+server unreachable for timeout_s mid-run (`ServerGone`: the run checkpoints and stops, gpg_vl/train/loop.py); a
+sync past sync_timeout_s (every rank exits: rollout/weight_transfer.py); a prompt the server refuses as too long
+(`Rollout.rejected`: the prompt is skipped, as an over-long prompt is).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from gpg_vl.errors import UserError
+from gpg_vl.rollout.engine import Correction, Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.server_client import Rejected, Server, ServerError, ServerGone, split_urls
+from gpg_vl.rollout.settings import VLLMServerSettings
+from gpg_vl.rollout.trajectory import Trajectory
+from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
+from gpg_vl.rollout.vllm import BANNED_BIAS
+
+FINAL_ONLY = 2  # vLLM's RequestOutputKind.FINAL_ONLY: every one of the n sequences in one answer
+TOO_LONG = re.compile(r"maximum (context|model) length|too long|max_model_len|exceeds", re.IGNORECASE)
+CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+# ---------------------------------------------------------------------------------------------
+# pure parts: payloads and answers
+# ---------------------------------------------------------------------------------------------
+def sampling_params(family, sampling: Sampling, n: int, *, seed: int | None = None, stops: bool = False,
+                    max_tokens: int | None = None) -> dict:
+    """`sampling_params` of a /inference/v1/generate request (vLLM's SamplingParams fields), sampled as the HF
+    engine samples; `stops`: a multi-turn segment also stops at the family's tool-call stop strings."""
+    banned = list(family.suppressed_ids) + (list(family.eos_ids) if sampling.ignore_eos else [])
+    params = {
+        "n": n, "max_tokens": max_tokens or sampling.max_new_tokens, "logprobs": 0,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_p": 1.0 if sampling.greedy else sampling.top_p, "top_k": 1 if sampling.greedy else -1,
+        "ignore_eos": sampling.ignore_eos, "stop_token_ids": [] if sampling.ignore_eos else list(family.eos_ids),
+        "skip_special_tokens": not stops, "detokenize": stops, "output_kind": FINAL_ONLY,
+    }
+    if stops:
+        params.update(stop=list(family.tool_stop_strings), include_stop_str_in_output=True)
+    if banned:
+        params["logit_bias"] = {str(token): BANNED_BIAS for token in sorted(set(banned))}
+    if seed is not None:
+        params["seed"] = seed
+    return params
+
+
+def image_runs(token_ids: list[int], image_token: int) -> list[dict]:
+    """The runs of the image token in a prompt, one per image: [{"offset", "length"}] (vLLM's PlaceholderRange)."""
+    runs, k = [], 0
+    while k < len(token_ids):
+        if token_ids[k] != image_token:
+            k += 1
+            continue
+        start = k
+        while k < len(token_ids) and token_ids[k] == image_token:
+            k += 1
+        runs.append({"offset": start, "length": k - start})
+    return runs
+
+
+def place_features(features: list[dict], token_ids: list[int], image_token: int, url: str) -> dict | None:
+    """One request's `features`: the rendered features of its images (in order) merged, each pointed at its run of
+    image tokens in `token_ids`; one sentence when the server counts an image's tokens differently."""
+    if not features:
+        return None
+    runs = image_runs(token_ids, image_token)
+    if len(runs) != len(features):
+        raise UserError(f"a prompt holds {len(runs)} runs of image tokens for {len(features)} images; the family's "
+                        "prompt does not mark each image once.")
+    merged = {"mm_hashes": {"image": []}, "mm_placeholders": {"image": []}, "kwargs_data": {"image": []}}
+    for k, (feature, run) in enumerate(zip(features, runs, strict=True)):
+        (server_run,) = feature["mm_placeholders"]["image"]
+        if int(server_run["length"]) != run["length"]:
+            raise UserError(f"the vLLM server at {url} makes {server_run['length']} tokens of image {k} where the "
+                            f"trainer's processor makes {run['length']}; start `vllm serve` with the trainer's "
+                            "min/max pixels (--mm-processor-kwargs, docs/many-nodes.md).")
+        merged["mm_hashes"]["image"] += feature["mm_hashes"]["image"]
+        merged["mm_placeholders"]["image"].append(run)
+        merged["kwargs_data"]["image"] += (feature.get("kwargs_data") or {}).get("image") or [None]
+    return merged
+
+
+def choice_logps(choice: dict) -> list[float]:
+    """The sampler's log-prob of each token of one choice (0 where the server gave none)."""
+    entries = ((choice.get("logprobs") or {}).get("content")) or []
+    tokens = choice.get("token_ids") or []
+    return [float(entries[t]["logprob"]) if t < len(entries) and entries[t].get("logprob") is not None else 0.0
+            for t in range(len(tokens))]
+
+
+def oldest_version(choice: dict, current: int) -> int:
+    """The oldest weight version that sampled any token of a choice (the spans' labels: our sync numbers), or
+    `current` where the server reports none."""
+    labels = [span.get("version") for span in choice.get("weight_versions") or []]
+    numbers = [int(label) for label in labels if str(label).isdigit()]
+    return min(numbers) if numbers else current
+
+
+def png_data_url(image) -> str:
+    """An image as a lossless data URL (the server decodes exactly the pixels the trainer's processor got)."""
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def rejected_for_length(error: Rejected) -> bool:
+    return error.status == 400 and bool(TOO_LONG.search(error.detail))
+
+
+def compare_model(url: str, models: dict, info: dict | None, config, needed_len: int) -> str | None:
+    """One sentence when the server's model is not the trainer's: its architecture or sizes differ (from
+    /server_info, where the server exposes it), or its context is too short for a prompt and its completion."""
+    served = (models.get("data") or [{}])[0]
+    name = served.get("root") or served.get("id")
+    model_config = ((info or {}).get("model_config")) or {}
+    hf_config = model_config.get("hf_config") or {}
+    text = hf_config.get("text_config") or hf_config
+    ours = getattr(config, "text_config", config)
+    theirs = hf_config.get("architectures") or model_config.get("architectures")
+    if theirs and list(theirs) != list(getattr(config, "architectures", None) or theirs):
+        return (f"the vLLM server at {url} serves {name} ({', '.join(theirs)}), not the trainer's "
+                f"{', '.join(config.architectures)}; start `vllm serve` with the trainer's model.")
+    for key in CONFIG_KEYS:
+        if key in text and getattr(ours, key, text[key]) != text[key]:
+            return (f"the vLLM server at {url} serves {name}, whose {key} is {text[key]} where the trainer's model "
+                    f"has {getattr(ours, key)}; start `vllm serve` with the trainer's model.")
+    length = served.get("max_model_len") or model_config.get("max_model_len")
+    if length and int(length) < needed_len:
+        return (f"the vLLM server at {url} takes {length} tokens per sequence, fewer than rollout.max_prompt_tokens "
+                f"+ the completion ({needed_len}); start it with --max-model-len {needed_len}.")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Row:
+    """One trajectory rolled out through the servers (multi-turn)."""
+
+    prompt: int
+    trajectory: Trajectory
+    context: object
+    segment: list[int] = field(default_factory=list)
+    ended_by: str = ""
+    version: int = 0
+
+
+@register_engine
+class VLLMServerEngine(Engine):
+    """Rollouts on `vllm serve` endpoints; the trainer's weights pushed to them after every optimizer step."""
+
+    name = "vllm_server"
+    returns_logps = True
+    multi_turn = True
+    settings_class = VLLMServerSettings
+    own_weights = True  # under trainer.max_staleness >= 1 the sampler's `sync` pushes the version it samples with
+
+    @classmethod
+    def unavailable(cls, rollout) -> str | None:
+        if rollout.engine != cls.name:
+            return None
+        settings = cls.settings_in(rollout)
+        from gpg_vl.rollout.weight_transfer import require_transport
+
+        reason = require_transport(settings)  # nccl without CUDA or vllm, disk without a folder
+        if reason is not None:
+            return reason
+        for url in split_urls(settings.urls):  # refused before any model loads: a server that is not there
+            try:
+                Server(url, timeout_s=settings.timeout_s).get("/health")
+            except ServerGone:
+                return (f"no vLLM server answers at {url} (GET /health, for rollout.vllm_server.timeout_s="
+                        f"{settings.timeout_s:g} s); start `vllm serve` there (docs/many-nodes.md) or fix "
+                        "rollout.vllm_server.urls.")
+            except Rejected as error:
+                return f"the server at {url} is not a vLLM server ({error}); fix rollout.vllm_server.urls."
+        return None
+
+    def __init__(self, policy, rollout, *, accelerator=None) -> None:
+        from gpg_vl.rollout.weight_transfer import TRANSPORTS
+
+        self.policy, self.family, self.settings = policy, policy.family, self.settings_in(rollout)
+        self.rank = accelerator.process_index if accelerator is not None else 0
+        self.servers = [Server(url, timeout_s=self.settings.timeout_s) for url in split_urls(self.settings.urls)]
+        self.model_name = self._check_models(rollout)
+        self.transport = TRANSPORTS[self.settings.weight_transfer](self.settings, rank=self.rank)
+        self.version = -1
+        self.image_token = self._image_token()
+        self.requests = 0  # requests sent by this process (spread across the servers)
+        self.transport.init(self.servers)
+        self.sync(policy.model)  # version 0: the servers hold the trainer's weights, whatever they loaded
+
+    def _check_models(self, rollout) -> str:
+        """The served model's name, after checking each server serves the trainer's model (one sentence if not)."""
+        needed = rollout.max_prompt_tokens + max(rollout.max_new_tokens,
+                                                 rollout.max_total_tokens if rollout.max_turns > 1 else 0)
+        name = None
+        for server in self.servers:
+            models = server.get("/v1/models")
+            try:
+                info = server.get("/server_info?config_format=json", retry=False).get("vllm_config")
+            except Rejected:
+                raise UserError(f"the vLLM server at {server.url} does not expose its development routes, which the "
+                                "weight sync uses; restart it with VLLM_SERVER_DEV_MODE=1 (docs/many-nodes.md).") \
+                    from None
+            reason = compare_model(server.url, models, info, self.policy.model.config, needed)
+            if reason is not None:
+                raise UserError(reason)
+            name = name or (models.get("data") or [{}])[0].get("id")
+        return name
+
+    def _image_token(self) -> int | None:
+        token = getattr(self.family.processor, "image_token_id", None)
+        if token is None:
+            token = self.family.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        return token
+
+    # ---- the on-policy check ----------------------------------------------------------------------
+    @property
+    def correction(self) -> Correction:
+        return Correction(sampler_check=True, tis_cap=self.settings.tis_cap)
+
+    def mismatch_warning(self, metrics: dict) -> str | None:
+        limit = self.settings.max_logp_mismatch
+        if metrics.get("logp_mismatch_mean", 0.0) > limit:
+            return (f"the servers' log-probs differ from the trainer's by {metrics['logp_mismatch_mean']:.4f} per "
+                    f"token on average, over rollout.vllm_server.max_logp_mismatch={limit}: the rollout is "
+                    "off-policy; check the weight sync, the dtype and --logprobs-mode processed_logprobs, or set "
+                    "rollout.vllm_server.tis_cap=2.")
+        return None
+
+    def take_tools(self, settings, tools) -> None:
+        reason = self.family.multi_turn_unsupported() if settings.multi_turn else None
+        if reason is not None:
+            raise UserError(f"rollout.max_turns={settings.max_turns} cannot run on this model: {reason}; set "
+                            "rollout.max_turns=1.")
+        super().take_tools(settings, tools)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def _features(self, server: Server, images: list, cache: dict) -> list[dict]:
+        """Each image rendered once per rollout (`cache`: id(image) -> its features, which hold the processed
+        pixels themselves: any server takes them)."""
+        out = []
+        for image in images:
+            if id(image) not in cache:
+                part = {"type": "image_url", "image_url": {"url": png_data_url(image)}}
+                message = {"role": "user", "content": [part]}
+                answer = server.post("/v1/chat/completions/render",
+                                     {"model": self.model_name, "messages": [message], "max_tokens": 1})
+                cache[id(image)] = answer["features"]
+            out.append(cache[id(image)])
+        return out
+
+    def _generate_one(self, server: Server, token_ids: list[int], images: list, params: dict,
+                      cache: dict) -> list[dict] | Rejected:
+        """The choices of one /inference/v1/generate request, or the server's refusal (a prompt too long)."""
+        body = {"model": self.model_name, "token_ids": token_ids, "sampling_params": params,
+                "features": place_features(self._features(server, images, cache), token_ids, self.image_token,
+                                           server.url)}
+        try:
+            return server.post("/inference/v1/generate", body)["choices"]
+        except Rejected as error:
+            if rejected_for_length(error):
+                return error
+            raise ServerError(f"{error}; check that the server runs with --enable-scale-out (docs/many-nodes.md).") \
+                from None
+
+    def _generate_all(self, jobs: list[tuple[list[int], list, dict]]) -> list:
+        """Every request of a turn at once (at most max_concurrency in flight), request i to server
+        (rank + i + requests so far) mod n: their choices, in order."""
+        first, self.requests = self.requests, self.requests + len(jobs)
+        servers = [self.servers[(self.rank + first + i) % len(self.servers)] for i in range(len(jobs))]
+        cache: dict = {}
+        workers = max(1, min(self.settings.max_concurrency, len(jobs)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda i: self._generate_one(servers[i], *jobs[i], cache), range(len(jobs))))
+
+    # ---- rollout ----------------------------------------------------------------------------------
+    def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
+        if prompts.messages is None:
+            raise ValueError("the vLLM server engine sends each prompt's images; EnginePrompts.messages is None")
+        for messages in prompts.messages:
+            if self.family.engine_videos(messages):
+                raise UserError("video prompts do not go through rollout.engine=vllm_server yet (the server would "
+                                "sample the frames itself); use rollout.engine=vllm or hf for video tasks.")
+        if self.multiturn.multi_turn:
+            return self.generate_trajectories(prompts, group_size, sampling)
+        jobs = [(self._prompt_ids(prompts, b), self.family.engine_images(messages),
+                 sampling_params(self.family, sampling, group_size, seed=self._seed(b)))
+                for b, messages in enumerate(prompts.messages)]
+        answers = self._generate_all(jobs)
+        rejected = [b for b, answer in enumerate(answers) if isinstance(answer, Rejected)]
+        rows, logps, versions = [], [], []
+        for answer in answers:
+            choices = [{}] * group_size if isinstance(answer, Rejected) else answer
+            if len(choices) != group_size:
+                raise ServerError(f"a vLLM server returned {len(choices)} completions for a prompt, not "
+                                  f"{group_size}; use a vLLM version whose /inference/v1/generate honours n.")
+            for choice in choices:
+                rows.append(list(choice.get("token_ids") or []))
+                logps.append(choice_logps(choice))
+                versions.append(oldest_version(choice, self.version))
+        rollout = self._rollout(rows, logps, sampling, group_size)
+        rollout.weight_versions, rollout.rejected = versions, rejected
+        rollout.rejected_reasons = {b: answers[b].detail for b in rejected}
+        return rollout
+
+    def _seed(self, index: int) -> int | None:
+        return None if not self.settings.seed else self.settings.seed + 7919 * self.rank + index + 104729 * self.version
+
+    def _prompt_ids(self, prompts: EnginePrompts, b: int) -> list[int]:
+        """Prompt b's token ids as the trainer scores them (left padding dropped)."""
+        inputs = prompts.batch.inputs
+        return inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist()
+
+    def _rollout(self, rows: list[list[int]], logps: list[list[float]], sampling: Sampling,
+                 group_size: int) -> Rollout:
+        pad = self.family.pad_id
+        width = max([len(row) for row in rows] + [1])
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)  # [B * G, C]
+        sampler = torch.zeros((len(rows), width), dtype=torch.float32)  # [B * G, C]
+        for n, (row, row_logps) in enumerate(zip(rows, logps, strict=True)):
+            ids[n, :len(row)] = torch.tensor(row, dtype=torch.long)
+            sampler[n, :len(row)] = torch.tensor(row_logps, dtype=torch.float32)
+        mask = completion_mask_from_eos(ids, self.family.eos_ids, ignore_eos=sampling.ignore_eos)  # [B * G, C]
+        ids, sampler = ids.masked_fill(~mask, pad), sampler.masked_fill(~mask, 0.0)
+        texts = self.family.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        device = self.policy.model.device
+        return Rollout(completion_ids=ids.to(device), completion_mask=mask.to(device), texts=texts,
+                       group_size=group_size, sampler_logps=sampler.to(device))
+
+    def generate_trajectories(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
+        """B x G trajectories (row b * G + g continues prompt b), turn by turn (the module's docstring)."""
+        from gpg_vl.rollout.multiturn import answer_segments, prompt_context, segment_end, trajectory_rollout
+
+        family, settings = self.family, self.multiturn
+        base = [(self._prompt_ids(prompts, b), family.engine_images(messages))
+                for b, messages in enumerate(prompts.messages)]
+        rows = [_Row(b, Trajectory(), prompt_context(family, prompts, b, settings))
+                for b in range(len(base)) for _ in range(group_size)]
+        live, eos = list(range(len(rows))), set(family.eos_ids) if not sampling.ignore_eos else set()
+        for turn in range(settings.max_turns):
+            going = [rows[i] for i in live]
+            n = group_size if turn == 0 else 1
+            jobs = []
+            for row in going[::n]:
+                ids, images = base[row.prompt]
+                room = min(sampling.max_new_tokens, settings.max_total_tokens - len(row.trajectory.token_ids))
+                jobs.append((ids + row.trajectory.token_ids, images + list(row.trajectory.images),
+                             sampling_params(family, sampling, n, stops=True, max_tokens=max(room, 1))))
+            answers = self._generate_all(jobs)
+            choices = []
+            for answer in answers:
+                if isinstance(answer, Rejected):
+                    raise ServerError(f"a vLLM server refused a trajectory's turn {turn} as too long "
+                                      f"({answer.detail}); start it with a larger --max-model-len "
+                                      "(docs/many-nodes.md).")
+                choices += answer
+            for row, choice in zip(going, choices, strict=True):
+                row.segment = list(choice.get("token_ids") or [])
+                row.trajectory.logps.extend(choice_logps(choice))
+                row.version = min(row.version, oldest_version(choice, self.version)) if turn else \
+                    oldest_version(choice, self.version)
+                ended = segment_end(family, row, row.segment[-1], eos, sampling, settings) if row.segment else ""
+                row.ended_by = ended or "length"
+            keep = answer_segments(family, going, turn, settings, self.tools)
+            live = [i for i, alive in zip(live, keep, strict=True) if alive]
+            if not live:
+                break
+        rollout = trajectory_rollout(family, rows, group_size, settings)
+        logps = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [B * G, C], 0 on observations
+        for n, row in enumerate(rows):
+            logps[n, :len(row.trajectory.logps)] = torch.tensor(row.trajectory.logps, dtype=torch.float32)
+        device = self.policy.model.device
+        return replace(rollout, completion_ids=rollout.completion_ids.to(device),
+                       completion_mask=rollout.completion_mask.to(device), loss_mask=rollout.loss_mask.to(device),
+                       sampler_logps=logps.to(device), weight_versions=[row.version for row in rows])
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def sync(self, model) -> None:
+        """Push the trainer's weights to every server, on every rank, within sync_timeout_s
+        (rollout/weight_transfer.py)."""
+        from gpg_vl.models.weights import engine_weights, merged_lora
+        from gpg_vl.rollout.weight_transfer import Watchdog, broadcast_from_main, push_weights
+
+        self.version += 1
+        limit = self.settings.sync_timeout_s
+        sentence = (f"the weight sync to the vLLM servers ({', '.join(s.url for s in self.servers)}) did not end "
+                    f"within rollout.vllm_server.sync_timeout_s={limit:g} s; every rank exits. Check the servers' "
+                    "logs and the network between the nodes, then continue with resume=auto.")
+        with Watchdog(limit, sentence, self.rank), torch.no_grad(), merged_lora(model):
+            push_weights(self.servers, self.transport, engine_weights(model, self.family), version=self.version,
+                         pause_mode="wait", collective=broadcast_from_main)
+

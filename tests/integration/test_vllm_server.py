@@ -1,0 +1,443 @@
+"""rollout.engine=vllm_server against the loopback server (tests/vllm_loopback.py: vLLM's routes and JSON fields,
+generating with the tiny model): the payloads, real rollouts whose per-token log-probs are the trainer's, weight
+sync through the weight-transfer routes (the `disk` backend: CPU), prompts spread over two servers, a multi-turn
+tool run, and every fault in one sentence: no server at start (before the model loads), a server serving another
+model, a server that dies mid-run (checkpoint, then resume), a stalled sync, a prompt refused as too long.
+The NCCL backend needs CUDA: scripts/gpu_check.py --server runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.runs import train_run
+from helpers.scoring import token_logps
+from helpers.vllm_loopback import LoopbackServer
+
+from gpg_vl.config.schema import RolloutSettings
+from gpg_vl.errors import UserError
+from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
+from gpg_vl.rollout.server_client import Rejected, Server, ServerGone, split_urls
+from gpg_vl.rollout.vllm_server import (
+    FINAL_ONLY,
+    choice_logps,
+    compare_model,
+    image_runs,
+    oldest_version,
+    place_features,
+    rejected_for_length,
+    sampling_params,
+)
+from gpg_vl.rollout.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server():
+    loopback = LoopbackServer().start()
+    yield loopback
+    loopback.stop()
+
+
+def settings(urls: str, tmp_path, **extra) -> dict:
+    return {"urls": urls, "weight_transfer": "disk", "transfer_dir": str(tmp_path / "transfer"), "timeout_s": 2,
+            **extra}
+
+
+def overrides(urls: str, tmp_path, *extra: str) -> list[str]:
+    return ["rollout.engine=vllm_server", f"rollout.vllm_server.urls={urls}",
+            "rollout.vllm_server.weight_transfer=disk", f"rollout.vllm_server.transfer_dir={tmp_path / 'transfer'}",
+            "rollout.max_new_tokens=40", *extra]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# payloads and answers (pure)
+# ---------------------------------------------------------------------------------------------
+def test_sampling_params_are_vllms_fields_sampled_as_the_hf_engine(policy):
+    family = policy.family
+    params = sampling_params(family, Sampling(32, temperature=0.7, top_p=0.9), 8, seed=3)
+    assert (params["n"], params["max_tokens"], params["temperature"], params["top_p"], params["top_k"]) == (
+        8, 32, 0.7, 0.9, -1)
+    assert params["logprobs"] == 0 and params["output_kind"] == FINAL_ONLY and params["seed"] == 3
+    assert params["stop_token_ids"] == family.eos_ids and set(params["logit_bias"]) == {
+        str(t) for t in family.suppressed_ids}
+    turn = sampling_params(family, Sampling(32), 1, stops=True, max_tokens=5)
+    assert turn["stop"] == ["</tool_call>"] and turn["include_stop_str_in_output"] and turn["max_tokens"] == 5
+    assert sampling_params(family, Sampling(4, greedy=True), 1)["temperature"] == 0.0
+
+
+def test_image_features_are_pointed_at_each_images_run_of_tokens():
+    assert image_runs([1, 9, 9, 9, 2, 9, 9, 3], 9) == [{"offset": 1, "length": 3}, {"offset": 5, "length": 2}]
+    rendered = [{"mm_hashes": {"image": [h]}, "mm_placeholders": {"image": [{"offset": 4, "length": n}]},
+                 "kwargs_data": {"image": [h * 2]}} for h, n in (("a", 3), ("b", 2))]
+    merged = place_features(rendered, [1, 9, 9, 9, 2, 9, 9, 3], 9, "http://s")
+    assert merged == {"mm_hashes": {"image": ["a", "b"]}, "kwargs_data": {"image": ["aa", "bb"]},
+                      "mm_placeholders": {"image": [{"offset": 1, "length": 3}, {"offset": 5, "length": 2}]}}
+    with pytest.raises(UserError, match=r"makes 2 tokens of image 0 where the trainer's processor makes 3; start "
+                                        r"`vllm serve` with the trainer's min/max pixels"):
+        place_features(rendered[::-1], [1, 9, 9, 9, 2, 9, 9, 3], 9, "http://s")
+    assert place_features([], [1, 2], 9, "http://s") is None
+
+
+def test_choices_give_logps_and_the_oldest_weight_version():
+    choice = {"token_ids": [5, 6, 7], "logprobs": {"content": [{"token": "token_id:5", "logprob": -0.5},
+                                                               {"token": "token_id:6", "logprob": -1.0}]},
+              "weight_versions": [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]}
+    assert choice_logps(choice) == [-0.5, -1.0, 0.0] and oldest_version(choice, 9) == 3
+    assert oldest_version({"token_ids": [1]}, 9) == 9 and oldest_version({"weight_versions": []}, 2) == 2
+
+
+def test_settings_refuse_malformed_urls_and_a_backend_the_trainer_cannot_send_over():
+    assert split_urls(" http://a:8000/, http://b:9000 ") == ["http://a:8000", "http://b:9000"]
+    with pytest.raises(UserError, match="not an http"):
+        split_urls("a:8000")
+    nccl = RolloutSettings().vllm_server
+    assert "needs a CUDA GPU and the vllm package" in transport_unavailable(nccl, cuda=False, installed=True)
+    assert transport_unavailable(nccl, cuda=True, installed=True) is None
+    disk = RolloutSettings(vllm_server={"weight_transfer": "disk"}).vllm_server
+    assert "needs rollout.vllm_server.transfer_dir" in transport_unavailable(disk, cuda=False, installed=False)
+    from gpg_vl.config.compose import load_config
+
+    with pytest.raises(UserError, match="rollout.vllm_server.weight_transfer"):  # checked when the config composes
+        load_config("train", ["rollout.vllm_server.weight_transfer=ipc"])
+    assert rejected_for_length(Rejected("u", 400, "This model's maximum context length is 10 tokens."))
+    assert not rejected_for_length(Rejected("u", 400, "token_ids must be a list"))
+
+
+def test_a_server_serving_another_model_is_named_with_the_difference(policy):
+    config = policy.model.config
+    models = {"data": [{"id": "m", "root": "/other", "max_model_len": 100}]}
+    other = {"model_config": {"hf_config": {"architectures": ["LlavaForConditionalGeneration"]}}}
+    assert "serves /other (LlavaForConditionalGeneration), not the trainer's Qwen2_5_VL" in compare_model(
+        "http://s", models, other, config, 50)
+    smaller = {"model_config": {"hf_config": {"text_config": {"hidden_size": 7}}}}
+    assert "whose hidden_size is 7 where the trainer's model has" in compare_model("http://s", models, smaller,
+                                                                                    config, 50)
+    assert "--max-model-len 120" in compare_model("http://s", models, None, config, 120)
+    assert compare_model("http://s", models, {"model_config": {"hf_config": config.to_dict()}}, config, 50) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine against the loopback server
+# ---------------------------------------------------------------------------------------------
+def test_rollouts_are_real_their_logps_are_the_trainers_and_each_records_its_weight_version(policy, shapes, server,
+                                                                                            tmp_path):
+    engine = build_engine(RolloutSettings(engine="vllm_server", vllm_server=settings(server.url, tmp_path)), policy)
+    assert engine.version == 0 and server.version == "0"  # the first sync: the servers hold the trainer's weights
+    prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:2]])
+    before = len(server.calls)
+    rollout = engine.generate(prompts, 3, Sampling(max_new_tokens=12))
+    generate = [body for route, body in server.calls[before:] if route == "/inference/v1/generate"]
+    assert len(generate) == 2 and all(body["sampling_params"]["n"] == 3 for body in generate)
+    inputs = prompts.batch.inputs
+    ours = sorted(inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist() for b in range(2))
+    assert sorted(body["token_ids"] for body in generate) == ours  # the trainer's own ids, never re-tokenised text
+    assert all(len(body["features"]["mm_placeholders"]["image"]) == 1 for body in generate)  # one run per image
+    assert rollout.completion_ids.shape[0] == 6 and rollout.weight_versions == [0] * 6
+    with torch.no_grad():
+        trainer = token_logps(policy.family, policy.model, prompts.batch, [0, 0, 0, 1, 1, 1],
+                              rollout.completion_ids, rollout.completion_mask)
+    gap = (trainer - rollout.sampler_logps).abs()[rollout.completion_mask]
+    assert gap.max() < 1e-4 and rollout.sampler_logps[rollout.completion_mask].min() < -1e-3
+
+
+def test_sync_pauses_pushes_every_weight_and_labels_the_version(policy, server, tmp_path):
+    engine = build_engine(RolloutSettings(engine="vllm_server", vllm_server=settings(server.url, tmp_path)), policy)
+    with torch.no_grad():
+        for parameter in policy.model.parameters():
+            parameter.add_(0.01)
+    before = len(server.calls)
+    engine.sync(policy.model)
+    assert [route for route, _ in server.calls[before:]] == ["/pause", "/start_weight_update", "/update_weights",
+                                                              "/finish_weight_update", "/resume"]
+    assert server.version == "1" and server.running.is_set()
+    ours = dict(policy.model.named_parameters())
+    for name, theirs in server.model.named_parameters():
+        assert torch.equal(theirs, ours[name]), name
+    assert [p.name for p in (tmp_path / "transfer").iterdir()] == ["v1"]  # the older version removed
+
+
+def test_prompts_are_spread_over_two_servers_and_a_prompt_too_long_for_one_is_rejected(policy, shapes, server,
+                                                                                       tmp_path):
+    short = LoopbackServer(max_model_len=60).start()
+    try:
+        urls = f"{server.url},{short.url}"
+        rollout = RolloutSettings(engine="vllm_server", max_prompt_tokens=40, max_new_tokens=8,
+                                  vllm_server=settings(urls, tmp_path))
+        engine = build_engine(rollout, policy)
+        prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:4]], ids=list("abcd"))
+        result = engine.generate(prompts, 2, Sampling(max_new_tokens=30))  # 30 more tokens: too long for `short`
+    finally:
+        short.stop()
+    assert sorted(result.rejected) == [1, 3] and "maximum context length is 60" in result.rejected_reasons[1]
+    assert result.completion_ids.shape[0] == 8
+    kept = result.keep_prompts([0, 2])
+    assert kept.completion_ids.shape[0] == 4 and torch.equal(kept.completion_ids[2:], result.completion_ids[4:6])
+    for loopback in (server, short):  # both took part in the sync and in the rollout
+        assert "/inference/v1/generate" in [route for route, _ in loopback.calls]
+
+
+def test_a_refused_prompt_is_skipped_with_one_warning_naming_it(policy, shapes):
+    from gpg_vl.config.schema import TrainerSettings
+    from gpg_vl.data.stream import PromptStream
+    from gpg_vl.rollout.hf import HFEngine
+    from gpg_vl.train.sample import sample_attempt
+
+    class Refusing(HFEngine):
+        def generate(self, prompts, group_size, sampling):
+            rollout = super().generate(prompts, group_size, sampling)
+            rollout.rejected, rollout.rejected_reasons = [0], {0: "too long for the server"}
+            return rollout
+
+    warnings = []
+    stream = PromptStream(shapes.load("train"), seed=0)
+    attempt = sample_attempt(policy, shapes, stream, engine=Refusing(policy, RolloutSettings()),
+                             trainer=TrainerSettings(batch_size=3, group_size=2), rollout=RolloutSettings(
+                                 max_new_tokens=4), warn=warnings.append)
+    assert len(attempt.rows) == 2 and attempt.rewards.shape == (2, 2) and attempt.rollout.completion_ids.shape[0] == 4
+    (warning,) = warnings
+    assert warning.startswith("skipped prompt") and "refused it (too long for the server)" in warning
+
+
+# ---------------------------------------------------------------------------------------------
+# faults in a run
+# ---------------------------------------------------------------------------------------------
+def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, no_model):
+    setup_called = []
+    from gpg_vl.config.compose import run_cli
+
+    code = run_cli("train", lambda cfg: setup_called.append(cfg), [f"output_dir={tmp_path / 'out'}", *overrides(
+        "http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0 and not setup_called
+    assert err.startswith("error: no vLLM server answers at http://127.0.0.1:9 (GET /health, for "
+                          "rollout.vllm_server.timeout_s=0.5 s); start `vllm serve` there")
+
+
+def test_a_run_trains_through_the_server_on_policy_and_the_server_follows_every_step(server, tmp_path):
+    summary = train_run(tmp_path / "out", *overrides(server.url, tmp_path, "trainer.max_steps=2"))
+    assert summary["steps"] == 2
+    lines = metrics(tmp_path / "out")
+    assert [m["rollout_weight_version"] for m in lines] == [0, 1]  # batch n sampled by the weights after n - 1
+    assert all(m["logp_mismatch_mean"] < 1e-4 and m["reward_mean"] > 0 for m in lines)
+    assert server.version == "2"
+
+
+def test_a_server_that_dies_mid_run_ends_it_with_a_checkpoint_and_resume_continues(tmp_path):
+    dying = LoopbackServer().start()
+    answer = dying.post
+
+    def post(route, query, body):  # the server goes away right after taking the weights of step 1
+        result = answer(route, query, body)
+        if route == "/finish_weight_update" and body.get("weight_version") == "1":
+            threading.Timer(0.05, dying.stop).start()
+        return result
+
+    dying.post = post
+    with pytest.raises(UserError) as raised:
+        train_run(tmp_path / "out", *overrides(dying.url, tmp_path, "trainer.max_steps=3", "trainer.save_every=0",
+                                               "rollout.vllm_server.timeout_s=20"))
+    sentence = str(raised.value)
+    assert sentence.startswith(f"the vLLM server at {dying.url} did not answer POST") and "within 20 s" in sentence
+    assert sentence.count(". ") == 0
+    assert "the run stopped after step 1 and wrote checkpoint-1: continue with resume=auto" in sentence
+    out = tmp_path / "out"
+    assert (out / "checkpoint-1").is_dir() and "stopped" in json.loads((out / "summary.json").read_text())
+    back = LoopbackServer().start()  # a server is back: the run continues from step 1
+    try:
+        summary = train_run(out, *overrides(back.url, tmp_path, "trainer.max_steps=3", "resume=auto"))
+    finally:
+        back.stop()
+    assert summary["steps"] == 3 and [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
+def test_a_stalled_sync_ends_the_run_within_sync_timeout_s(tmp_path):
+    stalling = LoopbackServer().start()
+    answer = stalling.post
+
+    def post(route, query, body):
+        if route == "/start_weight_update" and stalling.version == "0":
+            stalling.stall_updates = True  # the sync after step 1 never ends on the server's side
+        return answer(route, query, body)
+
+    stalling.post = post
+    try:
+        with pytest.raises(UserError, match=r"did not answer POST /update_weights within 2\.4 s .*the run stopped "
+                                            r"after step 1 and wrote checkpoint-1"):
+            train_run(tmp_path / "out", *overrides(stalling.url, tmp_path, "trainer.max_steps=2",
+                                                   "rollout.vllm_server.sync_timeout_s=3"))
+    finally:
+        stalling.stall_updates = False
+        stalling.stop()
+    assert (tmp_path / "out" / "checkpoint-1").is_dir()  # step 1's update ran: it is kept
+
+
+def test_a_sync_that_hangs_past_sync_timeout_s_exits_the_rank_in_one_sentence():
+    """What no request timeout can end (a collective that never returns): the watchdog exits the process."""
+    code = ("import time\nfrom gpg_vl.rollout.weight_transfer import Watchdog\n"
+            "with Watchdog(0.5, 'the weight sync did not end.', 1):\n    time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == SYNC_STALLED_EXIT and done.stderr.strip() == "error: rank 1: the weight sync did not end."
+
+
+def test_a_server_that_is_unreachable_is_retried_until_its_deadline():
+    with pytest.raises(ServerGone, match=r"did not answer GET /health within 0\.6 s \(\d+ tries"):
+        Server("http://127.0.0.1:9", timeout_s=0.6).get("/health")
+
+
+# ---------------------------------------------------------------------------------------------
+# several trainer processes, several servers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_trainer_processes_train_against_one_server(tmp_path):
+    """accelerate launch, 2 processes (gloo) against a `vllm serve` stand-in in its own process: both send their
+    prompts, both take part in every sync (rank 0 sends), and step 2 is sampled by step 1's weights."""
+    import os
+    import time
+    import urllib.request
+
+    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+    from test_distributed import launch
+
+    port_file = tmp_path / "port"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "vllm_loopback.py"), "--port-file",
+                                str(port_file)], cwd=ROOT, env=env)
+    try:
+        for _ in range(600):
+            if port_file.exists() and port_file.read_text():
+                break
+            time.sleep(0.1)
+        url = port_file.read_text()
+        out = tmp_path / "out"
+        launch("scripts/train.py", f"output_dir={out}", *overrides(url, tmp_path, "trainer.max_steps=2",
+                                                                     "trainer.batch_size=4", "trainer.group_size=4",
+                                                                     "trainer.lr=1e-3", "trainer.beta_th=0",
+                                                                     "trainer.eval_before=false",
+                                                                     "trainer.eval_after=false"))
+        with urllib.request.urlopen(url + "/weight_info") as answer:  # noqa: S310
+            assert json.loads(answer.read())["weight_version"] == "2"
+    finally:
+        process.kill()
+    lines = metrics(out)
+    assert [m["rollout_weight_version"] for m in lines] == [0, 1]
+    assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines) and lines[0]["groups_sampled"] == 4
+
+
+def test_a_run_against_two_servers_spreads_its_prompts_and_syncs_both(tmp_path):
+    first, second = LoopbackServer().start(), LoopbackServer().start()
+    try:
+        urls = f'"{first.url},{second.url}"'  # quoted: Hydra reads an unquoted comma as a sweep
+        summary = train_run(tmp_path / "out", *overrides(urls, tmp_path, "trainer.max_steps=2",
+                                                          "trainer.lr=1e-3"))
+    finally:
+        first.stop()
+        second.stop()
+    assert summary["steps"] == 2 and first.version == second.version == "2"
+    for loopback in (first, second):
+        assert [route for route, _ in loopback.calls].count("/inference/v1/generate") >= 2
+    assert all(m["logp_mismatch_mean"] < 1e-4 for m in metrics(tmp_path / "out"))
+    ours = dict(first.model.named_parameters())
+    assert all(torch.equal(p, ours[name]) for name, p in second.model.named_parameters())
+
+
+def test_one_step_behind_the_server_is_the_sampler_and_holds_the_version_the_schedule_says(server, tmp_path):
+    """trainer.max_staleness=1 (the asynchronous pipeline): the sampler thread pushes each version it samples with
+    (step n: the weights after step n - 2); the learner never syncs the server itself."""
+    before = [route for route, _ in server.calls].count("/update_weights")
+    summary = train_run(tmp_path / "out", *overrides(server.url, tmp_path, "trainer.max_steps=3",
+                                                      "trainer.max_staleness=1", "trainer.lr=1e-3"))
+    assert summary["steps"] == 3
+    lines = metrics(tmp_path / "out")
+    assert [m["version_lag_max"] for m in lines] == [0, 1, 1]
+    assert all(m["logp_mismatch_mean"] >= 0 for m in lines) and lines[0]["logp_mismatch_mean"] < 1e-4
+    pushed = [route for route, _ in server.calls].count("/update_weights") - before
+    assert pushed <= 3  # the engine's first sync and the sampler's loads (versions 0, 1), never one per update
+
+
+def test_tool_trajectories_go_through_the_server_with_every_images_features_and_the_trainers_logps(tmp_path):
+    """rollout.max_turns=2 on the zoom task with its cold-start model: real trajectories that call zoom_in, their
+    second turn sent as the whole trajectory so far (observations as the trainer scores them) with the features of
+    the prompt's image and of the crop; the sampler's log-probs are the trainer's on every generated token."""
+    from gpg_vl.data.task import get_task
+    from gpg_vl.models.load import ASSETS, load_policy
+    from gpg_vl.models.scoring import choose_scoring_path, token_logps
+
+    if not (ASSETS / "tiny-qwen2.5-vl-zoom").exists():
+        pytest.skip("the zoom cold-start model is not built")
+    pixels = {"min_pixels": 3136, "max_pixels": 112 * 112}  # configs/experiment/zoom-tiny.yaml
+    task = get_task("zoom", train_size=50, test_size=30)
+    zoom = LoopbackServer("embedded:tiny-qwen2.5-vl-zoom", **pixels).start()
+    try:
+        torch.manual_seed(0)
+        policy = load_policy("embedded:tiny-qwen2.5-vl-zoom", dtype="float32", **pixels)
+        rollout = RolloutSettings(engine="vllm_server", max_turns=2, max_new_tokens=100, max_total_tokens=400,
+                                  vllm_server=settings(zoom.url, tmp_path, seed=1, timeout_s=120))
+        engine = build_engine(rollout, policy, tools=task.tools)
+        rows = task.load("test")[:8]
+        prompts = encode_prompts(policy, [task.messages(r) for r in rows], tools=engine.prompt_tools(task))
+        result = engine.generate(prompts, 4, Sampling(max_new_tokens=100))
+    finally:
+        zoom.stop()
+    cropped = [k for k, t in enumerate(result.trajectories) if t.images]
+    assert cropped and all(result.trajectories[k].turns == 2 for k in cropped)
+    later = [body for route, body in zoom.calls
+             if route == "/inference/v1/generate" and body["sampling_params"]["n"] == 1]  # turn 2: one per row
+    assert len(later) == len([t for t in result.trajectories if t.turns == 2])
+    assert sum(len(body["features"]["mm_placeholders"]["image"]) == 2 for body in later) == len(cropped)
+    with torch.no_grad():
+        path = choose_scoring_path(policy.family, policy.model, share_prompt=False, share_vision=True)
+        trainer = token_logps(policy.family, policy.model, prompts.batch, [k // 4 for k in range(32)],
+                              result.completion_ids, result.completion_mask, path=path,
+                              observations=result.trajectories)
+    generated = result.loss_mask.bool()
+    assert (trainer - result.sampler_logps).abs()[generated].max() < 1e-4
+
+
+def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_every_rank(tmp_path):
+    """push_weights on rank 1 makes no request but walks every weight (gathering them is collective under FSDP2 and
+    ZeRO-3); rank 0's failure is what every rank raises (here the collective is the identity)."""
+    from gpg_vl.rollout.server_client import ServerError
+    from gpg_vl.rollout.weight_transfer import DiskTransport, push_weights
+
+    class Recording(Server):
+        def __init__(self, fail: str | None = None) -> None:
+            super().__init__("http://recorded", timeout_s=1)
+            self.routes, self.fail = [], fail
+
+        def request(self, method, route, body, **kwargs):
+            self.routes.append(route)
+            if route == self.fail:
+                raise ServerGone(f"the vLLM server at {self.url} did not answer POST {route}.")
+            return {}
+
+    walked = []
+
+    def weights():
+        for name in ("a", "b"):
+            walked.append(name)
+            yield name, torch.ones(2)
+
+    settings_ = RolloutSettings(vllm_server=settings("http://x", tmp_path)).vllm_server
+    follower = Recording()
+    push_weights([follower], DiskTransport(settings_, rank=1), weights(), version=3, pause_mode="wait",
+                 collective=lambda failure: failure)
+    assert follower.routes == [] and walked == ["a", "b"]
+    leader = Recording(fail="/update_weights")
+    with pytest.raises(ServerGone, match="did not answer POST /update_weights"):
+        push_weights([leader], DiskTransport(settings_, rank=0), weights(), version=3, pause_mode="wait",
+                     collective=lambda failure: failure)
+    assert leader.routes == ["/pause?mode=wait", "/start_weight_update", "/update_weights"]
+    with pytest.raises(ServerError, match="rank 0 failed"):  # rank 0's sentence, on a rank whose own sync went well
+        push_weights([Recording()], DiskTransport(settings_, rank=1), weights(), version=4, pause_mode="wait",
+                     collective=lambda failure: ("error", "rank 0 failed"))
