@@ -45,15 +45,19 @@ JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatib
 # registry -> (its module, its attribute, the built-in names)
 REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", ("group_mean", "none", "std_normalized")),
-    "losses": ("gpg_vl.objective", "POLICY_LOSSES", ("dapo", "dr_grpo", "gpg", "grpo")),
+    "losses": ("gpg_vl.objective", "POLICY_LOSSES", ("bnpo", "dapo", "dr_grpo", "gmpo", "gpg", "grpo", "gspo", "luspo",
+                                                     "sapo", "vespo")),
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),
 }
 # what each built-in loss declares (gpg_vl/objective.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),
-          "dapo": (("old",), "token_mean")}
-AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")  # gpg_vl/objective.py's AGGREGATIONS
+          "dapo": (("old",), "token_mean"), "bnpo": (("old",), "token_mean"), "gspo": (("old",), "seq_mean_token_mean"),
+          "luspo": (("old",), "seq_token_sum"), "sapo": (("old",), "seq_mean_token_mean"),
+          "vespo": (("old",), "token_mean"), "gmpo": (("old",), "seq_mean_token_mean")}
+# gpg_vl/objective.py's AGGREGATIONS
+AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_token_sum", "token_mean")
 BASELINES = ("group_mean", "none")  # gpg_vl/objective.py's BASELINES (the deprecated trainer.baseline)
 DECODERS = ("loop", "generate")  # gpg_vl/rollout/hf.py
 BOX_FRAMES = ("relative-1000", "resized-pixels", "relative-1", "none")  # gpg_vl/models/family.py
