@@ -32,8 +32,8 @@ SECTIONS = [  # (heading, key prefix, what it is)
     ("rollout", "rollout.", "Sampling the G completions of each prompt, through the engine `rollout.engine` names "
                             "(`RolloutSettings`, `HFEngineSettings`, `VLLMEngineSettings`); evaluation decodes "
                             "through the same engine."),
-    ("eval", "eval.", "Greedy evaluation of the held-out split, during training and by `scripts/eval.py` "
-                      "(`EvalSettings`)."),
+    ("eval", "eval.", "Evaluation of the held-out split, during training and by `scripts/eval.py` "
+                      "(`EvalSettings`): greedy, or `eval.samples` completions per row ([Evaluation](evaluation.md))."),
     ("model", "model.", "Which model, how it is loaded and how it is trained (`ModelSettings`, `LoraSettings`): the "
                         "one home of the model defaults; a model alias (`model=<alias>`, `configs/model/`) sets "
                         "only what differs, e.g. `name_or_path` and `family`."),

@@ -100,6 +100,8 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
         cfg.trainer.advantage, cfg.trainer.baseline, cfg.trainer.std_normalize = trainer.advantage, None, None
         for section in ("rollout", "eval"):
             OmegaConf.to_object(cfg[section])
+    elif "eval" in cfg:  # scripts/eval.py: eval.samples against eval.temperature
+        OmegaConf.to_object(cfg.eval)
     OmegaConf.to_object(cfg.reward)  # a judge without the key it needs (reward.judge.url, .model), train and eval
     return cfg
 
