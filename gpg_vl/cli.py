@@ -74,12 +74,13 @@ def _cuda() -> bool:
 
 
 def eval_main(cfg: DictConfig) -> dict[str, float]:
-    """Greedy evaluation of a model on a task split, or re-scoring of a saved predictions file."""
+    """Evaluation of a model on a task split (greedy, or eval.samples completions per row), or re-scoring of a
+    saved predictions file."""
     from gpg_vl.config.validate import check_model_folder
     from gpg_vl.observe.viewer import write_predictions_html
     from gpg_vl.train import build
     from gpg_vl.train.checkpoint import write_failure
-    from gpg_vl.train.evaluate import evaluate, prediction_records, read_predictions, rescore
+    from gpg_vl.train.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
     from gpg_vl.train.outdir import check_output_dir
 
     task = build.build_task(cfg.task, cfg.data)
@@ -108,7 +109,8 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
                                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
                                     engine=build_engine(engine_settings, policy, tools=task.tools),
-                                    reward_workers=cfg.eval.reward_workers, reward_budget_s=cfg.eval.reward_budget_s)
+                                    reward_workers=cfg.eval.reward_workers, reward_budget_s=cfg.eval.reward_budget_s,
+                                    decoding=decoding(cfg.eval, cfg.rollout, seed=cfg.seed))
         records = prediction_records(task, decoded, split, tokenizer=policy.family.tokenizer)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +126,9 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     width = max(len(name) for name in metrics)
     segmenter = getattr(task, "segmenter", None)
     masks = f", masks by segmenter {segmenter.name}" if segmenter is not None else ""
-    print(f"{task.name} / {split}: {len(records)} rows{masks}  ({output_dir}; open predictions.html to look)")
+    rows_seen = len({record["index"] for record in records})
+    several = f", {len(records) // max(rows_seen, 1)} samples each" if len(records) > rows_seen else ""
+    print(f"{task.name} / {split}: {rows_seen} rows{several}{masks}  ({output_dir}; open predictions.html to look)")
     for name, value in metrics.items():
         print(f"  {name:<{width}}  {value:.4f}")
     return metrics

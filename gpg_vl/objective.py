@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from collections.abc import Callable
 
@@ -241,10 +242,16 @@ def _seq_mean_token_sum(per_token: Tensor, mask: Tensor, normalizer: float | Non
     return per_token.sum() / (float(max_tokens) * _denominator(per_token.shape[0], normalizer))
 
 
+def _seq_token_sum(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+    """LUSPO: each sequence's token SUM (a sequence weighs by its length), then mean over sequences."""
+    return per_token.sum() / _denominator(per_token.shape[0], normalizer)
+
+
 AGGREGATIONS: dict[str, Aggregation] = {
     "seq_mean_token_mean": _seq_mean_token_mean,
     "token_mean": _token_mean,
     "seq_mean_token_sum": _seq_mean_token_sum,
+    "seq_token_sum": _seq_token_sum,
 }
 TOKEN_NORMALIZED = ("token_mean",)  # aggregations whose normalizer counts tokens; the others count sequences
 
@@ -301,6 +308,55 @@ def policy_loss(
     return loss, metrics
 
 
+_OPSM = "off_policy_mask_threshold"  # TRL's name of DeepSeek-V3.2's off-policy mask threshold (`off_policy_mask`)
+
+
+def ratio_inputs(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
+                 old_logps: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(mask [N, L] bool, logps [N, L] with padding zeroed, old [N, L] detached (logps detached when `old_logps`
+    is None: ratio 1), advantages [N, 1] detached): what every ratio loss starts from. Padding (maybe -inf) is
+    selected out before any arithmetic."""
+    mask = completion_mask.bool()  # [N, L]
+    zeros = torch.zeros_like(token_logps)
+    logps = torch.where(mask, token_logps, zeros)  # [N, L]
+    old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
+    return mask, logps, old, advantages.detach().to(logps.dtype).unsqueeze(1)
+
+
+def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """values [N, L] -> [N, 1]: the mean over each sequence's unmasked tokens (0 for an empty sequence)."""
+    return torch.where(mask, values, torch.zeros_like(values)).sum(dim=1, keepdim=True) / \
+        mask.sum(dim=1, keepdim=True).clamp(min=1).to(values.dtype)
+
+
+def off_policy_mask(adv: Tensor, logps: Tensor, old: Tensor, mask: Tensor, threshold: float | None) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's `off_policy_mask_threshold`, delta of its equation 9).
+
+    adv [N, 1], logps / old [N, L] -> keep [N, 1] (1.0 keep, 0.0 drop): a sequence is dropped when its advantage
+    is negative AND its mean per-token KL(old || current), mean(old - logp), exceeds `threshold`. None keeps all.
+    """
+    if threshold is None:
+        return torch.ones_like(adv)
+    kl = sequence_mean(torch.nan_to_num(old - logps.detach(), nan=0.0), mask)  # [N, 1]
+    return ((adv >= 0) | (kl <= threshold)).to(logps.dtype)
+
+
+def _ratio_metrics(loss: Tensor, token_logps: Tensor, mask: Tensor, adv: Tensor, ratio: Tensor,
+                   keep: Tensor | None, drift: Tensor) -> dict[str, float]:
+    """The base metrics, ratio_mean / ratio_max over unmasked tokens, logp_drift (token mean of `drift` = logp -
+    old), kl and the clip fractions at 0 (a loss with a KL or a clip sets its own), and (with the off-policy mask
+    on) the fraction of sequences it dropped, `off_policy_masked`."""
+    metrics = _base_metrics(loss, token_logps, mask, adv.squeeze(1))
+    ratio = ratio.detach().expand(mask.shape)
+    metrics.update({"ratio_mean": _masked_mean(ratio, mask),
+                    "ratio_max": float(torch.where(mask, ratio, torch.zeros_like(ratio)).max()) if mask.any() else 1.0,
+                    "logp_drift": _masked_mean(drift.detach(), mask), "kl": 0.0, "clip_fraction_low": 0.0,
+                    "clip_fraction_high": 0.0})
+    if keep is not None:
+        metrics["off_policy_masked"] = float((keep == 0).to(torch.float64).mean()) if keep.numel() else 0.0
+    return metrics
+
+
 def clipped_surrogate(
     token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, old_logps: Tensor | None = None,
     ref_logps: Tensor | None = None, clip_low: float = 0.2, clip_high: float | None = None, kl_coef: float = 0.0,
@@ -311,20 +367,28 @@ def clipped_surrogate(
     token_logps, old_logps, ref_logps, completion_mask [N, L]; advantages [N].  ratio = exp(logp - old)
     (old = logp detached when `old_logps` is None: ratio 1, the gradient of a plain policy gradient);
     per token ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3`` with
-    ``k3 = exp(ref - logp) - (ref - logp) - 1``.  Metrics: kl (token mean of k3), clip_fraction_low /
-    clip_fraction_high (tokens whose ratio is clipped below / above, where the clip takes the gradient away),
-    ratio_mean, ratio_max, logp_drift (token mean of logp - old). `aggregate`: how the per-token loss is
-    reduced (`aggregation`, default seq_mean_token_mean; the global `normalizer`; `max_tokens`).
+    ``k3 = exp(ref - logp) - (ref - logp) - 1``.  `aggregate` may also hold `level`: "sequence" (GSPO, TRL's
+    importance_sampling_level) takes one ratio per sequence, exp of the mean of its tokens' log ratios, on every
+    token ("token", the default: one per token); and `off_policy_mask_threshold`: DeepSeek-V3.2's sequence mask
+    (`off_policy_mask`) on the surrogate (None, the default: off). Metrics: kl (token mean of k3),
+    clip_fraction_low / clip_fraction_high (tokens whose ratio is clipped below / above, where the clip takes the
+    gradient away), ratio_mean, ratio_max, logp_drift (token mean of logp - old), off_policy_masked.
+    `aggregate`: how the per-token loss is reduced (`aggregation`, default seq_mean_token_mean; the global
+    `normalizer`; `max_tokens`).
     """
-    mask = completion_mask.bool()  # [N, L]
-    zeros = torch.zeros_like(token_logps)
-    logps = torch.where(mask, token_logps, zeros)  # [N, L] padding (maybe -inf) out before any arithmetic
-    old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
-    adv = advantages.detach().to(logps.dtype).unsqueeze(1)  # [N, 1]
+    mask, logps, old, adv = ratio_inputs(token_logps, completion_mask, advantages, old_logps)
+    zeros = torch.zeros_like(logps)
     high = clip_low if clip_high is None else clip_high
-    ratio = torch.exp(logps - old)  # [N, L]
+    level, off_policy_mask_threshold = aggregate.get("level", "token"), aggregate.get(_OPSM)
+    log_ratio = logps - old  # [N, L]
+    if level == "sequence":
+        log_ratio = sequence_mean(log_ratio, mask).expand_as(logps)  # [N, L] one value per sequence
+    elif level != "token":
+        raise ValueError(f"unknown importance sampling level {level!r}; valid: token, sequence")
+    ratio = torch.exp(log_ratio)  # [N, L]
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + high)  # [N, L]
-    per_token = -torch.minimum(ratio * adv, clipped * adv)  # [N, L]
+    keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
+    per_token = -torch.minimum(ratio * adv, clipped * adv) * keep  # [N, L]
     kl = zeros
     if kl_coef:
         if ref_logps is None:
@@ -336,46 +400,164 @@ def clipped_surrogate(
     loss = _aggregate(per_token, mask, aggregate.get("aggregation", "seq_mean_token_mean"),
                       aggregate.get("normalizer"), aggregate.get("max_tokens"))  # []
     with torch.no_grad():
-        metrics = _base_metrics(loss, token_logps, mask, adv.squeeze(1))
+        metrics = _ratio_metrics(loss, token_logps, mask, adv, ratio, None if off_policy_mask_threshold is None
+                                 else keep, logps - old)
         ratio = ratio.detach()
         metrics.update({
             "kl": _masked_mean(kl.detach(), mask),
             "clip_fraction_low": _masked_mean(((ratio < 1.0 - clip_low) & (adv < 0)).to(logps.dtype), mask),
             "clip_fraction_high": _masked_mean(((ratio > 1.0 + high) & (adv > 0)).to(logps.dtype), mask),
-            "ratio_mean": _masked_mean(ratio, mask),
-            "ratio_max": float(torch.where(mask, ratio, zeros).max()) if mask.any() else 1.0,
-            "logp_drift": _masked_mean(logps.detach() - old, mask),
         })
     return loss, metrics
 
 
 @register_policy_loss("grpo", needs=("old", "ref"))
 def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = None, kl_coef: float = 0.0, **inputs):
+              clip_high: float | None = None, kl_coef: float = 0.0, off_policy_mask_threshold: float | None = None,
+              **inputs):
     """GRPO (DeepSeekMath, R1-V's trainer): clipped ratio (default eps 0.2), k3 KL to the reference with
     `kl_coef`, and the aggregation given (per-sequence token mean, then mean, by default)."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
-                             kl_coef=kl_coef, **inputs)
+                             kl_coef=kl_coef, off_policy_mask_threshold=off_policy_mask_threshold, **inputs)
 
 
 @register_policy_loss("dr_grpo", needs=("old",), aggregation="seq_mean_token_sum")
 def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-                 clip_high: float | None = None, max_tokens: int | None = None, **inputs):
+                 clip_high: float | None = None, max_tokens: int | None = None,
+                 off_policy_mask_threshold: float | None = None, **inputs):
     """Dr. GRPO: the clipped ratio, each sequence's token sum over the constant `max_tokens` (the trainer
     passes rollout.max_new_tokens), no KL."""
     if not max_tokens:
         raise UserError("policy loss dr_grpo needs the option max_tokens (the completion length limit each "
                         "sequence's token sum is divided by; the trainer passes rollout.max_new_tokens).")
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
-                             max_tokens=max_tokens, **{**inputs, "kl_coef": 0.0})
+                             max_tokens=max_tokens, off_policy_mask_threshold=off_policy_mask_threshold,
+                             **{**inputs, "kl_coef": 0.0})
 
 
 @register_policy_loss("dapo", needs=("old",), aggregation="token_mean")
 def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = 0.28, **inputs):
+              clip_high: float | None = 0.28, off_policy_mask_threshold: float | None = None, **inputs):
     """DAPO: clip-higher (eps_low 0.2, eps_high 0.28 by default), the token mean over the batch, no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
-                             **{**inputs, "kl_coef": 0.0})
+                             off_policy_mask_threshold=off_policy_mask_threshold, **{**inputs, "kl_coef": 0.0})
+
+
+# ----------------------------------------------------------------------------- the 2026 losses
+# TRL 1.16's loss types under TRL's names (bnpo, gspo, luspo, sapo, vespo; each equals TRL's `_compute_loss` on the
+# same inputs: tests/unit/test_trl_losses.py) and verl's GMPO (`geo_mean`). Each ratio loss also takes TRL's
+# `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy sequence mask, `off_policy_mask`).
+@register_policy_loss("bnpo", needs=("old",), aggregation="token_mean")
+def bnpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
+              clip_high: float | None = None, off_policy_mask_threshold: float | None = None, **inputs):
+    """BNPO (TRL `loss_type="bnpo"`): the clipped surrogate per token, summed over the batch's tokens and divided
+    by their count (TRL normalises by the local batch; here by the global token count), no KL."""
+    return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
+                             **{**inputs, "kl_coef": 0.0, _OPSM: off_policy_mask_threshold})
+
+
+@register_policy_loss("gspo", needs=("old",), aggregation="seq_mean_token_mean")
+def gspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 3e-4,
+              clip_high: float | None = 4e-4, off_policy_mask_threshold: float | None = None, **inputs):
+    """GSPO (TRL `loss_type="grpo"` with `importance_sampling_level="sequence"`): one ratio per sequence,
+    ``s_i = exp(mean_t (logp - old))``, clipped to [1 - clip_low, 1 + clip_high] (GSPO's 3e-4 / 4e-4), loss
+    ``-min(s_i A_i, clip(s_i) A_i)`` per sequence, mean over sequences; no KL."""
+    return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
+                             level="sequence", **{**inputs, "kl_coef": 0.0, _OPSM: off_policy_mask_threshold})
+
+
+@register_policy_loss("luspo", needs=("old",), aggregation="seq_token_sum")
+def luspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 3e-4,
+               clip_high: float | None = 4e-4, off_policy_mask_threshold: float | None = None, **inputs):
+    """LUSPO (TRL `loss_type="luspo"`, sequence-level ratio): GSPO's per-sequence loss times the sequence's length
+    (its token sum), mean over sequences; no KL."""
+    return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
+                             level="sequence", **{**inputs, "kl_coef": 0.0, _OPSM: off_policy_mask_threshold})
+
+
+@register_policy_loss("sapo", needs=("old",), aggregation="seq_mean_token_mean")
+def sapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, temperature_pos: float = 1.0,
+              temperature_neg: float = 1.05, off_policy_mask_threshold: float | None = None,
+              **inputs) -> tuple[Tensor, dict[str, float]]:
+    """SAPO (TRL `loss_type="sapo"`): a soft gate instead of the clip. Per token, with r = exp(logp - old) and
+    tau = `temperature_pos` where A > 0 else `temperature_neg`: ``-sigmoid(tau (r - 1)) * 4 / tau * A``
+    (gradient A r at r = 1, fading as r leaves 1); per-sequence token mean, then mean; no KL."""
+    mask, logps, old, adv = ratio_inputs(token_logps, completion_mask, advantages, inputs.get("old_logps"))
+    ratio = torch.exp(logps - old)  # [N, L]
+    tau = torch.where(adv > 0, torch.full_like(adv, temperature_pos), torch.full_like(adv, temperature_neg))  # [N, 1]
+    keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
+    per_token = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv * keep  # [N, L]
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    loss = _aggregate(per_token, mask, inputs.get("aggregation", "seq_mean_token_mean"), inputs.get("normalizer"),
+                      None)
+    with torch.no_grad():
+        metrics = _ratio_metrics(loss, token_logps, mask, adv, ratio, None if off_policy_mask_threshold is None
+                                 else keep, logps - old)
+    return loss, metrics
+
+
+def gamma_weights(adv: Tensor, log_ratio: Tensor, mask: Tensor, *, k_pos: float, lambda_pos: float, k_neg: float,
+                  lambda_neg: float) -> Tensor:
+    """VESPO's weight per sequence, without gradient. adv [N, 1], log_ratio [N, L] -> phi [N, 1].
+
+    w = exp(sum_t clamp(log ratio_t, -20, 20)) (the sequence's ratio, its log clamped to [log 1e-8, 20]);
+    phi(w) = exp(lambda + k log w - lambda w) = e^lambda w^k e^(-lambda w) (1 at w = 1), with (k, lambda) =
+    (k_pos, lambda_pos) where A >= 0, else (k_neg, lambda_neg); a non-finite phi is 0."""
+    with torch.no_grad():
+        low = math.log(1e-8)
+        log_w = torch.where(mask, log_ratio.clamp(-20.0, 20.0), torch.zeros_like(log_ratio)).sum(1, keepdim=True)
+        log_w = log_w.clamp(low, 20.0)  # [N, 1]
+        k = torch.where(adv >= 0, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
+        lam = torch.where(adv >= 0, torch.full_like(adv, lambda_pos), torch.full_like(adv, lambda_neg)).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [N, 1]
+
+
+@register_policy_loss("vespo", needs=("old",), aggregation="token_mean")
+def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, k_pos: float = 2.0,
+               lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
+               off_policy_mask_threshold: float | None = None, **inputs) -> tuple[Tensor, dict[str, float]]:
+    """VESPO (TRL `loss_type="vespo"`): a policy gradient weighted per sequence by the gamma function of its
+    ratio (`gamma_weights`, no gradient through it): per token ``-phi_i A_i logp``, token mean over the batch."""
+    mask, logps, old, adv = ratio_inputs(token_logps, completion_mask, advantages, inputs.get("old_logps"))
+    phi = gamma_weights(adv, logps - old, mask, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg,
+                        lambda_neg=lambda_neg)  # [N, 1]
+    keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
+    per_token = torch.where(mask, -phi * adv * logps * keep, torch.zeros_like(logps))  # [N, L]
+    loss = _aggregate(per_token, mask, inputs.get("aggregation", "token_mean"), inputs.get("normalizer"), None)
+    with torch.no_grad():
+        metrics = _ratio_metrics(loss, token_logps, mask, adv, torch.exp(sequence_mean(logps - old, mask)),
+                                 None if off_policy_mask_threshold is None else keep, logps - old)
+        metrics["phi_mean"] = float(phi.mean()) if phi.numel() else 0.0
+    return loss, metrics
+
+
+@register_policy_loss("gmpo", needs=("old",), aggregation="seq_mean_token_mean")
+def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.4,
+              clip_high: float | None = 0.4, off_policy_mask_threshold: float | None = None,
+              **inputs) -> tuple[Tensor, dict[str, float]]:
+    """GMPO (verl `loss_mode=geo_mean`): the geometric mean of the token ratios, clipped per token in log space.
+
+    With d_t = logp_t - old_t and s = sign(A_i): ``d'_t = s * min(s * d_t, s * clamp(d_t, -clip_low, clip_high))``;
+    loss_i = ``-A_i * exp(mean_t d'_t)``; mean over sequences (an empty sequence counts and adds 0). GMPO's clip is
+    (-0.4, 0.4) in log space: ratios within [e^-0.4, e^0.4]."""
+    mask, logps, old, adv = ratio_inputs(token_logps, completion_mask, advantages, inputs.get("old_logps"))
+    high = clip_low if clip_high is None else clip_high
+    delta = logps - old  # [N, L]
+    sign = torch.sign(adv)  # [N, 1]
+    clipped = sign * torch.minimum(sign * delta, sign * delta.clamp(-clip_low, high))  # [N, L]
+    ratio = torch.exp(sequence_mean(clipped, mask))  # [N, 1]
+    keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
+    per_token = torch.where(mask, (-adv * ratio * keep).expand_as(logps), torch.zeros_like(logps))  # [N, L]
+    loss = _aggregate(per_token, mask, inputs.get("aggregation", "seq_mean_token_mean"), inputs.get("normalizer"),
+                      None)
+    with torch.no_grad():
+        metrics = _ratio_metrics(loss, token_logps, mask, adv, ratio, None if off_policy_mask_threshold is None
+                                 else keep, delta)
+        outside = (delta != delta.clamp(-clip_low, high))
+        metrics["clip_fraction_high"] = _masked_mean((outside & (adv > 0)).to(logps.dtype), mask)
+        metrics["clip_fraction_low"] = _masked_mean((outside & (adv < 0)).to(logps.dtype), mask)
+    return loss, metrics
 
 
 @register_policy_loss("cispo", needs=("old",), aggregation="token_mean")

@@ -1,22 +1,26 @@
-"""GPG against the GRPO family (grpo, dr_grpo, dapo) on any task and model, at an equal budget of sampled completions
-(or of sampled tokens: --budget-tokens).
+"""GPG against the GRPO family (grpo, dr_grpo, dapo by default; any preset of configs/algorithm/ or any registered
+loss with --algorithms) on any task and model, at an equal budget of sampled completions (or of sampled tokens:
+--budget-tokens).
 
     python scripts/compare.py                                  # task=shapes model=tiny, 4 algorithms x 3 seeds
     python scripts/compare.py --quick --out /tmp/c             # machinery only (CI): a tiny budget, 2 seeds
     python scripts/compare.py --budget 512 task=geoqa model=qwen2.5-vl-3b trainer.lr=1e-6   # any task/model/keys
     python scripts/compare.py --zoom --out runs/compare-zoom   # multi-turn: +experiment=zoom-tiny (zoom_in tool)
     python scripts/compare.py --zoom --budget-tokens 40000     # an equal budget of sampled tokens instead
+    python scripts/compare.py --algorithms gpg gspo sapo vespo gmpo bnpo   # the 2026 losses (docs/algorithms.md)
 
 Each run is the trainer itself (`gpg_vl.cli.train_main`, through gpg_vl/experiments.py's `run_cell`) with
-`algorithm=<name>` (configs/algorithm/), the same B, G, seed and budget (`trainer.max_completions`; completions
-drawn by resampling count too; with --budget-tokens N, `trainer.max_sampled_tokens=N` instead: tokens the policy
-generated, tool observations excluded, each run stopping at the first step that reaches N), in `--workers`
-processes (gpg_vl/experiments.py, which scripts/ablate.py shares). Per run: held-out accuracy after training, wall
-time, seconds per step and the peak memory of the run above its start (gpg_vl/experiments.py's Meter, as
-scripts/bench.py measures: CUDA's peak allocation on a GPU, the kernel's resident high-water mark on Linux CPUs).
-Writes compare.json (every number), table.md (accuracy mean ± std, cost, paired differences against gpg as in
-ablate.py, one sentence per claim marked supported or not supported by these data) and compare.png (one panel per
-algorithm: the training-sample accuracy proxy against completions sampled, and against wall time).
+`algorithm=<name>` (configs/algorithm/; a registered loss without a preset, e.g. bnpo, runs as
+`algorithm=grpo trainer.kl_coef=0 trainer.loss=<name> trainer.aggregation=<the loss's own>`), the same B, G,
+seed and budget (`trainer.max_completions`; completions drawn by resampling count too; with --budget-tokens N,
+`trainer.max_sampled_tokens=N` instead: tokens the policy generated, tool observations excluded, each run
+stopping at the first step that reaches N), in `--workers` processes (gpg_vl/experiments.py, which
+scripts/ablate.py shares). Per run: held-out accuracy after training, wall time, seconds per step and the peak
+memory of the run above its start (gpg_vl/experiments.py's Meter, as scripts/bench.py measures: CUDA's peak
+allocation on a GPU, the kernel's resident high-water mark on Linux CPUs). Writes compare.json (every number),
+table.md (accuracy mean ± std, cost, paired differences against gpg as in ablate.py, one sentence per claim
+marked supported or not supported by these data) and compare.png (one panel per algorithm: the training-sample
+accuracy proxy against completions sampled, and against wall time).
 """
 
 from __future__ import annotations
@@ -31,7 +35,26 @@ from pathlib import Path
 
 from gpg_vl.experiments import mean_std, paired_differences, run_jobs, run_measured, running_proxy
 
-ALGORITHMS = ("gpg", "grpo", "dr_grpo", "dapo")
+ALGORITHMS = ("gpg", "grpo", "dr_grpo", "dapo")  # the default comparison
+PRESETS = Path(__file__).resolve().parent.parent / "configs" / "algorithm"
+
+
+def runnable() -> list[str]:
+    """What --algorithms takes: every preset of configs/algorithm/ and every registered policy loss."""
+    from gpg_vl.config import names
+
+    return sorted({path.stem for path in PRESETS.glob("*.yaml")} | set(names.REGISTRIES["losses"][2]))
+
+
+def algorithm_overrides(name: str) -> list[str]:
+    """The keys that pick `name`: its preset, else GRPO's settings without the KL, with the loss and the
+    aggregation it fixes (a registered loss without a preset)."""
+    if (PRESETS / f"{name}.yaml").is_file():
+        return [f"algorithm={name}"]
+    from gpg_vl.objective import get_policy_loss, loss_aggregation
+
+    aggregation = loss_aggregation(get_policy_loss(name), "seq_mean_token_mean")
+    return ["algorithm=grpo", "trainer.kl_coef=0", f"trainer.loss={name}", f"trainer.aggregation={aggregation}"]
 DEFAULT = {"seeds": [0, 1, 2], "budget": 512, "batch_size": 8, "group_size": 8, "eval_limit": 200, "window": 128}
 QUICK = {"seeds": [0, 1], "budget": 8, "batch_size": 2, "group_size": 2, "eval_limit": 4, "window": 4}
 # --zoom: thinking with images on CPU (docs/thinking-with-images.md), rollouts of up to 2 turns with zoom_in
@@ -47,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the multi-turn zoom task (+experiment=zoom-tiny: the cold-start model, zoom_in)")
     parser.add_argument("--out", default="runs/compare")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (one core each)")
-    parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
+    parser.add_argument("--algorithms", nargs="+", choices=runnable(), default=list(ALGORITHMS),
+                        help="presets of configs/algorithm/ or registered losses (gpg among them)")
     parser.add_argument("--seeds", type=int, nargs="+")
     parser.add_argument("--budget", type=int, help="sampled completions per run (a multiple of B x G)")
     parser.add_argument("--budget-tokens", type=int,
@@ -87,7 +111,7 @@ def budget_text(args: argparse.Namespace) -> str:
 
 
 def run_overrides(algorithm: str, seed: int, args: argparse.Namespace, output_dir: Path) -> list[str]:
-    return [*BASES["zoom" if args.zoom else "shapes"], *args.overrides, f"algorithm={algorithm}", f"seed={seed}",
+    return [*BASES["zoom" if args.zoom else "shapes"], *args.overrides, *algorithm_overrides(algorithm), f"seed={seed}",
             f"output_dir={output_dir}", f"trainer.group_size={args.group_size}",
             f"trainer.batch_size={args.batch_size}", *budget_overrides(args),
             "trainer.eval_before=false", f"eval.limit={args.eval_limit}"]

@@ -35,8 +35,8 @@ SECTIONS = [  # (heading, key prefix, what it is)
                             "settings are `rollout.<engine>.*` and each tool's `rollout.tools.<tool>.*`, declared "
                             "by the engine and the tool (`gpg_vl/rollout/settings.py` for the built-ins; an "
                             "out-of-tree engine or tool declares its own: [Extending](extending.md))."),
-    ("eval", "eval.", "Greedy evaluation of the held-out split, during training and by `scripts/eval.py` "
-                      "(`EvalSettings`)."),
+    ("eval", "eval.", "Evaluation of the held-out split, during training and by `scripts/eval.py` "
+                      "(`EvalSettings`): greedy, or `eval.samples` completions per row ([Evaluation](evaluation.md))."),
     ("model", "model.", "Which model, how it is loaded and how it is trained (`ModelSettings`, `LoraSettings`): the "
                         "one home of the model defaults; a model alias (`model=<alias>`, `configs/model/`) sets "
                         "only what differs, e.g. `name_or_path` and `family`."),

@@ -28,8 +28,8 @@ import re
 from gpg_vl.data.sources import RowView, load_rows
 from gpg_vl.data.task import checked_text, register_task, row_name
 from gpg_vl.errors import BadRow, UserError
-from gpg_vl.reward.primitives import choice_reward, exact_match_reward, extract_answer, normalize_text
-from gpg_vl.reward.tooluse import lettered_options
+from gpg_vl.reward.primitives import choice_letter, normalize_text
+from gpg_vl.reward.tooluse import MAX_ANSWER_CHARS, deepeyes_answer, lettered_options
 from gpg_vl.rollout.tools import ZOOM_PARAMETERS, register_tool, zoom_in
 
 from .vstar import ToolTask
@@ -64,15 +64,15 @@ def answer_kind(answer: str) -> str:
     return "short"
 
 
-def same_short_answer(completion: str, reference: str) -> float:
-    """1.0 when the `<answer>` equals `reference` after `normalize_text`, or both are the same number; else 0.0."""
-    if exact_match_reward(completion, reference):
+def same_short_answer(answer: str, reference: str) -> float:
+    """1.0 when the answer text equals `reference` after `normalize_text` (and is not empty), or both are the same
+    number; else 0.0."""
+    given, expected = normalize_text(answer), normalize_text(reference)
+    if given and given == expected:
         return 1.0
-    answer = extract_answer(completion)
-    if answer is None or not _NUMBER.fullmatch(normalize_text(answer)) or not _NUMBER.fullmatch(
-            normalize_text(reference)):
+    if not _NUMBER.fullmatch(given) or not _NUMBER.fullmatch(expected):
         return 0.0
-    return 1.0 if abs(float(normalize_text(answer)) - float(normalize_text(reference))) <= 1e-9 else 0.0
+    return 1.0 if abs(float(given) - float(expected)) <= 1e-9 else 0.0
 
 
 @register_task
@@ -159,14 +159,22 @@ class DeepEyes(ToolTask):
             messages.append({"role": "user", "content": parts})
         return messages
 
+    @staticmethod
+    def parsed_answer(completion: str) -> str | None:
+        """The answer maj@k votes with: DeepEyes' answer text (`deepeyes_answer`), as the rewards read it."""
+        return deepeyes_answer(completion) or None
+
     def accuracy(self, completion: str, row: dict) -> float:
-        """By the ground truth's kind: the option named, the same short answer, or the judge's verdict."""
+        """By the ground truth's kind: the option named, the same short answer, or the judge's verdict, on the
+        answer text DeepEyes reads (`deepeyes_answer`: after the last `<answer>`, closed or not; the whole reply
+        without one). An answer of `MAX_ANSWER_CHARS` or more scores 0, as in DeepEyes (a judge is never asked)."""
+        answer = deepeyes_answer(completion)
+        if not answer or len(answer) >= MAX_ANSWER_CHARS:
+            return 0.0
         kind = row["answer_kind"]
         if kind == "letter":
-            return choice_reward(completion, row["choices"], row["answer"])
+            right = choice_letter(row["answer"], row["choices"])
+            return 1.0 if right is not None and choice_letter(answer, row["choices"]) == right else 0.0
         if kind == "short":
-            return same_short_answer(completion, row["answer"])
-        answer = extract_answer(completion)
-        if answer is None or self.judge is None:
-            return 0.0
-        return self.judge(row["judge_question"], row["answer"], answer)
+            return same_short_answer(answer, row["answer"])
+        return 0.0 if self.judge is None else self.judge(row["judge_question"], row["answer"], answer)

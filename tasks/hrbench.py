@@ -8,7 +8,7 @@ shares). `resolution` (4k or 8k) picks the file; data.path takes a local copy (t
 it). Each question appears once per rotation of its options, so the options are never shuffled again.
 
 Metrics as HR-Bench's evaluation computes them: within each `cycle_category` the accuracy of `single` and of
-`cross` questions; each averaged over the cycles (`single`, `cross`), and their mean (`average`).
+`cross` questions and of all its rows; each averaged over the cycles (`single`, `cross`, `average`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ HUB_ID = "DreamMr/HR-Bench"
 RESOLUTIONS = ("4k", "8k")
 COLUMNS = ("index", "question", "answer", "category", "A", "B", "C", "D", "cycle_category", "image")
 CATEGORIES = ("single", "cross")
+ALL = "\0all"  # the cell key of every row of a cycle (no category can be named so)
 
 
 def decode_base64(value: str, row: dict) -> bytes:
@@ -115,19 +116,18 @@ class HRBench(ToolChoice):
 
     def metrics(self, rows: Sequence[dict], completions: Sequence[str],
                 scores: Sequence[dict] | None = None) -> dict[str, float]:
-        """The default metrics, and HR-Bench's: per cycle the accuracy of each category, each category averaged
-        over the cycles (`single`, `cross`), and their mean (`average`)."""
+        """The default metrics, and HR-Bench's (`report_acc_hrbench`): within each cycle the accuracy of each
+        category and of all its rows; each averaged over the cycles (`single`, `cross`, and `average` from the
+        per-cycle accuracy over ALL rows, HR-Bench's "Average / all"). `average` is not the mean of `single` and
+        `cross`: the two agree only when every cycle holds as many single rows as cross rows."""
         rows = list(map(self.scoring_row, rows))
         scores = self.scored(rows, completions, scores)
         result = super().metrics(rows, completions, scores)
         cells: dict[tuple[str, str], list[float]] = {}
         for row, components in zip(rows, scores, strict=True):
-            cells.setdefault((str(row["category"]), str(row["cycle_category"])), []).append(components["accuracy"])
-        per_category = {}
+            for category in (str(row["category"]), ALL):
+                cells.setdefault((category, str(row["cycle_category"])), []).append(components["accuracy"])
         for category in sorted({category for category, _ in cells}):
-            per_category[category] = mean([mean(values) for (name, _), values in cells.items() if name == category])
-            result[category] = per_category[category]
-        known = [per_category[name] for name in CATEGORIES if name in per_category]
-        if known:
-            result["average"] = mean(known)
+            cycles = [mean(values) for (name, _), values in cells.items() if name == category]
+            result["average" if category == ALL else category] = mean(cycles)
         return result

@@ -13,8 +13,10 @@ task.options.nframes / max_pixels), an image row an image.
 
 Accuracy, per problem type, as Video-R1's code scores it (`ACCURACY`): multiple choice, the option letter; numerical,
 equal after rounding to 2 decimals (and Video-R1's rule that both or neither are written with a decimal mark);
-OCR, 1 - word error rate (jiwer), clipped to [0, 1]; free-form, the mean of ROUGE-1, ROUGE-2 and ROUGE-L F1
-(rouge_score, Porter stemming), clipped; regression, 1 - relative error, clipped. Plus the format reward.
+OCR, 1 - word error rate over `str.split()` words (any whitespace separates), clipped to [0, 1]; free-form, the
+mean of ROUGE-1, ROUGE-2 and ROUGE-L F1 (rouge_score, Porter stemming), clipped; regression, 1 - relative error,
+clipped. Each reads the FIRST `<answer>...</answer>` (`first_answer`), as Video-R1's `extract_answer` does. Plus
+the format reward, matched on the completion as it is (no stripping: a leading newline fails, as in Video-R1).
 
 T-GRPO (task.options.temporal=true, off by default): `VideoR1.shuffled_messages` and `temporal_bonus` (see their
 docs) are what the task contributes; the trainer rolls out the shuffled copies and adds the bonus as the reward
@@ -34,7 +36,7 @@ import torch
 from gpg_vl.data.sources import RowView, data_image_root, load_rows
 from gpg_vl.data.task import Task, checked_text, column_text, register_task, require_text, row_name
 from gpg_vl.errors import BadRow, UserError
-from gpg_vl.reward.primitives import choice_letter, extract_answer, format_reward
+from gpg_vl.reward.primitives import choice_letter, first_answer, format_reward
 
 HUB_ID = "Video-R1/Video-R1-data"
 DATA_FILE = "Video-R1-260k.json"
@@ -85,7 +87,7 @@ def multiple_choice_reward(completion: str, answer: str, options: Sequence[str])
 
     Video-R1 compares the answer's text with the letter; the option's text alone does not count either here.
     """
-    predicted = extract_answer(completion)
+    predicted = first_answer(completion)
     right = choice_letter(answer, options)
     if predicted is None or right is None:
         return 0.0
@@ -113,7 +115,7 @@ def numerical_reward(completion: str, answer: str) -> float:
     As in Video-R1's code, an answer written with a decimal mark ('.' or ',') never matches one written without:
     '3.0' does not match '3'.
     """
-    predicted = extract_answer(completion)
+    predicted = first_answer(completion)
     if predicted is None or _has_decimal_mark(predicted) != _has_decimal_mark(answer):
         return 0.0
     value, truth = number(predicted), number(answer)
@@ -123,14 +125,21 @@ def numerical_reward(completion: str, answer: str) -> float:
 
 
 def ocr_reward(completion: str, answer: str) -> float:
-    """1 - the word error rate of the answer against `answer` (jiwer: words split on whitespace, case kept),
-    clipped to [0, 1]; 0.0 without an answer."""
+    """1 - the word error rate of the answer against `answer`, clipped to [0, 1]; 0.0 without an answer.
+
+    Words are `str.split()`'s, as in Video-R1's `wer`: any run of whitespace (spaces, newlines, tabs) separates
+    them, so 'Hello\\nWorld' against 'Hello World' scores 1. Case is kept. The edit distance is jiwer's, on the
+    words re-joined by single spaces (jiwer itself splits on spaces only)."""
     import jiwer  # here: only this reward needs it
 
-    predicted = extract_answer(completion)
-    if predicted is None or not answer.split():
+    predicted = first_answer(completion)
+    truth = answer.split()
+    if predicted is None or not truth:
         return 0.0
-    return min(1.0, max(0.0, 1.0 - jiwer.wer(answer, predicted)))
+    words = predicted.split()
+    if not words:  # jiwer refuses an empty hypothesis; every reference word is then deleted: WER 1
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - jiwer.wer(" ".join(truth), " ".join(words))))
 
 
 _ROUGE: list = []  # the scorer, built once (it holds a stemmer)
@@ -139,7 +148,7 @@ _ROUGE: list = []  # the scorer, built once (it holds a stemmer)
 def free_form_reward(completion: str, answer: str) -> float:
     """The mean of the ROUGE-1, ROUGE-2 and ROUGE-L F1 of the answer against `answer` (rouge_score, Porter stemming;
     its tokenizer keeps lower-cased ASCII letters and digits), clipped to [0, 1]; 0.0 without an answer."""
-    predicted = extract_answer(completion)
+    predicted = first_answer(completion)
     if predicted is None:
         return 0.0
     if not _ROUGE:
@@ -157,7 +166,7 @@ def regression_reward(completion: str, answer: str) -> float:
     Video-R1 computes (|answer - truth| + 1e-9) / (|truth| + 1e-9), which scores an exact answer 1 - 1e-10 and an
     exact 0 for a truth of 0 as 0; here an exact answer scores 1, and a truth of 0 scores 1 for 0 and 0 otherwise.
     """
-    predicted = extract_answer(completion)
+    predicted = first_answer(completion)
     value, truth = (None, None) if predicted is None else (number(predicted), number(answer))
     if value is None or truth is None:
         return 0.0
@@ -281,7 +290,7 @@ class VideoR1(Task):
         self.nframes, self.max_pixels, self.temporal = int(nframes), int(max_pixels), bool(temporal)
         self.reward_functions = {
             "accuracy": lambda completion, row: ACCURACY[row["problem_type"]](completion, row),
-            "format": lambda completion, row: format_reward(completion),
+            "format": lambda completion, row: format_reward(completion, strip=False),
         }
         self.reward_weights = {"accuracy": 1.0, "format": 1.0}
 
@@ -302,7 +311,7 @@ class VideoR1(Task):
             raise BadRow("unknown problem type", f"{row_name(row)} has the problem_type {kind!r}; use one of "
                                                  f"{', '.join(ACCURACY)}.")
         solution = column_text(row, "solution")
-        answer = extract_answer(solution)
+        answer = first_answer(solution)
         answer = solution if answer is None else checked_text(answer, row, "answer", "'solution' tag")
         options = [str(option) for option in (row.get("options") or [])]
         if kind == "multiple choice" and choice_letter(answer, options) is None:
@@ -327,6 +336,11 @@ class VideoR1(Task):
             media = {"type": "image", "image": self.open_image(media_file(self, row["path"], row, "image"), row=row)}
         text = question_text(row["problem"], row["problem_type"], row["options"])
         return [{"role": "user", "content": [media, {"type": "text", "text": text}]}]
+
+    @staticmethod
+    def parsed_answer(completion: str) -> str | None:
+        """The answer maj@k votes with: the first `<answer>`, as the rewards read it."""
+        return first_answer(completion)
 
     def shuffled_messages(self, messages: list[dict], seed: int) -> list[dict] | None:
         """T-GRPO's prompt: a video prompt's decoded `messages` with its frames shuffled (`shuffled_messages`);

@@ -8,13 +8,15 @@ evaluation finds it; the videos come as zip archives on the Hub, so point data.i
 
 Prompt: Video-R1's (think, answer in tags). Scores as VSI-Bench's: a multiple-choice question (MCA) scores 1 when the
 answer's first word is the right letter; a numerical one (NA) scores its mean relative accuracy, the fraction of
-the thresholds 0.50, 0.55, ..., 0.95 with |answer - truth| / truth <= 1 - threshold. Metrics: `accuracy/<type>` per
+the thresholds 0.50, 0.55, ..., 0.95 with |answer - truth| / truth <= 1 - threshold, the answer's first word read
+by Python's `float` alone as VSI-Bench reads it ('1,000' is no number and scores 0). Metrics: `accuracy/<type>` per
 question type, `accuracy/object_rel_direction` (the mean of its easy, medium and hard parts, as VSI-Bench reports it)
 and `overall`, VSI-Bench's mean over the question types.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +24,7 @@ import numpy as np
 from gpg_vl.data.sources import RowView, load_rows
 from gpg_vl.data.task import Task, column_text, register_task, require_text, row_name
 from gpg_vl.errors import BadRow
-from gpg_vl.reward.primitives import extract_answer, format_reward
+from gpg_vl.reward.primitives import first_answer, format_reward
 
 from .videor1 import MAX_PIXELS, NFRAMES, group_accuracy, media_file, number, question_text
 
@@ -49,15 +51,25 @@ def mean_relative_accuracy(value: float, truth: float) -> float:
 
 def mca_reward(completion: str, truth: str) -> float:
     """1.0 if the answer's first word is the right letter (case-insensitive, as VSI-Bench), else 0.0."""
-    answer = extract_answer(completion)
+    answer = first_answer(completion)
     return 1.0 if answer is not None and first_word(answer).lower() == truth.strip().lower() else 0.0
 
 
+def to_float(text: str) -> float | None:
+    """VSI-Bench's reading of a number: Python's `float(text)`, None when it fails. Nothing is removed first, so
+    '1,000' is no number (VSI-Bench scores it 0), while what `float` itself takes ('1_000', '1e3', ' 7 ') is one."""
+    try:
+        return float(text)
+    except (ValueError, TypeError):
+        return None
+
+
 def na_reward(completion: str, truth: str) -> float:
-    """The mean relative accuracy of the answer's first word read as a number; 0.0 when it is none."""
-    answer = extract_answer(completion)
-    value, expected = (None, None) if answer is None else (number(first_word(answer)), number(truth))
-    if value is None or not expected:
+    """The mean relative accuracy of the answer's first word read by `to_float`; 0.0 when it is no number (or
+    not finite: VSI-Bench's comparison is then false at every threshold)."""
+    answer = first_answer(completion)
+    value, expected = (None, None) if answer is None else (to_float(first_word(answer)), to_float(truth))
+    if value is None or not expected or not math.isfinite(value):
         return 0.0
     return mean_relative_accuracy(value, expected)
 
@@ -110,6 +122,11 @@ class VSIBench(Task):
                              list(row.get("options") or []))
         part = {"type": "video", "video": video, "nframes": self.nframes, "max_pixels": self.max_pixels}
         return [{"role": "user", "content": [part, {"type": "text", "text": text}]}]
+
+    @staticmethod
+    def parsed_answer(completion: str) -> str | None:
+        """The answer maj@k votes with: the first `<answer>`, as the rewards read it."""
+        return first_answer(completion)
 
     def metrics(self, rows: Sequence[dict], completions: Sequence[str],
                 scores: Sequence[dict] | None = None) -> dict[str, float]:

@@ -105,6 +105,7 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     if config_name == "train":  # the variant names and the keys' agreement, as the typed settings check them
         trainer = OmegaConf.to_object(cfg.trainer)  # deprecated keys resolved here, once (one warning)
         cfg.trainer.advantage, cfg.trainer.baseline, cfg.trainer.std_normalize = trainer.advantage, None, None
+    if "eval" in cfg:  # eval.samples against eval.temperature, in training and in scripts/eval.py
         OmegaConf.to_object(cfg.eval)
     _check_engine(OmegaConf.to_object(cfg.rollout))
     OmegaConf.to_object(cfg.reward)  # a judge without the key it needs (reward.judge.url, .model), train and eval

@@ -57,7 +57,10 @@ TASK_BUILTINS = {
 ADVANTAGE_BUILTINS = {"group_mean": "gpg_vl.objective:group_mean_advantages",
                       "none": "gpg_vl.objective:raw_reward_advantages",
                       "std_normalized": "gpg_vl.objective:std_normalized_advantages"}
-LOSS_BUILTINS = {"cispo": "gpg_vl.objective:cispo_loss", "dapo": "gpg_vl.objective:dapo_loss",
+LOSS_BUILTINS = {"bnpo": "gpg_vl.objective:bnpo_loss", "cispo": "gpg_vl.objective:cispo_loss",
+                 "dapo": "gpg_vl.objective:dapo_loss", "gmpo": "gpg_vl.objective:gmpo_loss",
+                 "gspo": "gpg_vl.objective:gspo_loss", "luspo": "gpg_vl.objective:luspo_loss",
+                 "sapo": "gpg_vl.objective:sapo_loss", "vespo": "gpg_vl.objective:vespo_loss",
                  "dr_grpo": "gpg_vl.objective:dr_grpo_loss", "gpg": "gpg_vl.objective:policy_loss",
                  "grpo": "gpg_vl.objective:grpo_loss"}
 # The built-in off-policy corrections (trainer.correction): gpg_vl/rollout/corrections.py's CORRECTIONS.
@@ -91,8 +94,12 @@ REGISTRIES = {
 }
 # what each built-in loss declares (gpg_vl/objective.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),
-          "dapo": (("old",), "token_mean"), "cispo": (("old",), "token_mean")}
-AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "token_mean")  # gpg_vl/objective.py's AGGREGATIONS
+          "dapo": (("old",), "token_mean"), "cispo": (("old",), "token_mean"), "bnpo": (("old",), "token_mean"),
+          "gspo": (("old",), "seq_mean_token_mean"), "luspo": (("old",), "seq_token_sum"),
+          "sapo": (("old",), "seq_mean_token_mean"), "vespo": (("old",), "token_mean"),
+          "gmpo": (("old",), "seq_mean_token_mean")}
+# gpg_vl/objective.py's AGGREGATIONS
+AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_token_sum", "token_mean")
 BASELINES = ("group_mean", "none")  # gpg_vl/objective.py's BASELINES (the deprecated trainer.baseline)
 DECODERS = ("loop", "generate")  # gpg_vl/rollout/hf.py
 BOX_FRAMES = ("relative-1000", "resized-pixels", "relative-1", "none")  # gpg_vl/models/family.py

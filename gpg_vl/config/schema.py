@@ -120,7 +120,8 @@ class TrainerSettings:
         "AGE: loss = mean over valid groups (alpha = B/(B-M)); false = over all B (alpha 1)"))
     aggregation: str = field(default="seq_mean_token_mean", metadata=meta(
         "seq_mean_token_mean; token_mean (mean over all tokens of the batch); seq_mean_token_sum (token sums "
-        "over max_new_tokens: Dr. GRPO)", choices="aggregations"))
+        "over max_new_tokens: Dr. GRPO); seq_token_sum (token sums, mean over sequences: LUSPO)",
+        choices="aggregations"))
     gradient_checkpointing: bool = field(default=False, metadata=meta("trade compute for memory on large models"))
     share_vision: bool = field(default=True, metadata=meta(
         "encode each prompt's images once per group in the update (false = once per sequence)"))
@@ -292,7 +293,8 @@ RolloutSettings = with_sections(RolloutSettings, _sections(ENGINE_SETTINGS))
 
 @dataclass
 class EvalSettings:
-    """`eval.*`: greedy evaluation of the held-out split (during training, and by scripts/eval.py)."""
+    """`eval.*`: evaluation of the held-out split (during training, and by scripts/eval.py): greedy by default,
+    or `samples` completions per row at `temperature` (mean@k, pass@k, maj@k: gpg_vl/train/at_k.py)."""
 
     split: str | None = field(default=None, metadata=meta(
         "held-out split (null = the task's eval split)", nonempty=True))
@@ -304,6 +306,17 @@ class EvalSettings:
     reward_budget_s: float = field(default=120.0, metadata=meta(
         "reward time per decoding batch; completions not scored by then score 0 (reward_timeouts; 0 = no budget)",
         low=0, note="0 = no budget"))
+    samples: int = field(default=1, metadata=meta(
+        "completions per row (k): 1 = one greedy completion; more = mean@k, pass@k, maj@k and their standard "
+        "errors, per benchmark and category", low=1))
+    temperature: float | None = field(default=None, metadata=meta(
+        "sampling temperature of the held-out completions (0 = greedy; null = greedy with samples=1, else "
+        "rollout.temperature)", low=0, note="null: greedy for one sample"))
+
+    def __post_init__(self) -> None:
+        if self.samples > 1 and self.temperature == 0:
+            raise UserError(f"eval.samples={self.samples} with eval.temperature=0 (greedy) decodes {self.samples} "
+                            "identical completions; set eval.temperature above 0 (e.g. 1.0), or eval.samples=1.")
 
 
 @dataclass

@@ -45,11 +45,24 @@ def extract_answer(completion: str) -> str | None:
     return completion[last[0]:last[1]].strip() if last else None
 
 
-def format_reward(completion: str) -> float:
-    """1.0 if the completion fullmatches `<think>.*?</think>\\s*<answer>.*?</answer>` (DOTALL), else 0.0."""
+def first_answer(completion: str) -> str | None:
+    """The content of the FIRST complete `<answer>...</answer>`, stripped; None when there is none.
+
+    What `re.search(r"<answer>\\s*(.*?)\\s*</answer>", completion, re.DOTALL)` finds (Video-R1's reading), found
+    with str.find: the content runs from the first '<answer>' to the first '</answer>' after it."""
+    start = completion.find("<answer>")
+    end = -1 if start < 0 else completion.find("</answer>", start + 8)
+    return completion[start + 8:end].strip() if end >= 0 else None
+
+
+def format_reward(completion: str, *, strip: bool = True) -> float:
+    """1.0 if the completion fullmatches `<think>.*?</think>\\s*<answer>.*?</answer>` (DOTALL), else 0.0.
+
+    `strip` (the default) strips surrounding whitespace first; `strip=False` matches the completion as it is
+    (Video-R1's format reward: a leading space or newline fails)."""
     # Same result as FORMAT_PATTERN.fullmatch(completion.strip()), but linear: the regex backtracks to every
     # '</think>' and rescans to the end from each (quadratic on '<think></think><answer>' * 100_000).
-    text = completion.strip()
+    text = completion.strip() if strip else completion
     if not (text.startswith("<think>") and text.endswith("</answer>")):
         return 0.0
     latest_answer = len(text) - len("<answer></answer>")  # the last index '<answer>' may start at

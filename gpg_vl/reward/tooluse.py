@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 from gpg_vl.config.names import TOOL_REWARD_BUILTINS
 from gpg_vl.registry import Registry
-from gpg_vl.reward.primitives import extract_answer
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 # one option line of a question's text: "(A) a red bag", "A. a red bag", "A) ..."
@@ -71,15 +70,25 @@ def final_segment(completion: str) -> str:
     return completion if end < 0 else completion[end + len("</tool_response>"):]
 
 
+def deepeyes_answer(completion: str) -> str:
+    """The answer text DeepEyes' reward reads: what follows the LAST `<answer>` up to the first `</answer>` after it
+    (to the end when none closes it), stripped; the whole completion when it has no `<answer>` at all.
+
+    So `<think>..</think><answer>B` reads 'B', and a reply without tags reads as its whole text."""
+    return completion.split("<answer>")[-1].split("</answer>")[0].strip()
+
+
 def tool_format_reward(completion: str) -> float:
-    """DeepEyes' format reward: -1.0 when the `<think>` tags, the `<tool_call>` tags or (after the last
-    `</think>`) the `<answer>` tags are unbalanced, or the answer has `MAX_ANSWER_CHARS` or more; else 0.0."""
-    pairs = [("<think>", "</think>", completion), ("<tool_call>", "</tool_call>", completion),
-             ("<answer>", "</answer>", completion.split("</think>")[-1])]
+    """DeepEyes' format reward: -1.0 when the `<think>` tags or (after the last `</think>`) the `<answer>` tags are
+    unbalanced, or the answer text (`deepeyes_answer`: the whole reply when it has no `<answer>`) has
+    `MAX_ANSWER_CHARS` or more; else 0.0.
+
+    As DeepEyes, `<tool_call>` tags are not checked (its third check, the balance of the vision tokens an
+    observation inserts, holds by construction: the engine writes each observation whole)."""
+    pairs = [("<think>", "</think>", completion), ("<answer>", "</answer>", completion.split("</think>")[-1])]
     if any(text.count(open_tag) != text.count(close_tag) for open_tag, close_tag, text in pairs):
         return -1.0
-    answer = extract_answer(completion)
-    return -1.0 if answer is not None and len(answer) >= MAX_ANSWER_CHARS else 0.0
+    return -1.0 if len(deepeyes_answer(completion)) >= MAX_ANSWER_CHARS else 0.0
 
 
 def tool_bonus(completion: str, accuracy: float) -> float:

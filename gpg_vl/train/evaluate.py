@@ -1,4 +1,7 @@
-"""Batched greedy decoding on held-out rows, scored by the task's metrics.
+"""Batched decoding on held-out rows, scored by the task's metrics: one greedy completion per row by default, or
+`eval.samples` = k sampled completions per row at `eval.temperature` (`Decoding`), reported as mean@k, pass@k,
+maj@k and their standard errors, per benchmark and per category (gpg_vl/train/at_k.py), beside the task's own
+metrics averaged over the k sample sets.
 
 Each row is read once (reading a row can decode its image): the decoding pass keeps what scoring and
 reporting need (the prompt text and the row without its images, plus what the task's optional
@@ -11,6 +14,7 @@ metrics as `reward_timeouts`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from PIL import Image
 
 from gpg_vl.data.task import prompt_text
@@ -29,14 +34,54 @@ from gpg_vl.reward.primitives import extract_answer
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
 from gpg_vl.rollout.trajectory import trajectory_metrics
 from gpg_vl.rollout.types import in_task_frame
+from gpg_vl.train.at_k import at_k_metrics
 from gpg_vl.train.placeholder import placeholder_prompts
 
 _RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """How held-out rows are decoded: `samples` completions per row, greedy at `temperature` 0, else sampled at
+    that temperature and `top_p`, from torch's generator seeded with `seed` in a forked state (evaluation during
+    training draws the same samples every time and leaves the training's random state as it was)."""
+
+    samples: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def sampling(self, max_new_tokens: int) -> Sampling:
+        if self.temperature == 0:
+            return Sampling(max_new_tokens=max_new_tokens, greedy=True)
+        return Sampling(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    @contextlib.contextmanager
+    def random_state(self):
+        """The context decoding runs in: as it is for greedy, else a forked generator seeded with `seed`."""
+        if self.temperature == 0:
+            yield
+            return
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(self.seed)
+            yield
+
+
+def decoding(evaluation, rollout, seed: int = 0) -> Decoding:
+    """The `Decoding` of `eval.*` (`evaluation`) and `rollout.*`: eval.temperature, else greedy for one sample
+    and rollout.temperature for more; rollout.top_p when sampling."""
+    samples = int(evaluation.samples)
+    temperature = evaluation.temperature
+    if temperature is None:
+        temperature = 0.0 if samples == 1 else rollout.temperature
+    return Decoding(samples=samples, temperature=float(temperature),
+                    top_p=float(rollout.top_p) if temperature else 1.0, seed=seed)
+
+
 @dataclass
 class Decoded:
-    """One row's greedy completion, with what is needed to score and report it."""
+    """One completion of a row (its `sample`-th of `Decoding.samples`), with what is needed to score and report
+    it."""
 
     index: int
     completion: str  # boxes in original pixels
@@ -45,6 +90,7 @@ class Decoded:
     rewards: dict[str, float]  # each reward's score (0 for all when not scored within the budget)
     timed_out: bool = False  # not scored within the batch's reward budget
     trajectory: object = None  # multi-turn (rollout.max_turns > 1): its Trajectory (turns, tool calls, crops)
+    sample: int = 0  # which of the row's completions (0 .. eval.samples - 1)
 
 
 @dataclass(frozen=True)
@@ -59,46 +105,55 @@ class Share:
 
 def generate_greedy(
     policy: Policy, task, rows: Sequence[dict], *, engine, batch_size: int, max_new_tokens: int,
-    share: Share = Share(), reward_workers: int = 4, reward_budget_s: float = 0.0,
+    share: Share = Share(), reward_workers: int = 4, reward_budget_s: float = 0.0, decoding: Decoding = Decoding(),
 ) -> list[Decoded]:
-    """Greedy completions for `rows`, in order, decoded by `engine` (`build_engine`'s: the run's, or
-    rollout.engine's) and scored (see the module doc). Each process decodes and scores its own `share` of the
-    rows."""
+    """`decoding.samples` completions for each of `rows` (greedy by default), in order (row, then sample), decoded
+    by `engine` (`build_engine`'s: the run's, or rollout.engine's) and scored (see the module doc). Each process
+    decodes and scores its own `share` of the rows; `batch_size` counts rows (each decodes k completions)."""
     rank, world_size, gather = share.rank, share.world_size, share.gather
-    greedy = Sampling(max_new_tokens=max_new_tokens, greedy=True)
+    sampling, k = decoding.sampling(max_new_tokens), decoding.samples
     local = list(range(rank, len(rows), world_size))
     decoded: list[Decoded] = []
     # Under FSDP / ZeRO-3 generate is collective, so every process makes the same number of calls: a
     # process whose share ran out decodes a placeholder prompt and keeps nothing.
     calls = math.ceil(math.ceil(len(rows) / world_size) / batch_size)
-    for start in range(0, calls * batch_size, batch_size):
-        chunk = [(i, rows[i]) for i in local[start:start + batch_size]]
-        if not chunk:
-            if forward_is_collective(policy.model):
-                engine.generate(EnginePrompts(placeholder_prompts(policy)), 1, greedy)
-            continue
-        messages = [task.messages(row) for _, row in chunk]
-        prompts = encode_prompts(policy, messages, tools=engine.prompt_tools(task))
-        rollout = engine.generate(prompts, 1, greedy)
-        trajectories = rollout.trajectories or [None] * len(chunk)
-        texts = in_task_frame(policy, task, rollout.texts, prompts.batch, 1)
-        scored = _scoring_rows(task, [row for _, row in chunk], texts)
-        rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
-        zero = dict.fromkeys(task.reward_functions, 0.0)
-        decoded += [Decoded(i, text, prompt_text(message), row, dict(zero) if score is None else score, score is None,
-                            trajectory)
-                    for (i, _), message, text, row, score, trajectory in
-                    zip(chunk, messages, texts, scored, rewards, trajectories, strict=True)]
+    with decoding.random_state():
+        for start in range(0, calls * batch_size, batch_size):
+            chunk = [(i, rows[i]) for i in local[start:start + batch_size]]
+            if not chunk:
+                if forward_is_collective(policy.model):
+                    engine.generate(EnginePrompts(placeholder_prompts(policy)), k, sampling)
+                continue
+            decoded += _decode_chunk(policy, task, chunk, engine, sampling, k, reward_workers, reward_budget_s)
     if world_size > 1 and gather is not None:
         decoded = gather(decoded)  # collective: every process reaches it once, after the same number of batches
-    return sorted(decoded, key=lambda d: d.index)
+    return sorted(decoded, key=lambda d: (d.index, d.sample))
+
+
+def _decode_chunk(policy: Policy, task, chunk: list[tuple[int, dict]], engine, sampling: Sampling, k: int,
+                  reward_workers: int, reward_budget_s: float) -> list[Decoded]:
+    """One batch of rows: k completions each (row-major), scored within the batch's reward budget."""
+    messages = [task.messages(row) for _, row in chunk]
+    prompts = encode_prompts(policy, messages, tools=engine.prompt_tools(task))
+    rollout = engine.generate(prompts, k, sampling)
+    trajectories = rollout.trajectories or [None] * (len(chunk) * k)
+    texts = in_task_frame(policy, task, rollout.texts, prompts.batch, k)
+    scored = _scoring_rows(task, [row for _, row in chunk for _ in range(k)], texts)
+    rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
+    zero = dict.fromkeys(task.reward_functions, 0.0)
+    prompts_text = [prompt_text(message) for message in messages]
+    return [Decoded(chunk[n // k][0], text, prompts_text[n // k], row, dict(zero) if score is None else score,
+                    score is None, trajectory, sample=n % k)
+            for n, (text, row, score, trajectory) in enumerate(zip(texts, scored, rewards, trajectories, strict=True))]
 
 
 def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict[str, float], list[Decoded]]:
-    """The task's metrics for greedy completions of `rows`, and the decoded rows."""
+    """The task's metrics for the completions of `rows` (greedy, or over `decoding.samples`: `sample_metrics`),
+    and the decoded completions."""
     decoded = generate_greedy(policy, task, rows, **kwargs)
-    metrics = task_metrics(task, [d.row for d in decoded], [d.completion for d in decoded],
-                           [d.rewards for d in decoded])
+    samples = kwargs.get("decoding", Decoding()).samples
+    metrics = sample_metrics(task, [d.row for d in decoded], [d.completion for d in decoded],
+                             [d.rewards for d in decoded], samples)
     if any(d.trajectory is not None for d in decoded):  # multi-turn: turns, tool calls, errors, images, limits
         metrics.update(trajectory_metrics([d.trajectory for d in decoded if d.trajectory is not None]))
     timeouts = sum(d.timed_out for d in decoded)
@@ -111,6 +166,38 @@ def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict
     return metrics, decoded
 
 
+def sample_metrics(task, rows: Sequence[dict], completions: Sequence[str], scores: Sequence[dict],
+                   samples: int) -> dict[str, float]:
+    """The metrics of `samples` completions per row, given row-major (row i's sample j at i * samples + j).
+
+    One sample: the task's metrics as they are. More: the task's metrics of each sample set (sample j of every
+    row) averaged over the sets (so `accuracy` is mean@k), and `at_k_metrics` of the `accuracy` rewards: mean@k,
+    pass@k, maj@k over the parsed answers (`parsed_answer`), their standard errors, per `task.group_columns`
+    value."""
+    if samples == 1:
+        return task_metrics(task, rows, completions, scores)
+    sets = [task_metrics(task, rows[j::samples], completions[j::samples], scores[j::samples]) for j in range(samples)]
+    metrics = {name: sum(found[name] for found in sets if name in found) / sum(name in found for found in sets)
+               for name in sets[0]}
+    if all("accuracy" in score for score in scores):
+        count = len(rows) // samples
+        accuracy = [[scores[i * samples + j]["accuracy"] for j in range(samples)] for i in range(count)]
+        answers = [[parsed_answer(task, completions[i * samples + j]) for j in range(samples)] for i in range(count)]
+        columns = getattr(task, "group_columns", ())
+        categories = [[row[c] for c in columns if row.get(c) is not None] for row in rows[::samples]]
+        metrics.update(at_k_metrics(accuracy, answers, categories))
+    return metrics
+
+
+def parsed_answer(task, completion: str) -> str | None:
+    """The answer a completion gives, as maj@k votes with it: the task's `parsed_answer(completion)` when it has
+    one (the reading its rewards use), else the last `<answer>` content; whitespace collapsed, None when empty."""
+    reader = getattr(task, "parsed_answer", None)
+    answer = reader(completion) if reader is not None else extract_answer(completion)
+    answer = None if answer is None else " ".join(str(answer).split())
+    return answer or None
+
+
 def task_metrics(task, rows: Sequence[dict], completions: Sequence[str], scores: Sequence[dict]) -> dict[str, float]:
     """`task.metrics` given the completions' scores already computed (a task whose `metrics` predates the
     `scores` argument scores them itself)."""
@@ -120,15 +207,18 @@ def task_metrics(task, rows: Sequence[dict], completions: Sequence[str], scores:
 
 
 def prediction_records(task, decoded: Sequence[Decoded], split: str, tokenizer=None) -> list[dict]:
-    """One JSON-ready record per row: where it came from, what the model said, and each reward's score; a
-    multi-turn row (with the policy's `tokenizer`) also its trajectory turn by turn (`turns`: each segment's text,
-    its tool call, the observation, the crops' boxes in original pixels; `limit`, `tool_errors`)."""
+    """One JSON-ready record per completion: where it came from, what the model said, and each reward's score
+    (with several samples per row, every sample, numbered `sample`); a multi-turn row (with the policy's
+    `tokenizer`) also its trajectory turn by turn (`turns`: each segment's text, its tool call, the observation,
+    the crops' boxes in original pixels; `limit`, `tool_errors`)."""
     from gpg_vl.observe.rollout_log import trajectory_record
 
+    several = any(d.sample for d in decoded)
     return [{
-        "index": d.index, "id": str(d.row.get("id", d.index)), "split": split, "prompt": d.prompt,
-        "completion": d.completion, "answer": extract_answer(d.completion), "target": task.target(d.row),
-        "rewards": d.rewards, **_saved_fields(d.row),
+        "index": d.index, "id": str(d.row.get("id", d.index)), "split": split, **({"sample": d.sample} if several
+                                                                                 else {}),
+        "prompt": d.prompt, "completion": d.completion, "answer": extract_answer(d.completion),
+        "target": task.target(d.row), "rewards": d.rewards, **_saved_fields(d.row),
         **(trajectory_record(d.trajectory, tokenizer) if d.trajectory is not None and tokenizer is not None else {}),
     } for d in decoded]
 
@@ -168,6 +258,9 @@ def _prediction_problem(record) -> str | None:
         return f"has index {index!r}, not a row number (a whole number >= 0)"
     if not isinstance(record["completion"], str):
         return f"has a completion of type {type(record['completion']).__name__}, not text"
+    sample = record.get("sample", 0)
+    if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
+        return f"has sample {sample!r}, not a sample number (a whole number >= 0)"
     return None
 
 
@@ -175,7 +268,9 @@ def rescore(task, records: Sequence[dict], rows: Sequence[dict], *,
             reward_workers: int = 4) -> tuple[dict[str, float], list[dict]]:
     """Score saved completions again against the dataset rows they name, on `reward_workers` threads and
     without a time budget; the policy model is not involved (a task's `prediction_fields`, e.g. lisa's
-    segmenter, may run its own)."""
+    segmenter, may run its own). Several samples per row (records with `sample`) are scored as evaluation scores
+    them (`sample_metrics`); every row must hold the same number."""
+    records, samples = _by_row_and_sample(records)
     completions = [record["completion"] for record in records]
     matched = []
     for start in range(0, len(records), _RESCORE_CHUNK):
@@ -193,7 +288,26 @@ def rescore(task, records: Sequence[dict], rows: Sequence[dict], *,
     refreshed = [{**{key: value for key, value in record.items() if key != "pred_mask"},  # the segmenter's anew
                   "answer": extract_answer(record["completion"]), "rewards": score, **_saved_fields(row)}
                  for record, row, score in zip(records, matched, scores, strict=True)]
-    return task_metrics(task, matched, completions, scores), refreshed
+    return sample_metrics(task, matched, completions, scores, samples), refreshed
+
+
+def _by_row_and_sample(records: Sequence[dict]) -> tuple[list[dict], int]:
+    """The records ordered by (index, sample) and the number of samples per row, which every row must share;
+    a record without `sample` is its row's only one (a greedy file)."""
+    counts: dict[int, int] = {}
+    for record in records:
+        counts[int(record["index"])] = counts.get(int(record["index"]), 0) + 1
+    samples = max(counts.values(), default=1)
+    uneven = sorted(index for index, count in counts.items() if count != samples)
+    if uneven:
+        raise UserError(f"the predictions file holds {samples} samples for some rows but {counts[uneven[0]]} for row "
+                        f"index {uneven[0]}; re-score a complete file written by scripts/eval.py.")
+    ordered = sorted(records, key=lambda record: (int(record["index"]), int(record.get("sample", 0))))
+    for position, record in enumerate(ordered):
+        if int(record.get("sample", 0)) != position % samples:
+            raise UserError(f"row index {record['index']} of the predictions file does not number its samples 0 to "
+                            f"{samples - 1}; re-score a complete file written by scripts/eval.py.")
+    return ordered, samples
 
 
 def _scoring_rows(task, rows: Sequence[dict], completions: Sequence[str]) -> list[dict]:

@@ -57,7 +57,7 @@ from gpg_vl.train.checkpoint import (
     truncate_metrics,
     writing,
 )
-from gpg_vl.train.evaluate import Share, evaluate
+from gpg_vl.train.evaluate import Share, decoding, evaluate
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.pipeline import (
     SyncPipeline,
@@ -411,7 +411,8 @@ def _held_out(run: Run) -> None:
         "batch_size": evaluation.batch_size,
         "max_new_tokens": evaluation.max_new_tokens or run.settings.rollout.max_new_tokens,
         "share": Share(accelerator.process_index, accelerator.num_processes, gather_object), "engine": run.engine,
-        "reward_workers": evaluation.reward_workers, "reward_budget_s": evaluation.reward_budget_s}
+        "reward_workers": evaluation.reward_workers, "reward_budget_s": evaluation.reward_budget_s,
+        "decoding": decoding(evaluation, run.settings.rollout, seed=run.settings.seed)}
     summary = run.state.summary
     summary.update({"task": task.name, "model": run.learner.policy.name_or_path, "output_dir": str(run.output_dir),
                     **run.state.record})
@@ -708,7 +709,8 @@ def _in_flight(run: Run) -> dict | None:
 
 
 def evaluate_held_out(run: Run, when: str) -> None:
-    """Greedy evaluation of the held-out rows, into the summary as accuracy_<when> and eval_<when>."""
+    """Evaluation of the held-out rows (greedy, or eval.samples each), into the summary as accuracy_<when> and
+    eval_<when>."""
     metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
     run.state.summary[f"accuracy_{when}"] = metrics.get("accuracy")
     run.state.summary[f"eval_{when}"] = metrics

@@ -36,7 +36,8 @@ def test_presets_print_their_values_and_every_key_stays_overridable(capsys):
     assert (gpg.loss, gpg.advantage, gpg.age, gpg.kl_coef, gpg.beta_th) == ("gpg", "group_mean", True, 0.0, 0.4)
     over = load_config("train", ["algorithm=grpo", "trainer.ppo_epochs=3", "trainer.kl_coef=0"]).trainer
     assert (over.ppo_epochs, over.kl_coef) == (3, 0.0)
-    with pytest.raises(UserError, match="unknown algorithm 'ppo'; known: dapo, dr_grpo, gpg, grpo"):
+    with pytest.raises(UserError, match="unknown algorithm 'ppo'; known: dapo, dr_grpo, gmpo, gpg, grpo, gspo, luspo, "
+                                        "sapo, vespo"):
         load_config("train", ["algorithm=ppo"])
     with pytest.raises(UserError, match="trainer.kl_coef=0.1 needs a loss with a KL term"):
         load_config("train", ["trainer.kl_coef=0.1"])
@@ -44,6 +45,21 @@ def test_presets_print_their_values_and_every_key_stays_overridable(capsys):
         load_config("train", ["trainer.ppo_epochs=2"])
     with pytest.raises(UserError, match="trainer.ppo_mini_batch=6 is not a multiple of trainer.group_size=4"):
         load_config("train", ["algorithm=grpo", "trainer.group_size=4", "trainer.ppo_mini_batch=6"])
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "luspo", "sapo", "vespo", "gmpo", "bnpo"])
+def test_each_2026_loss_trains_through_the_cli_with_ratios_that_move(tmp_path, algorithm):
+    """Each preset (bnpo, which has none: as scripts/compare.py runs it) takes mu = 2 optimizer steps on one rollout,
+    so its second step sees ratios away from 1; the loss stays finite and the weights change. (Resampling,
+    beta_th 1, finds groups whose rewards differ.)"""
+    picked = [f"algorithm={algorithm}"] if algorithm != "bnpo" else [
+        "algorithm=grpo", "trainer.kl_coef=0", "trainer.loss=bnpo", "trainer.aggregation=token_mean"]
+    summary = train_main(load_config("train", [*TINY, *picked, "trainer.max_steps=1", "trainer.ppo_epochs=2",
+                                               "trainer.lr=1e-3", "trainer.beta_th=1", "trainer.max_attempts=8",
+                                               f"output_dir={tmp_path}"]))
+    (metrics,) = lines(tmp_path)
+    assert summary["steps"] == 1 and metrics["optimizer_steps"] == 2.0
+    assert metrics["loss"] == metrics["loss"] and abs(metrics["loss"]) < 1e6 and metrics["grad_norm"] > 0
 
 
 def test_grpo_takes_mu_times_mini_batches_steps_and_scores_old_and_reference_once_per_rollout(tmp_path, policy,

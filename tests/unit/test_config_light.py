@@ -42,7 +42,7 @@ def check_in_a_fresh_process(name: str, overrides: list[str]) -> dict:
     ("train", ["trainer.lr=abc"], "trainer.lr=abc has the wrong type"),
     ("train", ["trainer.lrr=1"], "unknown config key 'trainer.lrr'"),
     ("train", ["trainer.lr_schedule=bogus"], "one of linear, cosine"),
-    ("train", ["trainer.loss=bogus"], "one of cispo, dapo, dr_grpo, gpg, grpo"),
+    ("train", ["trainer.loss=bogus"], "one of bnpo, cispo, dapo, dr_grpo, gmpo, gpg, grpo, gspo, luspo, sapo, vespo"),
     ("train", ["trainer.advantage=bogus"], "one of group_mean, none, std_normalized"),
     ("train", ["trainer.report_to=bogus"], "one of none, all"),
     ("train", ["rollout.engine=bogus"], "one of hf, vllm"),

@@ -11,7 +11,7 @@ TRAINER = {"clip_low": 0.2, "clip_high": None, "kl_coef": 0.0, "max_tokens": 16}
 
 def test_a_declared_option_takes_the_given_value_then_the_trainer_setting_then_its_default():
     dapo = get_policy_loss("dapo")
-    assert declared_options(dapo) == {"clip_low": 0.2, "clip_high": 0.28}
+    assert declared_options(dapo) == {"clip_low": 0.2, "clip_high": 0.28, "off_policy_mask_threshold": None}
     # trainer.clip_high is a trainer setting (null): it is passed, as before loss_options existed
     assert loss_options(dapo, {}, TRAINER)["clip_high"] is None
     assert loss_options(dapo, {"clip_high": 0.3}, TRAINER)["clip_high"] == 0.3

@@ -168,7 +168,8 @@ def test_registries_reject_duplicates_list_valid_names_and_load_outside_function
         register_policy_loss("gpg")(lambda *a, **k: None)
     with pytest.raises(UserError, match="advantage estimator 'none' is already registered"):
         register_advantage("none")(lambda r: r)
-    with pytest.raises(UserError, match="unknown trainer.loss 'ppo'; valid options: dapo, dr_grpo, gpg, grpo"):
+    with pytest.raises(UserError, match="unknown trainer.loss 'ppo'; valid options: bnpo, cispo, dapo, dr_grpo, gmpo, "
+                                        "gpg, grpo, gspo, luspo, sapo, vespo"):
         get_policy_loss("ppo")
     with pytest.raises(UserError, match="unknown trainer.advantage 'z'; valid options: group_mean, none, std_"):
         get_advantage("z")

@@ -97,7 +97,7 @@ def test_every_kind_refuses_a_duplicate(duplicate, kind):
 
 
 @pytest.mark.parametrize(("lookup", "key", "names"), [
-    (get_policy_loss, "trainer.loss", "dapo, dr_grpo, gpg, grpo"),
+    (get_policy_loss, "trainer.loss", "bnpo, cispo, dapo, dr_grpo, gmpo, gpg, grpo, gspo, luspo, sapo, vespo"),  # noqa: E501
     (get_advantage, "trainer.advantage", "group_mean, none, std_normalized"),
     (get_task, "task.name", "classification, .*shapes.*"),  # other tests may have registered more after shapes
     (get_family, "model.family", "generic, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl"),

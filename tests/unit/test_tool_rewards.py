@@ -62,7 +62,9 @@ def test_crops_used_counts_successful_observations_after_a_call(completion, crop
     ("<answer>A</answer>", 0.0),  # DeepEyes does not require a think block
     ("no tags at all", 0.0),
     ("<think>x<answer>A</answer>", -1.0),  # unbalanced think
-    ("<think>x</think><tool_call>{}<answer>A</answer>", -1.0),  # unclosed call
+    ("<think>x</think><tool_call>{}<answer>A</answer>", 0.0),  # an unclosed call: DeepEyes never checks these tags
+    ("<think>x</think></tool_call><answer>A</answer>", 0.0),  # nor a stray closing one
+    ("x" * 1000, -1.0),  # no <answer>: the whole reply is DeepEyes' answer text, 1000 characters
     ("<think>x</think><answer>A", -1.0),  # unclosed answer
     ("<think>x</think><answer>A</answer></answer>", -1.0),
     ("<think>x</think><answer>" + "a" * 999 + "</answer>", 0.0),
