@@ -481,6 +481,8 @@ def step(run: Run) -> dict:
     trainer, accelerator, task, state = run.trainer, run.accelerator, run.data.task, run.state
     state.step += 1
     started = time.perf_counter()
+    if getattr(task, "judge", None) is not None:
+        task.judge.new_step()  # a verdict that failed in the last step is asked again
     budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
     collected = collect_valid_groups(
         lambda: sample_attempt(run.learner.policy, task, run.data.stream, engine=run.engine, trainer=trainer,
