@@ -186,8 +186,13 @@ def train(run: Run) -> dict:
         if run.trainer.eval_before and run.state.start_step == 0:
             evaluate_held_out(run, "before")
         for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
-            if budget_spent(run.trainer, run.state.counters):  # checked first: a resume past the budget stops too
-                break  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
+            spent = budget_spent(run.trainer, run.state.counters)  # checked first: a resume past it stops too
+            if spent:  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
+                run.bar.close()
+                run.state.summary["ended_by"] = spent
+                run.accelerator.print(f"The run ended after step {run.state.step} of trainer.max_steps="
+                                      f"{run.trainer.max_steps}: {spent}.")
+                break
             metrics = step(run)
             log_step(run, metrics, run.state.attempts)
             stop_on_bad_steps(run)

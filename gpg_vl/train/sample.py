@@ -235,11 +235,16 @@ def _described(value) -> str:
     return f"of type {type(value).__name__}"
 
 
-def budget_spent(trainer: TrainerSettings, counters: dict) -> bool:
-    """Whether a budget of the run is spent: trainer.max_completions sampled completions or
+def budget_spent(trainer: TrainerSettings, counters: dict) -> str:
+    """Which budget of the run is spent ('' when none): trainer.max_completions sampled completions or
     trainer.max_sampled_tokens sampled tokens (the run's counters; both may be set, the first reached stops)."""
-    return bool(trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions) or \
-        bool(trainer.max_sampled_tokens and counters["tokens_sampled"] >= trainer.max_sampled_tokens)
+    if trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions:
+        return (f"its budget of sampled completions is spent ({counters['completions_sampled']} sampled, "
+                f"trainer.max_completions={trainer.max_completions})")
+    if trainer.max_sampled_tokens and counters["tokens_sampled"] >= trainer.max_sampled_tokens:
+        return (f"its budget of sampled tokens is spent ({counters['tokens_sampled']} sampled, "
+                f"trainer.max_sampled_tokens={trainer.max_sampled_tokens})")
+    return ""
 
 
 def tokens_left(trainer: TrainerSettings, tokens_sampled: int) -> int | None:

@@ -67,8 +67,10 @@ def test_no_resampling_starts_once_the_token_budget_is_spent():
 def test_either_budget_stops_the_run_the_first_reached():
     both = TrainerSettings(max_completions=64, max_sampled_tokens=1000)
     assert not budget_spent(both, {"completions_sampled": 63, "tokens_sampled": 999})
-    assert budget_spent(both, {"completions_sampled": 64, "tokens_sampled": 10})
-    assert budget_spent(both, {"completions_sampled": 8, "tokens_sampled": 1000})
+    assert budget_spent(both, {"completions_sampled": 64, "tokens_sampled": 10}) == \
+        "its budget of sampled completions is spent (64 sampled, trainer.max_completions=64)"
+    assert budget_spent(both, {"completions_sampled": 8, "tokens_sampled": 1000}) == \
+        "its budget of sampled tokens is spent (1000 sampled, trainer.max_sampled_tokens=1000)"
     assert not budget_spent(TrainerSettings(), {"completions_sampled": 10**9, "tokens_sampled": 10**9})
     assert budget_spent(TrainerSettings(max_sampled_tokens=5), {"completions_sampled": 0, "tokens_sampled": 7})
     assert (tokens_left(both, 400), tokens_left(TrainerSettings(), 400)) == (600, None)
