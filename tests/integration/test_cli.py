@@ -155,8 +155,9 @@ def test_every_model_alias_resolves_and_is_a_short_diff_over_the_schema_defaults
 
 
 def test_an_error_during_a_step_is_printed_on_its_own_line_not_on_the_progress_bar(tmp_path, capsys, monkeypatch):
-    from gpg_vl.train import loop
     from runs import QUICK_RUN
+
+    from gpg_vl.train import loop
 
     def failing(run):
         raise UserError("trainer.advantage=mine gave no advantage for a group; fix the plugin.")
