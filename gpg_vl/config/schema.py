@@ -61,7 +61,8 @@ class TrainerSettings:
 
     max_steps: int = field(default=100, metadata=meta("optimizer steps", low=1))
     epochs: float | None = field(default=None, metadata=meta(
-        "if set, passes over the train split (at B prompts per step) replace max_steps", above=0))
+        "if set, passes over the train split (at B prompts per step) replace max_steps", above=0,
+        note="a trainer.max_steps typed on the command line wins over a task's epochs"))
     group_size: int = field(default=8, metadata=meta(
         "G: completions sampled per prompt", low=1, note="at least 2 with a group baseline"))
     batch_size: int = field(default=8, metadata=meta("B: prompts per step, over all processes", low=1))

@@ -337,3 +337,38 @@ def test_zero3_final_checkpoint_reloads_with_transformers_alone(tmp_path):
     for name in trained:
         torch.testing.assert_close(loaded[name], trained[name], rtol=1e-5, atol=1e-6, msg=name)
     assert max(float((trained[k] - initial[k].detach()).abs().max()) for k in trained) > 1e-4  # the steps moved them
+
+
+def test_a_bad_deepspeed_value_fails_in_one_sentence_naming_the_file_key():
+    require_deepspeed()
+    from gpg_vl.errors import UserError
+    from gpg_vl.train.loop import check_deepspeed_config
+
+    check_deepspeed_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}})
+    with pytest.raises(UserError) as error:
+        check_deepspeed_config({"zero_optimization": {"stage": 7}})
+    message = str(error.value)
+    assert message.startswith("the DeepSpeed config has zero_optimization.stage=7 (zero_stage in the accelerate "
+                              "config file), which DeepSpeed refuses: input should be 0, 1, 2, 3")
+    assert "\n" not in message and message.endswith(".")
+    with pytest.raises(UserError, match=r"offload_param.device='gpu' \(offload_param_device in the accelerate"):
+        check_deepspeed_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})
+
+
+@pytest.mark.slow
+def test_a_launch_with_zero_stage_7_ends_in_one_sentence_before_the_model_loads(tmp_path):
+    """No pydantic ValidationError from inside accelerator.prepare: each process says the sentence and exits 2
+    (the launcher then reports the failed processes, as it does for any failed run)."""
+    require_deepspeed()
+    config = tmp_path / "zero7.yaml"
+    config.write_text((CONFIGS / "zero2.yaml").read_text().replace("zero_stage: 2", "zero_stage: 7"))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), "scripts/train.py", f"output_dir={tmp_path / 'run'}",
+               *TINY_RUN]
+    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=900)
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
+    assert "zero_optimization.stage=7 (zero_stage in the accelerate config file)" in said[0]
+    assert "ValidationError" not in done.stderr and "Loading weights" not in done.stderr
+    assert not (tmp_path / "run").exists()

@@ -169,3 +169,15 @@ def test_an_error_during_a_step_is_printed_on_its_own_line_not_on_the_progress_b
     assert "error: trainer.advantage=mine gave no advantage for a group; fix the plugin.\n" in err.split("\r")[-1]
     assert [line for line in err.split("\n") if "error:" in line] == [
         "error: trainer.advantage=mine gave no advantage for a group; fix the plugin."]
+
+
+def test_a_value_typed_on_the_command_line_is_never_replaced_by_a_config_group_without_a_word(capsys):
+    assert load_config("train", ["task=geoqa"]).trainer.epochs == 1  # the task's run length, nothing typed
+    typed = load_config("train", ["task=geoqa", "trainer.max_steps=3"]).trainer
+    assert (typed.max_steps, typed.epochs) == (3, None)  # the typed value wins: 3 steps, not geoqa's one epoch
+    assert capsys.readouterr().err == ""
+    both = load_config("train", ["task=geoqa", "trainer.max_steps=3", "trainer.epochs=2"]).trainer
+    assert (both.max_steps, both.epochs) == (3, 2)
+    assert capsys.readouterr().err.splitlines() == [
+        "note: trainer.epochs=2.0 replaces trainer.max_steps=3, both given on the command line: passes over the train "
+        "split decide the run's length (drop trainer.epochs to use trainer.max_steps)."]
