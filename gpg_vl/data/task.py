@@ -114,6 +114,11 @@ class Task:
         if self.uses_boxes and row.get("box") is not None:
             check_box(row["box"], row)
 
+    def data_note(self, rows: Sequence[dict]) -> str | None:
+        """One line the trainer prints once, at the start, about the training rows (e.g. how many need a judge);
+        None (the default) for nothing to say. Must be cheap: it runs before the first step."""
+        return None
+
     def open_image(self, value, row=None):
         """`load_image` of a row's image value (a PIL image, bytes, a `datasets` image dict or a path): a path
         resolves against data.image_root, else the data file's folder, and must stay inside it unless

@@ -278,6 +278,9 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     trainer = settings.trainer
     policy.family.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
     train_rows = task.load(task.train_split)
+    note = task.data_note(train_rows)  # e.g. how many rows need a judge: said once, at the start
+    if note:
+        accelerator.print(note)
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
         settings = replace(settings, trainer=trainer)
