@@ -108,7 +108,7 @@ class TrainerSettings:
         "and max_tokens = rollout.max_new_tokens fill those not given here)"))
     overlong_cache: int = field(default=0, metadata=meta(
         "DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens "
-        "(0 = off)", low=0, note="0 = off"))
+        "(a trajectory: its generated tokens before rollout.max_total_tokens; 0 = off)", low=0, note="0 = off"))
     overlong_penalty: float = field(default=1.0, metadata=meta(
         "the penalty at the length limit (it grows linearly over overlong_cache tokens)", low=0))
     std_normalize: bool | None = field(default=None, metadata=meta(

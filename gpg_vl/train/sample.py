@@ -152,8 +152,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
         rewards = rewards + components["temporal"]
         tokens += shuffled_tokens
     if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
-        lengths = result.completion_mask.sum(dim=1)  # [b * G]
-        penalty = trainer.overlong_penalty * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
+        lengths, limit = overlong_lengths(result, rollout)  # [b * G]
+        penalty = trainer.overlong_penalty * overlong_penalty(lengths, limit, overlong_cache)
         components["overlong"] = penalty.view(len(rows), group_size).to(rewards.dtype)  # [b, G]
         rewards = rewards + components["overlong"]
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
@@ -233,6 +233,17 @@ def _described(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"of shape {list(value.shape)} ({str(value.dtype).removeprefix('torch.')})"
     return f"of type {type(value).__name__}"
+
+
+def overlong_lengths(result, rollout: RolloutSettings) -> tuple[torch.Tensor, int]:
+    """The lengths DAPO's overlong shaping reads [B * G] and the limit they are held to: a single turn's
+    completion tokens against rollout.max_new_tokens; a trajectory's generated tokens only (its observations
+    are the tools', not the model's) against its own limit, rollout.max_total_tokens (as verl's multi-turn DAPO
+    holds the response's generated tokens to the whole response budget; max_new_tokens limits each segment)."""
+    if result.trajectories is not None:
+        generated = [sum(trajectory.loss_mask) for trajectory in result.trajectories]
+        return torch.tensor(generated, dtype=torch.long), rollout.max_total_tokens
+    return result.completion_mask.sum(dim=1), rollout.max_new_tokens
 
 
 def budget_spent(trainer: TrainerSettings, counters: dict) -> str:
