@@ -83,7 +83,8 @@ def generate_greedy(
         trajectories = rollout.trajectories or [None] * len(chunk)
         texts = in_task_frame(policy, task, rollout.texts, prompts.batch, 1)
         scored = _scoring_rows(task, [row for _, row in chunk], texts)
-        rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
+        rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s),
+                               trajectories=rollout.trajectories)
         zero = dict.fromkeys(task.reward_functions, 0.0)
         decoded += [Decoded(i, text, prompt_text(message), row, dict(zero) if score is None else score, score is None,
                             trajectory)

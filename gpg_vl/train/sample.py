@@ -139,7 +139,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     prompts = prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores, timeouts, errors = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
-                                                 workers=trainer.reward_workers, budget=reward_budget)
+                                                 workers=trainer.reward_workers, budget=reward_budget,
+                                                 trajectories=result.trajectories)
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size)
                   for n in task.reward_functions}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
