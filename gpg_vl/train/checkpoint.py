@@ -101,32 +101,58 @@ def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, co
     weights = accelerator.get_state_dict(model) if sharded else None
     optimizer_state = _full_optimizer_state(accelerator, model, optimizer)  # collective under FSDP
     rng = gather_object([rng_state()])  # collective: one entry per process, in rank order
+    failure = None
     if accelerator.is_main_process:
-        partial = path.with_name(path.name + PARTIAL)
+        state = {"step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                 "data": stream.state_dict(), "rng": rng, "counters": counters or {}, "record": record or {}}
         try:
-            shutil.rmtree(partial, ignore_errors=True)
-            if weights is None:
-                save_model(accelerator.unwrap_model(model), partial, getattr(policy, "save_format", "full"))
-            else:  # the weights gathered above (FSDP / DeepSpeed), saved in full
-                accelerator.unwrap_model(model).save_pretrained(partial, state_dict=weights, safe_serialization=True)
-            policy.processor.save_pretrained(partial)
-            _write_trainer_state(partial, {
-                "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                "data": stream.state_dict(), "rng": rng, "counters": counters or {}, "record": record or {}})
-            (partial / MARKER_FILE).write_text(json.dumps({"step": step, "files": _manifest(partial),
-                                                           "config": config or {}}, default=str))
-            _fsync_tree(partial)
-            _replace(partial, path)
-        except UserError:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        except Exception as error:  # an OSError, and what torch.save / safetensors raise for a short write
-            shutil.rmtree(partial, ignore_errors=True)  # frees the space the failed save took
-            raise unwritable(f"save {path.name}", path.parent, error) from None
-        if keep > 0:
-            for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
-                remove_checkpoint(stale)
-    accelerator.wait_for_everyone()  # collective: the checkpoint exists for every process once this returns
+            _write_checkpoint(path, accelerator.unwrap_model(model), policy, weights, state, config, keep)
+        except UserError as error:
+            failure = error
+    # collective, in place of a barrier: every process learns whether the save failed, so that all of them end
+    # at once with the main process's sentence (not at the collective timeout, waiting for a process that left)
+    said = _on_every_process(accelerator, None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if said is not None:
+        raise UserError(said)
+
+
+def _on_every_process(accelerator, message: str | None) -> str | None:
+    """The main process's `message`, broadcast to every process (collective with several processes)."""
+    if accelerator.num_processes == 1:
+        return message
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([message], from_process=0)[0]
+
+
+def _write_checkpoint(path: Path, model, policy, weights, state: dict, config: dict | None, keep: int) -> None:
+    """The main process's part of `save_checkpoint`: the files into `<path>.partial`, then renamed to `path`;
+    the oldest checkpoints past `keep` removed. A failure removes the partial folder and raises `unwritable`'s
+    sentence."""
+    partial = path.with_name(path.name + PARTIAL)
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        if weights is None:
+            save_model(model, partial, getattr(policy, "save_format", "full"))
+        else:  # the weights gathered by every process (FSDP / DeepSpeed), saved in full
+            model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+        policy.processor.save_pretrained(partial)
+        _write_trainer_state(partial, state)
+        (partial / MARKER_FILE).write_text(json.dumps({"step": state["step"], "files": _manifest(partial),
+                                                       "config": config or {}}, default=str))
+        _fsync_tree(partial)
+        _replace(partial, path)
+    except UserError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    except Exception as error:  # an OSError, and what torch.save / safetensors raise for a short write
+        shutil.rmtree(partial, ignore_errors=True)  # frees the space the failed save took
+        raise unwritable(f"save {path.name}", path.parent, error) from None
+    if keep > 0:
+        for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
+            remove_checkpoint(stale)
 
 
 # How writers other than the OS report a full disk: safetensors ("SafetensorError: ... No space left on

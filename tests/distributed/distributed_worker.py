@@ -4,6 +4,7 @@
     python tests/distributed/distributed_worker.py update OUT [--engine fsdp|fsdp_offload] [--float64]  # -> update()
     python tests/distributed/distributed_worker.py train OUT [--engine fsdp] -- key=value ...  # train(), then a resume
     python tests/distributed/distributed_worker.py record OUT -- scripts/train.py key=value ...  # each rank observed
+    python tests/distributed/distributed_worker.py fail_save OUT -- scripts/train.py key=value ...  # main's disk full
 
 Each process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the final weights, main process).
 `--engine fsdp` turns accelerate's FSDP2 on although the machine has no GPU: accelerate 1.15 enables FSDP
@@ -269,6 +270,23 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
         (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen, indent=1))
 
 
+def run_failing_save(script: str, arguments: list[str]) -> None:
+    """Run `script` as __main__ with the main process's disk full when it writes a checkpoint's trainer state
+    (every other process saves nothing itself): its exit status is the script's."""
+    import errno
+    import os
+
+    from gpg_vl.train import checkpoint
+
+    if os.environ.get("RANK", "0") == "0":
+        def full(folder, state):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        checkpoint._write_trainer_state = full
+    sys.argv = [script, *arguments]
+    runpy.run_path(script, run_name="__main__")
+
+
 def main() -> None:
     mode, out, *rest = sys.argv[1:]
     out = Path(out)
@@ -283,6 +301,8 @@ def main() -> None:
         run_train(out, engine, extra)
     elif mode == "record":
         run_recorded(out, extra[0], extra[1:])
+    elif mode == "fail_save":
+        run_failing_save(extra[0], extra[1:])
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

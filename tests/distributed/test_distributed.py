@@ -372,3 +372,21 @@ def test_a_launch_with_zero_stage_7_ends_in_one_sentence_before_the_model_loads(
     assert "zero_optimization.stage=7 (zero_stage in the accelerate config file)" in said[0]
     assert "ValidationError" not in done.stderr and "Loading weights" not in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_save_on_the_main_process_ends_every_process_at_once_with_its_sentence(tmp_path):
+    """The main process cannot write checkpoint-1 (its disk is full); the other process, which saves nothing
+    itself, ends with the same sentence at once instead of waiting for the collective timeout (30 minutes by
+    default: the launch's timeout would fail this test first)."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               str(_free_port()), str(WORKER), "fail_save", str(tmp_path / "views"), "--", "scripts/train.py",
+               f"output_dir={run}", "trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false",
+               *TINY_RUN]
+    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600)
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
+    assert "could not save checkpoint-1" in said[0] and "the disk is full (No space left on device)" in said[0]
+    assert not list(run.glob("checkpoint-*")) and "[rank0]: Traceback" not in done.stderr
+    assert "[rank1]: Traceback" not in done.stderr  # no collective timed out
