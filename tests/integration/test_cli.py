@@ -155,7 +155,7 @@ def test_every_model_alias_resolves_and_is_a_short_diff_over_the_schema_defaults
 
 
 def test_an_error_during_a_step_is_printed_on_its_own_line_not_on_the_progress_bar(tmp_path, capsys, monkeypatch):
-    from runs import QUICK_RUN
+    from helpers.runs import QUICK_RUN
 
     from gpg_vl.train import loop
 

@@ -56,7 +56,8 @@ def test_rewards_receive_the_trajectory_and_the_tool_bonus_reads_its_calls(polic
     task = Judged()
     scores, late, errors = score_completions(task, texts, [{}] * len(texts), workers=workers,
                                              trajectories=rollout.trajectories)
-    assert late == errors == 0 and [s["tool"] for s in scores] == [1.0, 0.0, 0.0, 1.0]  # crop, free text, refused box, crop
+    assert late == errors == 0
+    assert [s["tool"] for s in scores] == [1.0, 0.0, 0.0, 1.0]  # crop, free text, refused box, crop
     assert [crops_received(t) for t in rollout.trajectories] == [1, 0, 0, 1]
     assert [s["turns"] for s in scores] == [float(t.turns) for t in rollout.trajectories]
     assert all(s["plain"] == 1.0 for s in scores) and not getattr(task, "reward_errors", {})
