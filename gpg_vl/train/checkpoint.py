@@ -102,11 +102,15 @@ def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, co
     optimizer_state = _full_optimizer_state(accelerator, model, optimizer)  # collective under FSDP
     rng = gather_object([rng_state()])  # collective: one entry per process, in rank order
     failure = None
-    if accelerator.is_main_process:
+    zero = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if zero:  # collective: every process writes its partition of the ZeRO optimizer state into the partial folder
+        failure = _save_zero_state(accelerator, model, path)
+    if accelerator.is_main_process and failure is None:
         state = {"step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                  "data": stream.state_dict(), "rng": rng, "counters": counters or {}, "record": record or {}}
         try:
-            _write_checkpoint(path, accelerator.unwrap_model(model), policy, weights, state, config, keep)
+            _write_checkpoint(path, accelerator.unwrap_model(model), policy, weights, state, config, keep,
+                              fresh=not zero)
         except UserError as error:
             failure = error
     # collective, in place of a barrier: every process learns whether the save failed, so that all of them end
@@ -118,6 +122,29 @@ def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, co
         raise UserError(said)
 
 
+ZERO_STATE = "zero"  # under DeepSpeed: the engine's own checkpoint (each process's optimizer partition, fp32 master)
+
+
+def _save_zero_state(accelerator, engine, path: Path) -> UserError | None:
+    """Under DeepSpeed (collective): the main process starts `<path>.partial`, then every process writes its
+    partition of the ZeRO optimizer state (AdamW's moments and the fp32 master weights) into its `zero/` folder
+    with the engine's own `save_checkpoint`, which a resume on as many processes loads back. The main process's
+    failure, or None (another process's failure reaches it through DeepSpeed's own collectives)."""
+    partial = path.with_name(path.name + PARTIAL)
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    try:
+        engine.save_checkpoint(str(partial / ZERO_STATE), tag=ZERO_STATE, save_latest=False,
+                               exclude_frozen_parameters=True)
+    except Exception as error:  # noqa: BLE001  a full disk, most often
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        return unwritable(f"save {path.name}", path.parent, error)
+    return None
+
+
 def _on_every_process(accelerator, message: str | None) -> str | None:
     """The main process's `message`, broadcast to every process (collective with several processes)."""
     if accelerator.num_processes == 1:
@@ -127,13 +154,15 @@ def _on_every_process(accelerator, message: str | None) -> str | None:
     return broadcast_object_list([message], from_process=0)[0]
 
 
-def _write_checkpoint(path: Path, model, policy, weights, state: dict, config: dict | None, keep: int) -> None:
-    """The main process's part of `save_checkpoint`: the files into `<path>.partial`, then renamed to `path`;
-    the oldest checkpoints past `keep` removed. A failure removes the partial folder and raises `unwritable`'s
-    sentence."""
+def _write_checkpoint(path: Path, model, policy, weights, state: dict, config: dict | None, keep: int, *,
+                      fresh: bool = True) -> None:
+    """The main process's part of `save_checkpoint`: the files into `<path>.partial` (started afresh, or, not
+    `fresh`, holding the ZeRO state already), then renamed to `path`; the oldest checkpoints past `keep`
+    removed. A failure removes the partial folder and raises `unwritable`'s sentence."""
     partial = path.with_name(path.name + PARTIAL)
     try:
-        shutil.rmtree(partial, ignore_errors=True)
+        if fresh:
+            shutil.rmtree(partial, ignore_errors=True)
         if weights is None:
             save_model(model, partial, getattr(policy, "save_format", "full"))
         else:  # the weights gathered by every process (FSDP / DeepSpeed), saved in full
@@ -201,8 +230,8 @@ def writing(what: str, output_dir: Path):
 
 
 def _full_optimizer_state(accelerator, model, optimizer) -> dict | None:
-    """The optimizer state as one process-count-free dict; None under DeepSpeed (the ZeRO optimizer keeps
-    its own partitioned state: a resume there restarts the AdamW moments)."""
+    """The optimizer state as one process-count-free dict; None under DeepSpeed (the ZeRO optimizer's own
+    partitioned state is saved by the engine: `_save_zero_state`)."""
     from accelerate.utils import DistributedType
 
     if accelerator.is_fsdp2:  # collective: every process contributes its shard, every one gets the whole
@@ -473,8 +502,7 @@ def _restore(state, path, optimizer, scheduler, stream, accelerator, model, coun
     elif state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     elif accelerator is not None:
-        accelerator.print(f"warning: {path} holds no optimizer state (saved under DeepSpeed); AdamW's moments "
-                          "restart from zero.")
+        _load_zero_state(Path(path), accelerator, model)
     scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
     rng, process_index = state["rng"], accelerator.process_index if accelerator is not None else 0
@@ -484,6 +512,26 @@ def _restore(state, path, optimizer, scheduler, stream, accelerator, model, coun
     if record is not None:
         record.update(state.get("record", {}))
     return int(state["step"])
+
+
+def _load_zero_state(path: Path, accelerator, engine) -> None:
+    """Under DeepSpeed (collective): each process loads its partition of the ZeRO optimizer state (and the
+    engine's weights, the same values as the checkpoint's model) with the engine's own `load_checkpoint`. A
+    checkpoint saved by another number of processes is refused in one sentence; one without the state (saved
+    by an older gpg-vl) restarts AdamW's moments, with a warning."""
+    from accelerate.utils import DistributedType
+
+    folder = path / ZERO_STATE / ZERO_STATE
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not folder.is_dir():
+        accelerator.print(f"warning: {path} holds no optimizer state for this run (saved under DeepSpeed by an "
+                          "older gpg-vl, or resumed without DeepSpeed); AdamW's moments restart from zero.")
+        return
+    saved = len(list(folder.glob("*optim_states.pt")))
+    if saved != accelerator.num_processes:
+        raise UserError(f"{path} holds the ZeRO optimizer state of {saved} processes, and DeepSpeed loads it on as "
+                        f"many only; resume with --num_processes {saved}.")
+    engine.load_checkpoint(str(path / ZERO_STATE), tag=ZERO_STATE, load_module_strict=False,
+                           load_optimizer_states=True, load_lr_scheduler_states=False)
 
 
 def truncate_metrics(metrics_file: Path, step: int) -> int:

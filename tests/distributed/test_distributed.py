@@ -390,3 +390,22 @@ def test_a_failed_save_on_the_main_process_ends_every_process_at_once_with_its_s
     assert "could not save checkpoint-1" in said[0] and "the disk is full (No space left on device)" in said[0]
     assert not list(run.glob("checkpoint-*")) and "[rank0]: Traceback" not in done.stderr
     assert "[rank1]: Traceback" not in done.stderr  # no collective timed out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_trains_saves_and_resumes_exactly(tmp_path, stage):
+    """ZeRO-2 and ZeRO-3 on 2 CPU processes: a run resumed from step 1 ends on the same weights and logs the same
+    step-2 metrics as the run it continues: each process's partition of the ZeRO optimizer state (AdamW's moments)
+    is saved by the engine into the checkpoint and loaded back."""
+    require_deepspeed()
+    launch(str(WORKER), "train", str(tmp_path), "--engine", f"zero{stage}", "--", "trainer.max_steps=2",
+           "trainer.eval_before=false", "trainer.eval_after=false", *TINY_RUN, config=f"zero{stage}.yaml")
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["engine"] == "DistributedType.DEEPSPEED"
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoint-1" / "zero" / "zero").glob("*optim_states.pt")) \
+        == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    first, second = metrics_lines(tmp_path / "a"), metrics_lines(tmp_path / "b")
+    assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in second] == [2]
+    assert without_timing(second[0]) == without_timing(first[1])
+    assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")
