@@ -186,6 +186,7 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
     from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
     from gpg_vl.train.build import build_policy, build_task
     from gpg_vl.train.loop import RunSettings, setup_policy, train
+    from gpg_vl.train.update import needs_reference
 
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type)}
@@ -196,8 +197,11 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
         settings = RunSettings(TrainerSettings(**container["trainer"]), RolloutSettings(**container["rollout"]),
                                EvalSettings(**container["eval"]), output_dir=cfg.output_dir, seed=cfg.seed,
                                resume_from=cfg.resume, config=container)
+        # a KL loss scores the initial weights: a resumed run gets them rebuilt, as the command line does
+        reference = build_policy(cfg.model, accelerator.device).model if cfg.resume and needs_reference(
+            settings.trainer) else None
         result[run] = train(setup_policy(build_policy(model_cfg, accelerator.device), build_task(cfg.task, cfg.data),
-                                         settings, accelerator=accelerator))
+                                         settings, accelerator=accelerator, reference=reference))
         accelerator.free_memory()  # forget run a's model: a real run prepares one (FSDP2 allows one at a time)
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result, indent=1, default=str))
 

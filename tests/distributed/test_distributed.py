@@ -393,14 +393,19 @@ def test_a_failed_save_on_the_main_process_ends_every_process_at_once_with_its_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_trains_saves_and_resumes_exactly(tmp_path, stage):
+@pytest.mark.parametrize("config, algorithm", [("zero2", "gpg"), ("zero3", "gpg"), ("zero2", "grpo"),
+                                              ("zero3_offload", "gpg")])
+def test_deepspeed_trains_saves_and_resumes_exactly(tmp_path, config, algorithm):
     """ZeRO-2 and ZeRO-3 on 2 CPU processes: a run resumed from step 1 ends on the same weights and logs the same
     step-2 metrics as the run it continues: each process's partition of the ZeRO optimizer state (AdamW's moments)
-    is saved by the engine into the checkpoint and loaded back."""
+    is saved by the engine into the checkpoint and loaded back. GRPO under ZeRO-2: its KL reference is a plain
+    frozen copy there (ZeRO-3's is an engine: the checkpoint test below), 0 at the first step, positive after.
+    configs/accelerate/zero3_offload.yaml runs too (parameters and optimizer state in CPU memory: accelerate swaps
+    the AdamW for DeepSpeedCPUAdam, whose op DeepSpeed compiles on first use)."""
     require_deepspeed()
-    launch(str(WORKER), "train", str(tmp_path), "--engine", f"zero{stage}", "--", "trainer.max_steps=2",
-           "trainer.eval_before=false", "trainer.eval_after=false", *TINY_RUN, config=f"zero{stage}.yaml")
+    launch(str(WORKER), "train", str(tmp_path), "--engine", config, "--", "trainer.max_steps=2",
+           f"algorithm={algorithm}", "trainer.eval_before=false", "trainer.eval_after=false", *TINY_RUN,
+           *(["trainer.beta_th=0.5"] if algorithm == "grpo" else []), config=f"{config}.yaml")
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["engine"] == "DistributedType.DEEPSPEED"
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoint-1" / "zero" / "zero").glob("*optim_states.pt")) \
@@ -409,3 +414,5 @@ def test_deepspeed_trains_saves_and_resumes_exactly(tmp_path, stage):
     assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in second] == [2]
     assert without_timing(second[0]) == without_timing(first[1])
     assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")
+    if algorithm == "grpo":
+        assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6) and first[1]["kl"] > 0
