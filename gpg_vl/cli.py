@@ -41,6 +41,9 @@ def train_main(cfg: DictConfig) -> dict:
     except KeyboardInterrupt:
         run.bar.close()  # the message on a line of its own
         raise Interrupted(_interrupted(run)) from None
+    except BaseException:
+        run.bar.close()  # an error's sentence (or traceback) on a line of its own, not on the progress bar's
+        raise
     if run.main and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"
               f"  ({cfg.output_dir}/summary.json)")

@@ -66,3 +66,27 @@ def gathered_for_generation(model: torch.nn.Module):
         yield
     finally:
         model.reshard()
+
+
+# DeepSpeed's zero_optimization keys -> the accelerate config file's keys that set them
+DEEPSPEED_FILE_KEYS = {"stage": "zero_stage", "offload_optimizer.device": "offload_optimizer_device",
+                       "offload_param.device": "offload_param_device"}
+
+
+def check_deepspeed_config(config: dict) -> None:
+    """DeepSpeed's own check of the config's zero_optimization section (its pydantic model), run when the
+    Accelerator is made: a bad value (zero_stage: 7) fails in one sentence on every process, before the model
+    loads, instead of a ValidationError inside accelerator.prepare."""
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        key = ".".join(str(part) for part in first["loc"])
+        where = f" ({DEEPSPEED_FILE_KEYS[key]} in the accelerate config file)" if key in DEEPSPEED_FILE_KEYS else ""
+        raise UserError(f"the DeepSpeed config has zero_optimization.{key}={first.get('input')!r}{where}, which "
+                        f"DeepSpeed refuses: {first['msg'][0].lower()}{first['msg'][1:].rstrip('.')}; fix it in the "
+                        "file given to `accelerate launch --config_file` (configs/accelerate/zero2.yaml and "
+                        "zero3.yaml are valid).") from None

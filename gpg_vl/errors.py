@@ -23,6 +23,11 @@ class BadRow(UserError):
         self.reason = reason
 
 
+class SkippedRow(BadRow):
+    """A row the task skips by design, not damaged data: it needs what the run lacks (a sentence ground truth
+    without a judge). Counted under its reason, outside data.max_bad_fraction's stop."""
+
+
 class Interrupted(Exception):
     """Ctrl-C during a run: the message says where it stopped and how to continue; the command line prints it
     as one line (no traceback) and exits with 130, as a shell does for SIGINT."""

@@ -17,8 +17,9 @@ Accuracy, by the ground truth's form:
   (case, spaces, edge punctuation), or the same number;
 - a sentence ("The bag is black."): only a judge can tell, so with the run's judge (`reward.judge.kind=endpoint`
   or `local`, gpg_vl/reward/judge.py; the task reads `self.judge`, which the setup sets) the judge decides;
-  without one (the default) such a row is skipped and counted as the bad-row reason "sentence answer without a
-  judge", never scored 0.
+  without one (the default) such a row is skipped and counted as `skipped_rows/sentence answer without a judge`,
+  outside data.max_bad_fraction (it is not damaged data), never scored 0; the run says at its start how many
+  training rows need a judge (`data_note`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import re
 
 from gpg_vl.data.sources import RowView, load_rows
 from gpg_vl.data.task import checked_text, register_task, row_name
-from gpg_vl.errors import BadRow, UserError
+from gpg_vl.errors import BadRow, SkippedRow, UserError
 from gpg_vl.reward.primitives import choice_letter, normalize_text
 from gpg_vl.reward.tooluse import MAX_ANSWER_CHARS, deepeyes_answer, lettered_options
 from gpg_vl.rollout.tools import ZOOM_PARAMETERS, register_tool, zoom_in
@@ -118,13 +119,32 @@ class DeepEyes(ToolTask):
         answer = checked_text(str(truth), row, "answer", "reward_model.ground_truth")
         kind = answer_kind(answer)
         if kind == "sentence" and getattr(self, "judge", None) is None:
-            raise BadRow("sentence answer without a judge",
+            raise SkippedRow("sentence answer without a judge",
                          f"{row_name(row)}'s ground truth is a sentence, which only a judge can compare; set "
                          f"{JUDGE_KEYS} to train on such rows.")
         question = self.user_text(row).replace(IMAGE, "").strip()
         asked = (row.get("extra_info") or {}).get("question")
         return {"answer": answer, "answer_kind": kind, "question": question, "choices": lettered_options(question)[1],
                 "judge_question": asked.strip() if isinstance(asked, str) and asked.strip() else question}
+
+    def data_note(self, rows) -> str | None:
+        """How many of `rows` have a sentence ground truth (need a judge), read from the ground-truth columns
+        only (no image is decoded); None when none has."""
+        raw, positions = (rows.rows, rows.positions) if isinstance(rows, RowView) else (rows, range(len(rows)))
+        columns = raw.column_names if hasattr(raw, "column_names") else []
+        truths = raw["reward_model"] if "reward_model" in columns else [raw[i].get("reward_model") for i in positions]
+        answers = raw["extra_info"] if "extra_info" in columns else [None] * len(truths)
+        sentences = 0
+        for i in positions:
+            truth = (truths[i] or {}).get("ground_truth")
+            truth = (answers[i] or {}).get("answer") if truth is None else truth
+            sentences += truth is not None and answer_kind(str(truth)) == "sentence"
+        if not sentences:
+            return None
+        if self.judge is None:
+            return (f"{sentences} of {len(positions)} training rows have a sentence ground truth, which only a judge "
+                    f"can score: they are skipped (not counted as bad rows); set {JUDGE_KEYS} to train on them.")
+        return f"{sentences} of {len(positions)} training rows have a sentence ground truth: the judge scores them."
 
     @staticmethod
     def user_text(row: dict) -> str:

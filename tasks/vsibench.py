@@ -97,7 +97,7 @@ class VSIBench(Task):
 
     def prepare_targets(self, row: dict) -> dict:
         """`answer`: the ground truth as text; `BadRow` for an unknown question type, a numerical truth that is no
-        non-zero number, or a multiple-choice row without options."""
+        non-zero number, a multiple-choice row without options or whose answer is not one of their letters."""
         kind = row.get("question_type")
         if kind not in MCA_TYPES and kind not in NA_TYPES:
             raise BadRow("unknown question type", f"{row_name(row)} has the question_type {kind!r}, not one of "
@@ -108,6 +108,11 @@ class VSIBench(Task):
                                        "number; fix or drop the row.")
         if kind in MCA_TYPES and not row.get("options"):
             raise BadRow("no options", f"{row_name(row)} is multiple choice but has no options; check the data.")
+        if kind in MCA_TYPES:
+            letters = [first_word(str(option)).upper() for option in row["options"]]  # "A. left" -> "A"
+            if first_word(answer).upper() not in letters:
+                raise BadRow("bad label", f"{row_name(row)} has the answer {answer!r}, not the letter of one of its "
+                                          f"{len(letters)} options ({', '.join(letters)}); fix or drop the row.")
         return {"answer": answer}
 
     def check_row(self, row: dict) -> None:

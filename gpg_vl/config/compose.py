@@ -60,6 +60,25 @@ def _check_override(cfg: DictConfig, override: str) -> None:
         node = node[part]
 
 
+# (key, the key it replaces when set, why): where one setting decides for another, a value typed on the
+# command line is never replaced by a config group's without a word (`_typed_values_win`)
+REPLACES = (("trainer.epochs", "trainer.max_steps", "passes over the train split decide the run's length"),)
+
+
+def _typed_values_win(cfg: DictConfig, typed: set[str]) -> None:
+    """For each (key, replaced, why) of REPLACES where `key` is set: a typed `replaced` wins over a `key` that
+    came from a config file (task, experiment), which is unset; typed too, `key` wins and one line says so."""
+    for key, replaced, why in REPLACES:
+        value = OmegaConf.select(cfg, key)
+        if value is None or replaced not in typed:
+            continue
+        if key in typed:
+            print(f"note: {key}={value} replaces {replaced}={OmegaConf.select(cfg, replaced)}, both given on the "
+                  f"command line: {why} (drop {key} to use {replaced}).", file=sys.stderr)
+        else:
+            OmegaConf.update(cfg, key, None)  # the config file's value gives way to the one typed
+
+
 def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     """Compose `configs/<config_name>.yaml` with `key=value` overrides; unknown keys fail with the list."""
     # `model=/path/to/dir` evaluates or trains a local directory, its family read from its config.json.
@@ -101,6 +120,7 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
         raise UserError(_type_error(error) or f"bad command line: {str(error).splitlines()[0]}") from None
     finally:
         register_schema()  # the next config starts from the built-in sections
+    _typed_values_win(cfg, {o.split("=", 1)[0].lstrip("+~") for o in overrides})
     check_values(cfg, *(schemas or ()))  # every value's range (types: the schema), before anything loads
     if config_name == "train":  # the variant names and the keys' agreement, as the typed settings check them
         trainer = OmegaConf.to_object(cfg.trainer)  # deprecated keys resolved here, once (one warning)

@@ -62,7 +62,8 @@ class TrainerSettings:
 
     max_steps: int = field(default=100, metadata=meta("optimizer steps", low=1))
     epochs: float | None = field(default=None, metadata=meta(
-        "if set, passes over the train split (at B prompts per step) replace max_steps", above=0))
+        "if set, passes over the train split (at B prompts per step) replace max_steps", above=0,
+        note="a trainer.max_steps typed on the command line wins over a task's epochs"))
     group_size: int = field(default=8, metadata=meta(
         "G: completions sampled per prompt", low=1, note="at least 2 with a group baseline"))
     batch_size: int = field(default=8, metadata=meta("B: prompts per step, over all processes", low=1))
@@ -108,7 +109,7 @@ class TrainerSettings:
         "and max_tokens = rollout.max_new_tokens fill those not given here)"))
     overlong_cache: int = field(default=0, metadata=meta(
         "DAPO's overlong shaping: a reward penalty over the last this many tokens before rollout.max_new_tokens "
-        "(0 = off)", low=0, note="0 = off"))
+        "(a trajectory: its generated tokens before rollout.max_total_tokens; 0 = off)", low=0, note="0 = off"))
     overlong_penalty: float = field(default=1.0, metadata=meta(
         "the penalty at the length limit (it grows linearly over overlong_cache tokens)", low=0))
     std_normalize: bool | None = field(default=None, metadata=meta(

@@ -155,6 +155,11 @@ def _cross_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"trainer.overlong_cache={cache} above rollout.max_new_tokens={limit}, allowed: "
                         "overlong_cache <= max_new_tokens (DAPO's penalty ramps over the last overlong_cache tokens "
                         "before the length limit; 0 = off)")
+    total, turns = (cfg.get("rollout") or {}).get("max_total_tokens"), (cfg.get("rollout") or {}).get("max_turns")
+    if isinstance(cache, int) and isinstance(total, int) and isinstance(turns, int) and turns > 1 and cache > total:
+        problems.append(f"trainer.overlong_cache={cache} above rollout.max_total_tokens={total} with rollout."
+                        f"max_turns={turns}, allowed: overlong_cache <= max_total_tokens (a trajectory's generated "
+                        "tokens are held to its own limit)")
     model = cfg.get("model") or {}
     low, high = model.get("min_pixels"), model.get("max_pixels")
     if isinstance(low, int) and isinstance(high, int) and low > high:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from gpg_vl.errors import BadRow, UserError
+from gpg_vl.errors import BadRow, SkippedRow, UserError
 
 MAX_ASPECT_RATIO = 200.0  # the most elongated image any processor is given (a family may allow fewer)
 MIN_ROWS_JUDGED = 100  # the bad fraction is taken over at least this many rows (or the whole split if smaller)
@@ -91,6 +91,7 @@ class BadRowLog:
         self.max_bad_fraction, self.total, self.kept = max_bad_fraction, total, kept
         self.seen, self.bad, self.in_a_row = 0, 0, 0
         self.by_reason: dict[str, int] = {}
+        self.skipped: dict[str, int] = {}  # rows a task skips by design (SkippedRow), by reason: never "bad"
         self.first: list[list] = []  # [index, reason, message] of the first `kept` bad rows (None: all)
         self.traceback_shown = False
 
@@ -99,7 +100,15 @@ class BadRowLog:
         self.in_a_row = 0
 
     def record(self, index: int, error: BadRow) -> str | None:
-        """Count a bad row; returns a message to print when its reason is new (one per reason)."""
+        """Count a bad row (a skipped one apart); returns a message to print when its reason is new (one per
+        reason)."""
+        if isinstance(error, SkippedRow):
+            self.in_a_row += 1  # a split of skipped rows only still ends (next_prompts' guard)
+            new = error.reason not in self.skipped
+            self.skipped[error.reason] = self.skipped.get(error.reason, 0) + 1
+            return (f"skipped row {index} ({error.reason}): {error} Such rows are counted as skipped_rows/"
+                    f"{error.reason} in metrics.jsonl and summary.json, outside data.max_bad_fraction; this is "
+                    "shown once.") if new else None
         self.seen += 1
         self.bad += 1
         self.in_a_row += 1
@@ -124,6 +133,10 @@ class BadRowLog:
     def stop_message(self) -> str:
         """One sentence: how many rows are bad, the limit, the first bad rows with their reasons, the fix."""
         first = ", ".join(f"row {index} ({reason})" for index, reason, _ in self.first[:FIRST_KEPT])
+        if not self.bad:  # every row drawn was skipped by design
+            reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(self.skipped.items()))
+            return (f"no training row can be used: the task skipped every row drawn ({reasons}); give the run what "
+                    "those rows need (the first skip's warning says what) or use other data.")
         return (f"{self.bad} of {self.seen} rows seen are bad ({self.bad / max(self.seen, 1):.1%}), over "
                 f"data.max_bad_fraction={self.max_bad_fraction}; the first: {first}; fix or drop them "
                 "(scripts/validate_data.py lists every bad row and why) or raise data.max_bad_fraction.")
@@ -132,11 +145,13 @@ class BadRowLog:
         """Cumulative counts for metrics.jsonl: rows_seen, bad_rows and bad_rows/<reason>."""
         counts = {"rows_seen": self.seen, "bad_rows": self.bad}
         counts.update({f"bad_rows/{reason}": count for reason, count in sorted(self.by_reason.items())})
+        counts.update({f"skipped_rows/{reason}": count for reason, count in sorted(self.skipped.items())})
         return counts
 
     def summary(self) -> dict:
+        skipped = {"skipped_rows": dict(sorted(self.skipped.items()))} if self.skipped else {}
         return {"rows_seen": self.seen, "bad_rows": self.bad, "by_reason": dict(sorted(self.by_reason.items())),
-                "first_bad_rows": [{"row": i, "reason": r, "message": m} for i, r, m in self.first]}
+                **skipped, "first_bad_rows": [{"row": i, "reason": r, "message": m} for i, r, m in self.first]}
 
     def report(self, what: str = "rows") -> str:
         """A few lines for people: the counts by reason and the first bad rows."""
@@ -144,6 +159,8 @@ class BadRowLog:
                  f"data.max_bad_fraction={self.max_bad_fraction})"]
         width = max((len(reason) for reason in self.by_reason), default=0)
         lines += [f"  {reason:<{width}}  {count}" for reason, count in sorted(self.by_reason.items())]
+        lines += [f"{what} skipped by design (not bad): " + ", ".join(
+            f"{count} {reason}" for reason, count in sorted(self.skipped.items()))] if self.skipped else []
         if self.first:
             lines.append("bad rows:" if len(self.first) == self.bad else f"first {len(self.first)} bad rows:")
             lines += [f"  row {index}: {reason}: {message}" for index, reason, message in self.first]
@@ -151,11 +168,12 @@ class BadRowLog:
 
     def state_dict(self) -> dict:
         return {"seen": self.seen, "bad": self.bad, "in_a_row": self.in_a_row, "by_reason": dict(self.by_reason),
-                "first": [list(entry) for entry in self.first]}
+                "skipped": dict(self.skipped), "first": [list(entry) for entry in self.first]}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen, self.bad, self.in_a_row = int(state["seen"]), int(state["bad"]), int(state["in_a_row"])
         self.by_reason = {str(k): int(v) for k, v in state["by_reason"].items()}
+        self.skipped = {str(k): int(v) for k, v in state.get("skipped", {}).items()}
         self.first = [list(entry) for entry in state["first"]]
 
 

@@ -18,6 +18,7 @@ load from `module:ClassName` or `path/to/file.py:ClassName`; loading a file runs
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import re
@@ -114,6 +115,11 @@ class Task:
         if self.uses_boxes and row.get("box") is not None:
             check_box(row["box"], row)
 
+    def data_note(self, rows: Sequence[dict]) -> str | None:
+        """One line the trainer prints once, at the start, about the training rows (e.g. how many need a judge);
+        None (the default) for nothing to say. Must be cheap: it runs before the first step."""
+        return None
+
     def open_image(self, value, row=None):
         """`load_image` of a row's image value (a PIL image, bytes, a `datasets` image dict or a path): a path
         resolves against data.image_root, else the data file's folder, and must stay inside it unless
@@ -153,9 +159,11 @@ class Task:
         """The reference answer of a row, as shown in predictions files."""
         return str(self.scoring_row(row).get("answer", ""))
 
-    def reward_components(self, completion: str, row: dict) -> dict[str, float]:
+    def reward_components(self, completion: str, row: dict, trajectory=None) -> dict[str, float]:
         """Each reward function's raw score for one completion of `row` (the dataset's published row, or the
-        row the loader prepared: see `scoring_row`).
+        row the loader prepared: see `scoring_row`). A reward function is called `fn(completion, row)`; one that
+        takes a `trajectory` keyword also gets the multi-turn `Trajectory` of the completion (its segments, tool
+        calls and observations: gpg_vl/rollout/trajectory.py), None for a single turn or a re-scored file.
 
         A reward function that raises gives this completion 0 for that reward: the error is counted in
         `reward_errors[name]` (the task's running record) and its first traceback is printed once; the trainer
@@ -163,9 +171,9 @@ class Task:
         leaves the completion's group out of the update) and counted in `reward_nonfinite[name]`. A row without a
         usable target raises `BadRow` (see `prepare_targets`).
         """
-        return self.scored_components(completion, row)[0]
+        return self.scored_components(completion, row, trajectory)[0]
 
-    def scored_components(self, completion: str, row: dict) -> tuple[dict[str, float], int]:
+    def scored_components(self, completion: str, row: dict, trajectory=None) -> tuple[dict[str, float], int]:
         """(`reward_components`, how many of the task's reward functions raised on this completion)."""
         raised = 0
         with _COUNTING:  # completions are scored on several threads (gpg_vl/reward/pool.py): a row is prepared once
@@ -175,7 +183,8 @@ class Task:
         scores = {}
         for name, fn in self.reward_functions.items():
             try:
-                score = _as_score(fn(completion, row))
+                score = _as_score(fn(completion, row, trajectory=trajectory) if takes_trajectory(fn) else
+                                  fn(completion, row))
             except Exception as error:  # a reward (often a user's own) that fails on odd output must not end the run
                 raised += 1
                 with _COUNTING:
@@ -227,6 +236,23 @@ class Task:
             result["accuracy"] = sums["accuracy"] / count
         result["answered"] = sum(extract_answer(c) is not None for c in completions) / count
         return result
+
+
+def takes_trajectory(fn) -> bool:
+    """Whether a reward function takes the `trajectory` keyword (named, or through **kwargs)."""
+    try:
+        return _takes_trajectory(fn)
+    except TypeError:  # an unhashable callable: not cached
+        return _takes_trajectory.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=1024)
+def _takes_trajectory(fn) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "trajectory" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def row_name(row: dict) -> str:

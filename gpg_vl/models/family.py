@@ -267,6 +267,14 @@ class Family:
         self.reset_positions(model)
         return (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
 
+    def prefill_positions(self, model, inputs: dict[str, Tensor]) -> Tensor | None:
+        """The positions [N, P] the rollout's prefill of a left-padded prompt batch passes: the attention mask's
+        count, which the decode steps and the update use too (a model left to itself would count the padding).
+        None for multimodal rotary positions [3, N, P]: the model computes those itself from the mask, and keeps
+        the offsets (`rope_deltas`) that `generate` continues from."""
+        positions = self.position_ids(model, inputs)
+        return positions if positions is not None and positions.dim() == 2 else None
+
     def prompt_once_unsupported(self, model: torch.nn.Module) -> str | None:
         """Why this model cannot run prompt-once exactly (None when it can)."""
         return None

@@ -210,6 +210,9 @@ def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, m
     bare = unwrap(model)
     per_token = {key: inputs[key] for key in per_token_keys(inputs)}
     head = {**inputs, **{key: value[:, :-1] for key, value in per_token.items()}}  # [B, P - 1] each
+    positions = family.prefill_positions(bare, inputs)  # [B, P]: the mask's count, as decode and update use
+    if positions is not None:
+        head["position_ids"] = positions[:, :-1]
     family.reset_positions(bare)
     prefilled = bare(**head, use_cache=True, logits_to_keep=1)
     index = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(group_size)  # [B * G]

@@ -16,7 +16,8 @@ reference, answer) -> 1.0 | 0.0`); the setup (`gpg_vl/train/build.py`'s `build_j
 in evaluation, so a task never knows where its judge comes from. Verdicts are memoised (the tool bonus asks the
 accuracy of a completion again). A judge that cannot give a verdict (an unreachable endpoint, a timeout, an
 unreadable reply) raises `JudgeError`: the task then scores that completion 0 for accuracy and counts it in
-`reward_errors`, never silently.
+`reward_errors`, never silently. A failed verdict is remembered until the next step (`Judge.new_step`), so
+asking it again (the tool bonus) fails at once rather than costing the endpoint's timeout twice.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Judge:
 
     def __init__(self) -> None:
         self._memo: OrderedDict[Question, float] = OrderedDict()
+        self._failed: dict[Question, str] = {}  # this step's failed verdicts: asked again, they fail at once
         self._lock = threading.Lock()
 
     def __call__(self, question: str, reference: str, answer: str) -> float:
@@ -79,12 +81,25 @@ class Judge:
         with self._lock:
             if key in self._memo:
                 return self._memo[key]
-        verdict = self.decide(key)
+            if key in self._failed:
+                raise JudgeError(self._failed[key])
+        try:
+            verdict = self.decide(key)
+        except JudgeError as error:
+            with self._lock:
+                self._failed[key] = str(error)
+            raise
         with self._lock:
             self._memo[key] = verdict
             while len(self._memo) > MEMO_SIZE:
                 self._memo.popitem(last=False)
         return verdict
+
+    def new_step(self) -> None:
+        """Forget the failed verdicts (the trainer calls this as each step starts): within a step, a question
+        whose verdict failed fails again at once instead of costing the endpoint's timeout twice."""
+        with self._lock:
+            self._failed.clear()
 
     def decide(self, question: Question) -> float:
         """The verdict on one (question, reference, answer) not in the memo; JudgeError when there is none."""

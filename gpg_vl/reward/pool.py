@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from gpg_vl.data.task import takes_trajectory
+
 
 class RewardBudget:
     """The reward time one training step may still spend, in seconds (`seconds <= 0`: no limit)."""
@@ -43,39 +45,51 @@ class Scores(NamedTuple):
 
 
 def score_completions(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int = 1,
-                      budget: RewardBudget | None = None) -> Scores:
-    """Each completion's reward components, with the counts of timeouts and reward errors (`Scores`)."""
-    scored = _score(task, completions, rows, workers=workers, budget=budget)
+                      budget: RewardBudget | None = None, trajectories: Sequence | None = None) -> Scores:
+    """Each completion's reward components, with the counts of timeouts and reward errors (`Scores`).
+    `trajectories`: each completion's multi-turn Trajectory (its rewards receive it), or None."""
+    scored = _score(task, completions, rows, workers=workers, budget=budget, trajectories=trajectories)
     zero = dict.fromkeys(task.reward_functions, 0.0)
     return Scores([dict(zero) if s is None else s[0] for s in scored], sum(s is None for s in scored),
                   sum(s[1] for s in scored if s is not None))
 
 
 def score_within(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int = 1,
-                 budget: RewardBudget | None = None) -> list[dict[str, float] | None]:
+                 budget: RewardBudget | None = None,
+                 trajectories: Sequence | None = None) -> list[dict[str, float] | None]:
     """Each completion's reward components, None for each one not scored within `budget`."""
-    return [None if s is None else s[0] for s in _score(task, completions, rows, workers=workers, budget=budget)]
+    return [None if s is None else s[0] for s in _score(task, completions, rows, workers=workers, budget=budget,
+                                                        trajectories=trajectories)]
 
 
-def _score(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int,
-           budget: RewardBudget | None) -> list[tuple[dict[str, float], int] | None]:
+def _score(task, completions: Sequence[str], rows: Sequence[dict], *, workers: int, budget: RewardBudget | None,
+           trajectories: Sequence | None = None) -> list[tuple[dict[str, float], int] | None]:
     """`task.scored_components` of each pair, None where the budget ran out first."""
     budget = budget or RewardBudget(0)
+    trajectories = [None] * len(completions) if trajectories is None else list(trajectories)
     started = time.monotonic()
     if workers <= 1:
-        scores = _in_this_thread(task, completions, rows, started + budget.left)
+        scores = _in_this_thread(task, completions, rows, trajectories, started + budget.left)
     else:
-        scores = _in_threads(task, completions, rows, workers, budget.left)
+        scores = _in_threads(task, completions, rows, trajectories, workers, budget.left)
     budget.spend(time.monotonic() - started)
     return scores
 
 
-def _in_this_thread(task, completions, rows, deadline: float) -> list[tuple | None]:
-    return [task.scored_components(c, r) if time.monotonic() < deadline else None
-            for c, r in zip(completions, rows, strict=True)]
+def _scored(task, completion: str, row: dict, trajectory) -> tuple[dict[str, float], int]:
+    """The task's `scored_components`; the trajectory passed on where there is one and the task takes it (an
+    older task's override may not)."""
+    if trajectory is not None and takes_trajectory(task.scored_components):
+        return task.scored_components(completion, row, trajectory=trajectory)
+    return task.scored_components(completion, row)
 
 
-def _in_threads(task, completions, rows, workers: int, seconds: float) -> list[tuple | None]:
+def _in_this_thread(task, completions, rows, trajectories, deadline: float) -> list[tuple | None]:
+    return [_scored(task, c, r, t) if time.monotonic() < deadline else None
+            for c, r, t in zip(completions, rows, trajectories, strict=True)]
+
+
+def _in_threads(task, completions, rows, trajectories, workers: int, seconds: float) -> list[tuple | None]:
     count = len(completions)
     results: list[tuple | None] = [None] * count
     jobs: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -90,7 +104,7 @@ def _in_threads(task, completions, rows, workers: int, seconds: float) -> list[t
             except queue.Empty:
                 return
             try:
-                results[index] = task.scored_components(completions[index], rows[index])
+                results[index] = _scored(task, completions[index], rows[index], trajectories[index])
             finally:
                 with lock:
                     left[0] -= 1

@@ -7,7 +7,9 @@ tool ends at `</tool_call>` (the stop string), and the engine writes the observa
 `<tool_response>` ... `</tool_response>` (a user turn, or the template's `tool` turn); a call the tool refused
 comes back as `Error: ...`. So a crop the model received is a `<tool_response>` block that directly follows a
 `</tool_call>` (only the chat template's role words between) and does not hold an error. Text the model writes
-itself cannot follow its own `</tool_call>` (its segment ends there), so it cannot fake a crop.
+itself cannot follow its own `</tool_call>` (its segment ends there), so it cannot fake a crop. In a run the
+rewards also receive the trajectory itself (`Task.reward_components`' `trajectory`), and the tool bonus reads the
+calls from it (`crops_received`); the text search serves completions known by their text alone.
 """
 
 from __future__ import annotations
@@ -60,8 +62,17 @@ def shuffled(options: Sequence[str], label: str, key: str) -> tuple[list[str], s
 
 def crops_used(completion: str) -> int:
     """Successful tool observations in a decoded trajectory: `<tool_response>` blocks that follow a
-    `</tool_call>` and do not begin with `Error` (see the module doc); 0 for a single-turn completion."""
+    `</tool_call>` and do not begin with `Error` (see the module doc); 0 for a single-turn completion. For a
+    completion known by its text alone (a re-scored predictions file); a run reads `crops_received`."""
     return sum(not block.strip().startswith("Error") for block in _OBSERVATION.findall(completion))
+
+
+def crops_received(trajectory) -> int:
+    """The images the model received from its tool calls, read from the Trajectory's call records: the calls
+    answered with an observation (the first `len(observations)`: a call cut by a limit gets none) that were no
+    error and returned an image."""
+    answered = trajectory.calls[:len(trajectory.observations)]
+    return sum(not call.error and call.images > 0 for call in answered)
 
 
 def final_segment(completion: str) -> str:
@@ -91,10 +102,12 @@ def tool_format_reward(completion: str) -> float:
     return -1.0 if len(deepeyes_answer(completion)) >= MAX_ANSWER_CHARS else 0.0
 
 
-def tool_bonus(completion: str, accuracy: float) -> float:
-    """DeepEyes' tool reward: 1.0 when the trajectory received at least one crop AND the answer is right
-    (`accuracy` > 0.5), else 0.0."""
-    return 1.0 if accuracy > 0.5 and crops_used(completion) > 0 else 0.0
+def tool_bonus(completion: str, accuracy: float, trajectory=None) -> float:
+    """DeepEyes' tool reward: 1.0 when the trajectory received at least one crop (`crops_received` of its
+    `trajectory`; `crops_used` of its text when only the text is known) AND the answer is right (`accuracy`
+    > 0.5), else 0.0."""
+    crops = crops_received(trajectory) if trajectory is not None else crops_used(completion)
+    return 1.0 if accuracy > 0.5 and crops > 0 else 0.0
 
 
 # ---------------------------------------------------------------- reward sets, picked by name
@@ -110,7 +123,7 @@ def deepeyes_rewards(accuracy, weights: dict[str, float]) -> tuple[dict, dict[st
     functions = {
         "accuracy": accuracy,
         "format": lambda completion, row: tool_format_reward(completion),
-        "tool": lambda completion, row: tool_bonus(completion, accuracy(completion, row)),
+        "tool": lambda completion, row, trajectory=None: tool_bonus(completion, accuracy(completion, row), trajectory),
     }
     return functions, {name: float(weights[name]) for name in functions}
 

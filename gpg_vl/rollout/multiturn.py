@@ -34,7 +34,7 @@ from gpg_vl.models import scoring
 from gpg_vl.models.batch import eval_mode, extend_per_token, per_token_keys, trim_left_padding, unwrap
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.sampling import next_tokens
-from gpg_vl.rollout.tools import ImageView, ToolContext, ToolResult, answer_call
+from gpg_vl.rollout.tools import ToolContext, ToolResult, answer_call
 from gpg_vl.rollout.trajectory import MultiTurnSettings, ToolCallRecord, Trajectory, pad_trajectories, sequence_inputs
 from gpg_vl.rollout.types import Rollout
 
@@ -325,7 +325,9 @@ def answer_segments(family, rows: list[_Row], turn: int, settings: MultiTurnSett
         calls.append(call)
     pending = [(row, call) for row, call in zip(rows, calls, strict=True) if call is not None]
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(pending)))) as pool:
-        results = list(pool.map(lambda pair: answer_call(pair[1], pair[0].context, allowed=tools), pending))
+        results = list(pool.map(lambda pair: answer_call(
+            pair[1], pair[0].context, allowed=tools,
+            room=settings.max_total_tokens - len(pair[0].trajectory.token_ids)), pending))
     going = {}
     for (row, call), result in zip(pending, results, strict=True):
         going[id(row)] = _observe(family, row, call, result, turn, settings)
@@ -343,14 +345,11 @@ def _observe(family, row: _Row, call, result: ToolResult, turn: int, settings: M
     if len(trajectory.images) + len(result.images) > settings.max_images:
         trajectory.limit = "image"
         return False
-    ids, inputs = family.encode_observation(result.text, result.images)
+    ids, inputs = result.encoded or family.encode_observation(result.text, result.images)
     if len(trajectory.token_ids) + len(ids) >= settings.max_total_tokens:
         trajectory.limit = "token"
         return False
-    views = list(result.views)
-    for image in result.images[len(views):]:  # images a tool made itself: a view of their own
-        views.append(ImageView(image, -1, (0.0, 0.0, float(image.width), float(image.height)),
-                               (image.width, image.height, image.width, image.height)))
+    views = result.views  # one per image (tools.run_tool made those of the images a tool made itself)
     row.context.views.extend(views)
     trajectory.add_observation(ids, [view.image for view in views], inputs)
     trajectory.crop_boxes.extend((view.original, tuple(view.box)) for view in views)

@@ -91,6 +91,7 @@ class ToolResult:
     images: list = field(default_factory=list)
     views: list[ImageView] = field(default_factory=list)
     error: bool = False
+    encoded: tuple | None = None  # (token ids, image inputs) from the family's encode_observation, when done
 
 
 def _is_tool(obj) -> bool:
@@ -166,9 +167,13 @@ def _as_result(value) -> ToolResult:
 
 
 def run_tool(name: str, arguments, context: ToolContext, *, allowed: tuple[str, ...] | None = None,
-             seconds: float | None = None) -> ToolResult:
+             seconds: float | None = None, room: int | None = None) -> ToolResult:
     """Run one call within `seconds` (default: the settings' `tool_seconds`) on a daemon thread; anything
-    that goes wrong comes back as an error observation, never an exception. `allowed`: the tools offered."""
+    that goes wrong comes back as an error observation, never an exception. `allowed`: the tools offered.
+
+    Inside the same guard and time budget, each image the tool returned is checked (pixels, aspect ratio) and
+    resized by the family (`fit_image`), and with `room` (the tokens the trajectory has left) the observation is
+    encoded (`ToolResult.encoded`), its text first cut to what could still fit in `room` tokens."""
     seconds = context.settings.tool_seconds if seconds is None else seconds
     if allowed is not None and name not in allowed:
         offered = ", ".join(allowed) or "none"
@@ -182,11 +187,14 @@ def run_tool(name: str, arguments, context: ToolContext, *, allowed: tuple[str, 
     def call() -> None:
         try:
             check_arguments(tool, arguments)
-            outcome["result"] = _as_result(tool(context, **arguments))
+            outcome["result"] = _observation(_as_result(tool(context, **arguments)), context, room)
         except ToolError as error:
-            outcome["result"] = ToolResult(f"Error: {error}", error=True)
+            outcome["result"] = ToolResult(_cut(f"Error: {error}"), error=True)
         except Exception as error:  # noqa: BLE001  a tool's own failure is the trajectory's, never the run's
-            outcome["result"] = ToolResult(f"Error: {name} failed ({type(error).__name__}: {error}).", error=True)
+            outcome["result"] = ToolResult(_cut(f"Error: {name} failed ({type(error).__name__}: {error})."), error=True)
+        except BaseException as error:  # noqa: BLE001  SystemExit, KeyboardInterrupt raised by the tool itself
+            outcome["result"] = ToolResult(f"Error: {name} exited ({type(error).__name__}"
+                                           f"{f': {error}' if str(error) else ''}).", error=True)
 
     worker = threading.Thread(target=call, name=f"tool-{name}", daemon=True)  # never joined past the budget
     worker.start()
@@ -194,6 +202,51 @@ def run_tool(name: str, arguments, context: ToolContext, *, allowed: tuple[str, 
     if "result" not in outcome:
         return ToolResult(f"Error: {name} took longer than {seconds:g} s.", error=True)
     return outcome["result"]
+
+
+ERROR_CHARS = 1000  # an error sentence longer than this is cut: the model reads its start
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + " ..."
+
+
+def _observation(result: ToolResult, context: ToolContext, room: int | None) -> ToolResult:
+    """The tool's result made ready for the trajectory: its images checked and fitted (a view each for those
+    the tool made itself), and with `room`, its text cut and the observation encoded."""
+    family = context.family
+    limit = getattr(family, "max_aspect_ratio", None)
+    for k, image in enumerate(result.images):
+        width, height = image.size
+        if min(width, height) < 1:
+            raise ToolError(f"the tool returned an image of {width} x {height} pixels, which has nothing to show.")
+        if limit and max(width, height) / min(width, height) > limit:
+            raise ToolError(f"the tool returned an image of {width} x {height} pixels, whose aspect ratio "
+                            f"{max(width, height) / min(width, height):.0f}:1 is above the {limit:g}:1 the "
+                            "model's processor takes.")
+        if k >= len(result.views):  # an image the tool made itself: a view of its own, as the model sees it
+            fitted = family.fit_image(image)
+            result.images[k] = fitted
+            result.views.append(ImageView(fitted, -1, (0.0, 0.0, float(fitted.width), float(fitted.height)),
+                                          (fitted.width, fitted.height, fitted.width, fitted.height)))
+    if room is not None:
+        most = max(0, room) * longest_token(family.tokenizer) + 1  # more characters than this cannot fit
+        if len(result.text) > most:
+            result.text = result.text[:most]
+        result.encoded = family.encode_observation(result.text, result.images)
+    return result
+
+
+_LONGEST: dict[int, tuple[object, int]] = {}
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry, byte-level
+    entries counted in bytes): a text of n characters is at least n / this many tokens, however it is cut."""
+    known = _LONGEST.get(id(tokenizer))
+    if known is None or known[0] is not tokenizer:
+        known = _LONGEST[id(tokenizer)] = (tokenizer, max(len(entry) for entry in tokenizer.get_vocab()))
+    return known[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,9 +296,10 @@ def zoom_in(context: ToolContext, bbox_2d, label: str | None = None, source=None
     return ToolResult("", [fitted], [new_view])
 
 
-def answer_call(call, context: ToolContext, *, allowed: tuple[str, ...] | None = None) -> ToolResult:
+def answer_call(call, context: ToolContext, *, allowed: tuple[str, ...] | None = None,
+                room: int | None = None) -> ToolResult:
     """The observation for a parsed call (`Family.parse_tool_call`): its error sentence when the call could not
-    be read, else what `run_tool` returns. Never raises."""
+    be read, else what `run_tool` returns (encoded within `room` tokens, when given). Never raises."""
     if call.error is not None:
         return ToolResult(f"Error: {call.error}", error=True)
-    return run_tool(call.name, call.arguments, context, allowed=allowed)
+    return run_tool(call.name, call.arguments, context, allowed=allowed, room=room)

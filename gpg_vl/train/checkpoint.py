@@ -105,34 +105,91 @@ def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, co
     weights = accelerator.get_state_dict(model) if sharded else None
     optimizer_state = _full_optimizer_state(accelerator, model, optimizer)  # collective under FSDP
     rng = gather_object([rng_state()])  # collective: one entry per process, in rank order
-    if accelerator.is_main_process:
-        partial = path.with_name(path.name + PARTIAL)
+    failure = None
+    zero = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if zero:  # collective: every process writes its partition of the ZeRO optimizer state into the partial folder
+        failure = _save_zero_state(accelerator, model, path)
+    if accelerator.is_main_process and failure is None:
+        state = {"step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                 "data": stream.state_dict() if in_flight is None else in_flight["stream"], "rng": rng,
+                 "counters": counters or {}, "record": record or {}}
         try:
+            _write_checkpoint(path, accelerator.unwrap_model(model), policy, weights, state, config, keep,
+                              fresh=not zero, in_flight=in_flight)
+        except UserError as error:
+            failure = error
+    # collective, in place of a barrier: every process learns whether the save failed, so that all of them end
+    # at once with the main process's sentence (not at the collective timeout, waiting for a process that left)
+    said = _on_every_process(accelerator, None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if said is not None:
+        raise UserError(said)
+
+
+ZERO_STATE = "zero"  # under DeepSpeed: the engine's own checkpoint (each process's optimizer partition, fp32 master)
+
+
+def _save_zero_state(accelerator, engine, path: Path) -> UserError | None:
+    """Under DeepSpeed (collective): the main process starts `<path>.partial`, then every process writes its
+    partition of the ZeRO optimizer state (AdamW's moments and the fp32 master weights) into its `zero/` folder
+    with the engine's own `save_checkpoint`, which a resume on as many processes loads back. The main process's
+    failure, or None (another process's failure reaches it through DeepSpeed's own collectives)."""
+    partial = path.with_name(path.name + PARTIAL)
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    try:
+        engine.save_checkpoint(str(partial / ZERO_STATE), tag=ZERO_STATE, save_latest=False,
+                               exclude_frozen_parameters=True)
+    except Exception as error:  # noqa: BLE001  a full disk, most often
+        if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
-            if weights is None:
-                save_model(accelerator.unwrap_model(model), partial, getattr(policy, "save_format", "full"))
-            else:  # the weights gathered above (FSDP / DeepSpeed), saved in full
-                accelerator.unwrap_model(model).save_pretrained(partial, state_dict=weights, safe_serialization=True)
-            policy.processor.save_pretrained(partial)
-            _write_trainer_state(partial, {
-                "step": step, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                "data": stream.state_dict() if in_flight is None else in_flight["stream"], "rng": rng,
-                "counters": counters or {}, "record": record or {},
-                **({} if in_flight is None else {"sampler": _sampler_state(partial, in_flight)})})
-            (partial / MARKER_FILE).write_text(json.dumps({"step": step, "files": _manifest(partial),
-                                                           "config": config or {}}, default=str))
-            _fsync_tree(partial)
-            _replace(partial, path)
-        except UserError:
+        return unwritable(f"save {path.name}", path.parent, error)
+    return None
+
+
+def _on_every_process(accelerator, message: str | None) -> str | None:
+    """The main process's `message`, broadcast to every process (collective with several processes)."""
+    if accelerator.num_processes == 1:
+        return message
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([message], from_process=0)[0]
+
+
+def _write_checkpoint(path: Path, model, policy, weights, state: dict, config: dict | None, keep: int, *,
+                      fresh: bool = True, in_flight: dict | None = None) -> None:
+    """The main process's part of `save_checkpoint`: the files into `<path>.partial` (started afresh, or, not
+    `fresh`, holding the ZeRO state already), then renamed to `path`; the oldest checkpoints past `keep`
+    removed; with `in_flight`, the sampler's state and weights too. A failure removes the partial folder and
+    raises `unwritable`'s sentence."""
+    partial = path.with_name(path.name + PARTIAL)
+    try:
+        if fresh:
             shutil.rmtree(partial, ignore_errors=True)
-            raise
-        except Exception as error:  # an OSError, and what torch.save / safetensors raise for a short write
-            shutil.rmtree(partial, ignore_errors=True)  # frees the space the failed save took
-            raise unwritable(f"save {path.name}", path.parent, error) from None
-        if keep > 0:
-            for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
-                remove_checkpoint(stale)
-    accelerator.wait_for_everyone()  # collective: the checkpoint exists for every process once this returns
+        if weights is None:
+            save_model(model, partial, getattr(policy, "save_format", "full"))
+        else:  # the weights gathered by every process (FSDP / DeepSpeed), saved in full
+            model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+        policy.processor.save_pretrained(partial)
+        if in_flight is not None:
+            state = {**state, "sampler": _sampler_state(partial, in_flight)}
+        _write_trainer_state(partial, state)
+        (partial / MARKER_FILE).write_text(json.dumps({"step": state["step"], "files": _manifest(partial),
+                                                       "config": config or {}}, default=str))
+        _fsync_tree(partial)
+        _replace(partial, path)
+    except UserError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    except Exception as error:  # an OSError, and what torch.save / safetensors raise for a short write
+        shutil.rmtree(partial, ignore_errors=True)  # frees the space the failed save took
+        raise unwritable(f"save {path.name}", path.parent, error) from None
+    if keep > 0:
+        for _, stale in sorted(_checkpoints(path.parent), key=lambda item: item[0])[:-keep]:
+            remove_checkpoint(stale)
 
 
 # How writers other than the OS report a full disk: safetensors ("SafetensorError: ... No space left on
@@ -181,8 +238,8 @@ def writing(what: str, output_dir: Path):
 
 
 def _full_optimizer_state(accelerator, model, optimizer) -> dict | None:
-    """The optimizer state as one process-count-free dict; None under DeepSpeed (the ZeRO optimizer keeps
-    its own partitioned state: a resume there restarts the AdamW moments)."""
+    """The optimizer state as one process-count-free dict; None under DeepSpeed (the ZeRO optimizer's own
+    partitioned state is saved by the engine: `_save_zero_state`)."""
     from accelerate.utils import DistributedType
 
     if accelerator.is_fsdp2:  # collective: every process contributes its shard, every one gets the whole
@@ -453,8 +510,7 @@ def _restore(state, path, optimizer, scheduler, stream, accelerator, model, coun
     elif state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     elif accelerator is not None:
-        accelerator.print(f"warning: {path} holds no optimizer state (saved under DeepSpeed); AdamW's moments "
-                          "restart from zero.")
+        _load_zero_state(Path(path), accelerator, model)
     scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
     rng, process_index = state["rng"], accelerator.process_index if accelerator is not None else 0
@@ -491,6 +547,26 @@ def load_in_flight(path: Path) -> dict | None:
         version, name = key.split("/", 1)
         weights[int(version)][name] = value
     return {**state, "weights": weights}
+
+
+def _load_zero_state(path: Path, accelerator, engine) -> None:
+    """Under DeepSpeed (collective): each process loads its partition of the ZeRO optimizer state (and the
+    engine's weights, the same values as the checkpoint's model) with the engine's own `load_checkpoint`. A
+    checkpoint saved by another number of processes is refused in one sentence; one without the state (saved
+    by an older gpg-vl) restarts AdamW's moments, with a warning."""
+    from accelerate.utils import DistributedType
+
+    folder = path / ZERO_STATE / ZERO_STATE
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not folder.is_dir():
+        accelerator.print(f"warning: {path} holds no optimizer state for this run (saved under DeepSpeed by an "
+                          "older gpg-vl, or resumed without DeepSpeed); AdamW's moments restart from zero.")
+        return
+    saved = len(list(folder.glob("*optim_states.pt")))
+    if saved != accelerator.num_processes:
+        raise UserError(f"{path} holds the ZeRO optimizer state of {saved} processes, and DeepSpeed loads it on as "
+                        f"many only; resume with --num_processes {saved}.")
+    engine.load_checkpoint(str(path / ZERO_STATE), tag=ZERO_STATE, load_module_strict=False,
+                           load_optimizer_states=True, load_lr_scheduler_states=False)
 
 
 def truncate_metrics(metrics_file: Path, step: int) -> int:

@@ -139,7 +139,8 @@ def _decode_chunk(policy: Policy, task, chunk: list[tuple[int, dict]], engine, s
     trajectories = rollout.trajectories or [None] * (len(chunk) * k)
     texts = in_task_frame(policy, task, rollout.texts, prompts.batch, k)
     scored = _scoring_rows(task, [row for _, row in chunk for _ in range(k)], texts)
-    rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s))
+    rewards = score_within(task, texts, scored, workers=reward_workers, budget=RewardBudget(reward_budget_s),
+                           trajectories=rollout.trajectories)
     zero = dict.fromkeys(task.reward_functions, 0.0)
     prompts_text = [prompt_text(message) for message in messages]
     return [Decoded(chunk[n // k][0], text, prompts_text[n // k], row, dict(zero) if score is None else score,

@@ -33,7 +33,7 @@ from transformers import get_scheduler
 
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream, Subset, scan_rows
-from gpg_vl.distributed import forward_is_collective
+from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
 from gpg_vl.models.load import Policy
@@ -187,8 +187,13 @@ def train(run: Run) -> dict:
         run.pipeline = start_pipeline(run, _in_flight(run))  # trainer.max_staleness >= 1: a sampler thread
         try:
             for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
-                if budget_spent(run.trainer, run.state.counters):  # checked first: a resume past the budget stops
-                    break  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
+                spent = budget_spent(run.trainer, run.state.counters)  # checked first: a resume past it stops too
+                if spent:  # a budget of sampled completions or tokens: equal-cost comparisons of G, variants, tools
+                    run.bar.close()
+                    run.state.summary["ended_by"] = spent
+                    run.accelerator.print(f"The run ended after step {run.state.step} of trainer.max_steps="
+                                          f"{run.trainer.max_steps}: {spent}.")
+                    break
                 before = run.data.stream.state_dict()  # a step the engine fails in draws its prompts again
                 try:
                     metrics = step(run)
@@ -283,6 +288,9 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     trainer = settings.trainer
     policy.family.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
     train_rows = task.load(task.train_split)
+    note = task.data_note(train_rows)  # e.g. how many rows need a judge: said once, at the start
+    if note:
+        accelerator.print(note)
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
         settings = replace(settings, trainer=trainer)
@@ -443,6 +451,8 @@ def _command_line_accelerator(cfg) -> Accelerator:
         raise UserError(f"{launched} processes were launched but accelerate joined {accelerator.num_processes}; "
                         "launch with `accelerate launch --multi_gpu --num_processes N` (or torchrun) on a machine "
                         "whose devices accelerate supports.")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # a bad value: one sentence, before the model
+        check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config)
     if accelerator.num_processes > 1:  # collective, on every process: one output_dir (${now} differs by process)
         from accelerate.utils import broadcast_object_list
 

@@ -6,9 +6,12 @@
   `output_dir/previous-<time>/` (nothing is deleted).
 - The lock is `output_dir/run.lock`, locked with `fcntl.flock` on a file held open for the run: the OS
   releases it when the process ends, however it ends, so a killed run never leaves a lock that blocks. The
-  file names the holder (pid, host, start time) for the sentence a second run fails with, and is emptied on
-  a clean release; a file still naming a holder when the lock is free was left by a killed run, which is
-  said in a warning. Where the file system has no flock, a held lock is judged by its pid (same host only).
+  file names the holder (pid, host, start time) for the sentence a second run fails with, and is removed on
+  a clean release (a run that took the lock of a file removed meanwhile takes it again, on the new file); a
+  file still naming a holder when the lock is free was left by a killed run, which is said in a warning.
+  Where the file system has no flock, a held lock is judged by its pid (same host only).
+- A folder the claim created and that is empty once its lock is released (a run that failed before it wrote
+  anything, such as a model that cannot load) is removed: no empty timestamped folder is left behind.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def claim_output_dir(output_dir: str | os.PathLike, *, resume=None, overwrite: b
     unless `resume` asks to continue them (`auto`, or a checkpoint inside it) or `overwrite` moves them aside.
     Re-entrant in one process: a nested claim of a folder already held does nothing."""
     output_dir = Path(output_dir)
+    created = not output_dir.exists()
     check_output_dir(output_dir)
     key = str(output_dir.resolve())
     if key in _HELD:
@@ -51,8 +55,11 @@ def claim_output_dir(output_dir: str | os.PathLike, *, resume=None, overwrite: b
         return
     try:
         descriptor = _lock(output_dir, warn)
-    except OSError as error:  # writing the holder's name into the lock file on a full disk, most often
-        raise _unusable(output_dir, f"take {LOCK_FILE}", error) from None
+    except BaseException as error:
+        _remove_if_empty(output_dir, created)
+        if isinstance(error, OSError):  # writing the holder's name into the lock file on a full disk, most often
+            raise _unusable(output_dir, f"take {LOCK_FILE}", error) from None
+        raise
     _HELD[key] = descriptor
     try:
         try:
@@ -62,7 +69,15 @@ def claim_output_dir(output_dir: str | os.PathLike, *, resume=None, overwrite: b
         yield
     finally:
         del _HELD[key]
-        _unlock(descriptor)
+        _unlock(descriptor, output_dir / LOCK_FILE)
+        _remove_if_empty(output_dir, created)
+
+
+def _remove_if_empty(output_dir: Path, created: bool) -> None:
+    """Remove the folder the claim created when nothing is in it (rmdir: never a folder with files)."""
+    if created:
+        with contextlib.suppress(OSError):
+            output_dir.rmdir()
 
 
 def _unusable(output_dir: Path, what: str, error: OSError) -> UserError:
@@ -140,12 +155,20 @@ def set_aside_previous_run(output_dir: Path, why: str, warn=print) -> Path | Non
 # ---------------------------------------------------------------------------------------------
 def _lock(output_dir: Path, warn) -> int:
     path = output_dir / LOCK_FILE
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            holder = _read_holder(descriptor)
+            if not _flock(descriptor):
+                raise UserError(f"output_dir {str(output_dir)!r} is in use by another run ({_describe(holder)}); "
+                                "wait for it to end, or pass another output_dir.")
+        except BaseException:
+            os.close(descriptor)
+            raise
+        if _same_file(descriptor, path):
+            break
+        os.close(descriptor)  # its holder released it (removed the file) meanwhile: lock the new file
     try:
-        holder = _read_holder(descriptor)
-        if not _flock(descriptor):
-            raise UserError(f"output_dir {str(output_dir)!r} is in use by another run ({_describe(holder)}); "
-                            "wait for it to end, or pass another output_dir.")
         if holder and holder.get("pid") != os.getpid():
             warn(f"warning: took over {path} from {_describe(holder)}, which ended without releasing it "
                  "(killed or crashed)")
@@ -202,9 +225,22 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}"
 
 
-def _unlock(descriptor: int) -> None:
+def _same_file(descriptor: int, path: Path) -> bool:
+    """Whether the open lock file is still the one at `path` (not removed by a releasing run meanwhile)."""
+    try:
+        opened, named = os.fstat(descriptor), os.stat(path)
+    except OSError:
+        return False
+    return (opened.st_dev, opened.st_ino) == (named.st_dev, named.st_ino)
+
+
+def _unlock(descriptor: int, path: Path) -> None:
+    """Release cleanly: the file is removed while still locked (a run waiting on it then locks a new one)."""
     with contextlib.suppress(OSError):
-        os.ftruncate(descriptor, 0)  # empty = released cleanly
+        if _same_file(descriptor, path):
+            path.unlink()
+        else:
+            os.ftruncate(descriptor, 0)
         if fcntl is not None:
             fcntl.flock(descriptor, fcntl.LOCK_UN)
     os.close(descriptor)

@@ -78,6 +78,8 @@ def sample_step(run, step: int, policy, engine, counters: dict, version: int) ->
     run's sampled completions and tokens before this step (budgets and trainer.max_completions)."""
     trainer, task = run.trainer, run.data.task
     started = time.perf_counter()
+    if getattr(task, "judge", None) is not None:
+        task.judge.new_step()  # a verdict that failed in the last step is asked again
     budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
     collected = collect_valid_groups(
         lambda: sample_attempt(policy, task, run.data.stream, engine=engine, trainer=trainer,

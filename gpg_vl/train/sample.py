@@ -153,7 +153,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     prompts = prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores, timeouts, errors = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
-                                                 workers=trainer.reward_workers, budget=reward_budget)
+                                                 workers=trainer.reward_workers, budget=reward_budget,
+                                                 trajectories=result.trajectories)
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size)
                   for n in task.reward_functions}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
@@ -166,8 +167,8 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
         rewards = rewards + components["temporal"]
         tokens += shuffled_tokens
     if overlong_cache:  # DAPO's overlong shaping: a reward component from the completion's length
-        lengths = result.completion_mask.sum(dim=1)  # [b * G]
-        penalty = trainer.overlong_penalty * overlong_penalty(lengths, rollout.max_new_tokens, overlong_cache)
+        lengths, limit = overlong_lengths(result, rollout)  # [b * G]
+        penalty = trainer.overlong_penalty * overlong_penalty(lengths, limit, overlong_cache)
         components["overlong"] = penalty.view(len(rows), group_size).to(rewards.dtype)  # [b, G]
         rewards = rewards + components["overlong"]
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
@@ -263,11 +264,27 @@ def _described(value) -> str:
     return f"of type {type(value).__name__}"
 
 
-def budget_spent(trainer: TrainerSettings, counters: dict) -> bool:
-    """Whether a budget of the run is spent: trainer.max_completions sampled completions or
+def overlong_lengths(result, rollout: RolloutSettings) -> tuple[torch.Tensor, int]:
+    """The lengths DAPO's overlong shaping reads [B * G] and the limit they are held to: a single turn's
+    completion tokens against rollout.max_new_tokens; a trajectory's generated tokens only (its observations
+    are the tools', not the model's) against its own limit, rollout.max_total_tokens (as verl's multi-turn DAPO
+    holds the response's generated tokens to the whole response budget; max_new_tokens limits each segment)."""
+    if result.trajectories is not None:
+        generated = [sum(trajectory.loss_mask) for trajectory in result.trajectories]
+        return torch.tensor(generated, dtype=torch.long), rollout.max_total_tokens
+    return result.completion_mask.sum(dim=1), rollout.max_new_tokens
+
+
+def budget_spent(trainer: TrainerSettings, counters: dict) -> str:
+    """Which budget of the run is spent ('' when none): trainer.max_completions sampled completions or
     trainer.max_sampled_tokens sampled tokens (the run's counters; both may be set, the first reached stops)."""
-    return bool(trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions) or \
-        bool(trainer.max_sampled_tokens and counters["tokens_sampled"] >= trainer.max_sampled_tokens)
+    if trainer.max_completions and counters["completions_sampled"] >= trainer.max_completions:
+        return (f"its budget of sampled completions is spent ({counters['completions_sampled']} sampled, "
+                f"trainer.max_completions={trainer.max_completions})")
+    if trainer.max_sampled_tokens and counters["tokens_sampled"] >= trainer.max_sampled_tokens:
+        return (f"its budget of sampled tokens is spent ({counters['tokens_sampled']} sampled, "
+                f"trainer.max_sampled_tokens={trainer.max_sampled_tokens})")
+    return ""
 
 
 def tokens_left(trainer: TrainerSettings, tokens_sampled: int) -> int | None:

@@ -4,6 +4,7 @@
     python tests/distributed/distributed_worker.py update OUT [--engine fsdp|fsdp_offload] [--float64]  # -> update()
     python tests/distributed/distributed_worker.py train OUT [--engine fsdp] -- key=value ...  # train(), then a resume
     python tests/distributed/distributed_worker.py record OUT -- scripts/train.py key=value ...  # each rank observed
+    python tests/distributed/distributed_worker.py fail_save OUT -- scripts/train.py key=value ...  # main's disk full
 
 Each process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the final weights, main process).
 `--engine fsdp` turns accelerate's FSDP2 on although the machine has no GPU: accelerate 1.15 enables FSDP
@@ -185,6 +186,7 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
     from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
     from gpg_vl.train.build import build_policy, build_task
     from gpg_vl.train.loop import RunSettings, setup_policy, train
+    from gpg_vl.train.update import needs_reference
 
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type)}
@@ -195,8 +197,11 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
         settings = RunSettings(TrainerSettings(**container["trainer"]), RolloutSettings(**container["rollout"]),
                                EvalSettings(**container["eval"]), output_dir=cfg.output_dir, seed=cfg.seed,
                                resume_from=cfg.resume, config=container)
+        # a KL loss scores the initial weights: a resumed run gets them rebuilt, as the command line does
+        reference = build_policy(cfg.model, accelerator.device).model if cfg.resume and needs_reference(
+            settings.trainer) else None
         result[run] = train(setup_policy(build_policy(model_cfg, accelerator.device), build_task(cfg.task, cfg.data),
-                                         settings, accelerator=accelerator))
+                                         settings, accelerator=accelerator, reference=reference))
         accelerator.free_memory()  # forget run a's model: a real run prepares one (FSDP2 allows one at a time)
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result, indent=1, default=str))
 
@@ -269,6 +274,23 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
         (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen, indent=1))
 
 
+def run_failing_save(script: str, arguments: list[str]) -> None:
+    """Run `script` as __main__ with the main process's disk full when it writes a checkpoint's trainer state
+    (every other process saves nothing itself): its exit status is the script's."""
+    import errno
+    import os
+
+    from gpg_vl.train import checkpoint
+
+    if os.environ.get("RANK", "0") == "0":
+        def full(folder, state):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        checkpoint._write_trainer_state = full
+    sys.argv = [script, *arguments]
+    runpy.run_path(script, run_name="__main__")
+
+
 def main() -> None:
     mode, out, *rest = sys.argv[1:]
     out = Path(out)
@@ -283,6 +305,8 @@ def main() -> None:
         run_train(out, engine, extra)
     elif mode == "record":
         run_recorded(out, extra[0], extra[1:])
+    elif mode == "fail_save":
+        run_failing_save(extra[0], extra[1:])
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -337,3 +337,82 @@ def test_zero3_final_checkpoint_reloads_with_transformers_alone(tmp_path):
     for name in trained:
         torch.testing.assert_close(loaded[name], trained[name], rtol=1e-5, atol=1e-6, msg=name)
     assert max(float((trained[k] - initial[k].detach()).abs().max()) for k in trained) > 1e-4  # the steps moved them
+
+
+def test_a_bad_deepspeed_value_fails_in_one_sentence_naming_the_file_key():
+    require_deepspeed()
+    from gpg_vl.distributed import check_deepspeed_config
+    from gpg_vl.errors import UserError
+
+    check_deepspeed_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}})
+    with pytest.raises(UserError) as error:
+        check_deepspeed_config({"zero_optimization": {"stage": 7}})
+    message = str(error.value)
+    assert message.startswith("the DeepSpeed config has zero_optimization.stage=7 (zero_stage in the accelerate "
+                              "config file), which DeepSpeed refuses: input should be 0, 1, 2, 3")
+    assert "\n" not in message and message.endswith(".")
+    with pytest.raises(UserError, match=r"offload_param.device='gpu' \(offload_param_device in the accelerate"):
+        check_deepspeed_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})
+
+
+@pytest.mark.slow
+def test_a_launch_with_zero_stage_7_ends_in_one_sentence_before_the_model_loads(tmp_path):
+    """No pydantic ValidationError from inside accelerator.prepare: each process says the sentence and exits 2
+    (the launcher then reports the failed processes, as it does for any failed run)."""
+    require_deepspeed()
+    config = tmp_path / "zero7.yaml"
+    config.write_text((CONFIGS / "zero2.yaml").read_text().replace("zero_stage: 2", "zero_stage: 7"))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(_free_port()), "scripts/train.py", f"output_dir={tmp_path / 'run'}",
+               *TINY_RUN]
+    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=900)
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
+    assert "zero_optimization.stage=7 (zero_stage in the accelerate config file)" in said[0]
+    assert "ValidationError" not in done.stderr and "Loading weights" not in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_save_on_the_main_process_ends_every_process_at_once_with_its_sentence(tmp_path):
+    """The main process cannot write checkpoint-1 (its disk is full); the other process, which saves nothing
+    itself, ends with the same sentence at once instead of waiting for the collective timeout (30 minutes by
+    default: the launch's timeout would fail this test first)."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               str(_free_port()), str(WORKER), "fail_save", str(tmp_path / "views"), "--", "scripts/train.py",
+               f"output_dir={run}", "trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false",
+               *TINY_RUN]
+    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600)
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
+    assert "could not save checkpoint-1" in said[0] and "the disk is full (No space left on device)" in said[0]
+    assert not list(run.glob("checkpoint-*")) and "[rank0]: Traceback" not in done.stderr
+    assert "[rank1]: Traceback" not in done.stderr  # no collective timed out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, algorithm", [("zero2", "gpg"), ("zero3", "gpg"), ("zero2", "grpo"),
+                                              ("zero3_offload", "gpg")])
+def test_deepspeed_trains_saves_and_resumes_exactly(tmp_path, config, algorithm):
+    """ZeRO-2 and ZeRO-3 on 2 CPU processes: a run resumed from step 1 ends on the same weights and logs the same
+    step-2 metrics as the run it continues: each process's partition of the ZeRO optimizer state (AdamW's moments)
+    is saved by the engine into the checkpoint and loaded back. GRPO under ZeRO-2: its KL reference is a plain
+    frozen copy there (ZeRO-3's is an engine: the checkpoint test below), 0 at the first step, positive after.
+    configs/accelerate/zero3_offload.yaml runs too (parameters and optimizer state in CPU memory: accelerate swaps
+    the AdamW for DeepSpeedCPUAdam, whose op DeepSpeed compiles on first use)."""
+    require_deepspeed()
+    launch(str(WORKER), "train", str(tmp_path), "--engine", config, "--", "trainer.max_steps=2",
+           f"algorithm={algorithm}", "trainer.eval_before=false", "trainer.eval_after=false", *TINY_RUN,
+           *(["trainer.beta_th=0.5"] if algorithm == "grpo" else []), config=f"{config}.yaml")
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["engine"] == "DistributedType.DEEPSPEED"
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoint-1" / "zero" / "zero").glob("*optim_states.pt")) \
+        == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    first, second = metrics_lines(tmp_path / "a"), metrics_lines(tmp_path / "b")
+    assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in second] == [2]
+    assert without_timing(second[0]) == without_timing(first[1])
+    assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")
+    if algorithm == "grpo":
+        assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6) and first[1]["kl"] > 0

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.errors import UserError
 
@@ -151,3 +152,32 @@ def test_every_model_alias_resolves_and_is_a_short_diff_over_the_schema_defaults
     printed = subprocess.run([sys.executable, "scripts/train.py", "model=qwen3.5-35b-a3b", "--cfg", "job"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert "name_or_path: Qwen/Qwen3.5-35B-A3B" in printed.stdout and "family: qwen3_5" in printed.stdout
+
+
+def test_an_error_during_a_step_is_printed_on_its_own_line_not_on_the_progress_bar(tmp_path, capsys, monkeypatch):
+    from helpers.runs import QUICK_RUN
+
+    from gpg_vl.train import loop
+
+    def failing(run):
+        raise UserError("trainer.advantage=mine gave no advantage for a group; fix the plugin.")
+
+    monkeypatch.setattr(loop, "step", failing)
+    code = run_cli("train", train_main, [f"output_dir={tmp_path}", *QUICK_RUN, "trainer.max_steps=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "0/2" in err  # the bar was drawn
+    assert "error: trainer.advantage=mine gave no advantage for a group; fix the plugin.\n" in err.split("\r")[-1]
+    assert [line for line in err.split("\n") if "error:" in line] == [
+        "error: trainer.advantage=mine gave no advantage for a group; fix the plugin."]
+
+
+def test_a_value_typed_on_the_command_line_is_never_replaced_by_a_config_group_without_a_word(capsys):
+    assert load_config("train", ["task=geoqa"]).trainer.epochs == 1  # the task's run length, nothing typed
+    typed = load_config("train", ["task=geoqa", "trainer.max_steps=3"]).trainer
+    assert (typed.max_steps, typed.epochs) == (3, None)  # the typed value wins: 3 steps, not geoqa's one epoch
+    assert capsys.readouterr().err == ""
+    both = load_config("train", ["task=geoqa", "trainer.max_steps=3", "trainer.epochs=2"]).trainer
+    assert (both.max_steps, both.epochs) == (3, 2)
+    assert capsys.readouterr().err.splitlines() == [
+        "note: trainer.epochs=2.0 replaces trainer.max_steps=3, both given on the command line: passes over the train "
+        "split decide the run's length (drop trainer.epochs to use trainer.max_steps)."]

@@ -84,9 +84,42 @@ def test_the_lock_is_held_for_the_whole_run_and_released_at_its_end(tmp_path, mo
     monkeypatch.setattr(checkpoint, "_write_trainer_state", try_to_take_the_lock)
     run(tmp_path, "trainer.max_steps=1")
     assert refusals and all(f"in use by another run (pid {os.getpid()} on host" in r for r in refusals)
-    assert (tmp_path / LOCK_FILE).read_text() == ""  # a clean release empties the record
+    assert not (tmp_path / LOCK_FILE).exists()  # a clean release removes the lock file
     with claim_output_dir(tmp_path, resume="auto"):  # free again
         pass
+
+
+def test_a_run_that_fails_before_training_leaves_no_empty_folder_and_a_folder_with_files_is_kept(tmp_path,
+                                                                                                 no_model):
+    fresh = tmp_path / "outputs" / "2026-12-03_00-30-00"  # a timestamped folder the run creates
+    with pytest.raises(AssertionError, match="model was loaded"):
+        run(fresh, "trainer.max_steps=1")
+    assert not fresh.exists() and (tmp_path / "outputs").is_dir()
+    mine = tmp_path / "mine"
+    mine.mkdir()  # a folder the user made is theirs: kept, empty
+    with pytest.raises(AssertionError, match="model was loaded"):
+        run(mine, "trainer.max_steps=1")
+    assert mine.is_dir() and not list(mine.iterdir())
+
+
+def test_a_run_waiting_on_a_lock_file_its_holder_removes_locks_the_new_file(tmp_path, monkeypatch):
+    path = tmp_path / LOCK_FILE
+    with claim_output_dir(tmp_path):
+        stale = os.open(path, os.O_RDWR)  # opened by a second run while the first holds it
+    assert not path.exists()  # released: removed while still locked
+    real_open, opened = os.open, []
+
+    def first_the_stale_file(*args, **kwargs):  # the second run's open came before the release
+        opened.append(args[0])
+        return stale if len(opened) == 1 else real_open(*args, **kwargs)
+
+    monkeypatch.setattr(os, "open", first_the_stale_file)
+    with claim_output_dir(tmp_path):
+        monkeypatch.undo()
+        assert len(opened) == 2  # the stale file was let go, the new one locked
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+        with pytest.raises(UserError, match="in use by another run"):
+            outdir._lock(tmp_path, print)
 
 
 def test_without_flock_a_lock_is_judged_by_its_holders_pid(tmp_path, monkeypatch):
@@ -123,7 +156,7 @@ def test_a_new_run_refuses_a_folder_holding_a_previous_run_and_overwrite_moves_i
     with pytest.raises(AssertionError, match="model was loaded"):
         run(tmp_path, "overwrite=true")
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("previous-")]
-    assert len(aside) == 1 and sorted(p.name for p in tmp_path.iterdir()) == sorted([aside[0].name, LOCK_FILE])
+    assert len(aside) == 1 and [p.name for p in tmp_path.iterdir()] == [aside[0].name]  # the lock released
     assert (aside[0] / "checkpoint-7" / "model.safetensors").read_bytes() == b"old weights"  # moved, not deleted
     assert (aside[0] / "metrics.jsonl").read_text() == '{"step": 7}\n'
 

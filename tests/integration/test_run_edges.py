@@ -33,7 +33,7 @@ def test_ctrl_c_ends_the_run_in_one_line_naming_the_step_and_the_checkpoint_and_
     assert code == 130 and "Traceback" not in err, err
     assert err.splitlines()[-1] == (f"interrupted at step 2; continue with resume=auto (output_dir={tmp_path}; "
                                     f"the newest intact checkpoint is {tmp_path / 'checkpoint-1'}).")
-    assert (tmp_path / LOCK_FILE).read_text() == ""  # released
+    assert not (tmp_path / LOCK_FILE).exists()  # released
     with claim_output_dir(tmp_path, resume="auto"):  # free: another run may take it
         pass
     monkeypatch.undo()
@@ -95,3 +95,10 @@ def test_a_non_finite_reward_is_named_and_another_process_blamed_only_when_there
     fine = [SimpleNamespace(components={"ok": torch.ones(1, 2)})]
     assert "another process" not in loop._nonfinite_rewards(fake_run(1), fine)
     assert loop._nonfinite_rewards(fake_run(2), fine) == "on another process"
+
+
+def test_an_overlong_cache_past_a_trajectorys_limit_is_refused_with_the_config():
+    with pytest.raises(UserError) as error:
+        load_config("train", ["algorithm=dapo", "trainer.overlong_cache=16", "rollout.max_new_tokens=32",
+                              "rollout.max_turns=2", "rollout.max_total_tokens=8"])
+    assert "trainer.overlong_cache=16 above rollout.max_total_tokens=8 with rollout.max_turns=2" in str(error.value)

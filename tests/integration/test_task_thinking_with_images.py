@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main, train_main
 from gpg_vl.config.compose import load_config
-from gpg_vl.errors import BadRow, UserError
+from gpg_vl.errors import BadRow, SkippedRow, UserError
 from gpg_vl.reward.judge import EndpointJudge
 from gpg_vl.rollout.engine import build_engine, encode_prompts
 from gpg_vl.rollout.tools import TOOLS
@@ -244,6 +244,7 @@ def test_deepeyes_skips_sentence_answers_without_a_judge_with_a_counted_reason(d
     with pytest.raises(BadRow) as error:
         task.check_row(sentence)
     assert error.value.reason == "sentence answer without a judge" and "reward.judge.kind=" in str(error.value)
+    assert isinstance(error.value, SkippedRow)  # by design: outside data.max_bad_fraction
     assert gpg_vl_tasks.deepeyes.answer_kind("The square is blue.") == "sentence"
     assert gpg_vl_tasks.deepeyes.answer_kind("dark blue") == "short"
     assert gpg_vl_tasks.deepeyes.answer_kind("(C)") == "letter"
@@ -432,11 +433,17 @@ def deepeyes_training(data, out, *overrides):
     return summary, lines
 
 
-def test_deepeyes_trains_two_steps_through_the_cli_skipping_sentence_rows_by_reason(data, tmp_path):
-    summary, lines = deepeyes_training(data, tmp_path / "run", "rollout.max_turns=1")
+def test_deepeyes_trains_two_steps_through_the_cli_skipping_sentence_rows_by_reason(data, tmp_path, capsys):
+    """Sentence rows without a judge are skipped by design, not bad: even data.max_bad_fraction=0 trains on."""
+    summary, lines = deepeyes_training(data, tmp_path / "run", "rollout.max_turns=1", "data.max_bad_fraction=0")
     assert summary["task"] == "deepeyes" and summary["steps"] == 2 and [m["step"] for m in lines] == [1, 2]
-    reasons = json.loads((tmp_path / "run" / "summary.json").read_text())["data"]["by_reason"]
-    assert set(reasons) == {"sentence answer without a judge"}  # the one sentence row, each time it is met
+    counted = json.loads((tmp_path / "run" / "summary.json").read_text())["data"]
+    assert counted["by_reason"] == {} and counted["bad_rows"] == 0
+    skipped = counted["skipped_rows"]["sentence answer without a judge"]  # the one sentence row, each time it is met
+    assert skipped >= 1 and lines[-1]["skipped_rows/sentence answer without a judge"] == skipped
+    note = ("1 of 4 training rows have a sentence ground truth, which only a judge can score: they are skipped (not "
+            "counted as bad rows); set reward.judge.kind=")
+    assert sum(line.startswith(note) for line in capsys.readouterr().out.splitlines()) == 1
     assert {"reward/accuracy", "reward/format", "reward/tool"} <= set(lines[0])
 
 

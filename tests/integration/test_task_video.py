@@ -237,7 +237,9 @@ def test_vsibench_bad_rows(vsibench):
     row = task.load("test")[0]
     for change, reason in [({"question_type": "x"}, "unknown question type"), ({"ground_truth": "0"}, "bad answer"),
                            ({"ground_truth": "many"}, "bad answer"), ({"scene_name": "nowhere"}, "missing video file"),
-                           ({"question_type": "route_planning", "options": None}, "no options")]:
+                           ({"question_type": "route_planning", "options": None}, "no options"),
+                           ({"question_type": "route_planning", "options": ["A. left", "B. right"],
+                             "ground_truth": "C"}, "bad label")]:
         with pytest.raises(BadRow) as error:
             bad = {**row, **change}
             task.check_row(bad)

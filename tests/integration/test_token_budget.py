@@ -43,7 +43,7 @@ def test_multi_turn_count_is_the_generated_tokens(tmp_path):
     assert 1 < summary["steps"] == len(steps) < 10 and summary["tokens_sampled"] == steps[-1]["tokens_sampled"]
 
 
-def test_single_turn_count_resampling_included_and_a_resumed_run_stops_at_the_same_step(tmp_path):
+def test_single_turn_count_resampling_included_and_a_resumed_run_stops_at_the_same_step(tmp_path, capsys):
     """beta_th=1 resamples: every completion's tokens count, resampled ones too (completion_tokens_mean is the mean
     over every completion of a step). A run cut after one step and resumed stops where the straight run did, with
     the same metrics; resuming the finished run adds no step (its last checkpoint spent the budget)."""
@@ -55,6 +55,9 @@ def test_single_turn_count_resampling_included_and_a_resumed_run_stops_at_the_sa
     tokens = [round(m["completion_tokens_mean"] * m["groups_sampled"] * group_size) for m in steps]
     assert_stopped_on_budget(steps, tokens, budget)
     assert full["tokens_sampled"] == steps[-1]["tokens_sampled"] and 1 < full["steps"] == len(steps) < 10
+    said = (f"The run ended after step {len(steps)} of trainer.max_steps=10: its budget of sampled tokens is spent "
+            f"({full['tokens_sampled']} sampled, trainer.max_sampled_tokens={budget}).")
+    assert said in capsys.readouterr().out.splitlines() and full["ended_by"] in said  # one line, on its own
     assert full["completions_sampled"] == sum(m["groups_sampled"] * group_size for m in steps)
     train_run(tmp_path / "cut", *run, "trainer.max_steps=1")
     cut = train_run(tmp_path / "cut", *run, "trainer.max_steps=10", "resume=auto")

@@ -67,8 +67,10 @@ def test_no_resampling_starts_once_the_token_budget_is_spent():
 def test_either_budget_stops_the_run_the_first_reached():
     both = TrainerSettings(max_completions=64, max_sampled_tokens=1000)
     assert not budget_spent(both, {"completions_sampled": 63, "tokens_sampled": 999})
-    assert budget_spent(both, {"completions_sampled": 64, "tokens_sampled": 10})
-    assert budget_spent(both, {"completions_sampled": 8, "tokens_sampled": 1000})
+    assert budget_spent(both, {"completions_sampled": 64, "tokens_sampled": 10}) == \
+        "its budget of sampled completions is spent (64 sampled, trainer.max_completions=64)"
+    assert budget_spent(both, {"completions_sampled": 8, "tokens_sampled": 1000}) == \
+        "its budget of sampled tokens is spent (1000 sampled, trainer.max_sampled_tokens=1000)"
     assert not budget_spent(TrainerSettings(), {"completions_sampled": 10**9, "tokens_sampled": 10**9})
     assert budget_spent(TrainerSettings(max_sampled_tokens=5), {"completions_sampled": 0, "tokens_sampled": 7})
     assert (tokens_left(both, 400), tokens_left(TrainerSettings(), 400)) == (600, None)
@@ -103,3 +105,28 @@ def test_stream_state_resumes_exactly_and_crosses_epochs():
     resumed.load_state_dict(state)
     assert resumed.next_indices(12) == expected
     assert stream.epoch == 2
+
+
+def test_dapo_overlong_shaping_counts_a_trajectorys_generated_tokens_only_against_its_own_limit():
+    import torch
+
+    from gpg_vl.config.schema import RolloutSettings
+    from gpg_vl.rollout.trajectory import Trajectory
+    from gpg_vl.rollout.types import Rollout
+    from gpg_vl.train.sample import overlong_lengths
+
+    rollout = RolloutSettings(max_new_tokens=6, max_total_tokens=40)
+    long_tool = Trajectory()
+    long_tool.add_segment([1] * 5)
+    long_tool.add_observation([9] * 30, [])  # a crop's 30 tokens: the tool's, not the model's
+    long_tool.add_segment([2] * 4)
+    short = Trajectory()
+    short.add_segment([3] * 2)
+    multi = Rollout(torch.ones(2, 39, dtype=torch.bool), torch.ones(2, 39, dtype=torch.bool), ["", ""], 2,
+                    trajectories=[long_tool, short])
+    lengths, limit = overlong_lengths(multi, rollout)
+    assert lengths.tolist() == [9, 2] and limit == 40
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3]).bool()
+    single = Rollout(torch.zeros(2, 6, dtype=torch.long), mask, ["", ""], 2)
+    lengths, limit = overlong_lengths(single, rollout)
+    assert lengths.tolist() == [6, 3] and limit == 6

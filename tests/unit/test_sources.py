@@ -191,3 +191,22 @@ def test_decompression_bombs_are_refused_with_their_size(tmp_path, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300)  # 400 pixels: over the limit, under twice it
     with pytest.raises(UserError, match=r"too large to decode safely \(20x20 = 400 pixels, over PIL's limit of 300\)"):
         load_image(png_bytes(Image.new("RGB", (20, 20))))
+
+
+def test_rows_skipped_by_design_are_counted_apart_from_bad_rows_and_never_stop_the_run():
+    from gpg_vl.data.stream import BadRowLog
+    from gpg_vl.errors import BadRow, SkippedRow
+
+    log = BadRowLog(max_bad_fraction=0.0, total=4)
+    note = log.record(0, SkippedRow("sentence answer without a judge", "row 0 needs a judge."))
+    assert note.startswith("skipped row 0 (sentence answer without a judge): row 0 needs a judge. Such rows are "
+                           "counted as skipped_rows/sentence answer without a judge")
+    assert log.record(1, SkippedRow("sentence answer without a judge", "row 1 needs a judge.")) is None  # once
+    assert not log.over_limit() and (log.seen, log.bad) == (0, 0)
+    assert log.metrics() == {"rows_seen": 0, "bad_rows": 0, "skipped_rows/sentence answer without a judge": 2}
+    assert "no training row can be used" in log.stop_message()  # a split of skipped rows only
+    log.record(2, BadRow("empty question", "row 2 has no question."))
+    assert log.over_limit() and log.stop_message().startswith("1 of 1 rows seen are bad")
+    restored = BadRowLog()
+    restored.load_state_dict(log.state_dict())
+    assert restored.metrics() == log.metrics() and restored.summary() == log.summary()

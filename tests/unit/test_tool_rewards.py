@@ -110,3 +110,24 @@ def test_judge_urls_and_settings():
         EndpointJudge("ftp://h/v1")
     with pytest.raises(UserError, match="above 0"):
         EndpointJudge("http://h/v1", timeout_s=0)
+
+
+def test_a_failed_verdict_is_remembered_for_the_step_and_asked_again_in_the_next():
+    from gpg_vl.reward.judge import Judge
+
+    class Unreachable(Judge):
+        asked = 0
+
+        def decide(self, question):
+            self.asked += 1
+            raise JudgeError("the judge at http://h/v1 did not answer within 30 s")
+
+    judge = Unreachable()
+    for _ in range(3):  # the accuracy, then the tool bonus asking the same completion's accuracy again
+        with pytest.raises(JudgeError, match="did not answer within 30 s"):
+            judge("Q?", "The bag is black.", "black")
+    assert judge.asked == 1
+    judge.new_step()
+    with pytest.raises(JudgeError):
+        judge("Q?", "The bag is black.", "black")
+    assert judge.asked == 2

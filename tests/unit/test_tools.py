@@ -220,3 +220,72 @@ def test_max_turns_above_one_is_refused_before_any_sampling_without_an_engine_a_
         assert [t["function"]["name"] for t in engine.prompt_tools(None)] == ["zoom_in"]
     finally:
         ENGINES.unregister("single_turn_only")
+
+
+class EncodingFamily(StubFamily):
+    """A stub family that encodes an observation one token per character (vocabulary entries of at most 3
+    characters), with the processor's 200:1 aspect-ratio limit; `delay` seconds per encoding."""
+
+    max_aspect_ratio = 200.0
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__("relative-1000")
+        self.delay, self.encoded = delay, []
+
+        class Tokenizer:
+            def get_vocab(self):
+                return {"a": 0, "ab": 1, "abc": 2}
+
+        self.tokenizer = Tokenizer()
+
+    def encode_observation(self, text, images):
+        time.sleep(self.delay)
+        self.encoded.append((len(text), [image.size for image in images]))
+        return list(range(len(text) + len(images))), {}
+
+
+@pytest.mark.parametrize("size, says", [((0, 0), "0 x 0 pixels, which has nothing to show"),
+                                        ((1, 5000), "1 x 5000 pixels, whose aspect ratio 5000:1 is above the 200:1")])
+def test_an_image_a_tool_returns_that_cannot_be_used_is_a_tool_error_not_a_crash(registered, size, says):
+    registered("odd", lambda context: ["look", Image.new("RGB", size)])
+    family = EncodingFamily()
+    ctx = ToolContext.for_prompt([gradient(40, 40)], [(40, 40, 40, 40)], family, MultiTurnSettings())
+    result = run_tool("odd", {}, ctx, room=100)
+    assert result.error and says in result.text and not result.images and result.encoded is None
+    assert family.encoded == []  # nothing reached the processor
+
+
+def test_an_image_a_tool_makes_is_fitted_inside_the_guard_with_a_view_as_the_model_sees_it(registered):
+    registered("picture", lambda context: Image.new("RGB", (64, 32)))
+    family = EncodingFamily()
+    ctx = ToolContext.for_prompt([gradient(40, 40)], [(40, 40, 40, 40)], family, MultiTurnSettings())
+    result = run_tool("picture", {}, ctx, room=100)
+    assert not result.error and [image.size for image in result.images] == [(32, 16)]  # StubFamily halves
+    assert [(v.original, v.box, v.size) for v in result.views] == [(-1, (0.0, 0.0, 32.0, 16.0), (32, 16, 32, 16))]
+    assert family.encoded == [(0, [(32, 16)])] and result.encoded == ([0], {})
+
+
+def test_tool_text_is_cut_to_what_could_fit_before_it_is_encoded_within_the_time_budget(registered):
+    registered("chatty", lambda context: "x" * 1_000_000)
+    family = EncodingFamily()
+    ctx = ToolContext.for_prompt([gradient(40, 40)], [(40, 40, 40, 40)], family, MultiTurnSettings())
+    result = run_tool("chatty", {}, ctx, room=50)
+    # 50 tokens of at most 3 characters hold at most 150 characters: 151 cannot fit, whatever the cut
+    assert family.encoded == [(151, [])] and len(result.text) == 151 and len(result.encoded[0]) > 50
+    slow = EncodingFamily(delay=30)
+    ctx = ToolContext.for_prompt([gradient(40, 40)], [(40, 40, 40, 40)], slow, MultiTurnSettings(tool_seconds=0.2))
+    result = run_tool("chatty", {}, ctx, room=50)  # the encoding counts against tool_seconds
+    assert result.error and "longer than 0.2 s" in result.text
+
+
+@pytest.mark.parametrize("error, says", [(SystemExit(3), "exited (SystemExit: 3)"),
+                                         (KeyboardInterrupt(), "exited (KeyboardInterrupt)")])
+def test_a_tool_that_exits_is_reported_with_its_true_reason_at_once_and_no_thread_traceback(registered, capfd,
+                                                                                           error, says):
+    def leaving(context):
+        raise error
+
+    registered("leaving", leaving)
+    result = run_tool("leaving", {}, context(), seconds=30)
+    assert result.error and result.text == f"Error: leaving {says}."
+    assert "Traceback" not in capfd.readouterr().err
