@@ -163,14 +163,14 @@ def segment_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple
     """Attention of one packed row by segments, each on its prefix's and its own keys only.
 
     query [1, heads, T, d], key / value [1, kv_heads, T, d] -> [1, T, heads, d] (what transformers'
-    attention functions return). On CUDA one varlen flash-attention call (`varlen_attn`, causal aligned to
-    the end of each segment's keys). Elsewhere scaled dot-product attention, `batched` (default: with more
-    than one torch thread) as one call over the segments gathered into a padded batch, else one call per
-    segment: measured on the bench's shape, per segment costs what the padded path's attention costs at one
+    attention functions return). On CUDA in half precision one varlen flash-attention call (`varlen_attn`,
+    causal aligned to the end of each segment's keys). Elsewhere scaled dot-product attention, `batched`
+    (default: with more than one torch thread) as one call over the segments gathered into a padded batch, else
+    one call per segment: measured on the bench's shape, per segment costs what the padded path's attention costs at one
     thread but many small calls stall when threads contend for cores; one batched call costs about 1.2x the
     padded attention at either count (docs/packing.md).
     """
-    if query.is_cuda and dropout == 0.0:
+    if query.is_cuda and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16):  # flash: half types
         return _varlen_attention(query, key, value, segments, scaling=scaling)
     if batched if batched is not None else torch.get_num_threads() > 1:
         return _batched_attention(query, key, value, segments, scaling=scaling, dropout=dropout)
