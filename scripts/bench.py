@@ -219,7 +219,7 @@ class GpgRunner:
         self.stream = PromptStream(rows, seed=args.seed)
         self.engine = build_engine(self.rollout, self.policy)
         path = choose_scoring_path(family, self.model, share_prompt=self.settings.share_prompt,
-                                   share_vision=self.settings.share_vision)
+                                   share_vision=self.settings.share_vision, packing=self.settings.packing)
         self.learner = Learner(self.policy, self.model, self.optimizer, self.scheduler, self.accelerator,
                                self.settings, temperature=self.rollout.temperature, path=path)
 
@@ -384,6 +384,99 @@ def report(args, summary: dict) -> None:
               f"{rate:8.3f} {r['completion_tokens'] * rate:11.1f} {r['peak_mib']:9.0f} {rate / trl_rate:6.2f}x")
 
 
+# ---------------------------------------------------------------------------------------------
+# --packing: the update alone, packed against padded, on the same sampled step
+# ---------------------------------------------------------------------------------------------
+def drawn_lengths(attempt, spec: str, seed: int):
+    """The attempt with each completion cut to a length drawn uniformly from `spec` ("8:256"), the rest padding."""
+    low, high = (int(x) for x in spec.split(":"))
+    rollout = attempt.rollout
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (rollout.completion_ids.shape[0],), generator=generator)
+    lengths = lengths.clamp(max=rollout.completion_ids.shape[1])
+    mask = torch.arange(rollout.completion_ids.shape[1])[None, :] < lengths[:, None]  # [B * G, C]
+    ids = rollout.completion_ids.masked_fill(~mask.to(rollout.completion_ids.device), 0)
+    return replace(attempt, rollout=replace(rollout, completion_ids=ids, completion_mask=mask))
+
+
+def packing_step(args):
+    """(the learner, one sampled step's attempts, what they are) for --packing: the bench model's step (with
+    --lengths, its completions cut to drawn lengths), the video bench's, or with --zoom one step of
+    +experiment=zoom-tiny (multi-turn trajectories), sampled once and updated by every arm."""
+    if args.zoom:
+        from gpg_vl.config.compose import load_config
+        from gpg_vl.train import loop
+
+        folder = tempfile.mkdtemp(prefix="bench-zoom-")
+        run = loop.setup(load_config("train", ["+experiment=zoom-tiny", f"output_dir={folder}", "eval.limit=null",
+                                               "trainer.eval_before=false", "trainer.packing=off"]))
+        run.learner.settings = replace(run.learner.settings, lr=args.lr)
+        loop.step(run)  # one real step (sample, update); its attempts are what every arm updates on
+        return run.learner, run.state.attempts, "one step of +experiment=zoom-tiny"
+    image_size, group_size = int(args.image_sizes.split(",")[0]), int(args.group_sizes.split(",")[0])
+    rows = make_rows(args.prompts * 2, image_size, args.seed, frames=args.video)
+    runner = GpgRunner(args, rows, group_size, image_size, "default")
+    collected = collect_valid_groups(
+        lambda: sample_attempt(runner.policy, runner.task, runner.stream, engine=runner.engine,
+                               trainer=replace(runner.settings, reward_workers=1), rollout=runner.rollout, warn=print),
+        local_counts, beta_th=0.0, batch_size=runner.settings.batch_size, max_attempts=1)
+    attempts = collected.attempts
+    what = f"B={args.prompts} x G={group_size}, {'video of ' + str(args.video) + ' frames' if args.video else 'image'}"
+    if args.lengths:
+        attempts = [drawn_lengths(a, args.lengths, args.seed) for a in attempts]
+        what += f", completion lengths drawn from {args.lengths}"
+    else:
+        what += f", completions of {args.new_tokens} tokens"
+    return runner.learner, attempts, what
+
+
+def main_packing(args) -> None:
+    """Update tokens per second and peak memory of each trainer.packing mode on one sampled step, the modes
+    alternating in a fresh order each round, at each --threads count, in this one process."""
+    modes = args.packing.split(",")
+    learner, attempts, what = packing_step(args)
+    learners = {}
+    for mode in modes:
+        settings = replace(learner.settings, packing=mode)
+        path = choose_scoring_path(learner.policy.family, learner.model, share_prompt=settings.share_prompt,
+                                   share_vision=settings.share_vision, packing=mode)
+        learners[mode] = replace(learner, settings=settings, path=path)
+    sequences = [a.rollout.completion_mask.shape[0] for a in attempts]
+    real = sum(int(a.rollout.completion_mask.sum()) + int(a.prompts.inputs["attention_mask"].sum()) * (
+        a.rollout.group_size) for a in attempts)
+    print(f"{what}: {sum(sequences)} sequences, {real} real tokens (prompt + completion per sequence); load "
+          f"average {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+    meter, order = Meter(args.device), random.Random(args.seed)
+    table = []
+    for threads in [int(x) for x in str(args.threads).split(",")]:
+        torch.set_num_threads(threads)
+        records: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for index in range(args.warmup + args.steps):
+            for mode in order.sample(modes, len(modes)):
+                meter.start()
+                update(learners[mode], attempts)
+                records[mode].append(meter.stop())
+            print(f"  {threads} threads, round {index + 1}: " + " | ".join(
+                f"{mode} {r[-1]['step_s']:.2f} s" for mode, r in records.items()), flush=True)
+        for mode in modes:
+            measured = records[mode][args.warmup:]
+            seconds = statistics.mean(r["step_s"] for r in measured)
+            table.append((threads, mode, seconds, statistics.mean(r["cpu_s"] for r in measured), real / seconds,
+                          max(r["peak_mib"] for r in measured)))
+    base = {threads: (seconds, cpu) for threads, mode, seconds, cpu, _, _ in table if mode == "off"}
+    print("\n| threads | packing | update s | CPU s | update tok/s | peak MiB | vs off (wall) | vs off (CPU) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for threads, mode, seconds, cpu, rate, peak in table:
+        wall, cpu_ratio = (f"{base[threads][0] / seconds:.2f}x", f"{base[threads][1] / cpu:.2f}x") \
+            if threads in base else ("-", "-")
+        print(f"| {threads} | {mode} | {seconds:.2f} | {cpu:.2f} | {rate:.0f} | {peak:.0f} | {wall} | {cpu_ratio} |")
+    auto = choose_scoring_path(learner.policy.family, learner.model, share_prompt=learner.settings.share_prompt,
+                               share_vision=learner.settings.share_vision, packing="auto")
+    print("paths: " + "; ".join(f"{mode}: {learners[mode].path.describe()}" for mode in modes) +
+          f"; auto takes: {auto.describe()}")
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=2, help="B: prompts per step")
@@ -402,7 +495,14 @@ def main() -> None:
                         help="the bench model's family (same sizes)")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both trainers)")
+    parser.add_argument("--threads", default="1", help="torch CPU threads (both trainers); with --packing, a "
+                        "comma-separated list measured one after the other in this process")
+    parser.add_argument("--packing", default="", help="measure the update alone under these trainer.packing modes "
+                        "(comma-separated, e.g. on,off) on one sampled step, instead of the trainers")
+    parser.add_argument("--lengths", default="", metavar="LOW:HIGH",
+                        help="with --packing: cut each completion to a length drawn uniformly from LOW:HIGH")
+    parser.add_argument("--zoom", action="store_true",
+                        help="with --packing: one step of +experiment=zoom-tiny (multi-turn) instead of the bench's")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--staleness", type=int, default=0, metavar="K",
@@ -418,7 +518,9 @@ def main() -> None:
         parser.error(f"unknown --gpg-variants {unknown}; known: {', '.join(VARIANTS)}")
     args.torch_dtype = getattr(torch, args.dtype)
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated argument names inside TRL
-    torch.set_num_threads(args.threads)
+    if args.packing:
+        return main_packing(args)
+    torch.set_num_threads(int(args.threads))
     if args.video:
         return main_video(args)
     if args.staleness:

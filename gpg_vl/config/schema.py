@@ -129,6 +129,9 @@ class TrainerSettings:
     share_prompt: bool = field(default=True, metadata=meta(
         "run each prompt once per group in the update, completions on its cache (false = per sequence; off "
         "under gradient_checkpointing, FSDP and ZeRO-3)"))
+    packing: str = field(default="off", metadata=meta(
+        "run each micro-batch as one padding-free row, prompts once per group (auto: where the model can)",
+        choices=("auto", "on", "off"), note="docs/packing.md"))
     logits_chunk_tokens: int = field(default=1024, metadata=meta(
         "score completions through the output layer this many tokens at a time (0 = all at once)", low=0))
     save_every: int = field(default=0, metadata=meta(

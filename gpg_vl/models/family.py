@@ -279,6 +279,12 @@ class Family:
         """Why this model cannot run prompt-once exactly (None when it can)."""
         return None
 
+    def packing_unsupported(self, model: torch.nn.Module) -> str | None:
+        """Why the update cannot pack this model's sequences exactly (None when it can): models/packing.py."""
+        from gpg_vl.models.packing import packing_unsupported
+
+        return packing_unsupported(unwrap(model))
+
     def prefill_once_unsupported(self, model: torch.nn.Module) -> str | None:
         """Why the rollout cannot prefill each prompt once and fork its cache exactly here (None when it can)."""
         return self.prompt_once_unsupported(model)
@@ -383,10 +389,12 @@ class Family:
         """One line: the family, its box frame, and which throughput paths it can take on this model."""
         bare = unwrap(model)
         once, prefill = self.prompt_once_unsupported(bare), self.prefill_once_unsupported(bare)
+        packing = self.packing_unsupported(bare)
         return (f"{self.name} family ({type(bare).__name__}): box frame {self.box_frame}; prompt-once update "
                 f"{'yes' if once is None else 'no (' + once + ')'}; prefill-once rollout "
                 f"{'yes' if prefill is None else 'no (' + prefill + ')'}; shared vision "
-                f"{'yes' if self.shares_vision(bare) else 'no'}")
+                f"{'yes' if self.shares_vision(bare) else 'no'}; packed update "
+                f"{'yes' if packing is None else 'no (' + packing + ')'}")
 
 
 # ---------------------------------------------------------------------------------------------

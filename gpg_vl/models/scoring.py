@@ -16,7 +16,7 @@ the prompt G times in both phases. Here:
   full-vocabulary logits are never held for all tokens at once.
 
 The update scores through one function, `token_logps(family, model, ..., path=...)`, whose `ScoringPath` is
-chosen once per run at setup (`choose_scoring_path`: prompt-once, shared vision, or plain) and is required
+chosen once per run at setup (`choose_scoring_path`: packed, prompt-once, shared vision, or plain) and is required
 afterwards; everything that depends on that choice (the forward, the micro-batch cost) reads the same path.
 Calls go one way: the update calls scoring, and scoring asks the family's small protocol methods (`position_ids`,
 `fork_cache`, `vision_features`, `logps_from_logits`, ...); the family never calls back into scoring.
@@ -35,7 +35,9 @@ from torch import Tensor
 from transformers import DynamicLayer
 
 import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
+from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
+from gpg_vl.models.packing import pack_layout, pack_tokens, packed_segments, unpack_scored
 from gpg_vl.models.router import weigh_router_tokens
 
 
@@ -51,8 +53,15 @@ class ScoringPath:
     prompt_once: bool = False
     shared_vision: bool = False
     wrapped: bool = False
+    packed: bool = False  # one padding-free row per micro-batch (models/packing.py), prompts once with prompt_once
+    # packed only where padding would add at least this share of the real tokens (trainer.packing=auto)
+    min_padding: float = 0.0
 
     def describe(self) -> str:
+        if self.packed:
+            how = "each prompt once per group" if self.prompt_once else "each sequence whole"
+            when = f", where padding would add {self.min_padding:.0%} or more" if self.min_padding else ""
+            return f"packed (padding-free, one row per micro-batch{when}, {how})"
         if self.prompt_once:
             return "prompt-once (each prompt runs once per group, completions on its forked cache)"
         how = "through the wrapped model" if self.wrapped else "on the bare model"
@@ -68,13 +77,23 @@ def checkpointing(model: torch.nn.Module) -> bool:
     return False
 
 
+PACKING_MODES = ("auto", "on", "off")
+# trainer.packing=auto packs a micro-batch when padding would add at least this share of its real tokens: with
+# none (equal lengths) the packed row is no faster than the padded forward (docs/results/throughput.md)
+AUTO_MIN_PADDING = 0.1
+
+
 def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, share_vision: bool,
-                        warn=None) -> ScoringPath:
+                        packing: str = "off", warn=None) -> ScoringPath:
     """The scoring path of a run: the fastest the settings allow that is exact for this family and engine.
 
     Prompt-once needs a cache in the training forward (no gradient checkpointing), the bare model's parts
     (not FSDP / ZeRO-3) and a family that forks its cache exactly; otherwise it steps aside, with one
     warning when the family is the reason. Shared vision needs a family whose model takes image features back.
+    Packing (`packing` auto or on: models/packing.py) needs the bare model's parts, no gradient checkpointing
+    (its recomputation would run outside the packed attention) and a family whose layers are all full
+    attention (`Family.packing_unsupported`); `on` fails in one sentence where it cannot pack, `auto` steps aside,
+    and packs only the micro-batches with padding to remove (`AUTO_MIN_PADDING`: train/update.py's `forward_cost`).
     """
     wrapped = distributed.forward_is_collective(model)
     bare = unwrap(model)
@@ -85,7 +104,24 @@ def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, s
                  "each sequence runs whole (same result, more compute).")
         prompt_once = False
     shared = share_vision and family.shares_vision(bare)
-    return ScoringPath(prompt_once=prompt_once, shared_vision=shared, wrapped=wrapped)
+    return ScoringPath(prompt_once=prompt_once, shared_vision=shared, wrapped=wrapped,
+                       packed=_packs(family, bare, packing, wrapped),
+                       min_padding=AUTO_MIN_PADDING if packing == "auto" else 0.0)
+
+
+def _packs(family, bare: torch.nn.Module, packing: str, wrapped: bool) -> bool:
+    """Whether the update packs (trainer.packing): see `choose_scoring_path`."""
+    if packing not in PACKING_MODES:
+        raise UserError(f"unknown trainer.packing {packing!r}; use one of {', '.join(PACKING_MODES)}.")
+    if packing == "off":
+        return False
+    reason = ("the model's forward goes through FSDP / ZeRO-3" if wrapped else
+              "gradient checkpointing recomputes the forward outside the packed attention" if checkpointing(bare)
+              else family.packing_unsupported(bare))
+    if reason and packing == "on":
+        raise UserError(f"trainer.packing=on cannot pack this model: {reason}; set trainer.packing=auto (packs "
+                        "where it can) or off.")
+    return reason is None
 
 
 SHARED_VISION = "gpg_shared_vision"  # model(..., gpg_shared_vision=(prompts, prompt_index)): see below
@@ -99,7 +135,8 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
                 temperature: float = 1.0, logits_chunk_tokens: int = 0) -> Tensor:
     """Log-probs [N, C] of `completion_ids` [N, C] under `model`; sequence n continues prompt `prompt_index[n]`.
 
-    `path` (the run's, from `choose_scoring_path`) says how: prompt-once runs each distinct prompt once, with
+    `path` (the run's, from `choose_scoring_path`) says how: packed runs the micro-batch as one padding-free row,
+    each prompt once per group with prompt-once (`packed_hidden`); prompt-once runs each distinct prompt once, with
     gradient, its G sequences' completions on its forked cache (`prompt_once_hidden`); otherwise every sequence
     runs prompt + completion, and with shared vision each distinct prompt's images go through the vision tower
     once (with gradient), the G sequences reusing those features. `observations[n]` (multi-turn trajectories,
@@ -113,6 +150,11 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     """
     bare = unwrap(model)
     chunked = logits_chunk_tokens > 0 and not path.wrapped
+    if path.packed:
+        hidden = packed_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask, observations,
+                               prompt_once=path.prompt_once, shared_vision=path.shared_vision)  # [N, C, H]
+        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
     if path.prompt_once:
         hidden = prompt_once_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask,
                                     observations)  # [N, C, H]
@@ -371,6 +413,70 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
     completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
                                 position_ids=completion_positions, cache=cache, use_cache=True, **completion_extra)
     return torch.cat([last, completion_out.last_hidden_state], dim=1)  # [N, C, H]
+
+
+# ---------------------------------------------------------------------------------------------
+# update, packed: a micro-batch as one padding-free row, each prompt once per group
+# ---------------------------------------------------------------------------------------------
+def packed_hidden(family, model, prompts, prompt_index: list[int], completion_ids: Tensor, completion_mask: Tensor,
+                  observations: list | None = None, *, prompt_once: bool, shared_vision: bool) -> Tensor:
+    """Final hidden states [N, C, H] (row n, column t predicts completion_ids[n, t]) from one packed forward
+    (models/packing.py: each prompt once per group with `prompt_once`, no padding, attention never across
+    sequences).
+
+    The padded batch the other paths run (prompts selected per sequence, completions and their
+    observations appended) gives each token its positions (`family.position_ids`) and token types; the
+    packed row takes its real tokens (`pack_layout`), each prompt once per group with `prompt_once`, and
+    the images in the order the row meets their placeholders (`row_images`).
+    """
+    bare = unwrap(model)
+    sequences = trim_left_padding(prompts.select(prompt_index).inputs)  # per-token keys [N, P]
+    if observations is None:
+        full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, L] per-token keys
+    else:
+        full = with_observations(prompts, prompt_index, sequences, completion_ids, completion_mask, observations)
+    positions = family.position_ids(bare, full)  # [..., N, L]
+    if positions is None:
+        positions = (full["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
+    layout = pack_layout(sequences["attention_mask"], prompt_index, completion_mask, prompt_once=prompt_once)
+    token_keys = per_token_keys(full)
+    inputs = {key: pack_tokens(full[key], layout) for key in token_keys if key != "attention_mask"}  # [1, T]
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    images = row_images(prompts, layout.groups, full, token_keys, observations, prompt_once=prompt_once)
+    if shared_vision and observations is None and (prompts.has_images or prompts.has_videos):
+        # the towers' outputs per prompt of the row, encoded as the padded path encodes them (a model that reads
+        # a row's several images differently, LLaVA-OneVision's tiles, sees each prompt's own)
+        images = {key: value for key, value in images.items() if key not in family.pixel_keys}
+        images["mm_encoder_outputs"] = family.vision_features(bare, prompts, [p for p, _ in layout.groups])
+    inputs.update(images)
+    weigh_router_tokens(bare, lambda: layout.router_weight[None])
+    with packed_segments(bare.get_decoder().config, layout.segments):
+        out = bare.model(**inputs, position_ids=pack_tokens(positions, layout), use_cache=False)
+    return unpack_scored(out.last_hidden_state, layout, tuple(completion_ids.shape))  # [N, C, H]
+
+
+def row_images(prompts, groups: tuple, full: dict[str, Tensor], token_keys: list[str], observations: list | None,
+               *, prompt_once: bool) -> dict[str, Tensor]:
+    """The image inputs (every key that is not per token) of the packed row, in the order it meets their
+    placeholders: per sequence as `full` holds them, or with `prompt_once` each group's prompt images once,
+    then its sequences' observations' images. Counts per sequence (`COUNT_KEYS`) become the row's total."""
+    keys = [key for key in full if key not in token_keys]
+    if not prompt_once:
+        images = {key: full[key] for key in keys}
+    else:
+        images = {}
+        for key in keys:
+            parts = []
+            for prompt, members in groups:
+                if key in prompts.inputs:
+                    parts.append(prompts.select([prompt]).inputs[key])
+                for n in members if observations is not None else ():
+                    parts += [extra[key] for extra in observations[n].observation_inputs if key in extra]
+            images[key] = torch.cat([part.to(full["input_ids"].device) for part in parts], dim=0)
+    for key in COUNT_KEYS:
+        if key in images:
+            images[key] = images[key].sum(dim=0, keepdim=True)
+    return images
 
 
 # ---------------------------------------------------------------------------------------------

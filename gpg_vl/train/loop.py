@@ -369,7 +369,8 @@ def _build_learner(policy: Policy, trainer: TrainerSettings, rollout: RolloutSet
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
     path = choose_scoring_path(policy.family, model, share_prompt=trainer.share_prompt,
-                               share_vision=trainer.share_vision, warn=lambda m: accelerator.print(f"warning: {m}"))
+                               share_vision=trainer.share_vision, packing=trainer.packing,
+                               warn=lambda m: accelerator.print(f"warning: {m}"))
     return Learner(policy, model, optimizer, scheduler, accelerator, trainer, temperature=rollout.temperature,
                    path=path, reference=place_reference(frozen, accelerator), max_new_tokens=rollout.max_new_tokens)
 

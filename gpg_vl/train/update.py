@@ -47,14 +47,15 @@ from gpg_vl.train.sample import Attempt
 
 
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
-                  share_prompt: bool = False):
+                  share_prompt: bool = False, packed: bool = False, min_padding: float = 0.0):
     """Sequences of valid groups only, as `MicroBatch`es (prompts, prompt index, ids [n, C], mask [n, C], adv [n],
     the sampler's log-probs [n, C] or None: engine-sampled log-probs for the on-policy check; for multi-turn
     trajectories their loss mask [n, C] and the trajectories themselves).
 
     With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
-    forward work, padding included (see `micro_batch_cost`); groups go longest first and each group's
-    sequences longest first, so neighbours have similar lengths and little padding is computed. A
+    forward work (`forward_cost`: padding included, or real tokens only where it runs `packed`, which with
+    `min_padding` is where padding would add that share of tokens); groups go longest first and each group's
+    sequences longest first, so neighbours have similar lengths. A
     sequence over the budget on its own gets a micro-batch of its own. Otherwise `micro_batch_size`
     sequences at a time, in order.
     """
@@ -64,7 +65,8 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
         if not groups:  # nothing to train on (an attempt of a process without prompts has no rollout)
             continue
         if micro_batch_tokens > 0:
-            batches = _token_budget_batches(attempt, groups, group_size, micro_batch_tokens, share_prompt)
+            path = ScoringPath(prompt_once=share_prompt, packed=packed, min_padding=min_padding)
+            batches = _token_budget_batches(attempt, groups, group_size, micro_batch_tokens, path)
         else:
             sequences = [b * group_size + g for b in groups for g in range(group_size)]
             batches = [sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
@@ -81,7 +83,7 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
-                          share_prompt: bool) -> list[list[int]]:
+                          path: ScoringPath) -> list[list[int]]:
     """Sequence indices of `groups`, longest group first and longest sequence first, cut at `budget` tokens."""
     lengths = attempt.rollout.completion_mask.sum(dim=1).tolist()  # [b * G]
     prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()  # [b]
@@ -89,9 +91,8 @@ def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, 
     batches, current = [], []
     for sequence in (s for b in sorted(groups, key=lambda b: -lengths[members[b][0]]) for s in members[b]):
         candidate = current + [sequence]
-        cost = micro_batch_cost([prompt_lengths[s // group_size] for s in candidate],
-                                [s // group_size for s in candidate], [lengths[s] for s in candidate],
-                                share_prompt=share_prompt)
+        cost, _ = forward_cost(path, [prompt_lengths[s // group_size] for s in candidate],
+                               [s // group_size for s in candidate], [lengths[s] for s in candidate])
         if current and cost > budget:
             batches.append(current)
             candidate = [sequence]
@@ -100,12 +101,28 @@ def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, 
 
 
 def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], completion_lengths: list[int], *,
-                     share_prompt: bool) -> int:
-    """Tokens one forward computes for these sequences, padding included: prompts are left-padded to the
-    longest, completions right-padded to the longest; with `share_prompt` each distinct prompt runs once."""
+                     share_prompt: bool, packed: bool = False) -> int:
+    """Tokens one forward computes for these sequences (`prompt_lengths[n]` is sequence n's prompt's):
+    padded, prompts are left-padded to the longest, completions right-padded to the longest; `packed`, the
+    real tokens only. With `share_prompt` each distinct prompt runs once."""
+    if packed:
+        prompts = {p: length for p, length in zip(prompt_index, prompt_lengths, strict=True)}
+        return (sum(prompts.values()) if share_prompt else sum(prompt_lengths)) + sum(completion_lengths)
     prompt_width, completion_width = max(prompt_lengths), max(max(completion_lengths), 1)
     prompts = len(set(prompt_index)) if share_prompt else len(prompt_index)
     return prompts * prompt_width + len(prompt_index) * completion_width
+
+
+def forward_cost(path: ScoringPath, prompt_lengths: list[int], prompt_index: list[int],
+                 completion_lengths: list[int]) -> tuple[int, bool]:
+    """(tokens one forward of these sequences computes on `path`, whether it runs packed): packed where the path
+    packs and padding would add at least `path.min_padding` of the real tokens, else padded."""
+    padded = micro_batch_cost(prompt_lengths, prompt_index, completion_lengths, share_prompt=path.prompt_once)
+    if not path.packed:
+        return padded, False
+    packed = micro_batch_cost(prompt_lengths, prompt_index, completion_lengths, share_prompt=path.prompt_once,
+                              packed=True)
+    return (packed, True) if padded >= packed * (1 + path.min_padding) else (padded, False)
 
 
 class MicroBatch(NamedTuple):
@@ -136,7 +153,13 @@ class MicroBatch(NamedTuple):
 
     def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
               logits_chunk_tokens: int) -> torch.Tensor:
-        """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward)."""
+        """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward),
+        packed where `forward_cost` says so."""
+        if path.packed:
+            prompt_lengths = self.prompts.inputs["attention_mask"].sum(dim=1).tolist()
+            _, packed = forward_cost(path, [prompt_lengths[p] for p in self.prompt_index], self.prompt_index,
+                                     self.completion_mask.sum(dim=1).tolist())
+            path = path if packed else replace(path, packed=False)
         return scoring.token_logps(policy.family, model, self.prompts.to(device), self.prompt_index,
                                    self.completion_ids.to(device), self.completion_mask.to(device), path=path,
                                    observations=self.trajectories, temperature=temperature,
@@ -251,7 +274,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
                                                 device=accelerator.device), "sum")
         parts = max(1, math.ceil(int(valid) * settings.group_size / settings.ppo_mini_batch))
     plan = [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
-                               share_prompt=learner.path.prompt_once)) for part in mini_batches(attempts, parts)]
+                               share_prompt=learner.path.prompt_once, packed=learner.path.packed,
+                               min_padding=learner.path.min_padding))
+            for part in mini_batches(attempts, parts)]
     groups_rejected = None
     if getattr(get_correction(learner.off_policy[0]), "rejects", False):  # the normalizer leaves rejected sequences
         plan, groups_rejected = _reject_sequences(learner, plan, attempts)

@@ -17,6 +17,7 @@ def token_logps(family, model, prompts, prompt_index, completion_ids, completion
 
 
 def path_for(family, model, settings):
-    """The scoring path a run with these trainer settings chooses at setup (its share_prompt / share_vision)."""
+    """The scoring path a run with these trainer settings chooses at setup (its share_prompt / share_vision /
+    packing)."""
     return scoring.choose_scoring_path(family, model, share_prompt=settings.share_prompt,
-                                       share_vision=settings.share_vision)
+                                       share_vision=settings.share_vision, packing=settings.packing)
