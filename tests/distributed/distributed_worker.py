@@ -223,22 +223,23 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
     from transformers import PreTrainedModel
 
     import gpg_vl.train.loop as trainer
+    import gpg_vl.train.pipeline as pipeline
 
     seen = {"collected": [], "step_metrics": [], "update": [], "saves": 0}
 
-    def wrap(name, key, record):
-        original = getattr(trainer, name)
+    def wrap(name, key, record, module=trainer):
+        original = getattr(module, name)
 
         def recorded(*args, **kwargs):
             value = original(*args, **kwargs)
             seen[key].append(record(value))
             return value
 
-        setattr(trainer, name, recorded)
+        setattr(module, name, recorded)
 
     wrap("collect_valid_groups", "collected", lambda c: {
         "groups_sampled": c.groups_sampled, "groups_valid": c.groups_valid, "valid_fractions": c.valid_fractions,
-        "attempts": len(c.attempts)})
+        "attempts": len(c.attempts)}, pipeline)  # the sampling stage (gpg_vl/train/pipeline.py) collects
     wrap("step_metrics", "step_metrics", dict)
     wrap("update", "update", dict)
     save_checkpoint = trainer.save_checkpoint

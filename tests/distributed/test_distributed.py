@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runs import untimed
 from helpers.scoring import token_logps
 from safetensors.torch import load_file
 
@@ -23,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "distributed" / "distributed_worker.py"
 CONFIGS = ROOT / "configs" / "accelerate"
 CASES = ("even", "uneven", "one_without_valid", "one_without_prompts")
-TIMING = {"rollout_s", "update_s", "step_s"}
 TINY_RUN = ["trainer.batch_size=4", "trainer.group_size=4", "trainer.micro_batch_size=6", "rollout.max_new_tokens=16",
             "trainer.lr=1e-3", "task.options.train_size=64", "task.options.test_size=8", "trainer.save_every=1",
             "trainer.keep_checkpoints=3"]
@@ -62,7 +62,7 @@ def metrics_lines(run: Path) -> list[dict]:
 
 
 def without_timing(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if k not in TIMING}
+    return untimed(metrics)
 
 
 def assert_same_weights(first: Path, second: Path) -> None:

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.runs import train_run
+from helpers.runs import train_run, untimed
 from safetensors.torch import load_file
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
@@ -22,12 +22,11 @@ from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
 from gpg_vl.train.sample import sample_attempt
 
 SMALL = ["trainer.max_staleness=1", "seed=0"]  # on tests/helpers/runs.py's QUICK_RUN: B = 4, G = 4, 16 tokens
-TIMING = ("_s", "tokens_per_s")  # wall-clock metrics differ between any two runs
 
 
 def _metrics(folder) -> list[dict]:
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in m.items() if not k.endswith(TIMING)} for m in lines]
+    return [untimed(m) for m in lines]
 
 
 def _weights(folder) -> dict:

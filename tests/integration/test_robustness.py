@@ -272,7 +272,7 @@ def test_a_trainer_state_lacking_keys_fails_in_one_sentence(tmp_path):
     (["trainer.epochs=abc"], "trainer.epochs=abc has the wrong type: trainer.epochs takes a number"),
     (["trainer.lr_schedule=bogus"], "trainer.lr_schedule='bogus', allowed: one of linear, cosine"),
     (["trainer.aggregation=bogus"], "trainer.aggregation='bogus', allowed: one of seq_mean_token_mean, "
-                                    "seq_mean_token_sum, token_mean"),
+                                    "seq_mean_token_sum, seq_token_sum, token_mean"),
     (["trainer.micro_batch_size=0", "trainer.micro_batch_tokens=0"], "trainer.micro_batch_size=0 with "
                                                                       "trainer.micro_batch_tokens=0"),
     (["trainer.max_attempts=0"], "trainer.max_attempts=0, allowed: an integer >= 1"),

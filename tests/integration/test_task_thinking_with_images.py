@@ -98,7 +98,7 @@ def test_vstar_prompt_lists_the_zoom_tool_through_the_chat_template(data):
     assert text.startswith("What is the color of the square?\n(A) green\n(B) yellow\n(C) blue\n(D) red\n")
     assert text.endswith(gpg_vl_tasks.vstar.INSTRUCTION) and V_STAR_LINE not in text
     policy = tiny_family_policy("qwen2_5_vl", None)
-    rollout = load_config("eval", ["task=vstar", "rollout.max_turns=3"]).rollout
+    rollout = OmegaConf.to_object(load_config("eval", ["task=vstar", "rollout.max_turns=3"]).rollout)
     engine = build_engine(rollout, policy, tools=task.tools)
     tools = engine.prompt_tools(task)
     assert [tool["function"]["name"] for tool in tools] == ["zoom_in"]
@@ -107,7 +107,8 @@ def test_vstar_prompt_lists_the_zoom_tool_through_the_chat_template(data):
     batch = encode_prompts(policy, [task.messages(row)], tools=tools).batch
     assert len(batch) == 1 and '"name": "zoom_in"' in batch.texts[0]
     assert batch.image_sizes[0][0][:2] == SIZE  # the original size; the model sees it within its pixel limits
-    single_turn = build_engine(load_config("eval", ["task=vstar", "rollout.max_turns=1"]).rollout, policy)
+    one_turn = OmegaConf.to_object(load_config("eval", ["task=vstar", "rollout.max_turns=1"]).rollout)
+    single_turn = build_engine(one_turn, policy)
     assert single_turn.prompt_tools(task) is None  # one turn: no tool to list
 
 
@@ -217,8 +218,8 @@ def test_deepeyes_rows_keep_their_prompt_and_the_tool_it_names(data):
     assert user["content"][1]["text"].startswith("\nWhat is the color of the square?\n(A) blue\n(B) red")
     assert task.tools == ("image_zoom_in_tool",) and not task.describe_tools and "image_zoom_in_tool" in TOOLS
     policy = tiny_family_policy("qwen2_5_vl", None)
-    engine = build_engine(load_config("train", ["task=deepeyes", "rollout.max_turns=3"]).rollout, policy,
-                          tools=task.tools)
+    rollout = OmegaConf.to_object(load_config("train", ["task=deepeyes", "rollout.max_turns=3"]).rollout)
+    engine = build_engine(rollout, policy, tools=task.tools)
     assert engine.prompt_tools(task) is None  # the data's system message lists the tool: never twice
     rendered = policy.family.render(task.messages(row), tools=engine.prompt_tools(task))
     assert rendered.count("# Tools") == 1 and rendered.count('"name":"image_zoom_in_tool"') == 1

@@ -19,7 +19,7 @@ import re
 
 import pytest
 import torch
-from helpers.runs import tiny_family_policy
+from helpers.runs import tiny_family_policy, untimed
 from helpers.video_clips import clip_frames, write_clip
 from test_fast_paths import one_update_gradient
 
@@ -225,9 +225,7 @@ def video_run(output_dir, *overrides) -> dict:
 def video_metrics(run) -> list[dict]:
     import json
 
-    timing = ("rollout_s", "update_s", "step_s")
-    return [{k: v for k, v in json.loads(x).items() if k not in timing}
-            for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [untimed(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

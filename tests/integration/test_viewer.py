@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 import gpg_vl.train.loop
+import gpg_vl.train.pipeline
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config, run_cli
@@ -56,7 +57,7 @@ def run(tmp_path_factory):
 
     output = tmp_path_factory.mktemp("run")
     collected, updated = [], []
-    original_collect, original_update = gpg_vl.train.loop.collect_valid_groups, gpg_vl.train.loop.update
+    original_collect, original_update = gpg_vl.train.pipeline.collect_valid_groups, gpg_vl.train.loop.update
 
     def collect(*args, **kwargs):
         collected.append(original_collect(*args, **kwargs))
@@ -78,7 +79,7 @@ def run(tmp_path_factory):
                 return original_log(self, data, *args, **kwargs)
 
             patch.setattr(wandb.Run, "log", log)
-        patch.setattr(gpg_vl.train.loop, "collect_valid_groups", collect)
+        patch.setattr(gpg_vl.train.pipeline, "collect_valid_groups", collect)  # the sampling stage
         patch.setattr(gpg_vl.train.loop, "update", update)
         patch.setenv("WANDB_MODE", "offline")
         patch.setenv("WANDB_DIR", str(output))
