@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's gpg_vl, as for the runs below
 
 from gpg_vl.train.checkpoint import latest_checkpoint  # noqa: E402
+from gpg_vl.train.loop import WALL_CLOCK_METRICS  # noqa: E402
 
-TIMING = ("rollout_s", "update_s", "step_s")
+TIMING = tuple(sorted(WALL_CLOCK_METRICS))
 TINY = ["task=shapes", "model=tiny", "trainer.save_every=1", "trainer.eval_before=false", "trainer.eval_after=false",
         "trainer.batch_size=4", "trainer.group_size=4", "trainer.micro_batch_size=16", "rollout.max_new_tokens=24",
         "seed=0"]

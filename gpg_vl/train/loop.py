@@ -546,6 +546,12 @@ def step(run: Run) -> dict:
             "step_s": time.perf_counter() - started}
 
 
+# The step metrics read off the wall clock (seconds, and tokens per second): two runs of one seed, a resumed one
+# and the uninterrupted one, agree on every other metric exactly (scripts/check_resume.py, the resume tests).
+WALL_CLOCK_METRICS = frozenset({"rollout_s", "update_s", "step_s", "sampler_idle_s", "learner_idle_s",
+                                "generated_tokens_per_s"})
+
+
 def pipeline_metrics(step: int, sampled) -> dict[str, float]:
     """The sampling stage's timing and staleness: the version lag of the step's rollouts (step - 1 - version), how
     long each side waited for the other, and the generated tokens per second of sampling."""

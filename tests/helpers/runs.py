@@ -13,13 +13,11 @@ def train_run(output_dir, *overrides) -> dict:
     return train_main(load_config("train", [f"output_dir={output_dir}", *QUICK_RUN, *overrides]))
 
 
-# wall-clock metrics (seconds, and generated tokens per second): they differ between any two runs of the same seed
-TIMING = frozenset({"rollout_s", "update_s", "step_s", "sampler_idle_s", "learner_idle_s", "generated_tokens_per_s"})
-
-
 def untimed(metrics: dict) -> dict:
-    """A step's metrics without the wall-clock ones (TIMING): what two runs of one seed agree on exactly."""
-    return {k: v for k, v in metrics.items() if k not in TIMING}
+    """A step's metrics without the wall-clock ones (WALL_CLOCK_METRICS): what two runs of one seed agree on."""
+    from gpg_vl.train.loop import WALL_CLOCK_METRICS
+
+    return {k: v for k, v in metrics.items() if k not in WALL_CLOCK_METRICS}
 
 
 _BUILT: dict = {}  # family -> its folder, built once per test process (the session's temporary folder)
