@@ -199,6 +199,17 @@ def register_engine(engine: type[Engine]) -> type[Engine]:
     return ENGINES.register(engine)
 
 
+def logp_mismatch_warning(metrics: dict, limit: float, *, sampler: str, section: str, checks: str) -> str | None:
+    """The sentence of an engine that samples with weights of its own (`Engine.mismatch_warning`) when a step's
+    `logp_mismatch_mean` is over `limit` (`<section>.max_logp_mismatch`), else None. `sampler` names who sampled
+    ("the sampler's"), `checks` what to check."""
+    if metrics.get("logp_mismatch_mean", 0.0) <= limit:
+        return None
+    return (f"{sampler} log-probs differ from the trainer's by {metrics['logp_mismatch_mean']:.4f} per token on "
+            f"average, over {section}.max_logp_mismatch={limit}: the rollout is off-policy; check {checks}, or set "
+            f"{section}.tis_cap=2.")
+
+
 def require_engine(rollout) -> type[Engine]:
     """The engine class `rollout.engine` names (a registered name, `module:Name` or `file.py:Name`), after
     checking that it can run here (else one sentence)."""

@@ -41,7 +41,14 @@ import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.engine import Correction, Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.engine import (
+    Correction,
+    Engine,
+    EnginePrompts,
+    Sampling,
+    logp_mismatch_warning,
+    register_engine,
+)
 from gpg_vl.rollout.settings import VLLMEngineSettings
 from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
@@ -284,12 +291,8 @@ class VLLMEngine(Engine):
         return Correction(sampler_check=True, tis_cap=self.settings.tis_cap)
 
     def mismatch_warning(self, metrics: dict) -> str | None:
-        limit = self.settings.max_logp_mismatch
-        if metrics.get("logp_mismatch_mean", 0.0) > limit:
-            return (f"the sampler's log-probs differ from the trainer's by {metrics['logp_mismatch_mean']:.4f} per "
-                    f"token on average, over rollout.vllm.max_logp_mismatch={limit}: the rollout is off-policy; "
-                    "check the weight sync and dtype, or set rollout.vllm.tis_cap=2.")
-        return None
+        return logp_mismatch_warning(metrics, self.settings.max_logp_mismatch, sampler="the sampler's",
+                                     section="rollout.vllm", checks="the weight sync and dtype")
 
     def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
         reason = self.family.multi_turn_unsupported() if settings.multi_turn else None

@@ -39,7 +39,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.engine import Correction, Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.engine import (
+    Correction,
+    Engine,
+    EnginePrompts,
+    Sampling,
+    logp_mismatch_warning,
+    register_engine,
+)
 from gpg_vl.rollout.server_client import Rejected, Server, ServerError, ServerGone, split_urls
 from gpg_vl.rollout.settings import VLLMServerSettings
 from gpg_vl.rollout.trajectory import Trajectory
@@ -253,13 +260,9 @@ class VLLMServerEngine(Engine):
         return Correction(sampler_check=True, tis_cap=self.settings.tis_cap)
 
     def mismatch_warning(self, metrics: dict) -> str | None:
-        limit = self.settings.max_logp_mismatch
-        if metrics.get("logp_mismatch_mean", 0.0) > limit:
-            return (f"the servers' log-probs differ from the trainer's by {metrics['logp_mismatch_mean']:.4f} per "
-                    f"token on average, over rollout.vllm_server.max_logp_mismatch={limit}: the rollout is "
-                    "off-policy; check the weight sync, the dtype and --logprobs-mode processed_logprobs, or set "
-                    "rollout.vllm_server.tis_cap=2.")
-        return None
+        return logp_mismatch_warning(metrics, self.settings.max_logp_mismatch, sampler="the servers'",
+                                     section="rollout.vllm_server",
+                                     checks="the weight sync, the dtype and --logprobs-mode processed_logprobs")
 
     def take_tools(self, settings, tools) -> None:
         reason = self.family.multi_turn_unsupported() if settings.multi_turn else None
