@@ -6,7 +6,13 @@
     python tests/distributed/distributed_worker.py record OUT -- scripts/train.py key=value ...  # each rank observed
     python tests/distributed/distributed_worker.py fail_save OUT -- scripts/train.py key=value ...  # main's disk full
 
-Each process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the final weights, main process).
+Several `update` and `train` jobs may share one launch, joined by `++` (each job's `--` ends at the next `++`):
+
+    ... distributed_worker.py update OUT1 --engine fsdp ++ train OUT2 --engine fsdp -- key=value ...
+
+Starting the processes (imports, the process group, DeepSpeed's op) costs a small launch as much as its work,
+and the suite runs on 2 cores. Each process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the
+final weights, main process); `train` writes OUT/trained-a.pt (run a's weights before its final save, gathered).
 `--engine fsdp` turns accelerate's FSDP2 on although the machine has no GPU: accelerate 1.15 enables FSDP
 only for GPU-like devices (AcceleratorState keeps MULTI_CPU otherwise), while torch's FSDP2 itself runs on
 CPU with gloo. The switch sets the state fields accelerate sets on a GPU machine (AcceleratorState.__init__).
@@ -174,7 +180,6 @@ def run_update(out: Path, engine: str, dtype: str, cases: list[str] | None = Non
                                   "largest_change": moved}
         accelerator.free_memory()
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    accelerator.end_training()
 
 
 def run_train(out: Path, engine: str, overrides: list[str]) -> None:
@@ -189,7 +194,8 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
     from gpg_vl.train.update import needs_reference
 
     accelerator = make_accelerator(engine)
-    result = {"engine": str(accelerator.distributed_type)}
+    result = {"engine": str(accelerator.distributed_type), "saves": {}}
+    seen = observe_saves(out, {})
     for run, extra in (("a", []), ("b", [f"resume={out / 'a' / 'checkpoint-1'}"])):
         cfg = load_config("train", [*overrides, f"output_dir={out / run}", *extra])
         model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(cfg.resume)}) if cfg.resume else cfg.model
@@ -200,8 +206,10 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
         # a KL loss scores the initial weights: a resumed run gets them rebuilt, as the command line does
         reference = build_policy(cfg.model, accelerator.device).model if cfg.resume and needs_reference(
             settings.trainer) else None
+        seen["saves"] = 0
         result[run] = train(setup_policy(build_policy(model_cfg, accelerator.device), build_task(cfg.task, cfg.data),
                                          settings, accelerator=accelerator, reference=reference))
+        result["saves"][run] = seen["saves"]
         accelerator.free_memory()  # forget run a's model: a real run prepares one (FSDP2 allows one at a time)
     (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(result, indent=1, default=str))
 
@@ -215,17 +223,48 @@ def gathered(parameter: torch.nn.Parameter):
     return contextlib.nullcontext()
 
 
+def observe_saves(out: Path, seen: dict) -> dict:
+    """Count this process's model saves (in seen["saves"]), and before each run's final save write
+    the trained weights as every process holds them, gathered parameter by parameter (ZeRO-3:
+    deepspeed.zero.GatheredParameters), apart from the save's own gathering: OUT/trained-<run>.pt."""
+    from transformers import PreTrainedModel
+
+    import gpg_vl.train.loop as trainer
+
+    seen["saves"] = 0
+    save_checkpoint = trainer.save_checkpoint
+
+    def gathered_then_saved(path, learner, *args, **kwargs):
+        if Path(path).name == "final":
+            seen["engine"] = str(learner.accelerator.distributed_type)
+            trained = {}
+            for name, parameter in learner.policy.model.named_parameters():
+                with gathered(parameter):  # collective under ZeRO-3: every process, in the same order
+                    trained[name] = parameter.detach().clone()
+            if learner.accelerator.is_main_process:
+                torch.save(trained, out / f"trained-{Path(path).parent.name}.pt")
+        return save_checkpoint(path, learner, *args, **kwargs)
+
+    trainer.save_checkpoint = gathered_then_saved
+    save_pretrained = PreTrainedModel.save_pretrained
+
+    def counted_save(self, *args, **kwargs):
+        seen["saves"] += 1
+        return save_pretrained(self, *args, **kwargs)
+
+    PreTrainedModel.save_pretrained = counted_save
+    return seen
+
+
 def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
     """Run `script` as __main__ and write what THIS process computed: each step's global counts, reward
     statistics and update results, and how many times it saved a model."""
     import os
 
-    from transformers import PreTrainedModel
-
     import gpg_vl.train.loop as trainer
     import gpg_vl.train.pipeline as pipeline
 
-    seen = {"collected": [], "step_metrics": [], "update": [], "saves": 0}
+    seen = {"collected": [], "step_metrics": [], "update": []}
 
     def wrap(name, key, record, module=trainer):
         original = getattr(module, name)
@@ -242,29 +281,7 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
         "attempts": len(c.attempts)}, pipeline)  # the sampling stage (gpg_vl/train/pipeline.py) collects
     wrap("step_metrics", "step_metrics", dict)
     wrap("update", "update", dict)
-    save_checkpoint = trainer.save_checkpoint
-
-    def gathered_then_saved(path, learner, *args, **kwargs):
-        """Before the final save, the trained weights as every process holds them, gathered parameter by
-        parameter (ZeRO-3: deepspeed.zero.GatheredParameters), apart from the save's own gathering."""
-        if Path(path).name == "final":
-            seen["engine"] = str(learner.accelerator.distributed_type)
-            trained = {}
-            for name, parameter in learner.policy.model.named_parameters():
-                with gathered(parameter):  # collective under ZeRO-3: every process, in the same order
-                    trained[name] = parameter.detach().clone()
-            if learner.accelerator.is_main_process:
-                torch.save(trained, out / "trained.pt")
-        return save_checkpoint(path, learner, *args, **kwargs)
-
-    trainer.save_checkpoint = gathered_then_saved
-    save_pretrained = PreTrainedModel.save_pretrained
-
-    def counted_save(self, *args, **kwargs):
-        seen["saves"] += 1
-        return save_pretrained(self, *args, **kwargs)
-
-    PreTrainedModel.save_pretrained = counted_save
+    observe_saves(out, seen)
     sys.argv = [script, *arguments]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -292,12 +309,11 @@ def run_failing_save(script: str, arguments: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def main() -> None:
-    mode, out, *rest = sys.argv[1:]
+def run_job(mode: str, out: str, *rest: str) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     split = rest.index("--") if "--" in rest else len(rest)
-    options, extra = rest[:split], rest[split + 1:]
+    options, extra = rest[:split], list(rest[split + 1:])
     engine = options[options.index("--engine") + 1] if "--engine" in options else "default"
     if mode == "update":
         cases = options[options.index("--cases") + 1].split(",") if "--cases" in options else None
@@ -311,6 +327,18 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 
+
+def main() -> None:
+    jobs = [[]]
+    for argument in sys.argv[1:]:
+        if argument == "++":
+            jobs.append([])
+        else:
+            jobs[-1].append(argument)
+    for job in jobs:
+        run_job(*job)
+    if torch.distributed.is_initialized():  # the jobs' one process group, left for the last one
+        torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
     main()

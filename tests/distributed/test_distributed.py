@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.once import once
 from helpers.runs import untimed
 from helpers.scoring import token_logps
 from safetensors.torch import load_file
@@ -208,9 +209,7 @@ def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(t
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_process_update(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("update-1")
-    one_process(str(WORKER), "update", str(out))
-    return out
+    return once(tmp_path_factory, "update-1", lambda out: one_process(str(WORKER), "update", str(out)))
 
 
 def assert_update_matches(reference: Path, out: Path, engine: str, cases: tuple[str, ...] = CASES) -> None:
@@ -246,40 +245,52 @@ def test_two_process_update_gives_the_one_process_weights(one_process_update, tm
 
 
 # ---------------------------------------------------------------------------------------------
-# FSDP2 on CPU
+# FSDP2 on CPU: one launch for its three checks
 # ---------------------------------------------------------------------------------------------
+FSDP_TRAIN = ["trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", *TINY_RUN]
+
+
+@pytest.fixture(scope="module")
+def fsdp_launch(tmp_path_factory) -> Path:
+    """The update cases with FSDP2, again with its CPU offload, then a run and its resume, in one launch of 2
+    processes (starting them costs as much as a job: the suite's time on 2 cores), once per test run."""
+    def make(out: Path) -> None:
+        launch(str(WORKER), "update", str(out / "update"), "--engine", "fsdp",
+               "++", "update", str(out / "offload"), "--engine", "fsdp_offload",
+               "++", "train", str(out / "train"), "--engine", "fsdp", "--", *FSDP_TRAIN)
+
+    return once(tmp_path_factory, "fsdp", make)
+
+
 @pytest.mark.slow
-def test_fsdp_update_gives_the_one_process_weights(one_process_update, tmp_path):
+def test_fsdp_update_gives_the_one_process_weights(one_process_update, fsdp_launch):
     """FSDP2 gathers weights inside every forward: a process with no valid group, or no prompt, must still
     run every module (placeholder micro-batches), or this launch would hang."""
-    launch(str(WORKER), "update", str(tmp_path), "--engine", "fsdp")
-    assert_update_matches(one_process_update, tmp_path, "DistributedType.FSDP")
-    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert_update_matches(one_process_update, fsdp_launch / "update", "DistributedType.FSDP")
+    rank0 = json.loads((fsdp_launch / "update" / "rank0.json").read_text())
     assert rank0["offload"] == ["OffloadPolicy"]  # none
     assert rank0["reference_sharded"]  # the GRPO case's frozen reference is sharded like the policy
 
 
 @pytest.mark.slow
-def test_fsdp_with_cpu_offload_update_gives_the_one_process_weights(one_process_update, tmp_path):
+def test_fsdp_with_cpu_offload_update_gives_the_one_process_weights(one_process_update, fsdp_launch):
     """configs/accelerate/fsdp_offload.yaml: the sharded parameters, gradients and AdamW step on CPU."""
-    launch(str(WORKER), "update", str(tmp_path), "--engine", "fsdp_offload")
-    assert_update_matches(one_process_update, tmp_path, "DistributedType.FSDP")
-    assert json.loads((tmp_path / "rank0.json").read_text())["offload"] == ["CPUOffloadPolicy"]
+    assert_update_matches(one_process_update, fsdp_launch / "offload", "DistributedType.FSDP")
+    assert json.loads((fsdp_launch / "offload" / "rank0.json").read_text())["offload"] == ["CPUOffloadPolicy"]
 
 
 @pytest.mark.slow
-def test_fsdp_trains_evaluates_saves_and_resumes_exactly(tmp_path):
+def test_fsdp_trains_evaluates_saves_and_resumes_exactly(fsdp_launch):
     """Rollouts, evaluation (5 rows on 2 processes: one makes a placeholder call), update, checkpoints,
     and a resume from step 1 that ends on the same weights (optimizer state gathered and re-sharded)."""
-    launch(str(WORKER), "train", str(tmp_path), "--engine", "fsdp", "--",
-           "trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", *TINY_RUN)
-    result = json.loads((tmp_path / "rank0.json").read_text())
+    out = fsdp_launch / "train"
+    result = json.loads((out / "rank0.json").read_text())
     assert result["engine"] == "DistributedType.FSDP"
     assert result["a"]["accuracy_before"] is not None and result["a"]["accuracy_after"] is not None
-    first, second = metrics_lines(tmp_path / "a"), metrics_lines(tmp_path / "b")
+    first, second = metrics_lines(out / "a"), metrics_lines(out / "b")
     assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in second] == [2]
     assert without_timing(second[0]) == without_timing(first[1])
-    assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")
+    assert_same_weights(out / "a" / "final", out / "b" / "final")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,22 +301,68 @@ def test_fsdp_trains_evaluates_saves_and_resumes_exactly(tmp_path):
 # _command_line_accelerator; the worker too). DeepSpeed then runs on its CPU accelerator, and builds its
 # shared-memory communication op with the machine's C++ compiler on first use (cached in ~/.cache/torch_extensions).
 DEEPSPEED_CASES = ("uneven", "one_without_prompts")  # uneven valid groups, an empty attempt, a placeholder process
+DEEPSPEED_TRAIN = ["trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false", *TINY_RUN]
 
 
 def require_deepspeed() -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[dev]' installs it)")
 
 
+def deepspeed_launch(out: Path, config: str, *, update: bool, algorithm: str | None) -> Path:
+    """Under configs/accelerate/<config>.yaml, in one launch of 2 processes: the update cases (when `update`), and
+    a run of `algorithm` and its resume from step 1 (when one is named)."""
+    require_deepspeed()
+    jobs = []
+    if update:
+        jobs += ["update", str(out / "update"), "--engine", config, "--cases", ",".join(DEEPSPEED_CASES)]
+    if algorithm:
+        jobs += [*(["++"] if jobs else []), "train", str(out / "train"), "--engine", config, "--",
+                 f"algorithm={algorithm}", *DEEPSPEED_TRAIN, *(["trainer.beta_th=0.5"] if algorithm == "grpo" else [])]
+    launch(str(WORKER), *jobs, config=f"{config}.yaml")
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero2_launch(tmp_path_factory) -> Path:
+    return once(tmp_path_factory, "zero2", lambda out: deepspeed_launch(out, "zero2", update=True, algorithm="grpo"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_update_gives_the_one_process_weights(stage, one_process_update, tmp_path):
+def test_deepspeed_zero_update_gives_the_one_process_weights(stage, one_process_update, request, tmp_path):
     """ZeRO-2 (gradients and optimizer state sharded) and ZeRO-3 (weights too, gathered module by module in
     every forward: a process without prompts runs placeholders) on 2 CPU processes: the one-process weights.
     The worker turns DeepSpeed's gradient clipping off (plain SGD, as the one process runs it)."""
-    require_deepspeed()
-    launch(str(WORKER), "update", str(tmp_path), "--engine", f"zero{stage}", "--cases", ",".join(DEEPSPEED_CASES),
-           config=f"zero{stage}.yaml")
-    assert_update_matches(one_process_update, tmp_path, "DistributedType.DEEPSPEED", cases=DEEPSPEED_CASES)
+    launched = request.getfixturevalue("zero2_launch") if stage == 2 else \
+        deepspeed_launch(tmp_path, "zero3", update=True, algorithm=None)
+    assert_update_matches(one_process_update, launched / "update", "DistributedType.DEEPSPEED", cases=DEEPSPEED_CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["zero2", "zero3_offload"])
+def test_deepspeed_trains_saves_and_resumes_exactly(config, request, tmp_path):
+    """ZeRO-2 and ZeRO-3 on 2 CPU processes: a run resumed from step 1 ends on the same weights and logs the same
+    step-2 metrics as the run it continues: each process's partition of the ZeRO optimizer state (AdamW's moments)
+    is saved by the engine into the checkpoint and loaded back. ZeRO-2 trains GRPO (its KL reference is a plain
+    frozen copy there, 0 at the first step, positive after; ZeRO-3's is an engine: the checkpoint test below);
+    ZeRO-3 runs through configs/accelerate/zero3_offload.yaml with GPG (the ZeRO-3 partitioning, and parameters and
+    optimizer state in CPU memory: accelerate swaps the AdamW for DeepSpeedCPUAdam, whose op DeepSpeed compiles on
+    first use)."""
+    launched = request.getfixturevalue("zero2_launch") if config == "zero2" else \
+        deepspeed_launch(tmp_path, config, update=False, algorithm="gpg")
+    out = launched / "train"
+    rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["engine"] == rank1["engine"] == "DistributedType.DEEPSPEED"
+    # checkpoint-1, -2 and final by the main process only; the resumed run writes checkpoint-2 and final
+    assert (rank0["saves"], rank1["saves"]) == ({"a": 3, "b": 2}, {"a": 0, "b": 0})
+    assert sorted(p.name for p in (out / "a" / "checkpoint-1" / "zero" / "zero").glob("*optim_states.pt")) \
+        == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    first, second = metrics_lines(out / "a"), metrics_lines(out / "b")
+    assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in second] == [2]
+    assert without_timing(second[0]) == without_timing(first[1])
+    assert_same_weights(out / "a" / "final", out / "b" / "final")
+    if config == "zero2":
+        assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6) and first[1]["kl"] > 0
 
 
 @pytest.mark.slow
@@ -319,8 +376,7 @@ def test_zero3_final_checkpoint_reloads_with_transformers_alone(tmp_path):
 
     run, views = tmp_path / "run", tmp_path / "views"
     launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={run}", "algorithm=grpo",
-           "trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.beta_th=0.5",
-           *TINY_RUN, config="zero3.yaml")
+           "trainer.beta_th=0.5", *DEEPSPEED_TRAIN, config="zero3.yaml")
     lines = metrics_lines(run)
     assert sum(m["groups_used"] for m in lines) > 0  # some step had valid groups: the weights moved
     # GRPO's KL scores the frozen reference, loaded partitioned like the policy: it runs as a DeepSpeed engine
@@ -329,7 +385,7 @@ def test_zero3_final_checkpoint_reloads_with_transformers_alone(tmp_path):
     rank0, rank1 = (json.loads((views / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["engine"] == rank1["engine"] == "DistributedType.DEEPSPEED"
     assert (rank0["saves"], rank1["saves"]) == (3, 0)  # checkpoint-1, -2 and final, by the main process only
-    trained = torch.load(views / "trained.pt")
+    trained = torch.load(views / "trained-run.pt")
     loaded = dict(AutoModelForImageTextToText.from_pretrained(run / "final", dtype=torch.float32).named_parameters())
     initial = dict(AutoModelForImageTextToText.from_pretrained(ROOT / "gpg_vl" / "assets" / "tiny-qwen2.5-vl",
                                                                dtype=torch.float32).named_parameters())
@@ -390,30 +446,3 @@ def test_a_failed_save_on_the_main_process_ends_every_process_at_once_with_its_s
     assert "could not save checkpoint-1" in said[0] and "the disk is full (No space left on device)" in said[0]
     assert not list(run.glob("checkpoint-*")) and "[rank0]: Traceback" not in done.stderr
     assert "[rank1]: Traceback" not in done.stderr  # no collective timed out
-
-
-@pytest.mark.slow
-# ZeRO-2 with GRPO (its KL reference, and GPG's update besides) and ZeRO-3 through zero3_offload.yaml (the ZeRO-3
-# partitioning, with the offload on top): two launches of two runs each, not four (the suite's time on 2 cores)
-@pytest.mark.parametrize("config, algorithm", [("zero2", "grpo"), ("zero3_offload", "gpg")])
-def test_deepspeed_trains_saves_and_resumes_exactly(tmp_path, config, algorithm):
-    """ZeRO-2 and ZeRO-3 on 2 CPU processes: a run resumed from step 1 ends on the same weights and logs the same
-    step-2 metrics as the run it continues: each process's partition of the ZeRO optimizer state (AdamW's moments)
-    is saved by the engine into the checkpoint and loaded back. GRPO under ZeRO-2: its KL reference is a plain
-    frozen copy there (ZeRO-3's is an engine: the checkpoint test below), 0 at the first step, positive after.
-    configs/accelerate/zero3_offload.yaml runs too (parameters and optimizer state in CPU memory: accelerate swaps
-    the AdamW for DeepSpeedCPUAdam, whose op DeepSpeed compiles on first use)."""
-    require_deepspeed()
-    launch(str(WORKER), "train", str(tmp_path), "--engine", config, "--", "trainer.max_steps=2",
-           f"algorithm={algorithm}", "trainer.eval_before=false", "trainer.eval_after=false", *TINY_RUN,
-           *(["trainer.beta_th=0.5"] if algorithm == "grpo" else []), config=f"{config}.yaml")
-    result = json.loads((tmp_path / "rank0.json").read_text())
-    assert result["engine"] == "DistributedType.DEEPSPEED"
-    assert sorted(p.name for p in (tmp_path / "a" / "checkpoint-1" / "zero" / "zero").glob("*optim_states.pt")) \
-        == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
-    first, second = metrics_lines(tmp_path / "a"), metrics_lines(tmp_path / "b")
-    assert [m["step"] for m in first] == [1, 2] and [m["step"] for m in second] == [2]
-    assert without_timing(second[0]) == without_timing(first[1])
-    assert_same_weights(tmp_path / "a" / "final", tmp_path / "b" / "final")
-    if algorithm == "grpo":
-        assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6) and first[1]["kl"] > 0

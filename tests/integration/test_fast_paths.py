@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from helpers.once import once
 from helpers.runs import tiny_family_policy
 from helpers.scoring import path_for
 from hypothesis import given, settings
@@ -365,23 +367,25 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_changes(tmp_path_factory):
-    """The folder of each rank's weight change in every case, from 2 processes started once for all the cases."""
+    """The folder of each rank's weight change in every case, from 2 processes started once for all the cases
+    (and once per test run: helpers/once.py)."""
     import socket
 
     import torch.multiprocessing as mp
 
-    out = tmp_path_factory.mktemp("two-processes")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    workers = mp.start_processes(_ddp_worker, args=(port, str(out)), nprocs=2, start_method="spawn", join=False)
-    deadline = time.monotonic() + 150 * len(TWO_PROCESS_CASES)
-    while not workers.join(timeout=5):  # a collective one process never joins would hang: fail instead
-        if time.monotonic() > deadline:
-            for process in workers.processes:
-                process.terminate()
-            pytest.fail("the two processes did not finish their updates in time (a hung all-reduce)")
-    return out
+    def make(out: Path) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        workers = mp.start_processes(_ddp_worker, args=(port, str(out)), nprocs=2, start_method="spawn", join=False)
+        deadline = time.monotonic() + 150 * len(TWO_PROCESS_CASES)
+        while not workers.join(timeout=5):  # a collective one process never joins would hang: fail instead
+            if time.monotonic() > deadline:
+                for process in workers.processes:
+                    process.terminate()
+                pytest.fail("the two processes did not finish their updates in time (a hung all-reduce)")
+
+    return once(tmp_path_factory, "two-processes", make)
 
 
 @pytest.mark.slow
