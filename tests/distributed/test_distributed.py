@@ -167,12 +167,26 @@ def test_several_processes_need_an_image_in_every_batch():
 # ---------------------------------------------------------------------------------------------
 # the 2-process launch: metrics, checkpoints, resume
 # ---------------------------------------------------------------------------------------------
+DDP_RUN = ["trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", "trainer.beta_th=0.5", *TINY_RUN]
+
+
+@pytest.fixture(scope="module")
+def ddp_launch(tmp_path_factory) -> Path:
+    """The update cases (test_two_process_update_gives_the_one_process_weights), then scripts/train.py's 2 steps
+    into a/, in one launch of configs/accelerate/ddp.yaml, once per test run (helpers/once.py)."""
+    def make(out: Path) -> None:
+        output = launch(str(WORKER), "update", str(out / "update"), "++", "record", str(out / "views"), "--",
+                        "scripts/train.py", f"output_dir={out / 'a'}", *DDP_RUN, config="ddp.yaml")
+        (out / "output.txt").write_text(output)
+
+    return once(tmp_path_factory, "ddp", make)
+
+
 @pytest.mark.slow
-def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(tmp_path):
-    first, second, views = tmp_path / "a", tmp_path / "b", tmp_path / "views"
-    run = ["trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", "trainer.beta_th=0.5", *TINY_RUN]
-    output = launch("scripts/train.py", f"output_dir={first}", *run, config="ddp.yaml")
-    assert "accuracy before:" in output
+def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(ddp_launch, tmp_path):
+    first, second, views = ddp_launch / "a", tmp_path / "b", tmp_path / "views"
+    run = DDP_RUN
+    assert "accuracy before:" in (ddp_launch / "output.txt").read_text()
     lines = metrics_lines(first)
     assert [m["step"] for m in lines] == [1, 2]  # one line per step: only the main process writes
     for m in lines:  # counts over both processes: B prompts per attempt, not B / 2
@@ -235,12 +249,12 @@ def assert_update_matches(reference: Path, out: Path, engine: str, cases: tuple[
 
 
 @pytest.mark.slow
-def test_two_process_update_gives_the_one_process_weights(one_process_update, tmp_path):
+def test_two_process_update_gives_the_one_process_weights(one_process_update, ddp_launch):
     """Also when the processes hold different numbers of valid groups, none, or no prompt at all."""
-    launch(str(WORKER), "update", str(tmp_path))
-    assert_update_matches(one_process_update, tmp_path, "DistributedType.MULTI_CPU")
+    out = ddp_launch / "update"
+    assert_update_matches(one_process_update, out, "DistributedType.MULTI_CPU")
     for case in CASES:  # DDP keeps the replicas identical, bit for bit
-        shas = {json.loads((tmp_path / f"rank{r}.json").read_text())["cases"][case]["sha256"] for r in (0, 1)}
+        shas = {json.loads((out / f"rank{r}.json").read_text())["cases"][case]["sha256"] for r in (0, 1)}
         assert len(shas) == 1, case
 
 
@@ -329,12 +343,11 @@ def zero2_launch(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_update_gives_the_one_process_weights(stage, one_process_update, request, tmp_path):
+def test_deepspeed_zero_update_gives_the_one_process_weights(stage, one_process_update, request):
     """ZeRO-2 (gradients and optimizer state sharded) and ZeRO-3 (weights too, gathered module by module in
     every forward: a process without prompts runs placeholders) on 2 CPU processes: the one-process weights.
     The worker turns DeepSpeed's gradient clipping off (plain SGD, as the one process runs it)."""
-    launched = request.getfixturevalue("zero2_launch") if stage == 2 else \
-        deepspeed_launch(tmp_path, "zero3", update=True, algorithm=None)
+    launched = request.getfixturevalue(f"zero{stage}_launch")
     assert_update_matches(one_process_update, launched / "update", "DistributedType.DEEPSPEED", cases=DEEPSPEED_CASES)
 
 
@@ -365,18 +378,29 @@ def test_deepspeed_trains_saves_and_resumes_exactly(config, request, tmp_path):
         assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6) and first[1]["kl"] > 0
 
 
+@pytest.fixture(scope="module")
+def zero3_launch(tmp_path_factory) -> Path:
+    """Under configs/accelerate/zero3.yaml, in one launch of 2 processes (once per test run): the update cases, then
+    scripts/train.py algorithm=grpo for 2 steps into run/, each process observed (views/)."""
+    require_deepspeed()
+
+    def make(out: Path) -> None:
+        launch(str(WORKER), "update", str(out / "update"), "--engine", "zero3", "--cases", ",".join(DEEPSPEED_CASES),
+               "++", "record", str(out / "views"), "--", "scripts/train.py", f"output_dir={out / 'run'}",
+               "algorithm=grpo", "trainer.beta_th=0.5", *DEEPSPEED_TRAIN, config="zero3.yaml")
+
+    return once(tmp_path_factory, "zero3", make)
+
+
 @pytest.mark.slow
-def test_zero3_final_checkpoint_reloads_with_transformers_alone(tmp_path):
+def test_zero3_final_checkpoint_reloads_with_transformers_alone(zero3_launch):
     """scripts/train.py algorithm=grpo under configs/accelerate/zero3.yaml (the model and the KL's reference
     loaded partitioned, zero3_init_flag) on 2 CPU processes, 2 steps: final/ is written through the gathered
     16-bit state dict (zero3_save_16bit_model; the weights are float32 here) and reloads with transformers alone,
     equal to the trained weights (each parameter gathered before the save, by the worker)."""
-    require_deepspeed()
     from transformers import AutoModelForImageTextToText
 
-    run, views = tmp_path / "run", tmp_path / "views"
-    launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={run}", "algorithm=grpo",
-           "trainer.beta_th=0.5", *DEEPSPEED_TRAIN, config="zero3.yaml")
+    run, views = zero3_launch / "run", zero3_launch / "views"
     lines = metrics_lines(run)
     assert sum(m["groups_used"] for m in lines) > 0  # some step had valid groups: the weights moved
     # GRPO's KL scores the frozen reference, loaded partitioned like the policy: it runs as a DeepSpeed engine
