@@ -156,13 +156,15 @@ def test_budget_must_be_a_multiple_of_one_step_of_the_largest_group(capsys):
 
 @pytest.mark.slow
 def test_quick_grid_writes_every_number_a_plot_and_spends_equal_budgets(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/ablate.py", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+    # three of the five variants (the two with checks of their own below), one worker: the suite's time on 2 cores
+    done = subprocess.run([sys.executable, "scripts/ablate.py", "--quick", "--workers", "1", "--variants", "gpg",
+                           "no_resampling", "no_age", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "ablation.json").read_text())
     settings = report["settings"]
     variants, groups, seeds = settings["variants"], settings["groups"], settings["seeds"]
-    assert set(variants) == {"gpg", "no_resampling", "no_age", "std_normalized", "no_baseline"}
+    assert list(variants) == ["gpg", "no_resampling", "no_age"] and settings["workers"] == 1
     assert len(report["runs"]) == len(variants) * len(groups) * len(seeds)
     assert len(report["cells"]) == len(variants) * len(groups)
     # measured: the embedded tiny model answers one of the first four shapes test rows before training

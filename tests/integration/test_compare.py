@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # 8 runs on the 2 worker processes --quick reuses (19 s alone on the idle machine; 81 s with a fresh process per run)
 def test_quick_comparison_writes_tables_curves_claims_and_spends_equal_budgets(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/compare.py", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "scripts/compare.py", "--quick", "--workers", "1", "--out", str(tmp_path)],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "compare.json").read_text())
