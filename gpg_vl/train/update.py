@@ -733,6 +733,10 @@ def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference:
             raise UserError(f"trainer.loss={trainer.loss} with trainer.kl_coef={trainer.kl_coef} scores a reference "
                             "model, the initial weights, which a checkpoint does not hold: pass reference= (the "
                             "command line rebuilds it from model.name_or_path).")
+        if any(hasattr(p, "ds_id") for p in model.parameters()):  # a copy's shards belong to no engine
+            raise UserError(f"trainer.loss={trainer.loss} with trainer.kl_coef={trainer.kl_coef} scores a reference "
+                            "model, and a model loaded partitioned by DeepSpeed ZeRO-3 cannot be copied into one: "
+                            "pass reference= (a second load of the initial weights, as the command line does).")
         reference = copy.deepcopy(model)
     reference.requires_grad_(False)
     reference.eval()
