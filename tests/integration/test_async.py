@@ -149,5 +149,6 @@ def test_the_readme_main_job_learns_one_step_behind(tmp_path):
     from gpg_vl.config.compose import load_config
 
     summary = train_main(load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=1", "seed=0",
-                                               "trainer.max_steps=30", "eval.limit=100"]))
-    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.2, summary
+                                               "trainer.max_steps=30", "eval.limit=100", "trainer.eval_before=false"]))
+    # the same starting weights and rows as test_train.py's short run, which asserts their accuracy: 0.450
+    assert summary["accuracy_after"] - 0.45 >= 0.2, summary
