@@ -226,7 +226,8 @@ def run_cli(config_name: str, main, argv: list[str] | None = None) -> int:
             return 0
         main(cfg)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
+        sys.stderr.write(f"error: {error}\n")  # one write: the processes of a launch each say it on their own line
+        sys.stderr.flush()
         return 2
     except (Interrupted, KeyboardInterrupt) as error:
         print(str(error) if isinstance(error, Interrupted) else "interrupted.", file=sys.stderr)

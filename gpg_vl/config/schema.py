@@ -518,14 +518,13 @@ def register_schema(train=TrainSchema, evaluation=EvalSchema) -> None:
     ConfigStore as `train_schema` and `eval_schema` (each call replaces the last)."""
     from hydra.core.config_store import ConfigStore
 
+    global _registered
     store = ConfigStore.instance()
-    if _REGISTERED.get(id(store)) == (train, evaluation) and {"train_schema.yaml", "eval_schema.yaml"} <= set(
-            store.repo):  # already there: turning the dataclasses into configs again costs 0.15 s per call
-        return
+    if _registered == (store, train, evaluation) and {"train_schema.yaml", "eval_schema.yaml"} <= set(store.repo):
+        return  # already there: turning the dataclasses into configs again costs 0.15 s per call
     store.store(name="train_schema", node=train)
     store.store(name="eval_schema", node=evaluation)
-    _REGISTERED.clear()
-    _REGISTERED[id(store)] = (train, evaluation)
+    _registered = (store, train, evaluation)
 
 
-_REGISTERED: dict[int, tuple[type, type]] = {}  # ConfigStore instance -> the schemas register_schema left there
+_registered: tuple | None = None  # (ConfigStore, train schema, eval schema) as register_schema last left them

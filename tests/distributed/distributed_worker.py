@@ -10,9 +10,10 @@ Several `update` and `train` jobs may share one launch, joined by `++` (each job
 
     ... distributed_worker.py update OUT1 --engine fsdp ++ train OUT2 --engine fsdp -- key=value ...
 
-Starting the processes (imports, the process group, DeepSpeed's op) costs a small launch as much as its work,
-and the suite runs on 2 cores. Each process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the
-final weights, main process); `train` writes OUT/trained-a.pt (run a's weights before its final save, gathered).
+A `record` job may come last (the script it runs ends the process group). Starting the processes (imports, the
+process group, DeepSpeed's op) costs a small launch as much as its work, and the suite runs on 2 cores. Each
+process writes OUT/rank<r>.json; `update` also writes OUT/<case>.pt (the final weights, main process); `record`
+writes OUT/trained-<run folder>.pt (the weights before the final save, gathered).
 `--engine fsdp` turns accelerate's FSDP2 on although the machine has no GPU: accelerate 1.15 enables FSDP
 only for GPU-like devices (AcceleratorState keeps MULTI_CPU otherwise), while torch's FSDP2 itself runs on
 CPU with gloo. The switch sets the state fields accelerate sets on a GPU machine (AcceleratorState.__init__).
@@ -195,7 +196,7 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
 
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type), "saves": {}}
-    seen = observe_saves(out, {})
+    seen = count_saves({})
     for run, extra in (("a", []), ("b", [f"resume={out / 'a' / 'checkpoint-1'}"])):
         cfg = load_config("train", [*overrides, f"output_dir={out / run}", *extra])
         model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(cfg.resume)}) if cfg.resume else cfg.model
@@ -223,15 +224,27 @@ def gathered(parameter: torch.nn.Parameter):
     return contextlib.nullcontext()
 
 
-def observe_saves(out: Path, seen: dict) -> dict:
-    """Count this process's model saves (in seen["saves"]), and before each run's final save write
-    the trained weights as every process holds them, gathered parameter by parameter (ZeRO-3:
-    deepspeed.zero.GatheredParameters), apart from the save's own gathering: OUT/trained-<run>.pt."""
+def count_saves(seen: dict) -> dict:
+    """Count this process's model saves in seen["saves"] from now on."""
     from transformers import PreTrainedModel
 
+    seen["saves"] = 0
+    save_pretrained = PreTrainedModel.save_pretrained
+
+    def counted_save(self, *args, **kwargs):
+        seen["saves"] += 1
+        return save_pretrained(self, *args, **kwargs)
+
+    PreTrainedModel.save_pretrained = counted_save
+    return seen
+
+
+def keep_final_weights(out: Path, seen: dict) -> None:
+    """Before a run's final save, write the trained weights as every process holds them, gathered parameter by
+    parameter (ZeRO-3: deepspeed.zero.GatheredParameters), apart from the save's own gathering:
+    OUT/trained-<run folder>.pt (main process); seen["engine"] names the distributed type."""
     import gpg_vl.train.loop as trainer
 
-    seen["saves"] = 0
     save_checkpoint = trainer.save_checkpoint
 
     def gathered_then_saved(path, learner, *args, **kwargs):
@@ -246,14 +259,6 @@ def observe_saves(out: Path, seen: dict) -> dict:
         return save_checkpoint(path, learner, *args, **kwargs)
 
     trainer.save_checkpoint = gathered_then_saved
-    save_pretrained = PreTrainedModel.save_pretrained
-
-    def counted_save(self, *args, **kwargs):
-        seen["saves"] += 1
-        return save_pretrained(self, *args, **kwargs)
-
-    PreTrainedModel.save_pretrained = counted_save
-    return seen
 
 
 def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
@@ -281,7 +286,8 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
         "attempts": len(c.attempts)}, pipeline)  # the sampling stage (gpg_vl/train/pipeline.py) collects
     wrap("step_metrics", "step_metrics", dict)
     wrap("update", "update", dict)
-    observe_saves(out, seen)
+    count_saves(seen)
+    keep_final_weights(out, seen)
     sys.argv = [script, *arguments]
     try:
         runpy.run_path(script, run_name="__main__")
@@ -339,6 +345,7 @@ def main() -> None:
         run_job(*job)
     if torch.distributed.is_initialized():  # the jobs' one process group, left for the last one
         torch.distributed.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

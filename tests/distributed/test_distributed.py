@@ -167,7 +167,8 @@ def test_several_processes_need_an_image_in_every_batch():
 # ---------------------------------------------------------------------------------------------
 # the 2-process launch: metrics, checkpoints, resume
 # ---------------------------------------------------------------------------------------------
-DDP_RUN = ["trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", "trainer.beta_th=0.5", *TINY_RUN]
+TWO_STEPS = ["trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", *TINY_RUN]  # evaluated before and after
+DDP_RUN = [*TWO_STEPS, "trainer.beta_th=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +186,6 @@ def ddp_launch(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(ddp_launch, tmp_path):
     first, second, views = ddp_launch / "a", tmp_path / "b", tmp_path / "views"
-    run = DDP_RUN
     assert "accuracy before:" in (ddp_launch / "output.txt").read_text()
     lines = metrics_lines(first)
     assert [m["step"] for m in lines] == [1, 2]  # one line per step: only the main process writes
@@ -199,7 +199,7 @@ def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(d
     # Resume from step 1, each process observed: what it computed, and whether it saved. Launched with
     # the FSDP config, which accelerate 1.15 turns on for GPUs only: on CPU it keeps data parallelism.
     output = launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={second}",
-                    f"resume={first / 'checkpoint-1'}", *run, config="fsdp.yaml")
+                    f"resume={first / 'checkpoint-1'}", *DDP_RUN, config="fsdp.yaml")
     assert "the launch asked for FSDP, but accelerate runs MULTI_CPU" in output
     rank0, rank1 = (json.loads((views / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (rank0["saves"], rank1["saves"]) == (2, 0)  # checkpoint-2 and final, by the main process only
@@ -261,9 +261,6 @@ def test_two_process_update_gives_the_one_process_weights(one_process_update, dd
 # ---------------------------------------------------------------------------------------------
 # FSDP2 on CPU: one launch for its three checks
 # ---------------------------------------------------------------------------------------------
-FSDP_TRAIN = ["trainer.max_steps=2", "eval.limit=5", "eval.batch_size=2", *TINY_RUN]
-
-
 @pytest.fixture(scope="module")
 def fsdp_launch(tmp_path_factory) -> Path:
     """The update cases with FSDP2, again with its CPU offload, then a run and its resume, in one launch of 2
@@ -271,7 +268,7 @@ def fsdp_launch(tmp_path_factory) -> Path:
     def make(out: Path) -> None:
         launch(str(WORKER), "update", str(out / "update"), "--engine", "fsdp",
                "++", "update", str(out / "offload"), "--engine", "fsdp_offload",
-               "++", "train", str(out / "train"), "--engine", "fsdp", "--", *FSDP_TRAIN)
+               "++", "train", str(out / "train"), "--engine", "fsdp", "--", *TWO_STEPS)
 
     return once(tmp_path_factory, "fsdp", make)
 
