@@ -33,8 +33,17 @@ import torch
 # runs
 # ---------------------------------------------------------------------------------------------
 def init_worker(threads: int) -> None:
-    """A worker process's torch threads (the cores divided among the workers)."""
+    """A worker process's torch threads (`worker_threads`)."""
     torch.set_num_threads(threads)
+
+
+def worker_threads(workers: int) -> int:
+    """Torch threads per worker process: OMP_NUM_THREADS where it is set (the user's cap on the whole run, also
+    what the test suite sets: one thread per test process), else the cores divided among the workers."""
+    capped = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if capped.isdigit() and int(capped) > 0:
+        return int(capped)
+    return max(1, (os.cpu_count() or 1) // workers)
 
 
 def run_cell(variant: str, group_size: int, seed: int, overrides: list[str]) -> dict:
@@ -79,7 +88,7 @@ def run_jobs(run: Callable[..., dict], jobs: list[tuple], *, workers: int, descr
     result printed by `describe` as it comes. `fresh_process`: one process per run (each run's memory measured
     from the same start). `first`: (function, *args) submitted before the jobs; its result is returned beside
     the runs (None without one)."""
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = worker_threads(workers)
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=init_worker, initargs=(threads,),
                              max_tasks_per_child=1 if fresh_process else None) as pool:
         early = pool.submit(*first) if first is not None else None

@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a seconds-long grid that checks the machinery")
     parser.add_argument("--out", default="runs/ablation", help="output folder (runs/, ablation.json, table.md, png)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (one core each)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes, each on the cores divided among them (OMP_NUM_THREADS where set)")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--groups", type=int, nargs="+", help="group sizes G")
     parser.add_argument("--seeds", type=int, nargs="+")

@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--zoom", action="store_true",
                         help="the multi-turn zoom task (+experiment=zoom-tiny: the cold-start model, zoom_in)")
     parser.add_argument("--out", default="runs/compare")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (one core each)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes, each on the cores divided among them (OMP_NUM_THREADS where set)")
     parser.add_argument("--algorithms", nargs="+", choices=runnable(), default=list(ALGORITHMS),
                         help="presets of configs/algorithm/ or registered losses (gpg among them)")
     parser.add_argument("--seeds", type=int, nargs="+")
