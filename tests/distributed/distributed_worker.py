@@ -1,5 +1,5 @@
-"""Worker processes for tests/distributed/test_distributed.py, run as `python` (one process) or under
-`accelerate launch`.
+"""Worker processes for tests/distributed/test_distributed.py, run as `python` (one process) or as the processes
+of `accelerate launch` (the tests fork them with its environment: tests/helpers/procs.py).
 
     python tests/distributed/distributed_worker.py update OUT [--engine fsdp|fsdp_offload] [--float64]  # -> update()
     python tests/distributed/distributed_worker.py train OUT [--engine fsdp] -- key=value ...  # train(), then a resume

@@ -1,8 +1,12 @@
 """Several processes on CPU (gloo): the launch, equal weights for 1 and 2 processes, no hangs, checkpoints
 written once and resumed exactly, FSDP2, and the shipped accelerate configs.
 
-The processes run as subprocesses of `accelerate launch` (tests/distributed/distributed_worker.py holds their code).
-Every launch has a timeout, and the workers give gloo a 120 s collective timeout, so a hang fails a test.
+The processes (tests/distributed/distributed_worker.py holds their code) get the environment `accelerate launch`
+gives them, computed by accelerate's own launcher code, and torchrun's rank variables; they are forked from a
+server that has imported torch and transformers once (tests/helpers/procs.py: a fresh interpreter costs each rank
+about 10 s of CPU before its first line). The two tests of the launcher itself (a bad DeepSpeed stage, a failed
+save) run `accelerate launch`. Every launch has a timeout, and the workers give gloo a 120 s collective timeout, so
+a hang fails a test.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import procs
 from helpers.once import once
 from helpers.runs import untimed
 from helpers.scoring import token_logps
@@ -41,20 +46,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+LAUNCH = ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
 def launch(*arguments: str, config: str | None = None) -> str:
-    """`accelerate launch` 2 processes (`--multi_gpu` starts them on a CPU machine too); returns the output."""
-    engine = ["--config_file", str(CONFIGS / config)] if config else ["--multi_gpu"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", *engine, "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), *arguments]
-    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=900)
+    """2 processes as `accelerate launch <LAUNCH> [--config_file configs/accelerate/<config> | --multi_gpu]
+    <arguments>` starts them (`--multi_gpu` starts them on a CPU machine too), forked (helpers/procs.py); returns
+    their output."""
+    environment = launch_environment(CONFIGS / config if config else None, LAUNCH)
+    done = procs.launch(list(arguments), env={**_environment(), **environment}, port=_free_port())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout + done.stderr
 
 
 def one_process(*arguments: str) -> None:
-    done = subprocess.run([sys.executable, *arguments], cwd=ROOT, env=_environment(), capture_output=True,
-                          text=True, timeout=900)
+    done = procs.run(list(arguments), env=_environment(), timeout=900)
     assert done.returncode == 0, done.stderr[-6000:]
 
 
@@ -76,19 +82,20 @@ def assert_same_weights(first: Path, second: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # the shipped accelerate configs
 # ---------------------------------------------------------------------------------------------
-def launch_environment(config: Path) -> dict[str, str]:
-    """What `accelerate launch --config_file config` puts in the processes' environment, computed by
-    accelerate's own launcher code (which rejects unknown top-level keys)."""
+def launch_environment(config: Path | None, options: list[str] = ("--num_processes", "2")) -> dict[str, str]:
+    """What `accelerate launch <options> --config_file config` (`--multi_gpu` without one) puts in the processes'
+    environment, computed by accelerate's own launcher code (which rejects unknown top-level keys)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     parser = launch_command_parser()
-    arguments = parser.parse_args(["--config_file", str(config), "--num_processes", "2", "scripts/train.py"])
+    engine = ["--config_file", str(config)] if config else ["--multi_gpu"]
+    arguments = parser.parse_args([*engine, *options, "scripts/train.py"])
     arguments, defaults, _ = _validate_launch_command(arguments)
     # accelerate copies nested keys onto the launch arguments without checking them: check them here
     launch_options = {action.dest for action in parser._actions}
-    nested = {**defaults.fsdp_config, **defaults.deepspeed_config}
-    assert not set(nested) - launch_options, f"{config.name}: unknown keys {sorted(set(nested) - launch_options)}"
+    nested = {**(defaults.fsdp_config if defaults else {}), **(defaults.deepspeed_config if defaults else {})}
+    assert not set(nested) - launch_options, f"{config}: unknown keys {sorted(set(nested) - launch_options)}"
     if arguments.use_deepspeed:
         arguments.deepspeed_fields_from_accelerate_config = ",".join([*defaults.deepspeed_config, "mixed_precision"])
         return prepare_deepspeed_cmd_env(arguments)[1]

@@ -7,12 +7,11 @@ import dataclasses
 import importlib.util
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import procs
 from helpers.scoring import path_for
 
 from gpg_vl.config.compose import load_config
@@ -158,9 +157,8 @@ def test_budget_must_be_a_multiple_of_one_step_of_the_largest_group(capsys):
 def test_quick_grid_writes_every_number_a_plot_and_spends_equal_budgets(tmp_path):
     # three of the five variants (the two with checks of their own below), one G, one worker: the suite's time on
     # 2 cores (`--quick` alone runs all five at G=2 and 4)
-    done = subprocess.run([sys.executable, "scripts/ablate.py", "--quick", "--workers", "1", "--variants", "gpg",
-                           "no_resampling", "no_age", "--groups", "2", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = procs.run(["scripts/ablate.py", "--quick", "--workers", "1", "--variants", "gpg", "no_resampling",
+                      "no_age", "--groups", "2", "--out", str(tmp_path)], timeout=600)  # forked: helpers/procs.py
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "ablation.json").read_text())
     settings = report["settings"]
@@ -186,9 +184,8 @@ def test_quick_grid_writes_every_number_a_plot_and_spends_equal_budgets(tmp_path
     assert all(f"| {v} |" in table for v in variants) and "G=2" in table
     assert [p["variant"] for p in report["paired_vs_gpg"]] == [v for v in variants if v != "gpg"]
     # the stored runs re-summarised for another target, without training again
-    again = subprocess.run([sys.executable, "scripts/ablate.py", "--from-json", str(tmp_path / "ablation.json"),
-                            "--target", "0.99", "--out", str(tmp_path / "again")], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
+    again = procs.run(["scripts/ablate.py", "--from-json", str(tmp_path / "ablation.json"), "--target", "0.99",
+                       "--out", str(tmp_path / "again")], timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     resummarised = json.loads((tmp_path / "again" / "ablation.json").read_text())
     assert resummarised["runs"] == report["runs"] and resummarised["settings"]["target"] == 0.99

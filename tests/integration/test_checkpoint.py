@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import procs
 from helpers.runs import untimed
 from transformers import AutoModelForImageTextToText, get_scheduler
 
@@ -233,8 +234,17 @@ def load_script():
 
 
 @pytest.mark.slow
-def test_a_run_killed_with_sigkill_resumes_to_the_same_weights_and_metrics(tmp_path):
-    result = load_script().check(tmp_path, steps=4, kill_after=2)  # killed while it writes checkpoint-3
+def test_a_run_killed_with_sigkill_resumes_to_the_same_weights_and_metrics(tmp_path, monkeypatch):
+    script = load_script()
+
+    def forked_train(args: list[str], log: Path, prefix: list[str] | None = None, threads: int = 1):
+        """check_resume's run of scripts/train.py, forked from a process that imported torch once (its SIGKILL
+        ends a real process all the same): helpers/procs.py."""
+        assert threads == 1
+        return procs.Forked([*(prefix or []), str(ROOT / "scripts" / "train.py"), *args], output=log)
+
+    monkeypatch.setattr(script, "_train", forked_train)
+    result = script.check(tmp_path, steps=4, kill_after=2)  # killed while it writes checkpoint-3
     assert result["left_after_kill"].count("checkpoint-3.partial") == 1 and result["steps_logged_before_kill"] == [
         1, 2, 3]
     assert "checkpoint-2 at step 2" in result["resumed_from"]

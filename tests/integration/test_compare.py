@@ -1,20 +1,19 @@
 """scripts/compare.py --quick: the machinery of the GPG vs GRPO-family comparison (a tiny budget, 2 seeds)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# 8 runs on the 2 worker processes --quick reuses (19 s alone on the idle machine; 81 s with a fresh process per run)
+# 8 runs on the one worker process --quick reuses (a fresh process per run would add a torch import to each)
 def test_quick_comparison_writes_tables_curves_claims_and_spends_equal_budgets(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/compare.py", "--quick", "--workers", "1", "--out", str(tmp_path)],
-                          cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = procs.run(["scripts/compare.py", "--quick", "--workers", "1", "--out", str(tmp_path)],
+                     timeout=600)  # forked: helpers/procs.py
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "compare.json").read_text())
     settings = report["settings"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from helpers import procs
 from helpers.once import once
 from helpers.runs import tiny_family_policy
 from helpers.scoring import path_for
@@ -377,7 +378,9 @@ def two_process_changes(tmp_path_factory):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        workers = mp.start_processes(_ddp_worker, args=(port, str(out)), nprocs=2, start_method="spawn", join=False)
+        procs.context()  # forked from a process that imported torch once (helpers/procs.py)
+        workers = mp.start_processes(_ddp_worker, args=(port, str(out)), nprocs=2, start_method="forkserver",
+                                     join=False)
         deadline = time.monotonic() + 150 * len(TWO_PROCESS_CASES)
         while not workers.join(timeout=5):  # a collective one process never joins would hang: fail instead
             if time.monotonic() > deadline:

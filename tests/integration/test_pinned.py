@@ -18,12 +18,11 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import procs
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,8 +111,8 @@ def weights_checksum(folder: Path) -> str:
 def run(name: str, folder: Path) -> tuple[dict, str]:
     """The pinned run `name` through scripts/train.py, one thread: (its logged KEYS per step, weights checksum)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), f"output_dir={folder}",
-                           *COMMANDS[name]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = procs.run([str(ROOT / "scripts" / "train.py"), f"output_dir={folder}", *COMMANDS[name]], env=env,
+                     timeout=900)  # forked from a process that imported torch once (helpers/procs.py)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return {key: [m[key] for m in lines] for key in KEYS[name]}, weights_checksum(folder / "final")

@@ -300,35 +300,25 @@ def test_a_server_that_is_unreachable_is_retried_until_its_deadline():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_trainer_processes_train_against_one_server(tmp_path):
-    """accelerate launch, 2 processes (gloo) against a `vllm serve` stand-in in its own process: both send their
-    prompts, both take part in every sync (rank 0 sends), and step 2 is sampled by step 1's weights."""
-    import os
-    import time
+    """2 trainer processes as accelerate launch starts them (gloo) against a `vllm serve` stand-in: both send
+    their prompts, both take part in every sync (rank 0 sends), and step 2 is sampled by step 1's weights."""
     import urllib.request
 
     sys.path.insert(0, str(ROOT / "tests" / "distributed"))
     from test_distributed import launch
 
-    port_file = tmp_path / "port"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "vllm_loopback.py"), "--port-file",
-                                str(port_file)], cwd=ROOT, env=env)
+    server = LoopbackServer().start()  # in this process, beside the two trainer processes
     try:
-        for _ in range(600):
-            if port_file.exists() and port_file.read_text():
-                break
-            time.sleep(0.1)
-        url = port_file.read_text()
         out = tmp_path / "out"
-        launch("scripts/train.py", f"output_dir={out}", *overrides(url, tmp_path, "trainer.max_steps=2",
+        launch("scripts/train.py", f"output_dir={out}", *overrides(server.url, tmp_path, "trainer.max_steps=2",
                                                                      "trainer.batch_size=4", "trainer.group_size=4",
                                                                      "trainer.lr=1e-3", "trainer.beta_th=0",
                                                                      "trainer.eval_before=false",
                                                                      "trainer.eval_after=false"))
-        with urllib.request.urlopen(url + "/weight_info") as answer:  # noqa: S310
+        with urllib.request.urlopen(server.url + "/weight_info") as answer:  # noqa: S310
             assert json.loads(answer.read())["weight_version"] == "2"
     finally:
-        process.kill()
+        server.stop()
     lines = metrics(out)
     assert [m["rollout_weight_version"] for m in lines] == [0, 1]
     assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines) and lines[0]["groups_sampled"] == 4

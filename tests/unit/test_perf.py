@@ -1,15 +1,10 @@
 """The GPU check's pure parts: FLOPs per token from a config, MFU, device peaks; and its CPU error."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import procs
 
 from gpg_vl.observe import perf
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mfu_and_flops_by_hand():
@@ -41,8 +36,7 @@ def test_flops_per_token_from_a_model_and_its_config():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_gpu_check_fails_in_one_sentence_without_a_gpu():
-    run = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    run = procs.run(["scripts/gpu_check.py"], timeout=120)  # forked: helpers/procs.py
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().startswith("error: gpu_check.py needs a CUDA GPU") and run.stderr.strip().count("\n") == 0
 
@@ -70,9 +64,8 @@ def test_the_bench_meter_reads_a_window_s_memory_peak_without_a_sampling_thread(
 def test_the_bench_steps_gpg_vl_s_trainer_on_a_tiny_video_setup():
     """scripts/bench.py drives the trainer's own sample / collect / update functions (GpgRunner.step): one step of
     each variant on a tiny setup (TRL is not needed with --video), so a change of their signatures shows here."""
-    run = subprocess.run([sys.executable, "scripts/bench.py", "--video", "2", "--steps", "1", "--warmup", "0",
-                          "--image-sizes", "56", "--group-sizes", "2", "--prompts", "1", "--new-tokens", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = procs.run(["scripts/bench.py", "--video", "2", "--steps", "1", "--warmup", "0", "--image-sizes", "56",
+                     "--group-sizes", "2", "--prompts", "1", "--new-tokens", "2"], timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith(("default ", "plain "))]
     assert [row[0] for row in rows] == ["default", "plain"] and all(float(row[1]) > 0 for row in rows), run.stdout
