@@ -4,9 +4,9 @@ written once and resumed exactly, FSDP2, and the shipped accelerate configs.
 The processes (tests/distributed/distributed_worker.py holds their code) get the environment `accelerate launch`
 gives them, computed by accelerate's own launcher code, and torchrun's rank variables; they are forked from a
 server that has imported torch and transformers once (tests/helpers/procs.py: a fresh interpreter costs each rank
-about 10 s of CPU before its first line). The two tests of the launcher itself (a bad DeepSpeed stage, a failed
-save) run `accelerate launch`. Every launch has a timeout, and the workers give gloo a 120 s collective timeout, so
-a hang fails a test.
+about 10 s of CPU before its first line). The test of a failed save runs `accelerate launch` itself (torchrun's
+agent and its failure report). Every launch has a timeout, and the workers give gloo a 120 s collective timeout,
+so a hang fails a test.
 """
 
 from __future__ import annotations
@@ -442,15 +442,13 @@ def test_a_bad_deepspeed_value_fails_in_one_sentence_naming_the_file_key():
 @pytest.mark.slow
 def test_a_launch_with_zero_stage_7_ends_in_one_sentence_before_the_model_loads(tmp_path):
     """No pydantic ValidationError from inside accelerator.prepare: each process says the sentence and exits 2
-    (the launcher then reports the failed processes, as it does for any failed run)."""
+    (under `accelerate launch` the launcher then reports the failed processes, as it does for any failed run)."""
     require_deepspeed()
     config = tmp_path / "zero7.yaml"
     config.write_text((CONFIGS / "zero2.yaml").read_text().replace("zero_stage: 2", "zero_stage: 7"))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-               "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), "scripts/train.py", f"output_dir={tmp_path / 'run'}",
-               *TINY_RUN]
-    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=900)
+    environment = launch_environment(config, LAUNCH)  # accelerate's launcher accepts the stage
+    done = procs.launch(["scripts/train.py", f"output_dir={tmp_path / 'run'}", *TINY_RUN],
+                        env={**_environment(), **environment}, port=_free_port())
     said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
     assert "zero_optimization.stage=7 (zero_stage in the accelerate config file)" in said[0]

@@ -9,8 +9,8 @@ imports `PRELOAD` once per test process and forks each process below from that s
 
 What a forked process cannot change is whatever was read when torch was imported: OMP_NUM_THREADS (the suite's
 1). A test that needs another value, or a process that must not import anything heavy (the light commands'
-tests), starts a real interpreter with subprocess. The launch tests that check the launcher itself (a bad
-DeepSpeed stage, a failed save) still go through `accelerate launch`.
+tests), starts a real interpreter with subprocess. The test of a failed save in a 2-process run still goes through
+`accelerate launch` itself.
 """
 
 from __future__ import annotations

@@ -246,9 +246,9 @@ def test_a_server_that_dies_mid_run_ends_it_with_a_checkpoint_and_resume_continu
     dying.post = post
     with pytest.raises(UserError) as raised:
         train_run(tmp_path / "out", *overrides(dying.url, tmp_path, "trainer.max_steps=3", "trainer.save_every=0",
-                                               "rollout.vllm_server.timeout_s=20"))
+                                               "rollout.vllm_server.timeout_s=8"))
     sentence = str(raised.value)
-    assert sentence.startswith(f"the vLLM server at {dying.url} did not answer POST") and "within 20 s" in sentence
+    assert sentence.startswith(f"the vLLM server at {dying.url} did not answer POST") and "within 8 s" in sentence
     assert sentence.count(". ") == 0
     assert "the run stopped after step 1 and wrote checkpoint-1: continue with resume=auto" in sentence
     out = tmp_path / "out"
