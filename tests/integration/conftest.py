@@ -13,9 +13,17 @@ def no_model(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def model_aliases():
+def model_aliases(tmp_path_factory):
     """Every model alias (configs/model/, all but the shared _tiny) -> the model settings of its composed train
-    config: composed once for the tests that read them all."""
-    from gpg_vl.config.compose import group_options, load_config
+    config: composed once per test run for the tests that read them all (48 compositions; helpers/once.py shares
+    them between the workers), read back as OmegaConf configs."""
+    from helpers.once import once
+    from omegaconf import OmegaConf
 
-    return {alias: load_config("train", [f"model={alias}"]).model for alias in group_options("model")}
+    def make(folder):
+        from gpg_vl.config.compose import group_options, load_config
+
+        composed = {alias: load_config("train", [f"model={alias}"]).model for alias in group_options("model")}
+        (folder / "aliases.yaml").write_text(OmegaConf.to_yaml(composed))
+
+    return OmegaConf.load(once(tmp_path_factory, "model-aliases", make) / "aliases.yaml")
