@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def assert_same_weights(first: Path, second: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # the shipped accelerate configs
 # ---------------------------------------------------------------------------------------------
-def launch_environment(config: Path | None, options: list[str] = ("--num_processes", "2")) -> dict[str, str]:
+def launch_environment(config: Path | None, options: Sequence[str] = ("--num_processes", "2")) -> dict[str, str]:
     """What `accelerate launch <options> --config_file config` (`--multi_gpu` without one) puts in the processes'
     environment, computed by accelerate's own launcher code (which rejects unknown top-level keys)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
