@@ -69,3 +69,18 @@ def test_the_bench_steps_gpg_vl_s_trainer_on_a_tiny_video_setup():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith(("default ", "plain "))]
     assert [row[0] for row in rows] == ["default", "plain"] and all(float(row[1]) > 0 for row in rows), run.stdout
+
+
+def test_experiment_workers_take_omp_num_threads_where_set_else_share_the_cores(monkeypatch):
+    from gpg_vl.experiments import worker_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [worker_threads(w) for w in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the test suite's cap: one thread whatever the workers
+    assert [worker_threads(w) for w in (1, 2)] == [1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads(1) == 3
+    for unset in ("", "0", "auto"):  # not a thread count: the cores are shared as without it
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert worker_threads(2) == 4
