@@ -1,4 +1,5 @@
-"""The GPU check's pure parts: FLOPs per token from a config, MFU, device peaks; and its CPU error."""
+"""The GPU check's pure parts: FLOPs per token from a config, MFU, device peaks; its CPU error; the bench's meter and
+smoke run; and the experiment workers' threads."""
 
 import pytest
 import torch
