@@ -15,15 +15,41 @@ vision tower while another runs it deadlocks both). The trainer keeps to that ru
 * encoding images inside the wrapped forward in the update (models/base.py), and with the FSDP root's
   parameters gathered during generation (`gathered_for_generation`), since transformers encodes a
   prompt's images before its first forward.
+
+With trainer.max_staleness >= 1 the sampling stage runs on a thread beside the learner (train/pipeline.py), and its
+collectives (AGE's counts, the server engine's sync outcome) would interleave with the learner's gradient
+all-reduce on the default process group. The sampler thread runs them on a process group of its own
+(`collectives_on`; gloo, so that two NCCL communicators never run at once on one GPU): the code that issues them
+asks `collective_group()` for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
 from gpg_vl.errors import UserError
+
+
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def collectives_on(group):
+    """Within it, this thread's sampling-stage collectives run on `group` (None: the default group)."""
+    before = getattr(_THREAD, "group", None)
+    _THREAD.group = group
+    try:
+        yield
+    finally:
+        _THREAD.group = before
+
+
+def collective_group():
+    """The process group this thread's sampling-stage collectives run on (None: the default one)."""
+    return getattr(_THREAD, "group", None)
 
 
 def forward_is_collective(model: torch.nn.Module) -> bool:

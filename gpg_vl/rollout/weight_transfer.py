@@ -230,11 +230,14 @@ def push_weights(servers: list[Server], transport: Transport, weights, *, versio
 
 
 def broadcast_from_main(message):
-    """Rank 0's message (any picklable value) on every rank (no process group: unchanged)."""
+    """Rank 0's message (any picklable value) on every rank (no process group: unchanged), on this thread's
+    collective group (the sampler's own under trainer.max_staleness >= 1: gpg_vl/distributed.py)."""
+    from gpg_vl.distributed import collective_group
+
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return message
     box = [message]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=0, group=collective_group())
     return box[0]
 
 

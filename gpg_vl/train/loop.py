@@ -222,9 +222,9 @@ def setup(cfg) -> Run:
 
     trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
-    require_pipeline(trainer, cfg.rollout, processes=int(os.environ.get("WORLD_SIZE", "1")))
     task = build.build_task(cfg.task, cfg.data)
     accelerator = _command_line_accelerator(cfg)
+    require_pipeline(trainer, cfg.rollout, accelerator)  # trainer.max_staleness >= 1 with this launch and engine
     build.build_judge(cfg.get("reward"), task, accelerator.device)  # a judge that cannot be built fails first
     container = OmegaConf.to_container(cfg, resolve=True)  # after the output_dir is the same on every process
     held = contextlib.ExitStack()
@@ -261,10 +261,10 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
     that step. Bad rows are skipped and counted; more than settings.max_bad_fraction of the rows seen stops
     the run."""
     trainer_loss_options(settings.trainer, settings.rollout.max_new_tokens)
-    require_pipeline(settings.trainer, settings.rollout, processes=accelerator.num_processes if accelerator else 1)
     accelerator = accelerator or Accelerator(
         log_with=None if settings.trainer.report_to == "none" else settings.trainer.report_to,
         project_dir=str(settings.output_dir))
+    require_pipeline(settings.trainer, settings.rollout, accelerator)
     held = contextlib.ExitStack()
     try:
         if accelerator.is_main_process:

@@ -23,6 +23,12 @@ the checkpoint's own weights are s's). A resumed run samples those steps again f
 weights: the same batches as the uninterrupted run. The learner keeps the k + 1 newest versions for this.
 
 On CPU the two sides share the cores: each gets half of torch's intra-op threads (at least one), set in both threads.
+
+Under DDP every process runs a sampler for its share of the prompts, and AGE's counts stay global: the sampler's
+collectives (global_counts, the server engine's sync outcome) run on a gloo process group of their own
+(gpg_vl/distributed.py's `collectives_on`), so they never interleave with the learner's gradient all-reduce.
+Every process's sampler generator is saved in checkpoints. FSDP and DeepSpeed are refused (`require_pipeline`):
+their processes hold shards, and the sampler's copy would have to be gathered from them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from gpg_vl.distributed import collectives_on
 from gpg_vl.errors import UserError
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import ENGINES, build_engine, thread_generator
@@ -163,8 +170,10 @@ class AsyncPipeline:
         if resumed is not None:
             self.shared.versions.update(resumed["weights"])
             self.counters = dict(resumed["counters"])
-            self.generator.set_state(resumed["generator"])
+            self.generator.set_state(process_generator(resumed["generator"], run.accelerator.process_index))
             self.floor = 0
+        # the sampler's collectives, on a group of their own (collective: every process makes it here)
+        self.group = torch.distributed.new_group(backend="gloo") if run.accelerator.num_processes > 1 else None
         threads = torch.get_num_threads()
         self.threads, self.restore_threads = max(1, threads // 2), threads
         torch.set_num_threads(self.threads)  # the learner's half (this thread); the sampler sets its own
@@ -220,7 +229,13 @@ class AsyncPipeline:
                 raise shared.error
             began = shared.starts[step + 1]
             weights = {v: w for v, w in shared.versions.items() if v < step}
-        return {**began, "next_step": step + 1, "max_staleness": self.k, "weights": weights}
+        generators = [began["generator"]]  # every process's, in rank order (collective on the learner's group)
+        if self.run.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            generators = gather_object(generators)
+        return {**began, "generator": generators, "next_step": step + 1, "max_staleness": self.k,
+                "weights": weights}
 
     def close(self) -> None:
         with self.shared.lock:
@@ -234,6 +249,10 @@ class AsyncPipeline:
     # ---- the sampler's side ----------------------------------------------------------------
     def _sample_steps(self) -> None:
         torch.set_num_threads(self.threads)  # this thread's intra-op threads (OpenMP's setting is per thread)
+        with collectives_on(self.group):
+            self._sample_until_stopped()
+
+    def _sample_until_stopped(self) -> None:
         shared, last = self.shared, self.run.trainer.max_steps
         try:
             while True:
@@ -277,6 +296,14 @@ class AsyncPipeline:
         self.loaded = version
 
 
+def process_generator(saved, process_index: int) -> torch.Tensor:
+    """This process's sampler generator state from a checkpoint's list of them (rank order); a checkpoint
+    saved by fewer processes gives the others the first one's, as the RNG states are restored."""
+    if isinstance(saved, torch.Tensor):  # saved by one process before the list
+        return saved
+    return saved[process_index] if process_index < len(saved) else saved[0]
+
+
 def _has_own_weights(engine) -> bool:
     """Whether an engine samples with weights of its own (vLLM), which `sync` pushes in."""
     return bool(getattr(engine, "own_weights", False))
@@ -289,15 +316,19 @@ def start_pipeline(run, resumed: dict | None = None):
     return AsyncPipeline(run, resumed=resumed)
 
 
-def require_pipeline(trainer, rollout, *, processes: int) -> None:
+def require_pipeline(trainer, rollout, accelerator) -> None:
     """Refuse, in one sentence and before any model loads, what trainer.max_staleness >= 1 cannot run with."""
+    from accelerate.utils import DistributedType
+
     k = trainer.max_staleness
     if k == 0:
         return
-    if processes > 1:
-        raise UserError(f"trainer.max_staleness={k} samples beside the learner in one process only in this version "
-                        f"({processes} processes were launched: the sampler's collectives would interleave with the "
-                        "learner's); launch one process, or set trainer.max_staleness=0.")
+    kind = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(accelerator.distributed_type)
+    if kind is not None:
+        raise UserError(f"trainer.max_staleness={k} samples on a full copy of the weights beside the learner, and "
+                        f"this launch runs {kind}, whose processes hold shards that this version does not gather "
+                        "for a sampler; launch with data parallelism (configs/accelerate/ddp.yaml), or set "
+                        "trainer.max_staleness=0.")
     problem = ENGINES.get(rollout.engine).asynchronous_problem(rollout, k)  # the engine's own settings
     if problem:
         raise UserError(problem)

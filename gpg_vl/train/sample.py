@@ -28,7 +28,7 @@ from accelerate import Accelerator
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
-from gpg_vl.distributed import forward_is_collective, require_images
+from gpg_vl.distributed import collective_group, forward_is_collective, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
@@ -313,7 +313,12 @@ def global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int,
     process, and stops on its result, the same everywhere: an engine lost on any process stops every one."""
     lost = attempt.lost is not None
     local = (0, 0, 0) if lost else local_counts(attempt)
-    counts = accelerator.reduce(torch.tensor([*local, int(lost)], device=accelerator.device), "sum")
+    group = collective_group()  # the sampler thread's own (trainer.max_staleness >= 1: gpg_vl/distributed.py)
+    if group is None:
+        counts = accelerator.reduce(torch.tensor([*local, int(lost)], device=accelerator.device), "sum")
+    else:
+        counts = torch.tensor([*local, int(lost)])  # gloo: on the CPU
+        torch.distributed.all_reduce(counts, group=group)
     if int(counts[3]):
         raise EngineUnreachable(attempt.lost or "another training process could not reach its rollout engine (its "
                                 "log names the server); check the servers, then continue with resume=auto.")

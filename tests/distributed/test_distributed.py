@@ -226,6 +226,34 @@ def test_two_process_launch_logs_global_metrics_saves_once_and_resumes_exactly(d
     assert_same_weights(first / "final", second / "final")
 
 
+ASYNC_RUN = ["trainer.max_steps=3", "trainer.max_staleness=1", "trainer.eval_before=false", "trainer.eval_after=false",
+             "trainer.beta_th=0.5", *TINY_RUN]
+
+
+@pytest.mark.slow
+def test_k1_under_ddp_samples_each_share_with_global_counts_and_resumes_a_step_in_flight(tmp_path):
+    """trainer.max_staleness=1 on 2 processes: each samples its share on its own sampler thread, the counts of
+    threshold resampling are global (the same on both, B prompts per attempt), the schedule's lag holds, and a run
+    resumed from checkpoint-2 (step 3 in flight, regenerated from each process's saved sampler state) ends on the
+    uninterrupted run's weights with the same step-3 line."""
+    first, second, views = tmp_path / "a", tmp_path / "b", tmp_path / "views"
+    launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={first}", *ASYNC_RUN,
+           config="ddp.yaml")
+    lines = metrics_lines(first)
+    assert [m["version_lag_max"] for m in lines] == [0, 1, 1]  # step n samples with the weights after n - 2
+    for m in lines:
+        assert m["groups_sampled"] == 4 * m["attempts"]
+    rank0, rank1 = (json.loads((views / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["collected"] == rank1["collected"] and len(rank0["collected"]) == 3  # counted over both
+    assert [c["groups_sampled"] for c in rank0["collected"]] == [m["groups_sampled"] for m in lines]
+    assert rank0["update"] == rank1["update"]
+    launch("scripts/train.py", f"output_dir={second}", f"resume={first / 'checkpoint-2'}", *ASYNC_RUN,
+           config="ddp.yaml")
+    (resumed,) = metrics_lines(second)
+    assert without_timing(resumed) == without_timing(lines[2])
+    assert_same_weights(first / "final", second / "final")
+
+
 # ---------------------------------------------------------------------------------------------
 # equal weights: a fixed set of rollouts, updated on 1 and on 2 processes
 # ---------------------------------------------------------------------------------------------

@@ -110,20 +110,23 @@ def test_rejected_sequences_leave_the_normalizer_and_all_rejected_groups_count_i
     assert result["loss"] == pytest.approx(expected, abs=1e-6)
 
 
-def test_settings_k1_cannot_run_with_are_refused_before_the_model_loads(monkeypatch, no_model, tmp_path):
-    from gpg_vl.cli import train_main
-    from gpg_vl.config.compose import load_config
+def test_settings_k1_cannot_run_with_are_refused_before_the_model_loads(tmp_path):
+    from types import SimpleNamespace
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UserError, match="trainer.max_staleness=1 samples beside the learner in one process only"):
-        train_main(load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=1"]))
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    cfg = load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=2"])
-    cfg.rollout.engine = "vllm"  # the engine's availability is checked elsewhere; this check reads the settings
+    from accelerate.utils import DistributedType
+
+    from gpg_vl.config.compose import load_config
     from gpg_vl.train.pipeline import require_pipeline
 
+    for kind, name in ((DistributedType.FSDP, "FSDP"), (DistributedType.DEEPSPEED, "DeepSpeed")):
+        with pytest.raises(UserError, match=f"this launch runs {name}, whose processes hold shards"):
+            require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), SimpleNamespace(distributed_type=kind))
+    data_parallel = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
+    require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), data_parallel)  # DDP: sampled per process
+    cfg = load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=2"])
+    cfg.rollout.engine = "vllm"  # the engine's availability is checked elsewhere; this check reads the settings
     with pytest.raises(UserError, match="set rollout.vllm.enable_sleep_mode=false"):
-        require_pipeline(TrainerSettings(max_staleness=2), cfg.rollout, processes=1)
+        require_pipeline(TrainerSettings(max_staleness=2), cfg.rollout, data_parallel)
 
 
 def test_the_viewer_shows_the_off_policy_curves_of_an_asynchronous_run_only():
