@@ -262,14 +262,14 @@ def keep_final_weights(out: Path, seen: dict) -> None:
 
 
 def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
-    """Run `script` as __main__ and write what THIS process computed: each step's global counts, reward
-    statistics and update results, and how many times it saved a model."""
+    """Run `script` as __main__ and write what THIS process computed: each step's global counts, its own sampled
+    completions, reward statistics and update results, and how many times it saved a model."""
     import os
 
     import gpg_vl.train.loop as trainer
     import gpg_vl.train.pipeline as pipeline
 
-    seen = {"collected": [], "step_metrics": [], "update": []}
+    seen = {"collected": [], "sampled": [], "step_metrics": [], "update": []}
 
     def wrap(name, key, record, module=trainer):
         original = getattr(module, name)
@@ -284,6 +284,8 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
     wrap("collect_valid_groups", "collected", lambda c: {
         "groups_sampled": c.groups_sampled, "groups_valid": c.groups_valid, "valid_fractions": c.valid_fractions,
         "attempts": len(c.attempts)}, pipeline)  # the sampling stage (gpg_vl/train/pipeline.py) collects
+    wrap("collect_valid_groups", "sampled", lambda c: [  # this process's own completions, per attempt
+        a.rollout.completion_ids.tolist() if a.rollout is not None else [] for a in c.attempts], pipeline)
     wrap("step_metrics", "step_metrics", dict)
     wrap("update", "update", dict)
     count_saves(seen)

@@ -247,10 +247,14 @@ def test_k1_under_ddp_samples_each_share_with_global_counts_and_resumes_a_step_i
     assert rank0["collected"] == rank1["collected"] and len(rank0["collected"]) == 3  # counted over both
     assert [c["groups_sampled"] for c in rank0["collected"]] == [m["groups_sampled"] for m in lines]
     assert rank0["update"] == rank1["update"]
-    launch("scripts/train.py", f"output_dir={second}", f"resume={first / 'checkpoint-2'}", *ASYNC_RUN,
-           config="ddp.yaml")
+    assert rank0["sampled"] != rank1["sampled"]  # each its own share
+    again = tmp_path / "again"
+    launch(str(WORKER), "record", str(again), "--", "scripts/train.py", f"output_dir={second}",
+           f"resume={first / 'checkpoint-2'}", *ASYNC_RUN, config="ddp.yaml")
     (resumed,) = metrics_lines(second)
     assert without_timing(resumed) == without_timing(lines[2])
+    for rank, before in ((0, rank0), (1, rank1)):  # step 3 sampled again by each process exactly as before
+        assert json.loads((again / f"rank{rank}.json").read_text())["sampled"] == before["sampled"][2:], rank
     assert_same_weights(first / "final", second / "final")
 
 
