@@ -93,6 +93,7 @@ class Family:
     image_placeholder = "<image>"
     video_placeholder: str | None = None  # what stands for a video in a raw-text prompt (None: no video)
     engine_takes_video = False  # whether `engine_videos` hands an engine (vLLM) a prompt's videos
+    video_times_in_text = False  # whether text stands between a video's tokens (Qwen3-VL: frame timestamps)
     eos_tokens: tuple[str, ...] = ()
     max_aspect_ratio = 200.0  # images more elongated than this are bad rows
     placeholder_size = (32, 32)  # the blank image of `placeholder_prompts`

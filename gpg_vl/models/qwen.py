@@ -198,6 +198,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
 
     name = "qwen3_vl"
     model_types = ("qwen3_vl", "qwen3_vl_moe")
+    video_times_in_text = True  # `<t seconds>` before each frame pair
     processor_kwargs = {"do_resize": False}
 
 

@@ -2,11 +2,14 @@
 weights pushed to them through vLLM's weight-transfer API after each optimizer step (docs/many-nodes.md).
 
 - Prompts: the token ids the trainer scores (the family's processor-expanded ids: one run of image tokens per
-  image), never text re-tokenised by the server, go to `POST /inference/v1/generate`. A prompt with images gets
-  `features`: each image, as the family's processor receives it (PNG, lossless), is processed by the server once
-  (`POST /v1/chat/completions/render`) and its features are pointed at that image's run of tokens in the prompt.
-  The server's own count of tokens for an image must equal the trainer's (the same min/max pixels on both sides:
-  `--mm-processor-kwargs`), else one sentence says so before anything is sampled.
+  image, one run of video tokens per video), never text re-tokenised by the server, go to
+  `POST /inference/v1/generate`. A prompt with images or videos gets `features`: each image, as the family's
+  processor receives it (PNG, lossless), and each video, as the frames the trainer sampled and resized (a
+  `video/jpeg` data URL of PNG frames, with the trainer's metadata as `media_io_kwargs` and
+  `do_sample_frames: false`, so the server samples nothing itself: `video_render_body`), is processed by the
+  server once (`POST /v1/chat/completions/render`) and its features are pointed at its run of tokens in the
+  prompt. The server's own count of tokens for an image or video must equal the trainer's (the same pixel
+  budgets on both sides: `--mm-processor-kwargs`), else one sentence says so before anything is sampled.
 - Sampling: `n = G` per prompt, temperature, top_p, max tokens, ignore-EOS, the family's banned ids as a logit
   bias, `logprobs=0`: each sampled token's log-prob comes back (`logprobs.content[*].logprob`; vLLM's
   `--logprobs-mode processed_logprobs` makes it the distribution it drew from) for the sampler check and the
@@ -16,8 +19,8 @@ weights pushed to them through vLLM's weight-transfer API after each optimizer s
   choice's `weight_versions` where the server reports them, else the label in force: generation is paused around
   each update).
 - Multi-turn (rollout.max_turns > 1): each later turn sends everything so far (the prompt's ids and the
-  trajectory's, observations processor-expanded as the trainer scores them) with the features of every image;
-  the tool calls are run by the HF engine's own code (rollout/multiturn.py).
+  trajectory's, observations processor-expanded as the trainer scores them) with the features of every image
+  and of the prompt's videos; the tool calls are run by the HF engine's own code (rollout/multiturn.py).
 - Spread: each trainer process sends its own prompts, request i to server (rank + i) mod n, at most
   rollout.vllm_server.max_concurrency at once.
 
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from gpg_vl.data.video import DEFAULT_FPS
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import (
     Correction,
@@ -82,39 +86,55 @@ def sampling_params(family, sampling: Sampling, n: int, *, seed: int | None = No
     return params
 
 
-def image_runs(token_ids: list[int], image_token: int) -> list[dict]:
-    """The runs of the image token in a prompt, one per image: [{"offset", "length"}] (vLLM's PlaceholderRange)."""
+def token_runs(token_ids: list[int], token: int) -> list[dict]:
+    """The runs of one token in a prompt (an image's or a video's tokens), one per image or video:
+    [{"offset", "length"}] (vLLM's PlaceholderRange)."""
     runs, k = [], 0
     while k < len(token_ids):
-        if token_ids[k] != image_token:
+        if token_ids[k] != token:
             k += 1
             continue
         start = k
-        while k < len(token_ids) and token_ids[k] == image_token:
+        while k < len(token_ids) and token_ids[k] == token:
             k += 1
         runs.append({"offset": start, "length": k - start})
     return runs
 
 
-def place_features(features: list[dict], token_ids: list[int], image_token: int, url: str) -> dict | None:
-    """One request's `features`: the rendered features of its images (in order) merged, each pointed at its run of
-    image tokens in `token_ids`; one sentence when the server counts an image's tokens differently."""
+def _miscounted(modality: str, runs: int, items: int) -> str:
+    if modality == "video":
+        return (f"a prompt holds {runs} runs of video tokens for {items} videos (the family writes something between "
+                "a video's tokens, as Qwen3-VL writes frame timestamps), which rollout.engine=vllm_server does not "
+                "place yet; use rollout.engine=vllm or hf for this model's video tasks.")
+    return f"a prompt holds {runs} runs of image tokens for {items} images; the family's prompt does not mark each " \
+           "image once."
+
+
+def place_features(features: dict[str, list[dict]], token_ids: list[int], tokens: dict[str, int],
+                   url: str) -> dict | None:
+    """One request's `features`: the rendered features of its images and videos (per modality, in order) merged,
+    each pointed at its run of tokens (`tokens`: the image token, the video token) in `token_ids`; one sentence
+    when the server counts an image's or a video's tokens differently."""
+    features = {modality: rendered for modality, rendered in features.items() if rendered}
     if not features:
         return None
-    runs = image_runs(token_ids, image_token)
-    if len(runs) != len(features):
-        raise UserError(f"a prompt holds {len(runs)} runs of image tokens for {len(features)} images; the family's "
-                        "prompt does not mark each image once.")
-    merged = {"mm_hashes": {"image": []}, "mm_placeholders": {"image": []}, "kwargs_data": {"image": []}}
-    for k, (feature, run) in enumerate(zip(features, runs, strict=True)):
-        (server_run,) = feature["mm_placeholders"]["image"]
-        if int(server_run["length"]) != run["length"]:
-            raise UserError(f"the vLLM server at {url} makes {server_run['length']} tokens of image {k} where the "
-                            f"trainer's processor makes {run['length']}; start `vllm serve` with the trainer's "
-                            "min/max pixels (--mm-processor-kwargs, docs/many-nodes.md).")
-        merged["mm_hashes"]["image"] += feature["mm_hashes"]["image"]
-        merged["mm_placeholders"]["image"].append(run)
-        merged["kwargs_data"]["image"] += (feature.get("kwargs_data") or {}).get("image") or [None]
+    merged = {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
+    for modality, rendered in features.items():
+        runs = token_runs(token_ids, tokens[modality])
+        if len(runs) != len(rendered):
+            raise UserError(_miscounted(modality, len(runs), len(rendered)))
+        for part in merged.values():
+            part[modality] = []
+        for k, (feature, run) in enumerate(zip(rendered, runs, strict=True)):
+            (server_run,) = feature["mm_placeholders"][modality]
+            if int(server_run["length"]) != run["length"]:
+                budgets = "min/max pixels" if modality == "image" else "video pixel budgets"
+                raise UserError(f"the vLLM server at {url} makes {server_run['length']} tokens of {modality} {k} "
+                                f"where the trainer's processor makes {run['length']}; start `vllm serve` with the "
+                                f"trainer's {budgets} (--mm-processor-kwargs, docs/many-nodes.md).")
+            merged["mm_hashes"][modality] += feature["mm_hashes"][modality]
+            merged["mm_placeholders"][modality].append(run)
+            merged["kwargs_data"][modality] += (feature.get("kwargs_data") or {}).get(modality) or [None]
     return merged
 
 
@@ -136,9 +156,66 @@ def oldest_version(choice: dict, current: int) -> int:
 
 def png_data_url(image) -> str:
     """An image as a lossless data URL (the server decodes exactly the pixels the trainer's processor got)."""
+    return "data:image/png;base64," + _png(image.convert("RGB"))
+
+
+def _png(image) -> str:
     buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def video_data_url(frames) -> str:
+    """A video's frames ([T, 3, h, w], or a list of images) as vLLM's `video/jpeg` data URL: each frame base64 on its
+    own, the frames joined by commas (vLLM's VideoMediaIO.load_base64 splits them and decodes each with PIL, which
+    reads the format from the bytes, so the frames go as PNG: lossless). The server sees 8-bit frames: the Qwen
+    families' frames are whole 8-bit values already (qwen-vl-utils resizes uint8 frames, then casts them to
+    float), so nothing changes; a frame holding other values would be rounded to the nearest 8-bit value."""
+    from PIL import Image
+
+    if isinstance(frames, torch.Tensor):
+        pixels = frames.detach().float().clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        images = [Image.fromarray(frame) for frame in pixels]
+    else:
+        images = [frame.convert("RGB") for frame in frames]
+    return "data:video/jpeg;base64," + ",".join(_png(image) for image in images)
+
+
+def video_io_kwargs(metadata: dict, count: int) -> dict:
+    """A video's `media_io_kwargs` (vLLM's VideoMediaIO, `video/jpeg` path): every frame sent is kept
+    (`num_frames: -1`), none is sampled again (`do_sample_frames: false`), and the metadata is the trainer's
+    (`fps`, `frames_indices`, `total_num_frames`), from which the processor computes what the trainer's computes
+    (Qwen2.5-VL's `second_per_grid_ts` = temporal patch / sampled fps, sampled fps = frames / total x fps). vLLM
+    refuses a total below the frames sent, which a clip whose last frame was repeated to an even count has; then
+    the total is the count sent and the rate is scaled by the same factor, so the sampled fps and the duration
+    stay the trainer's (Qwen3-VL's timestamps, frame index / fps, would not; its videos are refused anyway)."""
+    total = int(metadata.get("total_num_frames") or count)
+    fps = float(metadata.get("fps") or DEFAULT_FPS)
+    indices = [int(i) for i in metadata.get("frames_indices") or range(count)]
+    if total < count:
+        fps, total = fps * count / total, count
+    return {"num_frames": -1, "fps": fps, "frames_indices": indices, "total_num_frames": total,
+            "do_sample_frames": False}
+
+
+def image_render_body(model: str, image) -> dict:
+    """The /v1/chat/completions/render request that processes one image."""
+    part = {"type": "image_url", "image_url": {"url": png_data_url(image)}}
+    return {"model": model, "messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+
+
+def video_render_body(model: str, video: tuple) -> dict:
+    """The /v1/chat/completions/render request that processes one video, (frames, metadata) as the family's
+    `engine_videos` gives them: the frames the trainer sampled, with its metadata (ChatCompletionRequest's
+    `media_io_kwargs` and `mm_processor_kwargs`), so that the server samples nothing itself."""
+    frames, metadata = video
+    part = {"type": "video_url", "video_url": {"url": video_data_url(frames)}}
+    return {"model": model, "messages": [{"role": "user", "content": [part]}], "max_tokens": 1,
+            "media_io_kwargs": {"video": video_io_kwargs(metadata, len(frames))},
+            "mm_processor_kwargs": {"do_sample_frames": False}}
+
+
+RENDER_BODIES = {"image": image_render_body, "video": video_render_body}
 
 
 def rejected_for_length(error: Rejected) -> bool:
@@ -224,7 +301,7 @@ class VLLMServerEngine(Engine):
         self.model_name = self._check_models(rollout)
         self.transport = TRANSPORTS[self.settings.weight_transfer](self.settings, rank=self.rank)
         self.version = -1
-        self.image_token = self._image_token()
+        self.tokens = {"image": self._image_token(), "video": self._video_token()}
         self.requests = 0  # requests sent by this process (spread across the servers)
         self.transport.init(self.servers)
         self.sync(policy.model)  # version 0: the servers hold the trainer's weights, whatever they loaded
@@ -254,6 +331,26 @@ class VLLMServerEngine(Engine):
             token = self.family.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         return token
 
+    def _video_token(self) -> int | None:
+        """The token the family's processor repeats for a video's frames (Qwen: `<|video_pad|>`)."""
+        token = getattr(self.family.processor, "video_token_id", None)
+        if token is None:
+            token = getattr(self.policy.model.config, "video_token_id", None)
+        return token
+
+    def _videos(self, messages: list[dict]) -> list:
+        """A prompt's videos as the trainer's processor gets them, (frames, metadata) each: the family refuses in one
+        sentence where it hands no engine its videos."""
+        videos = self.family.engine_videos(messages)
+        if videos and self.family.video_times_in_text:
+            raise UserError(f"the {self.family.name} family writes frame timestamps between a video's tokens, which "
+                            "rollout.engine=vllm_server does not place yet; use rollout.engine=vllm or hf for this "
+                            "model's video tasks.")
+        if videos and (not self.family.engine_takes_video or self.tokens["video"] is None):
+            raise UserError(f"the {self.family.name} family's videos do not go through rollout.engine=vllm_server; "
+                            "use rollout.engine=hf for this model's video tasks.")
+        return videos
+
     # ---- the on-policy check ----------------------------------------------------------------------
     @property
     def correction(self) -> Correction:
@@ -272,25 +369,26 @@ class VLLMServerEngine(Engine):
         super().take_tools(settings, tools)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def _features(self, server: Server, images: list, cache: dict) -> list[dict]:
-        """Each image rendered once per rollout (`cache`: id(image) -> its features, which hold the processed
-        pixels themselves: any server takes them)."""
-        out = []
-        for image in images:
-            if id(image) not in cache:
-                part = {"type": "image_url", "image_url": {"url": png_data_url(image)}}
-                message = {"role": "user", "content": [part]}
-                answer = server.post("/v1/chat/completions/render",
-                                     {"model": self.model_name, "messages": [message], "max_tokens": 1})
-                cache[id(image)] = answer["features"]
-            out.append(cache[id(image)])
+    def _features(self, server: Server, media: dict[str, list], cache: dict) -> dict[str, list[dict]]:
+        """Each image and video rendered once per rollout (`cache`: id(item) -> its features, which hold the
+        processed pixels themselves: any server takes them)."""
+        out = {}
+        for modality, items in media.items():
+            out[modality] = []
+            for item in items:
+                if id(item) not in cache:
+                    answer = server.post("/v1/chat/completions/render",
+                                         RENDER_BODIES[modality](self.model_name, item))
+                    cache[id(item)] = answer["features"]
+                out[modality].append(cache[id(item)])
         return out
 
-    def _generate_one(self, server: Server, token_ids: list[int], images: list, params: dict,
+    def _generate_one(self, server: Server, token_ids: list[int], media: dict[str, list], params: dict,
                       cache: dict) -> list[dict] | Rejected:
-        """The choices of one /inference/v1/generate request, or the server's refusal (a prompt too long)."""
+        """The choices of one /inference/v1/generate request (`media`: its images and videos), or the server's
+        refusal (a prompt too long)."""
         body = {"model": self.model_name, "token_ids": token_ids, "sampling_params": params,
-                "features": place_features(self._features(server, images, cache), token_ids, self.image_token,
+                "features": place_features(self._features(server, media, cache), token_ids, self.tokens,
                                            server.url)}
         try:
             return server.post("/inference/v1/generate", body)["choices"]
@@ -300,7 +398,7 @@ class VLLMServerEngine(Engine):
             raise ServerError(f"{error}; check that the server runs with --enable-scale-out (docs/many-nodes.md).") \
                 from None
 
-    def _generate_all(self, jobs: list[tuple[list[int], list, dict]]) -> list:
+    def _generate_all(self, jobs: list[tuple[list[int], dict, dict]]) -> list:
         """Every request of a turn at once (at most max_concurrency in flight), request i to server
         (rank + i + requests so far) mod n: their choices, in order."""
         first, self.requests = self.requests, self.requests + len(jobs)
@@ -314,13 +412,10 @@ class VLLMServerEngine(Engine):
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         if prompts.messages is None:
             raise ValueError("the vLLM server engine sends each prompt's images; EnginePrompts.messages is None")
-        for messages in prompts.messages:
-            if self.family.engine_videos(messages):
-                raise UserError("video prompts do not go through rollout.engine=vllm_server yet (the server would "
-                                "sample the frames itself); use rollout.engine=vllm or hf for video tasks.")
         if self.multiturn.multi_turn:
             return self.generate_trajectories(prompts, group_size, sampling)
-        jobs = [(self._prompt_ids(prompts, b), self.family.engine_images(messages),
+        jobs = [(self._prompt_ids(prompts, b), {"image": self.family.engine_images(messages),
+                                                "video": self._videos(messages)},
                  sampling_params(self.family, sampling, group_size, seed=self._seed(b)))
                 for b, messages in enumerate(prompts.messages)]
         answers = self._generate_all(jobs)
@@ -369,7 +464,7 @@ class VLLMServerEngine(Engine):
         from gpg_vl.rollout.multiturn import answer_segments, prompt_context, segment_end, trajectory_rollout
 
         family, settings = self.family, self.multiturn
-        base = [(self._prompt_ids(prompts, b), family.engine_images(messages))
+        base = [(self._prompt_ids(prompts, b), family.engine_images(messages), self._videos(messages))
                 for b, messages in enumerate(prompts.messages)]
         rows = [_Row(b, Trajectory(), prompt_context(family, prompts, b, settings))
                 for b in range(len(base)) for _ in range(group_size)]
@@ -379,9 +474,10 @@ class VLLMServerEngine(Engine):
             n = group_size if turn == 0 else 1
             jobs = []
             for row in going[::n]:
-                ids, images = base[row.prompt]
+                ids, images, videos = base[row.prompt]
                 room = min(sampling.max_new_tokens, settings.max_total_tokens - len(row.trajectory.token_ids))
-                jobs.append((ids + row.trajectory.token_ids, images + list(row.trajectory.images),
+                media = {"image": images + list(row.trajectory.images), "video": videos}  # tools return images
+                jobs.append((ids + row.trajectory.token_ids, media,
                              sampling_params(family, sampling, n, stops=True, max_tokens=max(room, 1))))
             answers = self._generate_all(jobs)
             choices = []

@@ -6,7 +6,9 @@ not installed here (its request classes would pull in torch builds and CUDA kern
 JSON, checked field by field below.
 
 What it serves: GET /health, /v1/models, /server_info (dev mode), /get_world_size, /is_paused, /weight_info;
-POST /v1/chat/completions/render (images -> features: the processor's pixels, base64 in `kwargs_data`),
+POST /v1/chat/completions/render (images and videos -> features: the processor's pixels, base64 in `kwargs_data`;
+a video as vLLM's `video/jpeg` data URL of comma-separated base64 frames, its metadata and frame limit from the
+request's `media_io_kwargs` as vLLM's VideoMediaIO reads them, `do_sample_frames` from `mm_processor_kwargs`),
 /inference/v1/generate (token ids + features -> n choices with per-token log-probs of the processed distribution
 and weight-version spans; a prompt too long for --max-model-len is refused with vLLM's 400 sentence),
 /pause, /resume, and the weight-transfer routes with the `disk` backend (safetensors read from `update_info.path`,
@@ -87,32 +89,80 @@ class LoopbackServer:
             "parallel_config": {"tensor_parallel_size": 1, "data_parallel_size": 1},
             "weight_transfer_config": {"backend": self.backend} if self.backend else None, "lora_config": None}}
 
-    # ---- render: images -> features ----------------------------------------------------------------
-    def render(self, body: dict) -> dict:
+    # ---- render: images and videos -> features -----------------------------------------------------
+    def render(self, body: dict) -> dict | str:
         from PIL import Image
 
-        images = []
+        items = []  # (modality, raw bytes, decoded)
         for message in body["messages"]:
             for part in message["content"] if isinstance(message["content"], list) else []:
                 if part.get("type") == "image_url":
                     header, data = part["image_url"]["url"].split(",", 1)
-                    images.append((base64.b64decode(data), Image.open(io.BytesIO(base64.b64decode(data)))))
+                    items.append(("image", base64.b64decode(data), Image.open(io.BytesIO(base64.b64decode(data)))))
+                elif part.get("type") == "video_url":
+                    header, data = part["video_url"]["url"].split(",", 1)
+                    if header.lower() != "data:video/jpeg;base64":
+                        return f"only video/jpeg data URLs are served here, not {header}"
+                    video = self._load_frames(data, (body.get("media_io_kwargs") or {}).get("video") or {})
+                    if isinstance(video, str):
+                        return video
+                    items.append(("video", data.encode(), video))
         processor = self.family.processor
         merge = processor.image_processor.merge_size ** 2
-        features = {"mm_hashes": {"image": []}, "mm_placeholders": {"image": []}, "kwargs_data": {"image": []}}
+        features = {"mm_hashes": {}, "mm_placeholders": {}, "kwargs_data": {}}
         offset = 0
-        for raw, image in images:
-            size = {"shortest_edge": self.family.min_pixels, "longest_edge": self.family.max_pixels}
-            out = processor.image_processor(images=[image.convert("RGB")], return_tensors="pt", size=size)
-            tokens = int(out["image_grid_thw"][0].prod()) // merge
+        for modality, raw, item in items:
+            if modality == "image":
+                size = {"shortest_edge": self.family.min_pixels, "longest_edge": self.family.max_pixels}
+                out = processor.image_processor(images=[item.convert("RGB")], return_tensors="pt", size=size)
+                keys, grid = ("pixel_values", "image_grid_thw"), "image_grid_thw"
+            else:  # the HF processor on the placeholder, as vLLM's multimodal processor calls it
+                frames, metadata = item
+                sample = bool((body.get("mm_processor_kwargs") or {}).get("do_sample_frames",
+                                                                          metadata["do_sample_frames"]))
+                out = processor(text=[self.family.video_placeholder], videos=[frames], return_tensors="pt",
+                                video_metadata=[{k: metadata[k] for k in ("fps", "frames_indices",
+                                                                          "total_num_frames")}],
+                                do_sample_frames=sample)
+                keys, grid = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"), "video_grid_thw"
+            tokens = int(out[grid][0].prod()) // merge
             buffer = io.BytesIO()
-            torch.save({"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}, buffer)
-            features["mm_hashes"]["image"].append(hashlib.sha256(raw).hexdigest())
-            features["mm_placeholders"]["image"].append({"offset": offset, "length": tokens})
-            features["kwargs_data"]["image"].append(base64.b64encode(buffer.getvalue()).decode())
+            torch.save({key: out[key] for key in keys if key in out}, buffer)
+            for part in features.values():
+                part.setdefault(modality, [])
+            features["mm_hashes"][modality].append(hashlib.sha256(raw).hexdigest())
+            features["mm_placeholders"][modality].append({"offset": offset, "length": tokens})
+            features["kwargs_data"][modality].append(base64.b64encode(buffer.getvalue()).decode())
             offset += tokens + 2
         return {"request_id": f"render-{time.time_ns()}", "token_ids": [], "features": features,
                 "sampling_params": {"max_tokens": body.get("max_tokens", 16)}, "model": self.name}
+
+    @staticmethod
+    def _load_frames(data: str, kwargs: dict) -> tuple | str:
+        """A `video/jpeg` data URL's frames [T, H, W, 3] (uint8) and metadata, as vLLM's VideoMediaIO makes them:
+        at most `num_frames` frames (-1: all; its default 32), `fps` (default 1), `frames_indices` (one per frame
+        sent), `total_num_frames` (at least the frames sent), `do_sample_frames` (default false); or why not."""
+        import numpy as np
+        from PIL import Image
+
+        count = int(kwargs.get("num_frames", 32))
+        if count == 0:
+            return "num_frames must be greater than 0 or -1"
+        parts = data.split(",")[:count] if count > 0 else data.split(",")
+        frames = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(part))).convert("RGB"))
+                           for part in parts])
+        fps, indices = float(kwargs.get("fps", 1)), kwargs.get("frames_indices")
+        if indices is None:
+            indices = list(range(len(frames)))
+        if not (isinstance(indices, list) and all(isinstance(i, int) for i in indices)):
+            return "frames_indices must be a list of integers"
+        if len(indices) != len(frames):
+            return f"frames_indices length ({len(indices)}) must match number of frames sent ({len(frames)})"
+        total = kwargs.get("total_num_frames", len(frames))
+        if not isinstance(total, int) or total < len(frames):
+            return f"total_num_frames ({total}) must be >= number of frames sent ({len(frames)})"
+        return frames, {"fps": fps, "frames_indices": indices, "total_num_frames": total,
+                        "do_sample_frames": bool(kwargs.get("do_sample_frames", False))}
 
     # ---- generate ----------------------------------------------------------------------------------
     def generate(self, body: dict) -> tuple[int, dict]:
@@ -144,28 +194,33 @@ class LoopbackServer:
                                "completion_tokens": sum(len(c["token_ids"]) for c in choices)}}
 
     def _inputs(self, ids: list[int], features: dict | None) -> dict | str:
-        """Model inputs from token ids and features, or the reason they do not fit together."""
+        """Model inputs from token ids and features (images and videos), or the reason they do not fit together."""
         inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-                  "mm_token_type_ids": torch.zeros(1, len(ids), dtype=torch.long)}  # 1: an image's token (M-RoPE)
-        image_token = self.family.processor.image_token_id
-        runs = [k for k in range(len(ids)) if ids[k] == image_token and (k == 0 or ids[k - 1] != image_token)]
-        if not features:
-            return inputs if not runs else "the prompt holds image tokens but no features"
-        placeholders = features["mm_placeholders"].get("image", [])
-        data = (features.get("kwargs_data") or {}).get("image") or []
-        if len(placeholders) != len(runs) or len(data) != len(placeholders):
-            return f"{len(placeholders)} image placeholders for {len(runs)} runs of image tokens"
-        pixels, grids = [], []
-        for place, blob in zip(placeholders, data, strict=True):
-            item = torch.load(io.BytesIO(base64.b64decode(blob)))
-            span = ids[place["offset"]:place["offset"] + place["length"]]
-            tokens = int(item["image_grid_thw"][0].prod()) // self.family.processor.image_processor.merge_size ** 2
-            if span != [image_token] * place["length"] or tokens != place["length"]:
-                return f"placeholder at {place['offset']} does not cover its image's {tokens} tokens"
-            inputs["mm_token_type_ids"][0, place["offset"]:place["offset"] + place["length"]] = 1
-            pixels.append(item["pixel_values"])
-            grids.append(item["image_grid_thw"])
-        return {**inputs, "pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)}
+                  "mm_token_type_ids": torch.zeros(1, len(ids), dtype=torch.long)}  # 1 image, 2 video (M-RoPE)
+        processor = self.family.processor
+        merge = processor.image_processor.merge_size ** 2
+        kinds = {"image": (processor.image_token_id, 1, "image_grid_thw", ("pixel_values",)),
+                 "video": (processor.video_token_id, 2, "video_grid_thw",
+                           ("pixel_values_videos", "second_per_grid_ts"))}
+        for modality, (token, kind, grid, keys) in kinds.items():
+            runs = [k for k in range(len(ids)) if ids[k] == token and (k == 0 or ids[k - 1] != token)]
+            placeholders = ((features or {}).get("mm_placeholders") or {}).get(modality, [])
+            data = ((features or {}).get("kwargs_data") or {}).get(modality) or []
+            if len(placeholders) != len(runs) or len(data) != len(placeholders):
+                return f"{len(placeholders)} {modality} placeholders for {len(runs)} runs of {modality} tokens"
+            parts = {key: [] for key in (grid, *keys)}
+            for place, blob in zip(placeholders, data, strict=True):
+                item = torch.load(io.BytesIO(base64.b64decode(blob)))
+                span = ids[place["offset"]:place["offset"] + place["length"]]
+                tokens = int(item[grid][0].prod()) // merge
+                if span != [token] * place["length"] or tokens != place["length"]:
+                    return f"placeholder at {place['offset']} does not cover its {modality}'s {tokens} tokens"
+                inputs["mm_token_type_ids"][0, place["offset"]:place["offset"] + place["length"]] = kind
+                for key in parts:
+                    if key in item:
+                        parts[key].append(item[key])
+            inputs.update({key: torch.cat(values) for key, values in parts.items() if values})
+        return inputs
 
     @torch.no_grad()
     def _sample(self, inputs: dict, params: dict) -> list[dict]:
@@ -232,7 +287,10 @@ class LoopbackServer:
         if route == "/inference/v1/generate":
             return self.generate(body)
         if route == "/v1/chat/completions/render":
-            return 200, self.render(body)
+            rendered = self.render(body)
+            if isinstance(rendered, str):
+                return 400, {"error": {"message": rendered, "type": "BadRequestError", "code": 400}}
+            return 200, rendered
         if not self.dev_mode:
             return 404, {"detail": "Not Found"}
         if route == "/pause":

@@ -1,5 +1,6 @@
 """rollout.engine=vllm_server against the loopback server (tests/vllm_loopback.py: vLLM's routes and JSON fields,
-generating with the tiny model): the payloads, real rollouts whose per-token log-probs are the trainer's, weight
+generating with the tiny model): the payloads, real rollouts whose per-token log-probs are the trainer's (image
+prompts, and video prompts whose frames and metadata are the trainer's, sampled nowhere else), weight
 sync through the weight-transfer routes (the `disk` backend: CPU), prompts spread over two servers, a multi-turn
 tool run, and every fault in one sentence: no server at start (before the model loads), a server serving another
 model, a server that dies mid-run (checkpoint, then resume), a stalled sync, a prompt refused as too long.
@@ -27,11 +28,13 @@ from gpg_vl.rollout.vllm_server import (
     FINAL_ONLY,
     choice_logps,
     compare_model,
-    image_runs,
     oldest_version,
     place_features,
     rejected_for_length,
     sampling_params,
+    token_runs,
+    video_io_kwargs,
+    video_render_body,
 )
 from gpg_vl.rollout.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
 
@@ -76,17 +79,65 @@ def test_sampling_params_are_vllms_fields_sampled_as_the_hf_engine(policy):
     assert sampling_params(family, Sampling(4, greedy=True), 1)["temperature"] == 0.0
 
 
-def test_image_features_are_pointed_at_each_images_run_of_tokens():
-    assert image_runs([1, 9, 9, 9, 2, 9, 9, 3], 9) == [{"offset": 1, "length": 3}, {"offset": 5, "length": 2}]
-    rendered = [{"mm_hashes": {"image": [h]}, "mm_placeholders": {"image": [{"offset": 4, "length": n}]},
-                 "kwargs_data": {"image": [h * 2]}} for h, n in (("a", 3), ("b", 2))]
-    merged = place_features(rendered, [1, 9, 9, 9, 2, 9, 9, 3], 9, "http://s")
+def test_image_and_video_features_are_pointed_at_each_ones_run_of_tokens():
+    assert token_runs([1, 9, 9, 9, 2, 9, 9, 3], 9) == [{"offset": 1, "length": 3}, {"offset": 5, "length": 2}]
+    tokens = {"image": 9, "video": 8}
+
+    def rendered(modality, *items):
+        return [{"mm_hashes": {modality: [h]}, "mm_placeholders": {modality: [{"offset": 4, "length": n}]},
+                 "kwargs_data": {modality: [h * 2]}} for h, n in items]
+
+    images = rendered("image", ("a", 3), ("b", 2))
+    merged = place_features({"image": images, "video": []}, [1, 9, 9, 9, 2, 9, 9, 3], tokens, "http://s")
     assert merged == {"mm_hashes": {"image": ["a", "b"]}, "kwargs_data": {"image": ["aa", "bb"]},
                       "mm_placeholders": {"image": [{"offset": 1, "length": 3}, {"offset": 5, "length": 2}]}}
     with pytest.raises(UserError, match=r"makes 2 tokens of image 0 where the trainer's processor makes 3; start "
                                         r"`vllm serve` with the trainer's min/max pixels"):
-        place_features(rendered[::-1], [1, 9, 9, 9, 2, 9, 9, 3], 9, "http://s")
-    assert place_features([], [1, 2], 9, "http://s") is None
+        place_features({"image": images[::-1]}, [1, 9, 9, 9, 2, 9, 9, 3], tokens, "http://s")
+    assert place_features({"image": [], "video": []}, [1, 2], tokens, "http://s") is None
+    ids = [1, 8, 8, 8, 8, 2, 9, 9, 3]  # a video, then an image
+    both = place_features({"image": rendered("image", ("i", 2)), "video": rendered("video", ("v", 4))}, ids,
+                          tokens, "http://s")
+    assert both["mm_placeholders"] == {"image": [{"offset": 6, "length": 2}], "video": [{"offset": 1, "length": 4}]}
+    assert both["kwargs_data"] == {"image": ["ii"], "video": ["vv"]}
+    with pytest.raises(UserError, match=r"makes 3 tokens of video 0 where the trainer's processor makes 4; start "
+                                        r"`vllm serve` with the trainer's video pixel budgets"):
+        place_features({"video": rendered("video", ("v", 3))}, ids, tokens, "http://s")
+    with pytest.raises(UserError, match=r"2 runs of video tokens for 1 videos .*Qwen3-VL writes frame timestamps"):
+        place_features({"video": rendered("video", ("v", 4))}, [8, 8, 5, 8, 8], tokens, "http://s")
+
+
+def test_a_video_goes_to_render_as_the_trainers_frames_with_its_metadata_in_vllms_fields(policy):
+    """The render request of one video (vLLM's ChatCompletionRequest): a `video_url` part holding a `video/jpeg` data
+    URL of the trainer's frames (PNG, one per comma), `media_io_kwargs.video` with every frame kept and the
+    trainer's metadata, `mm_processor_kwargs.do_sample_frames` false."""
+    import base64
+    import io
+
+    import numpy as np
+    from helpers.video_clips import clip_frames
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "video", "video": clip_frames(7), "fps": 2},
+                                             {"type": "text", "text": "Where does the dot go?"}]}]
+    (video,) = policy.family.engine_videos(messages)
+    frames, metadata = video
+    assert metadata == {"fps": 2.0, "frames_indices": [0, 1, 2, 3, 4, 5, 6, 6], "total_num_frames": 7}
+    body = video_render_body("m", video)
+    (part,) = body["messages"][0]["content"]
+    header, data = part["video_url"]["url"].split(",", 1)
+    assert part["type"] == "video_url" and header == "data:video/jpeg;base64"
+    sent = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(frame)))) for frame in data.split(",")])
+    assert sent.dtype == np.uint8 and torch.equal(torch.from_numpy(sent).permute(0, 3, 1, 2).float(), frames)
+    assert body["mm_processor_kwargs"] == {"do_sample_frames": False}
+    # 8 frames sent of a 7-frame clip (the last repeated): the total is the count sent and the rate scaled by 8 / 7,
+    # so the sampled fps (frames / total x fps) stays the trainer's 16 / 7
+    kwargs = body["media_io_kwargs"]["video"]
+    assert kwargs == {"num_frames": -1, "fps": pytest.approx(16 / 7), "frames_indices": [0, 1, 2, 3, 4, 5, 6, 6],
+                      "total_num_frames": 8, "do_sample_frames": False}
+    assert video_io_kwargs({"fps": 8.0, "frames_indices": [0, 4, 9, 13], "total_num_frames": 32}, 4) == {
+        "num_frames": -1, "fps": 8.0, "frames_indices": [0, 4, 9, 13], "total_num_frames": 32,
+        "do_sample_frames": False}
 
 
 def test_choices_give_logps_and_the_oldest_weight_version():
@@ -147,6 +198,39 @@ def test_rollouts_are_real_their_logps_are_the_trainers_and_each_records_its_wei
     with torch.no_grad():
         trainer = token_logps(policy.family, policy.model, prompts.batch, [0, 0, 0, 1, 1, 1],
                               rollout.completion_ids, rollout.completion_mask)
+    gap = (trainer - rollout.sampler_logps).abs()[rollout.completion_mask]
+    assert gap.max() < 1e-4 and rollout.sampler_logps[rollout.completion_mask].min() < -1e-3
+
+
+def test_video_rollouts_are_real_and_their_logps_are_the_trainers_on_the_same_frames(policy, server, tmp_path):
+    """Video prompts (a list of frames with an odd count, and an MPEG-4 file) through the server: each video rendered
+    once, its features pointed at its run of video tokens; the completions' log-probs are the trainer's on the frames
+    it scores (Qwen2.5-VL's `second_per_grid_ts` included: the positions would differ otherwise)."""
+    from helpers.video_task import MovingDot
+
+    from gpg_vl.data.video import decode_videos
+
+    task = MovingDot(size=4)
+    rows = [task.row(1), task.row(2)]  # 7 frames given as a list; a 2-second clip at 4 fps read from a file
+    messages = [decode_videos(task.messages(r), max_frames=16, root=task.image_root) for r in rows]
+    engine = build_engine(RolloutSettings(engine="vllm_server", vllm_server=settings(server.url, tmp_path)), policy)
+    prompts = encode_prompts(policy, messages)
+    before = len(server.calls)
+    rollout = engine.generate(prompts, 2, Sampling(max_new_tokens=10))
+    calls = server.calls[before:]
+    renders = [body for route, body in calls if route == "/v1/chat/completions/render"]
+    generate = [body for route, body in calls if route == "/inference/v1/generate"]
+    assert len(renders) == 2 and all(body["messages"][0]["content"][0]["type"] == "video_url" for body in renders)
+    video_token = policy.family.processor.video_token_id
+    for body in generate:
+        (run,) = body["features"]["mm_placeholders"]["video"]
+        assert "image" not in body["features"]["mm_placeholders"]
+        assert body["token_ids"][run["offset"]:run["offset"] + run["length"]] == [video_token] * run["length"]
+        assert body["token_ids"].count(video_token) == run["length"]
+    assert rollout.completion_ids.shape[0] == 4 and rollout.completion_mask.any()
+    with torch.no_grad():
+        trainer = token_logps(policy.family, policy.model, prompts.batch, [0, 0, 1, 1], rollout.completion_ids,
+                              rollout.completion_mask)
     gap = (trainer - rollout.sampler_logps).abs()[rollout.completion_mask]
     assert gap.max() < 1e-4 and rollout.sampler_logps[rollout.completion_mask].min() < -1e-3
 
@@ -431,3 +515,27 @@ def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_ev
     with pytest.raises(ServerError, match="rank 0 failed"):  # rank 0's sentence, on a rank whose own sync went well
         push_weights([Recording()], DiskTransport(settings_, rank=1), weights(), version=4, pause_mode="wait",
                      collective=lambda failure: ("error", "rank 0 failed"))
+
+
+def test_videos_the_server_engine_cannot_place_are_refused_in_one_sentence():
+    """Qwen3-VL and Qwen3.5 write a timestamp between a video's frame pairs (several runs of video tokens per video);
+    the generic families hand no engine their videos."""
+    from types import SimpleNamespace
+
+    from gpg_vl.models.qwen import Qwen3_5Family, Qwen3VLFamily, QwenVLFamily
+    from gpg_vl.rollout.vllm_server import VLLMServerEngine
+
+    assert Qwen3VLFamily.video_times_in_text and Qwen3_5Family.video_times_in_text
+    assert not QwenVLFamily.video_times_in_text
+    engine = VLLMServerEngine.__new__(VLLMServerEngine)
+    video = (torch.zeros(2, 3, 28, 28), {"fps": 2.0, "frames_indices": [0, 1], "total_num_frames": 2})
+    engine.tokens = {"image": 1, "video": 2}
+    engine.family = SimpleNamespace(name="qwen3_vl", engine_videos=lambda messages: [video], video_times_in_text=True,
+                                    engine_takes_video=True)
+    with pytest.raises(UserError, match=r"^the qwen3_vl family writes frame timestamps between a video's tokens, "
+                                        r"which rollout.engine=vllm_server does not place yet; use"):
+        engine._videos([])
+    engine.family = SimpleNamespace(name="glm4v", engine_videos=lambda messages: [video], video_times_in_text=False,
+                                    engine_takes_video=False)
+    with pytest.raises(UserError, match=r"^the glm4v family's videos do not go through rollout.engine=vllm_server"):
+        engine._videos([])
