@@ -383,29 +383,39 @@ def test_a_server_that_is_unreachable_is_retried_until_its_deadline():
 # several trainer processes, several servers
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_trainer_processes_train_against_one_server(tmp_path):
+@pytest.mark.parametrize("k", [0, 1])
+def test_two_trainer_processes_train_against_one_server(k, tmp_path):
     """2 trainer processes as accelerate launch starts them (gloo) against a `vllm serve` stand-in: both send
-    their prompts, both take part in every sync (rank 0 sends), and step 2 is sampled by step 1's weights."""
+    their prompts and take part in every sync (rank 0 sends). Synchronous (k = 0): step 2 is sampled by step 1's
+    weights. One step behind (k = 1): each process's sampler thread syncs the server by the schedule (step 3: the
+    weights after step 1), on the samplers' own process group beside the learners' gradient all-reduce."""
     import urllib.request
 
     sys.path.insert(0, str(ROOT / "tests" / "distributed"))
     from test_distributed import launch
 
+    steps = 2 + k
     server = LoopbackServer().start()  # in this process, beside the two trainer processes
     try:
         out = tmp_path / "out"
-        launch("scripts/train.py", f"output_dir={out}", *overrides(server.url, tmp_path, "trainer.max_steps=2",
+        launch("scripts/train.py", f"output_dir={out}", *overrides(server.url, tmp_path, f"trainer.max_steps={steps}",
+                                                                     f"trainer.max_staleness={k}",
                                                                      "trainer.batch_size=4", "trainer.group_size=4",
                                                                      "trainer.lr=1e-3", "trainer.beta_th=0",
                                                                      "trainer.eval_before=false",
                                                                      "trainer.eval_after=false"))
         with urllib.request.urlopen(server.url + "/weight_info") as answer:  # noqa: S310
-            assert json.loads(answer.read())["weight_version"] == "2"
+            version = json.loads(answer.read())["weight_version"]
     finally:
         server.stop()
     lines = metrics(out)
-    assert [m["rollout_weight_version"] for m in lines] == [0, 1]
-    assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines) and lines[0]["groups_sampled"] == 4
+    assert all(m["groups_sampled"] == 4 for m in lines)  # both processes' prompts, counted over both
+    if k == 0:
+        assert version == "2" and [m["rollout_weight_version"] for m in lines] == [0, 1]
+        assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines)
+    else:  # steps 1 and 2 sampled by the start's weights, step 3 by step 1's; the learner's pushed at the end
+        assert [m["rollout_weight_version"] for m in lines] == [0, 0, 1]
+        assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and version == "2"
 
 
 def test_a_run_against_two_servers_spreads_its_prompts_and_syncs_both(tmp_path):
