@@ -32,7 +32,6 @@ import torch
 
 from gpg_vl.errors import UserError
 
-
 _THREAD = threading.local()
 
 

@@ -27,8 +27,9 @@ On CPU the two sides share the cores: each gets half of torch's intra-op threads
 Under DDP every process runs a sampler for its share of the prompts, and AGE's counts stay global: the sampler's
 collectives (global_counts, the server engine's sync outcome) run on a gloo process group of their own
 (gpg_vl/distributed.py's `collectives_on`), so they never interleave with the learner's gradient all-reduce.
-Every process's sampler generator is saved in checkpoints. FSDP and DeepSpeed are refused (`require_pipeline`):
-their processes hold shards, and the sampler's copy would have to be gathered from them.
+Every process's sampler generator is saved in checkpoints. DeepSpeed ZeRO-1/2 keep whole weights on every process
+and run as DDP does; FSDP and ZeRO-3 are refused (`require_pipeline`): their processes hold shards, and the
+sampler's copy would have to be gathered from them.
 """
 
 from __future__ import annotations
@@ -323,7 +324,11 @@ def require_pipeline(trainer, rollout, accelerator) -> None:
     k = trainer.max_staleness
     if k == 0:
         return
-    kind = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(accelerator.distributed_type)
+    kind = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed ZeRO-3"}.get(
+        accelerator.distributed_type)
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    if kind == "DeepSpeed ZeRO-3" and plugin is not None and plugin.zero_stage < 3:
+        kind = None  # ZeRO-1/2 shard the optimizer state and gradients only: every process holds whole weights
     if kind is not None:
         raise UserError(f"trainer.max_staleness={k} samples on a full copy of the weights beside the learner, and "
                         f"this launch runs {kind}, whose processes hold shards that this version does not gather "

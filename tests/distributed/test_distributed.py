@@ -230,15 +230,24 @@ ASYNC_RUN = ["trainer.max_steps=3", "trainer.max_staleness=1", "trainer.eval_bef
              "trainer.beta_th=0.5", *TINY_RUN]
 
 
+@pytest.fixture(scope="module")
+def async_ddp(tmp_path_factory) -> Path:
+    """3 steps at trainer.max_staleness=1 on 2 processes (configs/accelerate/ddp.yaml) into a/, each process's
+    view in views/, once per test run."""
+    def make(out: Path) -> None:
+        launch(str(WORKER), "record", str(out / "views"), "--", "scripts/train.py", f"output_dir={out / 'a'}",
+               *ASYNC_RUN, config="ddp.yaml")
+
+    return once(tmp_path_factory, "async-ddp", make)
+
+
 @pytest.mark.slow
-def test_k1_under_ddp_samples_each_share_with_global_counts_and_resumes_a_step_in_flight(tmp_path):
+def test_k1_under_ddp_samples_each_share_with_global_counts_and_resumes_a_step_in_flight(async_ddp, tmp_path):
     """trainer.max_staleness=1 on 2 processes: each samples its share on its own sampler thread, the counts of
     threshold resampling are global (the same on both, B prompts per attempt), the schedule's lag holds, and a run
-    resumed from checkpoint-2 (step 3 in flight, regenerated from each process's saved sampler state) ends on the
-    uninterrupted run's weights with the same step-3 line."""
-    first, second, views = tmp_path / "a", tmp_path / "b", tmp_path / "views"
-    launch(str(WORKER), "record", str(views), "--", "scripts/train.py", f"output_dir={first}", *ASYNC_RUN,
-           config="ddp.yaml")
+    resumed from checkpoint-2 (step 3 in flight, regenerated from each process's saved sampler state) samples step
+    3 again exactly on each process and ends on the uninterrupted run's weights with the same step-3 line."""
+    first, second, views = async_ddp / "a", tmp_path / "b", async_ddp / "views"
     lines = metrics_lines(first)
     assert [m["version_lag_max"] for m in lines] == [0, 1, 1]  # step n samples with the weights after n - 2
     for m in lines:
@@ -256,6 +265,22 @@ def test_k1_under_ddp_samples_each_share_with_global_counts_and_resumes_a_step_i
     for rank, before in ((0, rank0), (1, rank1)):  # step 3 sampled again by each process exactly as before
         assert json.loads((again / f"rank{rank}.json").read_text())["sampled"] == before["sampled"][2:], rank
     assert_same_weights(first / "final", second / "final")
+
+
+@pytest.mark.slow
+def test_k1_under_zero2_trains_as_under_ddp(async_ddp, tmp_path):
+    """DeepSpeed ZeRO-1/2 keep whole weights on every process, so the sampler copies them as under DDP: the same
+    run under configs/accelerate/zero2.yaml logs the DDP run's losses and ends on its weights (to float rounding:
+    DeepSpeed's optimizer step differs in the last bits)."""
+    require_deepspeed()
+    out = tmp_path / "zero2"
+    launch("scripts/train.py", f"output_dir={out}", *ASYNC_RUN, config="zero2.yaml")
+    ours, ddp = metrics_lines(out), metrics_lines(async_ddp / "a")
+    assert [m["version_lag_max"] for m in ours] == [0, 1, 1]
+    assert [m["groups_sampled"] for m in ours] == [m["groups_sampled"] for m in ddp]
+    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ddp], abs=1e-6)
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(async_ddp / "a" / "final" / "model.safetensors")
+    assert all(torch.allclose(a[name], b[name], atol=1e-5) for name in b)
 
 
 # ---------------------------------------------------------------------------------------------

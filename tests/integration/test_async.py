@@ -118,11 +118,17 @@ def test_settings_k1_cannot_run_with_are_refused_before_the_model_loads(tmp_path
     from gpg_vl.config.compose import load_config
     from gpg_vl.train.pipeline import require_pipeline
 
-    for kind, name in ((DistributedType.FSDP, "FSDP"), (DistributedType.DEEPSPEED, "DeepSpeed")):
+    def launch(kind, stage=None):
+        plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin))
+
+    for sharded, name in ((launch(DistributedType.FSDP), "FSDP"), (launch(DistributedType.DEEPSPEED, 3),
+                                                                   "DeepSpeed ZeRO-3")):
         with pytest.raises(UserError, match=f"this launch runs {name}, whose processes hold shards"):
-            require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), SimpleNamespace(distributed_type=kind))
-    data_parallel = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU)
-    require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), data_parallel)  # DDP: sampled per process
+            require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), sharded)
+    data_parallel = launch(DistributedType.MULTI_CPU)
+    for whole in (data_parallel, launch(DistributedType.DEEPSPEED, 2)):  # every process holds whole weights
+        require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), whole)
     cfg = load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=2"])
     cfg.rollout.engine = "vllm"  # the engine's availability is checked elsewhere; this check reads the settings
     with pytest.raises(UserError, match="set rollout.vllm.enable_sleep_mode=false"):
