@@ -16,6 +16,7 @@ written by the main process only.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -366,13 +367,18 @@ def _build_learner(policy: Policy, trainer: TrainerSettings, rollout: RolloutSet
     scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps * trainer.optimizer_steps_per_rollout)
     _check_engine(accelerator)
+    # trainer.max_staleness >= 1 under FSDP2: the sampler's copy is taken whole, before the weights are sharded
+    # (its weights then follow the learner's, gathered: gpg_vl/train/pipeline.py)
+    whole = copy.deepcopy(model) if trainer.max_staleness and accelerator.distributed_type == DistributedType.FSDP \
+        else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
     path = choose_scoring_path(policy.family, model, share_prompt=trainer.share_prompt,
                                share_vision=trainer.share_vision, packing=trainer.packing,
                                warn=lambda m: accelerator.print(f"warning: {m}"))
     return Learner(policy, model, optimizer, scheduler, accelerator, trainer, temperature=rollout.temperature,
-                   path=path, reference=place_reference(frozen, accelerator), max_new_tokens=rollout.max_new_tokens)
+                   path=path, reference=place_reference(frozen, accelerator), max_new_tokens=rollout.max_new_tokens,
+                   whole_copy=whole)
 
 
 def _resume(run: Run) -> None:

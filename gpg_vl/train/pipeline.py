@@ -28,8 +28,10 @@ Under DDP every process runs a sampler for its share of the prompts, and AGE's c
 collectives (global_counts, the server engine's sync outcome) run on a gloo process group of their own
 (gpg_vl/distributed.py's `collectives_on`), so they never interleave with the learner's gradient all-reduce.
 Every process's sampler generator is saved in checkpoints. DeepSpeed ZeRO-1/2 keep whole weights on every process
-and run as DDP does; FSDP and ZeRO-3 are refused (`require_pipeline`): their processes hold shards, and the
-sampler's copy would have to be gathered from them.
+and run as DDP does. Under FSDP2 each process's sampler holds a whole copy of the model, taken before the learner's
+was sharded (`Learner.whole_copy`), and the learner's snapshots are gathered whole from the shards (collective, in
+the learner's thread, on every process at the same step). ZeRO-3 is refused (`require_pipeline`): transformers
+loads its weights already partitioned, so no whole copy exists to take.
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ class AsyncPipeline:
         self.run, self.k = run, run.trainer.max_staleness
         policy = run.learner.policy
         family = copy.deepcopy(policy.family)  # its own tokenizer and processor: not shared across threads
-        model = copy.deepcopy(policy.model)
+        whole = run.learner.whole_copy  # FSDP2: taken before sharding
+        model = whole if whole is not None else copy.deepcopy(policy.model)
         model.requires_grad_(False)
         self.policy = replace(policy, model=model, processor=family.processor, family=family)
         # An engine with its own weights (vLLM) stays the run's, synced from the sampler's copy; the HF engine
@@ -200,8 +203,8 @@ class AsyncPipeline:
         return sampled
 
     def _snapshot(self) -> dict:
-        return {name: p.detach().clone() for name, p in self.run.learner.policy.model.named_parameters()
-                if p.requires_grad}
+        """The learner's trainable weights, whole (under FSDP2 gathered from the shards: collective)."""
+        return {name: _whole(p) for name, p in self.run.learner.policy.model.named_parameters() if p.requires_grad}
 
     def learned(self, step: int) -> None:
         """Snapshot the trainable weights after step `step` (released to the sampler by `released`)."""
@@ -297,6 +300,15 @@ class AsyncPipeline:
         self.loaded = version
 
 
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A detached copy of a parameter, gathered whole when it is an FSDP2 shard (a DTensor: collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(parameter, DTensor):
+        return parameter.full_tensor().detach().clone()
+    return parameter.detach().clone()
+
+
 def process_generator(saved, process_index: int) -> torch.Tensor:
     """This process's sampler generator state from a checkpoint's list of them (rank order); a checkpoint
     saved by fewer processes gives the others the first one's, as the RNG states are restored."""
@@ -324,16 +336,11 @@ def require_pipeline(trainer, rollout, accelerator) -> None:
     k = trainer.max_staleness
     if k == 0:
         return
-    kind = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed ZeRO-3"}.get(
-        accelerator.distributed_type)
     plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    if kind == "DeepSpeed ZeRO-3" and plugin is not None and plugin.zero_stage < 3:
-        kind = None  # ZeRO-1/2 shard the optimizer state and gradients only: every process holds whole weights
-    if kind is not None:
-        raise UserError(f"trainer.max_staleness={k} samples on a full copy of the weights beside the learner, and "
-                        f"this launch runs {kind}, whose processes hold shards that this version does not gather "
-                        "for a sampler; launch with data parallelism (configs/accelerate/ddp.yaml), or set "
-                        "trainer.max_staleness=0.")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage >= 3:
+        raise UserError(f"trainer.max_staleness={k} samples on a whole copy of the weights beside the learner, and "
+                        "this launch runs DeepSpeed ZeRO-3, which loads the weights already partitioned; launch "
+                        "with configs/accelerate/fsdp.yaml (FSDP2) or zero2.yaml, or set trainer.max_staleness=0.")
     problem = ENGINES.get(rollout.engine).asynchronous_problem(rollout, k)  # the engine's own settings
     if problem:
         raise UserError(problem)

@@ -191,7 +191,8 @@ class Learner:
     optimizer and schedule on `accelerator`; the trainer's `settings`; the rollout's sampling `temperature`;
     the run's scoring `path` (chosen once at setup: `scoring.choose_scoring_path`); the frozen `reference` of a
     KL loss; the completion limit `max_new_tokens` (a loss's max_tokens); the engine's `correction` (its on-policy
-    check)."""
+    check); under FSDP2 with trainer.max_staleness >= 1, `whole_copy`, a copy of the model taken before it was
+    sharded, for the sampler (gpg_vl/train/pipeline.py)."""
 
     policy: Policy
     model: torch.nn.Module
@@ -204,6 +205,7 @@ class Learner:
     reference: Reference | None = None
     max_new_tokens: int | None = None
     correction: Correction = field(default_factory=Correction)
+    whole_copy: torch.nn.Module | None = None  # FSDP2 at trainer.max_staleness >= 1: the sampler's, taken unsharded
 
     @property
     def off_policy(self) -> tuple[str, dict]:
