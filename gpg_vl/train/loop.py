@@ -16,7 +16,6 @@ written by the main process only.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import os
@@ -65,6 +64,7 @@ from gpg_vl.train.pipeline import (
     count_sampled,
     require_pipeline,
     start_pipeline,
+    whole_copy,
 )
 from gpg_vl.train.sample import Attempt, budget_spent, reward_names
 from gpg_vl.train.update import (
@@ -367,10 +367,7 @@ def _build_learner(policy: Policy, trainer: TrainerSettings, rollout: RolloutSet
     scheduler = get_scheduler(trainer.lr_schedule, optimizer, num_warmup_steps=trainer.warmup_steps,
                               num_training_steps=trainer.max_steps * trainer.optimizer_steps_per_rollout)
     _check_engine(accelerator)
-    # trainer.max_staleness >= 1 under FSDP2: the sampler's copy is taken whole, before the weights are sharded
-    # (its weights then follow the learner's, gathered: gpg_vl/train/pipeline.py)
-    whole = copy.deepcopy(model) if trainer.max_staleness and accelerator.distributed_type == DistributedType.FSDP \
-        else None
+    whole = whole_copy(model, trainer, accelerator)  # FSDP2 at trainer.max_staleness >= 1: the sampler's, unsharded
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     policy = replace(policy, model=accelerator.unwrap_model(model))
     path = choose_scoring_path(policy.family, model, share_prompt=trainer.share_prompt,

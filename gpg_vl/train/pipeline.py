@@ -300,6 +300,16 @@ class AsyncPipeline:
         self.loaded = version
 
 
+def whole_copy(model: torch.nn.Module, trainer, accelerator) -> torch.nn.Module | None:
+    """Under FSDP2 with trainer.max_staleness >= 1, a copy of `model` taken before accelerate shards it: the
+    sampler's (its weights then follow the learner's snapshots, gathered from the shards); else None."""
+    from accelerate.utils import DistributedType
+
+    if trainer.max_staleness and accelerator.distributed_type == DistributedType.FSDP:
+        return copy.deepcopy(model)
+    return None
+
+
 def _whole(parameter: torch.Tensor) -> torch.Tensor:
     """A detached copy of a parameter, gathered whole when it is an FSDP2 shard (a DTensor: collective)."""
     from torch.distributed.tensor import DTensor

@@ -122,13 +122,12 @@ def test_settings_k1_cannot_run_with_are_refused_before_the_model_loads(tmp_path
         plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
         return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin))
 
-    for sharded, name in ((launch(DistributedType.FSDP), "FSDP"), (launch(DistributedType.DEEPSPEED, 3),
-                                                                   "DeepSpeed ZeRO-3")):
-        with pytest.raises(UserError, match=f"this launch runs {name}, whose processes hold shards"):
-            require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), sharded)
+    with pytest.raises(UserError, match="this launch runs DeepSpeed ZeRO-3, which loads the weights already "
+                                        "partitioned; launch with configs/accelerate/fsdp.yaml"):
+        require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), launch(DistributedType.DEEPSPEED, 3))
     data_parallel = launch(DistributedType.MULTI_CPU)
-    for whole in (data_parallel, launch(DistributedType.DEEPSPEED, 2)):  # every process holds whole weights
-        require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), whole)
+    for runs in (data_parallel, launch(DistributedType.DEEPSPEED, 2), launch(DistributedType.FSDP)):
+        require_pipeline(TrainerSettings(max_staleness=1), RolloutSettings(), runs)  # sampled on each process
     cfg = load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=2"])
     cfg.rollout.engine = "vllm"  # the engine's availability is checked elsewhere; this check reads the settings
     with pytest.raises(UserError, match="set rollout.vllm.enable_sleep_mode=false"):
