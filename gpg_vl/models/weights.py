@@ -7,7 +7,9 @@ checkpoint: what an engine with its own copy of the weights (vLLM) loads after e
 - sharded parameters are gathered: FSDP2 `DTensor`s through `full_tensor()`, ZeRO-3 parameters inside
   DeepSpeed's `GatheredParameters`, one at a time (never the whole model at once);
 - transformers' load-time conversions (fused MoE experts, renamed prefixes) are reverted with its own
-  `revert_weight_conversion`, the step `save_pretrained` takes, so the names are the checkpoint's;
+  `revert_weight_conversion`, the step `save_pretrained` takes, so the names are the checkpoint's; the legacy
+  renamings transformers records under DeepSpeed ZeRO-3 are left out, here and in checkpoints
+  (`checkpoint_conversions`);
 - the family may rename what its engine's loader expects differently (`Family.engine_weight_name`; None
   drops a tensor the engine has no place for).
 """
@@ -76,6 +78,7 @@ def engine_weights(model: torch.nn.Module, family=None) -> Iterator[tuple[str, t
     from transformers.core_model_loading import revert_weight_conversion
 
     bare = bare_transformers_model(model)
+    conversions = _without_legacy(bare)
     seen: set[str] = set()
     for raw, parameter in model.named_parameters():  # buffers (rotary tables) the engine computes itself
         name = checkpoint_name(raw)
@@ -84,7 +87,51 @@ def engine_weights(model: torch.nn.Module, family=None) -> Iterator[tuple[str, t
         seen.add(name)
         with _gathered(parameter):
             tensor = _full(parameter.detach())
-            for converted, value in revert_weight_conversion(bare, {name: tensor}).items():
+            with _conversions(bare, conversions):
+                converted_weights = revert_weight_conversion(bare, {name: tensor})
+            for converted, value in converted_weights.items():
                 final = family.engine_weight_name(converted) if family is not None else converted
                 if final is not None:
                     yield final, value
+
+
+def _without_legacy(bare: torch.nn.Module) -> list | None:
+    """The conversions transformers recorded when `bare` loaded, less its legacy renamings (None: none recorded).
+    What is recorded depends on the load path: under DeepSpeed ZeRO-3 it keeps the legacy renamings too, which
+    revert Qwen2.5-VL's model.language_model.embed_tokens into model.model.embed_tokens, a name no engine loads."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    recorded = getattr(bare, "_weight_conversions", None)
+    if recorded is None:
+        return None
+
+    def key(conversion) -> tuple:
+        return (type(conversion).__name__, repr(getattr(conversion, "source_patterns", None)),
+                repr(getattr(conversion, "target_patterns", None)))
+
+    current = {key(c) for c in get_model_conversion_mapping(bare, add_legacy=False)}
+    legacy = {key(c) for c in get_model_conversion_mapping(bare, add_legacy=True)} - current
+    return [c for c in recorded if key(c) not in legacy]
+
+
+@contextlib.contextmanager
+def checkpoint_conversions(model: torch.nn.Module):
+    """Within the block `save_pretrained` names `model`'s weights as the plain load path would (`_without_legacy`):
+    under ZeRO-3 too, a checkpoint holds model.embed_tokens, not model.model.embed_tokens, for engines to load."""
+    bare = bare_transformers_model(model)
+    with _conversions(bare, _without_legacy(bare)):
+        yield
+
+
+@contextlib.contextmanager
+def _conversions(bare: torch.nn.Module, conversions: list | None):
+    """Within the block transformers reverts `bare`'s names with `conversions` (`_without_legacy`'s)."""
+    if conversions is None:
+        yield
+        return
+    recorded = bare._weight_conversions
+    bare._weight_conversions = conversions
+    try:
+        yield
+    finally:
+        bare._weight_conversions = recorded

@@ -37,6 +37,7 @@ import torch
 from gpg_vl.errors import UserError
 from gpg_vl.files import PARTIAL, write_atomic
 from gpg_vl.models.lora import save_model
+from gpg_vl.models.weights import checkpoint_conversions
 
 STATE_FILE = "trainer_state.pt"
 MARKER_FILE = "checkpoint.json"
@@ -172,7 +173,8 @@ def _write_checkpoint(path: Path, model, policy, weights, state: dict, config: d
         if weights is None:
             save_model(model, partial, getattr(policy, "save_format", "full"))
         else:  # the weights gathered by every process (FSDP / DeepSpeed), saved in full
-            model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
+            with checkpoint_conversions(model):
+                model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
         policy.processor.save_pretrained(partial)
         if in_flight is not None:
             state = {**state, "sampler": _sampler_state(partial, in_flight)}

@@ -493,6 +493,10 @@ def test_zero3_final_checkpoint_reloads_with_transformers_alone(zero3_launch):
     assert rank0["engine"] == rank1["engine"] == "DistributedType.DEEPSPEED"
     assert (rank0["saves"], rank1["saves"]) == (3, 0)  # checkpoint-1, -2 and final, by the main process only
     trained = torch.load(views / "trained-run.pt")
+    # named as the shipped checkpoint names them (not transformers' ZeRO-3 legacy model.model.embed_tokens): an
+    # engine (vLLM) loads them
+    shipped = set(load_file(ROOT / "gpg_vl" / "assets" / "tiny-qwen2.5-vl" / "model.safetensors"))
+    assert set(load_file(run / "final" / "model.safetensors")) <= shipped | {"lm_head.weight"}
     loaded = dict(AutoModelForImageTextToText.from_pretrained(run / "final", dtype=torch.float32).named_parameters())
     initial = dict(AutoModelForImageTextToText.from_pretrained(ROOT / "gpg_vl" / "assets" / "tiny-qwen2.5-vl",
                                                                dtype=torch.float32).named_parameters())
