@@ -2,7 +2,7 @@
 of `accelerate launch` (the tests fork them with its environment: tests/helpers/procs.py).
 
     python tests/distributed/distributed_worker.py update OUT [--engine fsdp|fsdp_offload] [--float64]  # -> update()
-    python tests/distributed/distributed_worker.py train OUT [--engine fsdp] -- key=value ...  # train(), then a resume
+    python tests/distributed/distributed_worker.py train OUT [--engine E] [--no-resume] -- key=value ...  # train()
     python tests/distributed/distributed_worker.py record OUT -- scripts/train.py key=value ...  # each rank observed
     python tests/distributed/distributed_worker.py fail_save OUT -- scripts/train.py key=value ...  # main's disk full
 
@@ -183,8 +183,8 @@ def run_update(out: Path, engine: str, dtype: str, cases: list[str] | None = Non
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
 
 
-def run_train(out: Path, engine: str, overrides: list[str]) -> None:
-    """train() end to end (rollouts, update, evaluation, checkpoints) into OUT/a, then again into OUT/b
+def run_train(out: Path, engine: str, overrides: list[str], *, resume: bool = True) -> None:
+    """train() end to end (rollouts, update, evaluation, checkpoints) into OUT/a, then (`resume`) again into OUT/b
     resumed from OUT/a/checkpoint-1: a resume on the same number of processes must end on the same weights."""
     from omegaconf import OmegaConf
 
@@ -197,7 +197,8 @@ def run_train(out: Path, engine: str, overrides: list[str]) -> None:
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type), "saves": {}}
     seen = count_saves({})
-    for run, extra in (("a", []), ("b", [f"resume={out / 'a' / 'checkpoint-1'}"])):
+    runs = (("a", []), ("b", [f"resume={out / 'a' / 'checkpoint-1'}"]))
+    for run, extra in runs if resume else runs[:1]:
         cfg = load_config("train", [*overrides, f"output_dir={out / run}", *extra])
         model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(cfg.resume)}) if cfg.resume else cfg.model
         container = OmegaConf.to_container(cfg, resolve=True)
@@ -327,7 +328,7 @@ def run_job(mode: str, out: str, *rest: str) -> None:
         cases = options[options.index("--cases") + 1].split(",") if "--cases" in options else None
         run_update(out, engine, "float64" if "--float64" in options else "float32", cases)
     elif mode == "train":
-        run_train(out, engine, extra)
+        run_train(out, engine, extra, resume="--no-resume" not in options)
     elif mode == "record":
         run_recorded(out, extra[0], extra[1:])
     elif mode == "fail_save":
