@@ -268,24 +268,22 @@ def test_k1_under_ddp_samples_each_share_with_global_counts_and_resumes_a_step_i
 
 
 @pytest.mark.slow
-def test_k1_under_fsdp2_gathers_the_samplers_weights_trains_as_under_ddp_and_resumes(async_ddp, tmp_path):
+def test_k1_under_fsdp2_gathers_the_samplers_weights_and_trains_as_under_ddp(async_ddp, tmp_path):
     """FSDP2 at trainer.max_staleness=1 on 2 processes: each sampler holds a whole copy of the model taken before
     sharding, and the learner's snapshots are gathered from the shards. The run samples what the DDP run samples
     (step 3 with the weights after step 1: the same losses) and ends near its weights (FSDP's reduce-scatter sums
-    in another order, and AdamW turns those last bits into up to 1e-4 after 3 steps of lr 1e-3), and its resume
-    from checkpoint-1 (step 2 in flight) ends on its own weights exactly."""
+    in another order, and AdamW turns those last bits into up to 1e-4 after 3 steps of lr 1e-3). (A resume with a
+    step in flight is the DDP test's: the in-flight weights are whole tensors under FSDP2 too.)"""
     out = tmp_path / "fsdp"
-    launch(str(WORKER), "train", str(out), "--engine", "fsdp", "--", *ASYNC_RUN)
+    launch(str(WORKER), "train", str(out), "--engine", "fsdp", "--no-resume", "--", *ASYNC_RUN)
     assert json.loads((out / "rank0.json").read_text())["engine"] == "DistributedType.FSDP"
-    ours, resumed, ddp = metrics_lines(out / "a"), metrics_lines(out / "b"), metrics_lines(async_ddp / "a")
+    ours, ddp = metrics_lines(out / "a"), metrics_lines(async_ddp / "a")
     assert [m["version_lag_max"] for m in ours] == [0, 1, 1]
     assert [m["groups_sampled"] for m in ours] == [m["groups_sampled"] for m in ddp]
     assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ddp], abs=1e-6)
     a, b = load_file(out / "a" / "final" / "model.safetensors"), load_file(async_ddp / "a" / "final" /
                                                                            "model.safetensors")
     assert all(torch.allclose(a[name], b[name], atol=5e-4) for name in b)
-    assert [without_timing(m) for m in resumed] == [without_timing(m) for m in ours[1:]]
-    assert_same_weights(out / "a" / "final", out / "b" / "final")
 
 
 # ---------------------------------------------------------------------------------------------
