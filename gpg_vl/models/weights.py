@@ -36,7 +36,7 @@ def checkpoint_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter as one whole tensor (an FSDP2 DTensor gathered)."""
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else tensor
@@ -86,7 +86,7 @@ def engine_weights(model: torch.nn.Module, family=None) -> Iterator[tuple[str, t
             continue
         seen.add(name)
         with _gathered(parameter):
-            tensor = _full(parameter.detach())
+            tensor = whole_tensor(parameter.detach())
             with _conversions(bare, conversions):
                 converted_weights = revert_weight_conversion(bare, {name: tensor})
             for converted, value in converted_weights.items():

@@ -45,6 +45,7 @@ import torch
 
 from gpg_vl.distributed import collectives_on
 from gpg_vl.errors import UserError
+from gpg_vl.models.weights import whole_tensor
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import ENGINES, build_engine, thread_generator
 from gpg_vl.train.sample import (
@@ -204,7 +205,8 @@ class AsyncPipeline:
 
     def _snapshot(self) -> dict:
         """The learner's trainable weights, whole (under FSDP2 gathered from the shards: collective)."""
-        return {name: _whole(p) for name, p in self.run.learner.policy.model.named_parameters() if p.requires_grad}
+        return {name: whole_tensor(p.detach()).clone() for name, p in self.run.learner.policy.model.named_parameters()
+                if p.requires_grad}
 
     def learned(self, step: int) -> None:
         """Snapshot the trainable weights after step `step` (released to the sampler by `released`)."""
@@ -308,15 +310,6 @@ def whole_copy(model: torch.nn.Module, trainer, accelerator) -> torch.nn.Module 
     if trainer.max_staleness and accelerator.distributed_type == DistributedType.FSDP:
         return copy.deepcopy(model)
     return None
-
-
-def _whole(parameter: torch.Tensor) -> torch.Tensor:
-    """A detached copy of a parameter, gathered whole when it is an FSDP2 shard (a DTensor: collective)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(parameter, DTensor):
-        return parameter.full_tensor().detach().clone()
-    return parameter.detach().clone()
 
 
 def process_generator(saved, process_index: int) -> torch.Tensor:
