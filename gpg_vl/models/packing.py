@@ -15,9 +15,9 @@ completion segment.
 
 The attention is a family-independent function registered with transformers (`PACKED_ATTENTION`), used
 for the packed forward only: on CUDA, torch's varlen flash attention (`varlen_attn`) over each segment's
-gathered keys (its prompt's and its own); elsewhere scaled dot-product attention one segment at a time (one
-thread) or over the segments gathered into one padded batch (torch's flex attention has no CPU backward, and
-a dense [T, T] block mask costs 4-7x the padded attention on the bench's shape: docs/packing.md).
+gathered keys (its prompt's and its own); elsewhere scaled dot-product attention over the segments gathered
+into padded batches, a few buckets of similar length (torch's flex attention has no CPU backward, and a dense
+[T, T] block mask costs 4-7x the padded attention on the bench's shape: docs/packing.md).
 `dense_mask` is the same rule as one boolean matrix, the reference the tests hold the segment attention to.
 
 Shapes: N sequences, L = P + C columns of the padded batch, T packed tokens, H hidden size.
@@ -159,74 +159,108 @@ def dense_mask(layout: PackedLayout) -> Tensor:
 
 
 def segment_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple, *, scaling: float | None,
-                      dropout: float = 0.0, batched: bool | None = None) -> Tensor:
+                      dropout: float = 0.0, buckets: tuple[tuple[int, ...], ...] | None = None) -> Tensor:
     """Attention of one packed row by segments, each on its prefix's and its own keys only.
 
     query [1, heads, T, d], key / value [1, kv_heads, T, d] -> [1, T, heads, d] (what transformers'
     attention functions return). On CUDA in half precision one varlen flash-attention call (`varlen_attn`,
-    causal aligned to the end of each segment's keys). Elsewhere scaled dot-product attention, `batched`
-    (default: with more than one torch thread) as one call over the segments gathered into a padded batch, else
-    one call per segment: measured on the bench's shape, per segment costs what the padded path's attention costs at one
-    thread but many small calls stall when threads contend for cores; one batched call costs about 1.2x the
-    padded attention at either count (docs/packing.md).
+    causal aligned to the end of each segment's keys). Elsewhere one scaled dot-product attention call per
+    bucket of segments gathered into a padded batch: `buckets` (segment indices; default `segment_buckets`,
+    the partition the cost model picks) trades the padding one call computes against the cost of another call
+    (docs/packing.md).
     """
     if query.is_cuda and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16):  # flash: half types
         return _varlen_attention(query, key, value, segments, scaling=scaling)
-    if batched if batched is not None else torch.get_num_threads() > 1:
-        return _batched_attention(query, key, value, segments, scaling=scaling, dropout=dropout)
-    gqa = query.shape[1] != key.shape[1]
+    plan = segment_plan(segments, buckets if buckets is not None else segment_buckets(segments), str(query.device))
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
+
+    def gather(states: Tensor, index: Tensor, count: int, width: int) -> Tensor:  # [1, h, T, d] -> [S, h, w, d]
+        return states[0].index_select(1, index).view(states.shape[1], count, width, dim).transpose(0, 1)
+
     outputs = []
-    for start, end, prefix_start, prefix_end in segments:
-        prefix, length = prefix_end - prefix_start, end - start
-        keys = key[:, :, start:end] if prefix == 0 else torch.cat([key[:, :, prefix_start:prefix_end],
-                                                                  key[:, :, start:end]], dim=2)
-        values = value[:, :, start:end] if prefix == 0 else torch.cat([value[:, :, prefix_start:prefix_end],
-                                                                      value[:, :, start:end]], dim=2)
-        mask = None
-        if prefix:  # [length, prefix + length]: the whole prefix, then causal
-            mask = torch.ones(length, prefix + length, dtype=torch.bool, device=query.device).tril(prefix)
-        outputs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end], keys, values, attn_mask=mask, is_causal=mask is None and length > 1,
-            dropout_p=dropout, scale=scaling, enable_gqa=gqa))  # [1, heads, length, d]
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # [1, T, heads, d]
+    for queries, keys, mask, real in plan.batches:
+        count, width_q, width_k = mask.shape[0], mask.shape[-2], mask.shape[-1]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            gather(query, queries, count, width_q), gather(key, keys, count, width_k),
+            gather(value, keys, count, width_k), attn_mask=mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=heads != kv_heads)  # [S_b, heads, Lq_b, d]
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, dim).index_select(0, real))  # [T_b, heads, d]
+    rows = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return (rows if plan.row_order is None else rows.index_select(0, plan.row_order)).unsqueeze(0)  # [1, T, heads, d]
+
+
+CALL_COST = 1 << 16  # one more attention call, in (query, key) pairs of padded work: measured, docs/packing.md
+
+
+def _lengths(segment: tuple[int, int, int, int]) -> tuple[int, int]:
+    """(queries, keys) of a segment: its own tokens, and its prefix's and its own."""
+    start, end, prefix_start, prefix_end = segment
+    return end - start, end - start + prefix_end - prefix_start
+
+
+@functools.lru_cache(maxsize=16)
+def segment_buckets(segments: tuple, call_cost: int = CALL_COST) -> tuple[tuple[int, ...], ...]:
+    """The segments (indices) partitioned into the buckets one attention call each runs as a padded batch:
+    in order of key length, the contiguous runs minimising the padded work, sum over buckets of
+    count x longest queries x longest keys, plus `call_cost` per call (dynamic programming, O(S^2))."""
+    order = sorted(range(len(segments)), key=lambda i: (_lengths(segments[i])[1], _lengths(segments[i])[0]))
+    count = len(order)
+    best, cut = [0] * (count + 1), [count] * (count + 1)  # best[i]: the cheapest partition of order[i:]
+    for first in range(count - 1, -1, -1):
+        best[first], longest_q, longest_k = None, 0, 0
+        for last in range(first, count):
+            queries, keys = _lengths(segments[order[last]])
+            longest_q, longest_k = max(longest_q, queries), max(longest_k, keys)
+            cost = (last - first + 1) * longest_q * longest_k + call_cost + best[last + 1]
+            if best[first] is None or cost <= best[first]:  # a tie: the longer run
+                best[first], cut[first] = cost, last + 1
+    buckets, first = [], 0
+    while first < count:
+        buckets.append(tuple(order[first:cut[first]]))
+        first = cut[first]
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """The gathers of `segment_attention`: per bucket, query index [S_b * Lq_b] and key index [S_b * Lk_b] into
+    the row (padding points at token 0), mask [S_b, 1, Lq_b, Lk_b] (a padding query sees token 0 only, so no
+    row is empty) and the index [T_b] of the real queries in the flattened [S_b * Lq_b] batch; `row_order` [T]
+    puts the buckets' real queries, concatenated, back in row order (None when they already are)."""
+
+    batches: tuple[tuple[Tensor, Tensor, Tensor, Tensor], ...]
+    row_order: Tensor | None
 
 
 @functools.lru_cache(maxsize=4)
-def segment_batch(segments: tuple, device: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The segments as a padded batch (built once per packed forward, shared by its layers): query index [S * Lq]
-    and key index [S * Lk] into the row (padding points at token 0), mask [S, 1, Lq, Lk] (a padding query sees
-    token 0 only, so no row is empty), and the index [T] of the real queries in the flattened [S * Lq] batch."""
-    longest_query = max(end - start for start, end, _, _ in segments)
-    longest_key = max(end - start + prefix_end - prefix_start for start, end, prefix_start, prefix_end in segments)
-    queries = torch.zeros(len(segments), longest_query, dtype=torch.long)
-    keys = torch.zeros(len(segments), longest_key, dtype=torch.long)
-    mask = torch.zeros(len(segments), longest_query, longest_key, dtype=torch.bool)
-    real = torch.zeros(len(segments), longest_query, dtype=torch.bool)
-    for row, (start, end, prefix_start, prefix_end) in enumerate(segments):
-        length, prefix = end - start, prefix_end - prefix_start
-        queries[row, :length] = torch.arange(start, end)
-        keys[row, :prefix + length] = torch.cat([torch.arange(prefix_start, prefix_end), torch.arange(start, end)])
-        mask[row, :length, :prefix + length] = torch.ones(length, prefix + length, dtype=torch.bool).tril(prefix)
-        mask[row, length:, 0] = True
-        real[row, :length] = True
-    return (queries.flatten().to(device), keys.flatten().to(device), mask.unsqueeze(1).to(device),
-            real.flatten().nonzero().flatten().to(device))
-
-
-def _batched_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple, *, scaling: float | None,
-                       dropout: float) -> Tensor:
-    """One scaled dot-product attention call over the segments gathered into a padded batch. [1, T, heads, d]"""
-    queries, keys, mask, real = segment_batch(segments, str(query.device))
-    count, heads, kv_heads, dim = len(segments), query.shape[1], key.shape[1], query.shape[-1]
-
-    def gather(states: Tensor, index: Tensor, width: int) -> Tensor:  # [1, h, T, d] -> [S, h, width, d]
-        return states[0].index_select(1, index).view(states.shape[1], count, width, dim).transpose(0, 1)
-
-    out = torch.nn.functional.scaled_dot_product_attention(
-        gather(query, queries, mask.shape[-2]), gather(key, keys, mask.shape[-1]),
-        gather(value, keys, mask.shape[-1]), attn_mask=mask, dropout_p=dropout, scale=scaling,
-        enable_gqa=heads != kv_heads)  # [S, heads, Lq, d]
-    return out.transpose(1, 2).reshape(-1, heads, dim).index_select(0, real).unsqueeze(0)  # [1, T, heads, d]
+def segment_plan(segments: tuple, buckets: tuple[tuple[int, ...], ...], device: str) -> SegmentPlan:
+    """Built once per packed forward and shared by its layers (cached on the segments)."""
+    batches, placed = [], []
+    for bucket in buckets:
+        chosen = [segments[i] for i in bucket]
+        longest_query = max(_lengths(s)[0] for s in chosen)
+        longest_key = max(_lengths(s)[1] for s in chosen)
+        queries = torch.zeros(len(chosen), longest_query, dtype=torch.long)
+        keys = torch.zeros(len(chosen), longest_key, dtype=torch.long)
+        mask = torch.zeros(len(chosen), longest_query, longest_key, dtype=torch.bool)
+        real = torch.zeros(len(chosen), longest_query, dtype=torch.bool)
+        for row, (start, end, prefix_start, prefix_end) in enumerate(chosen):
+            length, prefix = end - start, prefix_end - prefix_start
+            queries[row, :length] = torch.arange(start, end)
+            keys[row, :prefix + length] = torch.cat([torch.arange(prefix_start, prefix_end),
+                                                     torch.arange(start, end)])
+            mask[row, :length, :prefix + length] = torch.ones(length, prefix + length, dtype=torch.bool).tril(prefix)
+            mask[row, length:, 0] = True
+            real[row, :length] = True
+            placed.append(torch.arange(start, end))
+        batches.append((queries.flatten().to(device), keys.flatten().to(device), mask.unsqueeze(1).to(device),
+                        real.flatten().nonzero().flatten().to(device)))
+    positions = torch.cat(placed)  # the row position of each concatenated real query
+    if torch.equal(positions, torch.arange(positions.numel())):
+        return SegmentPlan(tuple(batches), None)
+    row_order = torch.empty_like(positions)
+    row_order[positions] = torch.arange(positions.numel())
+    return SegmentPlan(tuple(batches), row_order.to(device))
 
 
 def varlen_keys(segments: tuple, device) -> tuple[Tensor, Tensor, Tensor, int, int]:

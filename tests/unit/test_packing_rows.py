@@ -13,6 +13,7 @@ from gpg_vl.models.packing import (
     pack_layout,
     pack_tokens,
     segment_attention,
+    segment_buckets,
     unpack_scored,
     varlen_keys,
 )
@@ -84,18 +85,21 @@ def loop_attention(query, key, value, allowed, scaling):
     return out
 
 
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("buckets", ["chosen", "one", "each", "mixed"])
 @pytest.mark.parametrize("prompt_once", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_segment_attention_equals_the_dense_mask_and_the_loop_reference_in_value_and_gradient(prompt_once,
-                                                                                                kv_heads, batched):
+                                                                                                kv_heads, buckets):
     layout = pack_layout(PROMPT_MASK, PROMPT_INDEX, COMPLETION_MASK, prompt_once=prompt_once)
+    count = len(layout.segments)
+    buckets = {"chosen": None, "one": (tuple(range(count)),), "each": tuple((i,) for i in range(count)),
+               "mixed": (tuple(range(count - 1, -1, -2)), tuple(range(count - 2, -1, -2)))}[buckets]
     total, scaling = layout.tokens, 1 / math.sqrt(8)
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, 4, total, 8, generator=generator, dtype=torch.float64, requires_grad=True)
     key = torch.randn(1, kv_heads, total, 8, generator=generator, dtype=torch.float64, requires_grad=True)
     value = torch.randn(1, kv_heads, total, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-    packed = segment_attention(query, key, value, layout.segments, scaling=scaling, batched=batched)  # [1, T, h, d]
+    packed = segment_attention(query, key, value, layout.segments, scaling=scaling, buckets=buckets)  # [1, T, h, d]
     dense = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=dense_mask(layout), scale=scaling, enable_gqa=kv_heads != 4).transpose(1, 2)
     torch.testing.assert_close(packed, dense)
@@ -106,6 +110,20 @@ def test_segment_attention_equals_the_dense_mask_and_the_loop_reference_in_value
     expected = torch.autograd.grad((dense * weights).sum(), (query, key, value))
     for got, want in zip(gradients, expected, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_segment_buckets_minimise_padded_work_plus_a_cost_per_call():
+    # (start, end, prefix_start, prefix_end): queries 2, 2, 10, 10, keys 2, 2, 10, 30 (the last has a 20-token prefix)
+    segments = ((0, 2, 0, 0), (2, 4, 0, 0), (4, 14, 0, 0), (14, 24, 100, 120))
+    # call cost 0: each alone costs 2*2 + 2*2 + 10*10 + 10*30 = 408; the two short ones together 2*2*2 = 8 as well,
+    # so the tie keeps the longer run; the two long ones together 2*10*30 = 600 > 100 + 300
+    assert segment_buckets(segments, 0) == ((0, 1), (2,), (3,))
+    # call cost 1000: one call, 4 x 10 x 30 = 1200 + 1000, beats any split (at least 2000 in calls alone + work)
+    assert segment_buckets(segments, 1000) == ((0, 1, 2, 3),)
+    # call cost 150: [short, short] [long] [longer] = 8 + 100 + 300 + 450 = 858; [short, short, long] [longer]
+    # = 3 * 10 * 10 + 300 + 300 = 900; [short, short] [long, longer] = 8 + 600 + 300 = 908; one: 1200 + 150
+    assert segment_buckets(segments, 150) == ((0, 1), (2,), (3,))
+    assert segment_buckets(segments, 200) == ((0, 1, 2), (3,))  # 300 + 300 + 400 = 1000 against 1008 and 1050
 
 
 def test_varlen_keys_list_each_segments_prefix_then_itself():
