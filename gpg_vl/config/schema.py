@@ -163,6 +163,10 @@ class TrainerSettings:
         "options of trainer.correction by name (token_tis / sequence_tis: cap; geo_reject: delta)"))
     eval_before: bool = field(default=True, metadata=meta("evaluate the held-out split before training"))
     eval_after: bool = field(default=True, metadata=meta("evaluate the held-out split after training"))
+    eval_every: int = field(default=0, metadata=meta(
+        "evaluate the held-out split every N steps during training, with the learner's current weights, into that "
+        "step's metrics as eval_<metric> (0 = never; the last step is left to eval_after when it is on)", low=0,
+        note="0 = never"))
 
     def __post_init__(self) -> None:
         from gpg_vl.config import names

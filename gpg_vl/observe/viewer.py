@@ -47,11 +47,16 @@ OFF_POLICY_CURVES = (("version_lag_mean", "version lag (steps)"), ("is_weight_me
                      ("sampler_idle_s", "sampler idle (s)"), ("generated_tokens_per_s", "generated tokens / s"))
 
 
+EVAL_CURVE = ("eval_accuracy", "held-out accuracy (trainer.eval_every)")  # at the steps that evaluated
+
+
 def shown_curves(metrics: list[dict]) -> tuple[tuple[str, str], ...]:
-    """The curves of a run: reward, valid fraction and alpha; with a version lag or a correction, the off-policy
-    ones too (lag, importance weights, rejections, KL to the behaviour policy, each side's idle time, tokens/s)."""
+    """The curves of a run: reward, valid fraction and alpha; the held-out accuracy where trainer.eval_every
+    evaluated during training; with a version lag or a correction, the off-policy ones too (lag, importance
+    weights, rejections, KL to the behaviour policy, each side's idle time, tokens/s)."""
+    evaluated = (EVAL_CURVE,) if any(EVAL_CURVE[0] in m for m in metrics) else ()
     off_policy = any(m.get("version_lag_max") or "is_weight_mean" in m for m in metrics)
-    return CURVES + (OFF_POLICY_CURVES if off_policy else ())
+    return CURVES + evaluated + (OFF_POLICY_CURVES if off_policy else ())
 RIGHT_IOU = 0.5  # a grounding prediction is right at box IoU >= 0.5 with the target
 RIGHT_ACCURACY = 0.5  # otherwise when its accuracy reward is >= 0.5 (the 0/1 rewards: when it is 1)
 TRUTH_RGBA, PRED_RGBA = (22, 163, 74, 110), (217, 70, 239, 120)  # mask overlay colours

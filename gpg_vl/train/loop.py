@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
-from gpg_vl.data.stream import PromptStream, Subset, scan_rows
+from gpg_vl.data.stream import PromptStream
 from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
@@ -57,7 +57,7 @@ from gpg_vl.train.checkpoint import (
     truncate_metrics,
     writing,
 )
-from gpg_vl.train.evaluate import Share, decoding, evaluate
+from gpg_vl.train.held_out import evaluate_during, evaluate_held_out, prepare_held_out
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.pipeline import (
     SyncPipeline,
@@ -200,6 +200,7 @@ def train(run: Run) -> dict:
                     metrics = step(run)
                 except EngineUnreachable as error:
                     stop_on_lost_engine(run, error, before)
+                metrics.update(evaluate_during(run))  # trainer.eval_every: the held-out split, at this step
                 log_step(run, metrics, run.state.attempts)
                 stop_on_bad_steps(run)
                 save_step(run)
@@ -319,7 +320,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     run.data = RunData(task, stream, eval_rows=None, eval_kwargs={},
                        reward_names=reward_names(task, trainer))
     _resume(run)
-    _held_out(run)
+    prepare_held_out(run)
     run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,
                    desc=bar_label(trainer.loss), dynamic_ncols=True)
     return run
@@ -399,37 +400,6 @@ def _resume(run: Run) -> None:
                 remove_checkpoint(later)
                 accelerator.print(f"removed {later.name}: it is past step {state.start_step}, which this run "
                                   "continues")
-
-
-def _held_out(run: Run) -> None:
-    """The held-out rows (checked once, here, when they will be evaluated), how they are evaluated, and the
-    summary's start."""
-    task, evaluation, trainer = run.data.task, run.settings.evaluation, run.trainer
-    accelerator, family = run.accelerator, run.learner.policy.family
-    evaluated = (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after
-    eval_rows = task.load(evaluation.split or task.eval_split) if evaluated else []  # evaluation off: never read
-    eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
-    eval_data = None
-    if evaluated:
-        good, eval_data = scan_rows(task, eval_rows, max_bad_fraction=run.settings.max_bad_fraction,
-                                    max_aspect_ratio=family.max_aspect_ratio)
-        if eval_data.bad:
-            run.warn(f"{eval_data.bad} held-out rows are bad and left out of evaluation:\n{eval_data.report()}")
-        if eval_data.over_limit():
-            raise UserError(f"held-out split: {eval_data.stop_message()}")
-        eval_rows = Subset(eval_rows, good)
-    run.data.eval_rows = eval_rows
-    run.data.eval_kwargs = {
-        "batch_size": evaluation.batch_size,
-        "max_new_tokens": evaluation.max_new_tokens or run.settings.rollout.max_new_tokens,
-        "share": Share(accelerator.process_index, accelerator.num_processes, gather_object), "engine": run.engine,
-        "reward_workers": evaluation.reward_workers, "reward_budget_s": evaluation.reward_budget_s,
-        "decoding": decoding(evaluation, run.settings.rollout, seed=run.settings.seed)}
-    summary = run.state.summary
-    summary.update({"task": task.name, "model": run.learner.policy.name_or_path, "output_dir": str(run.output_dir),
-                    **run.state.record})
-    if eval_data is not None:
-        summary["eval_data"] = eval_data.summary()
 
 
 def _command_line_accelerator(cfg) -> Accelerator:
@@ -728,17 +698,6 @@ def _in_flight(run: Run) -> dict | None:
     return state
 
 
-def evaluate_held_out(run: Run, when: str) -> None:
-    """Evaluation of the held-out rows (greedy, or eval.samples each), into the summary as accuracy_<when> and
-    eval_<when>."""
-    metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
-    run.state.summary[f"accuracy_{when}"] = metrics.get("accuracy")
-    run.state.summary[f"eval_{when}"] = metrics
-    if when == "before":  # kept in the record: a resumed run's summary still holds the first evaluation
-        run.state.record.update({"accuracy_before": metrics.get("accuracy"), "eval_before": metrics})
-    run.accelerator.print(f"held-out {when} training:{' ' if when == 'after' else ''} {_format(metrics)}")
-
-
 def finish(run: Run) -> dict:
     """The final save and evaluation; summary.json and curves.png; returns the summary."""
     state, stream = run.state, run.data.stream
@@ -793,8 +752,3 @@ def _check_engine(accelerator: Accelerator) -> None:
         # accelerate sizes DeepSpeed's batch from a dataloader, and the trainer has none (it draws prompts
         # itself). The value is bookkeeping only: the update's micro-batches are the trainer's own.
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
-
-
-def _format(metrics: dict[str, float]) -> str:
-    return "  ".join(f"{k}={v:.3f}" for k, v in metrics.items() if isinstance(v, float))
-

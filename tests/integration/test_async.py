@@ -37,13 +37,35 @@ def _same_weights(a, b) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_k1_is_deterministic_one_step_behind_and_resumes_a_step_in_flight_exactly(tmp_path):
+def _tensor_sums(tensors) -> list[float]:
+    """Each distinct tensor's float64 sum, sorted: two sets of weights agree on it exactly when they are the same
+    weights, whatever their names."""
+    unique = {t.data_ptr(): t for t in tensors}.values()
+    return sorted(float(t.detach().double().sum()) for t in unique)
+
+
+def test_k1_is_deterministic_one_step_behind_and_resumes_a_step_in_flight_exactly(tmp_path, monkeypatch):
+    """The second run also evaluates every 2 steps (trainer.eval_every): the same run, its evaluations in the lines
+    of steps 2 and 4, each of the learner's weights after its step (the sampler's copy is older)."""
+    from gpg_vl.train import held_out
+
+    evaluated_weights, original = [], held_out.evaluate
+
+    def evaluate(policy, *args, **kwargs):
+        evaluated_weights.append(_tensor_sums(policy.model.state_dict().values()))
+        return original(policy, *args, **kwargs)
+
     first, second = tmp_path / "first", tmp_path / "second"
     train_run(first, "trainer.max_steps=4", "trainer.save_every=2", *SMALL)
-    train_run(second, "trainer.max_steps=4", "trainer.save_every=2", *SMALL)
+    monkeypatch.setattr(held_out, "evaluate", evaluate)
+    train_run(second, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=2", "eval.limit=4", *SMALL)
+    monkeypatch.undo()
+    assert evaluated_weights == [_tensor_sums(_weights(first / name).values()) for name in ("checkpoint-2", "final")]
     metrics = _metrics(first)
     assert [m["version_lag_max"] for m in metrics] == [0, 1, 1, 1]  # step n samples with the weights after n - 2
-    assert metrics == _metrics(second)
+    evaluated = [{k: v for k, v in m.items() if k.startswith("eval_")} for m in _metrics(second)]
+    assert [bool(e) for e in evaluated] == [False, True, False, True] and "eval_accuracy" in evaluated[3]
+    assert [{k: v for k, v in m.items() if not k.startswith("eval_")} for m in _metrics(second)] == metrics
     assert _same_weights(_weights(first / "final"), _weights(second / "final"))
     assert not _same_weights(_weights(first / "final"), _weights(first / "checkpoint-2"))  # it trained
     # checkpoint-2 was written while step 3 was in flight: it holds the weights step 3 samples with (after step 1)
@@ -54,9 +76,12 @@ def test_k1_is_deterministic_one_step_behind_and_resumes_a_step_in_flight_exactl
     for later in ("checkpoint-4", "final"):
         shutil.rmtree(resumed / later)
     (resumed / "summary.json").unlink()
-    train_run(resumed, "trainer.max_steps=4", "trainer.save_every=2", "resume=auto", *SMALL)
+    summary = train_run(resumed, "trainer.max_steps=4", "trainer.save_every=2", "resume=auto",
+                        "trainer.eval_after=true", "eval.limit=4", *SMALL)
     assert _metrics(resumed) == metrics
     assert _same_weights(_weights(resumed / "final"), _weights(first / "final"))
+    # the step-4 evaluation is the final weights' (eval_after's)
+    assert evaluated[3] == {f"eval_{k}": v for k, v in summary["eval_after"].items() if isinstance(v, (int, float))}
 
 
 def test_the_hf_engines_behaviour_logps_are_the_updates_at_the_sampling_temperature(policy, shapes):
@@ -145,6 +170,24 @@ def test_the_viewer_shows_the_off_policy_curves_of_an_asynchronous_run_only():
     assert curves_html(synchronous, [1]).count("<polyline") == 3
     page = curves_html(asynchronous, [1])
     assert page.count("<polyline") == 11 and "version lag" in page and "learner idle" in page
+
+
+def test_the_held_out_accuracy_of_eval_every_is_a_curve_in_the_viewer_and_in_curves_png(tmp_path):
+    from PIL import Image
+
+    from gpg_vl.observe.report import write_curves
+    from gpg_vl.observe.viewer import curves_html
+
+    lines = [{"step": s, "reward_mean": 0.5, "valid_fraction": 1.0, "alpha": 1.0} for s in (1, 2, 3, 4)]
+    evaluated = [{**m, "eval_accuracy": 0.25 * m["step"]} if m["step"] % 2 == 0 else m for m in lines]
+    page = curves_html(evaluated, [1])
+    assert page.count("<polyline") == 4 and "held-out accuracy" in page and "1 at step 4" in page
+    assert "held-out accuracy" not in curves_html(lines, [1])
+    for name, rows in (("plain", lines), ("evaluated", evaluated)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+        write_curves(tmp_path / f"{name}.jsonl", tmp_path / f"{name}.png")
+    widths = [Image.open(tmp_path / f"{name}.png").size[0] for name in ("plain", "evaluated")]
+    assert widths[1] > widths[0] * 1.2  # a fourth panel
 
 
 @pytest.mark.slow
