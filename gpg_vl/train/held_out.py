@@ -6,6 +6,7 @@ gpg_vl/train/loop.py's Run."""
 from __future__ import annotations
 
 from accelerate.utils import gather_object
+from tqdm.auto import tqdm
 
 from gpg_vl.data.stream import Subset, scan_rows
 from gpg_vl.errors import UserError
@@ -62,7 +63,8 @@ def evaluate_during(run) -> dict[str, float]:
     if not trainer.eval_every or step % trainer.eval_every or (trainer.eval_after and step == trainer.max_steps):
         return {}
     metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
-    run.accelerator.print(f"held-out at step {step}: {format_metrics(metrics)}")
+    if run.main:  # above the progress bar, which stays whole
+        tqdm.write(f"held-out at step {step}: {format_metrics(metrics)}")
     return {f"eval_{name}": value for name, value in metrics.items() if isinstance(value, (int, float))}
 
 
