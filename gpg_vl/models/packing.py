@@ -189,7 +189,7 @@ def segment_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple
     return (rows if plan.row_order is None else rows.index_select(0, plan.row_order)).unsqueeze(0)  # [1, T, heads, d]
 
 
-CALL_COST = 1 << 16  # one more attention call, in (query, key) pairs of padded work: measured, docs/packing.md
+CALL_COST = 1 << 16  # one more attention call, in (query, key) pairs of padded work: estimated, docs/packing.md
 
 
 def _lengths(segment: tuple[int, int, int, int]) -> tuple[int, int]:
