@@ -347,3 +347,8 @@ def require_pipeline(trainer, rollout, accelerator) -> None:
     problem = ENGINES.get(rollout.engine).asynchronous_problem(rollout, k)  # the engine's own settings
     if problem:
         raise UserError(problem)
+    if trainer.eval_every and ENGINES.get(rollout.engine).own_weights:
+        raise UserError(f"trainer.eval_every={trainer.eval_every} with trainer.max_staleness={k} would evaluate "
+                        f"through rollout.engine={rollout.engine}, which holds the sampler's older weights while the "
+                        "learner trains; set trainer.eval_every=0 (evaluation before and after training still runs, "
+                        "after training with the learner's weights) or trainer.max_staleness=0.")

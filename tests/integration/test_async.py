@@ -157,6 +157,13 @@ def test_settings_k1_cannot_run_with_are_refused_before_the_model_loads(tmp_path
     cfg.rollout.engine = "vllm"  # the engine's availability is checked elsewhere; this check reads the settings
     with pytest.raises(UserError, match="set rollout.vllm.enable_sleep_mode=false"):
         require_pipeline(TrainerSettings(max_staleness=2), cfg.rollout, data_parallel)
+    # evaluating every N steps through an engine with weights of its own would evaluate the sampler's older ones
+    require_pipeline(TrainerSettings(max_staleness=1, eval_every=5), RolloutSettings(), data_parallel)  # HF: yes
+    cfg.rollout.engine = "vllm_server"
+    require_pipeline(TrainerSettings(max_staleness=1), cfg.rollout, data_parallel)
+    with pytest.raises(UserError, match="trainer.eval_every=5 with trainer.max_staleness=1 would evaluate through "
+                                        "rollout.engine=vllm_server, which holds the sampler's older weights"):
+        require_pipeline(TrainerSettings(max_staleness=1, eval_every=5), cfg.rollout, data_parallel)
 
 
 def test_the_viewer_shows_the_off_policy_curves_of_an_asynchronous_run_only():
