@@ -47,7 +47,7 @@ def prepare_held_out(run) -> None:
 def evaluate_held_out(run, when: str) -> None:
     """Evaluation of the held-out rows (greedy, or eval.samples each), into the summary as accuracy_<when> and
     eval_<when>."""
-    metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
+    metrics = _evaluate(run)
     run.state.summary[f"accuracy_{when}"] = metrics.get("accuracy")
     run.state.summary[f"eval_{when}"] = metrics
     if when == "before":  # kept in the record: a resumed run's summary still holds the first evaluation
@@ -62,10 +62,16 @@ def evaluate_during(run) -> dict[str, float]:
     trainer, step = run.trainer, run.state.step
     if not trainer.eval_every or step % trainer.eval_every or (trainer.eval_after and step == trainer.max_steps):
         return {}
-    metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
+    metrics = _evaluate(run)
     if run.main:  # above the progress bar, which stays whole
         tqdm.write(f"held-out at step {step}: {format_metrics(metrics)}")
     return {f"eval_{name}": value for name, value in metrics.items() if isinstance(value, (int, float))}
+
+
+def _evaluate(run) -> dict:
+    """The held-out rows' metrics with the learner's current weights (the run's engine and decoding)."""
+    metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
+    return metrics
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
