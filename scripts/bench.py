@@ -615,20 +615,20 @@ def main_staleness(args) -> None:
     rows = make_rows(args.prompts * (args.warmup + args.steps) * 8, image_size, args.seed)
     runners = {0: GpgRunner(args, rows, group_size, image_size, "default"),
                args.staleness: GpgRunner(args, rows, group_size, image_size, "default")}
-    results, done = {}, {0: 0, args.staleness: 0}
+    results, done, trl_blocks = {}, {0: 0, args.staleness: 0}, {}
     for threads in (2, 1):
-        for k in (0, args.staleness, 0, args.staleness):  # two blocks each, alternating
+        for _ in range(2):  # two rounds, each a block of the synchronous run, the asynchronous one and TRL
+            for k in (0, args.staleness):
+                torch.set_num_threads(threads)
+                block = staleness_block(args, runners[k], k, done[k])
+                done[k] += args.warmup + args.steps
+                results.setdefault((threads, k), []).append(block)
+                print(f"  {threads} threads, k={k}: {block['steps_per_s']:.3f} steps/s, learner idle "
+                      f"{block['learner_idle']:.0%}", flush=True)
             torch.set_num_threads(threads)
-            block = staleness_block(args, runners[k], k, done[k])
-            done[k] += args.warmup + args.steps
-            results.setdefault((threads, k), []).append(block)
-            print(f"  {threads} threads, k={k}: {block['steps_per_s']:.3f} steps/s, learner idle "
-                  f"{block['learner_idle']:.0%}", flush=True)
-    trl_rates = {}
-    for threads in (2, 1):
-        torch.set_num_threads(threads)
-        trl_rates[threads] = trl_block(args, rows, group_size, image_size)
-        print(f"  {threads} threads, TRL: {trl_rates[threads]:.3f} steps/s", flush=True)
+            trl_blocks.setdefault(threads, []).append(trl_block(args, rows, group_size, image_size))
+            print(f"  {threads} threads, TRL: {trl_blocks[threads][-1]:.3f} steps/s", flush=True)
+    trl_rates = {threads: statistics.mean(rates) for threads, rates in trl_blocks.items()}
     print(f"\n| threads | sync steps/s | async steps/s (k={args.staleness}) | async / sync | learner idle (sync, "
           "async) | TRL steps/s | async / TRL |")
     print("|---|---|---|---|---|---|---|")
