@@ -20,7 +20,10 @@ Built in (ρ_seq = exp(sum_t log rho_t), ρ_geo = exp(mean_t log rho_t)):
 
 A correction declares its options as keyword arguments with defaults (`correction_options` checks
 trainer.correction_options against them) and `rejects=True` when it may reject sequences: the update then scores
-pi_theta once before its optimizer step, so that the normalizer already leaves the rejected sequences out.
+pi_theta once before its optimizer step, so that the normalizer already leaves the rejected sequences out. It
+returns (weights, rejected, capped): `capped` marks the tokens whose weight its rule set below the importance
+ratio it stands for (its cap was reached), read by the `truncated_fraction` metric; a correction that returns
+only (weights, rejected) is read as token-level (capped where w_t < rho_t).
 """
 
 from __future__ import annotations
@@ -37,15 +40,17 @@ from gpg_vl.config.names import CORRECTION_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
 
-# fn(log_ratio [n, C], mask [n, C] bool, advantages [n], **options) -> (weights [n, C], rejected [n] bool)
-Correction = Callable[..., tuple[Tensor, Tensor]]
+# fn(log_ratio [n, C], mask [n, C] bool, advantages [n], **options)
+#     -> (weights [n, C], rejected [n] bool, capped [n, C] bool)
+Correction = Callable[..., tuple[Tensor, Tensor, Tensor]]
 CORRECTIONS = Registry("off-policy correction", "trainer.correction", builtins=CORRECTION_BUILTINS)
 CORRECTION_INPUTS = ("log_ratio", "mask", "advantages")
 
 
 def register_correction(name: str, *, rejects: bool = False):
-    """Register `fn(log_ratio, mask, advantages, **options) -> (weights, rejected)` as trainer.correction=<name>;
-    `rejects`: it may reject sequences (the update then scores the policy before its step)."""
+    """Register `fn(log_ratio, mask, advantages, **options) -> (weights, rejected, capped)` as
+    trainer.correction=<name> (see the module doc); `rejects`: it may reject sequences (the update then scores the
+    policy before its step)."""
     return CORRECTIONS.register(name, rejects=rejects)
 
 
@@ -76,55 +81,75 @@ def _no_rejection(mask: Tensor) -> Tensor:
     return torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
 
 
+def _uncapped(mask: Tensor) -> Tensor:
+    return torch.zeros_like(mask, dtype=torch.bool)
+
+
 @register_correction("none")
-def no_correction(log_ratio: Tensor, mask: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
-    """w = 1: the rollout is trained on as if on-policy."""
-    return torch.ones_like(log_ratio), _no_rejection(mask)
+def no_correction(log_ratio: Tensor, mask: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """w = 1: the rollout is trained on as if on-policy (nothing capped: no ratio is weighed)."""
+    return torch.ones_like(log_ratio), _no_rejection(mask), _uncapped(mask)
 
 
 @register_correction("token_tis")
-def token_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *, cap: float = 2.0) -> tuple[Tensor, Tensor]:
-    """Token-level truncated importance sampling: w_t = min(rho_t, cap). log_ratio, mask [n, C]."""
-    return torch.exp(log_ratio).clamp(max=cap), _no_rejection(mask)
+def token_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
+              cap: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Token-level truncated importance sampling: w_t = min(rho_t, cap), capped where rho_t > cap. log_ratio,
+    mask [n, C]."""
+    ratio = torch.exp(log_ratio)
+    return ratio.clamp(max=cap), _no_rejection(mask), (ratio > cap) & mask
 
 
 @register_correction("sequence_tis")
-def sequence_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *, cap: float = 5.0) -> tuple[Tensor, Tensor]:
-    """Sequence-level truncated IS: w = min(prod_t rho_t, cap) on every token of the sequence."""
-    weight = torch.exp(_sequence_log_ratio(log_ratio, mask).clamp(max=math.log(cap)))  # [n]
-    return weight.unsqueeze(1).expand_as(log_ratio), _no_rejection(mask)
+def sequence_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
+                 cap: float = 5.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequence-level truncated IS: w = min(prod_t rho_t, cap) on every token of the sequence, all of its tokens
+    capped where the product exceeds the cap."""
+    log_sequence = _sequence_log_ratio(log_ratio, mask)  # [n]
+    weight = torch.exp(log_sequence.clamp(max=math.log(cap)))  # [n]
+    capped = (log_sequence > math.log(cap)).unsqueeze(1) & mask
+    return weight.unsqueeze(1).expand_as(log_ratio), _no_rejection(mask), capped
 
 
 @register_correction("geo_reject", rejects=True)
-def geo_reject(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *, delta: float = 0.2) -> tuple[Tensor, Tensor]:
+def geo_reject(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
+               delta: float = 0.2) -> tuple[Tensor, Tensor, Tensor]:
     """Geometric-mean rejection: a sequence whose exp(mean_t log rho_t) leaves [1 - delta, 1 + delta] is rejected
     (it adds nothing to the gradient and leaves the normalizer); the others keep w = 1."""
     tokens = mask.sum(dim=1).clamp(min=1)  # [n]
     geometric = torch.exp(_sequence_log_ratio(log_ratio, mask) / tokens)  # [n]
     rejected = (geometric < 1.0 - delta) | (geometric > 1.0 + delta)
-    return torch.ones_like(log_ratio), rejected & mask.any(dim=1)
+    return torch.ones_like(log_ratio), rejected & mask.any(dim=1), _uncapped(mask)
 
 
 @register_correction("topr")
-def topr(log_ratio: Tensor, mask: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
+def topr(log_ratio: Tensor, mask: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """TOPR (Tapered Off-Policy REINFORCE): no weight on positive advantages (w = 1), clip(prod_t rho_t, 0, 1) on
-    negative ones, per sequence."""
-    clipped = torch.exp(_sequence_log_ratio(log_ratio, mask).clamp(max=0.0))  # [n] in (0, 1]
-    weight = torch.where(advantages.to(log_ratio.device) >= 0, torch.ones_like(clipped), clipped)  # [n]
-    return weight.unsqueeze(1).expand_as(log_ratio), _no_rejection(mask)
+    negative ones, per sequence; capped: the negative ones whose product exceeds 1 (a positive one weighs no
+    ratio, so nothing of it is capped)."""
+    log_sequence = _sequence_log_ratio(log_ratio, mask)  # [n]
+    negative = advantages.to(log_ratio.device) < 0  # [n]
+    clipped = torch.exp(log_sequence.clamp(max=0.0))  # [n] in (0, 1]
+    weight = torch.where(negative, clipped, torch.ones_like(clipped))  # [n]
+    capped = (negative & (log_sequence > 0)).unsqueeze(1) & mask
+    return weight.unsqueeze(1).expand_as(log_ratio), _no_rejection(mask), capped
 
 
 def apply_correction(name: str, options: dict, logps: Tensor, behaviour: Tensor, mask: Tensor,
-                     advantages: Tensor) -> tuple[Tensor, Tensor]:
-    """(weights [n, C], rejected [n]) of trainer.correction=`name` for the current log-probs `logps` [n, C] (only
-    their values: no gradient flows) and the behaviour ones [n, C] over `mask` [n, C]; weights are 1 on tokens
-    outside the mask and 0 on rejected sequences."""
+                     advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(weights [n, C], rejected [n], capped [n, C]) of trainer.correction=`name` for the current log-probs `logps`
+    [n, C] (only their values: no gradient flows) and the behaviour ones [n, C] over `mask` [n, C]; weights are 1
+    on tokens outside the mask and 0 on rejected sequences, capped only on the mask's kept tokens."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logps.detach().float() - behaviour.float(), torch.zeros_like(behaviour.float()))
-    weights, rejected = get_correction(name)(log_ratio, mask, advantages.detach(), **options)
-    weights = torch.where(mask & ~rejected.unsqueeze(1), weights.float(), torch.zeros_like(log_ratio))
+    returned = get_correction(name)(log_ratio, mask, advantages.detach(), **options)
+    weights, rejected = returned[0], returned[1].bool()
+    # a correction that does not say what it capped is read as token-level: capped where w_t < rho_t
+    capped = returned[2].bool() if len(returned) > 2 else weights.float() < torch.exp(log_ratio) * (1 - 1e-6)
+    kept = mask & ~rejected.unsqueeze(1)
+    weights = torch.where(kept, weights.float(), torch.zeros_like(log_ratio))
     weights = torch.where(mask, weights, torch.ones_like(weights))
-    return weights.detach(), rejected.bool()
+    return weights.detach(), rejected, capped & kept
 
 
 @dataclass
@@ -135,22 +160,23 @@ class CorrectionSums:
     kept: float = 0.0  # tokens of sequences not rejected
     weight_sum: float = 0.0
     weight_max: float = 0.0
-    truncated: float = 0.0  # tokens whose weight is below their raw ratio (capped)
+    truncated: float = 0.0  # tokens the correction capped (`apply_correction`)
     sequences: float = 0.0
     rejected: float = 0.0
     kl: float = 0.0  # k3(pi_theta, pi_b) summed over tokens
 
-    def add(self, logps: Tensor, behaviour: Tensor, mask: Tensor, weights: Tensor, rejected: Tensor) -> None:
-        """Add one micro-batch: logps, behaviour, weights [n, C], mask [n, C] bool, rejected [n] bool."""
+    def add(self, logps: Tensor, behaviour: Tensor, mask: Tensor, weights: Tensor, rejected: Tensor,
+            capped: Tensor) -> None:
+        """Add one micro-batch: logps, behaviour, weights [n, C], mask [n, C] bool, rejected [n] bool, capped [n, C]
+        bool (the correction's capped tokens)."""
         mask = mask.bool()
         delta = behaviour.float() - logps.detach().float()  # log pi_b - log pi_theta
         kept = mask & ~rejected.unsqueeze(1)
-        ratio = torch.exp(-delta)
         self.tokens += float(mask.sum())
         self.kept += float(kept.sum())
         self.weight_sum += float(weights[kept].sum())
         self.weight_max = max(self.weight_max, float(weights[kept].max()) if kept.any() else 0.0)
-        self.truncated += float((weights[kept] < ratio[kept] * (1 - 1e-6)).sum())
+        self.truncated += float((capped.bool() & kept).sum())
         self.sequences += float(mask.any(dim=1).sum())
         self.rejected += float(rejected.sum())
         k3 = torch.exp(delta) - delta - 1.0  # [n, C] >= 0: k3 estimate of KL(pi_theta || pi_b) on pi_theta's samples

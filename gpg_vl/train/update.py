@@ -469,11 +469,11 @@ def _corrected(name: str, options: dict, chunk: MicroBatch, logps: torch.Tensor,
     """The correction's weights [n, C] (detached, in `logps`' dtype) for one micro-batch, its metrics added to
     `sums`; the sequences `_reject_sequences` rejected (chunk.rejected) weigh 0."""
     mask = (chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask).to(logps.device)
-    weights, rejected = apply_correction(name, options, logps, sampler, mask, chunk.advantages)
+    weights, rejected, capped = apply_correction(name, options, logps, sampler, mask, chunk.advantages)
     if chunk.rejected is not None:
         rejected = chunk.rejected.to(rejected.device)
         weights = torch.where(rejected.unsqueeze(1) & mask.bool(), torch.zeros_like(weights), weights)
-    sums.add(logps, sampler, mask, weights, rejected)
+    sums.add(logps, sampler, mask, weights, rejected, capped)
     return weights.to(logps.dtype)
 
 
@@ -493,7 +493,7 @@ def _reject_sequences(learner: Learner, plan: list[list[MicroBatch]],
             rejected = None
             if chunk.sampler_logps is not None:
                 mask = chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask
-                _, rejected = apply_correction(name, options, current, chunk.sampler_logps.to(current.device),
+                _, rejected, _ = apply_correction(name, options, current, chunk.sampler_logps.to(current.device),
                                                mask.to(current.device), chunk.advantages)
                 rejected = rejected.cpu()
                 for row, prompt in enumerate(chunk.prompt_index):

@@ -30,33 +30,40 @@ LOG_RATIO = torch.tensor([[LN(2), 0.0, LN(0.5)], [LN(4), LN(2), 0.0]])
 
 
 def test_token_tis_caps_each_tokens_ratio():
-    weights, rejected = get_correction("token_tis")(LOG_RATIO, MASK, torch.tensor([1.0, -1.0]), cap=3.0)
+    weights, rejected, capped = get_correction("token_tis")(LOG_RATIO, MASK, torch.tensor([1.0, -1.0]), cap=3.0)
     assert torch.allclose(weights[MASK], torch.tensor([2.0, 1.0, 0.5, 3.0, 2.0]))
     assert not rejected.any()
+    assert capped.tolist() == [[False, False, False], [True, False, False]]  # only the ratio 4 is above 3
 
 
 def test_sequence_tis_weighs_every_token_by_the_capped_product():
-    weights, _ = get_correction("sequence_tis")(LOG_RATIO, MASK, torch.tensor([1.0, -1.0]), cap=5.0)
+    weights, _, capped = get_correction("sequence_tis")(LOG_RATIO, MASK, torch.tensor([1.0, -1.0]), cap=5.0)
     assert torch.allclose(weights[0], torch.ones(3)) and torch.allclose(weights[1], torch.full((3,), 5.0))
+    # sequence 0's product is 1 (not capped, though its first token's ratio is 2); sequence 1's is 8 > 5: its two
+    # counted tokens are capped
+    assert capped.tolist() == [[False, False, False], [True, True, False]]
 
 
 def test_geometric_mean_rejection_rejects_sequences_outside_the_band():
     # geometric means: sequence 0 exp((ln2 + 0 + ln0.5) / 3) = 1; sequence 1 exp((ln4 + ln2) / 2) = sqrt(8) = 2.83
-    weights, rejected = get_correction("geo_reject")(LOG_RATIO, MASK, torch.tensor([1.0, 1.0]), delta=0.5)
-    assert rejected.tolist() == [False, True] and torch.equal(weights, torch.ones(2, 3))
+    weights, rejected, capped = get_correction("geo_reject")(LOG_RATIO, MASK, torch.tensor([1.0, 1.0]), delta=0.5)
+    assert rejected.tolist() == [False, True] and torch.equal(weights, torch.ones(2, 3)) and not capped.any()
 
 
 def test_topr_weighs_negative_advantages_only_clipped_to_one():
-    log_ratio = torch.tensor([[LN(0.5), 0.0], [LN(0.25), 0.0], [LN(3.0), 0.0]])
-    mask = torch.ones(3, 2, dtype=torch.bool)
-    weights, _ = get_correction("topr")(log_ratio, mask, torch.tensor([1.0, -1.0, -1.0]))
-    assert torch.allclose(weights[:, 0], torch.tensor([1.0, 0.25, 1.0]))  # A >= 0: 1; A < 0: clip(rho, 0, 1)
+    log_ratio = torch.tensor([[LN(0.5), 0.0], [LN(0.25), 0.0], [LN(3.0), 0.0], [LN(3.0), 0.0]])
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    weights, _, capped = get_correction("topr")(log_ratio, mask, torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    assert torch.allclose(weights[:, 0], torch.tensor([1.0, 0.25, 1.0, 1.0]))  # A >= 0: 1; A < 0: clip(rho, 0, 1)
+    # capped: only the negative sequence whose ratio 3 was clipped to 1 (the positive one with ratio 3 weighs none)
+    assert capped.tolist() == [[False, False], [False, False], [True, True], [False, False]]
 
 
 def test_apply_correction_zeroes_rejected_sequences_and_keeps_one_off_the_mask():
     logps = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -7.0]], requires_grad=True)
     behaviour = logps.detach() - LOG_RATIO
-    weights, rejected = apply_correction("geo_reject", {"delta": 0.5}, logps, behaviour, MASK, torch.ones(2))
+    weights, rejected, capped = apply_correction("geo_reject", {"delta": 0.5}, logps, behaviour, MASK, torch.ones(2))
+    assert not capped.any()
     assert not weights.requires_grad and rejected.tolist() == [False, True]
     assert torch.equal(weights, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]))  # off the mask: 1
 
@@ -65,8 +72,8 @@ def test_correction_metrics_by_hand():
     sums = CorrectionSums()
     logps = torch.zeros(2, 3)
     behaviour = logps - LOG_RATIO
-    weights, rejected = apply_correction("token_tis", {"cap": 3.0}, logps, behaviour, MASK, torch.ones(2))
-    sums.add(logps, behaviour, MASK, weights, rejected)
+    weights, rejected, capped = apply_correction("token_tis", {"cap": 3.0}, logps, behaviour, MASK, torch.ones(2))
+    sums.add(logps, behaviour, MASK, weights, rejected, capped)
     metrics = correction_metrics(torch.tensor([sums.as_list()], dtype=torch.float64))
     assert metrics["is_weight_mean"] == pytest.approx((2 + 1 + 0.5 + 3 + 2) / 5)
     assert metrics["is_weight_max"] == 3.0 and metrics["truncated_fraction"] == pytest.approx(1 / 5)
@@ -74,6 +81,36 @@ def test_correction_metrics_by_hand():
     # k3 of KL(pi_theta || pi_b) per token: rho - log rho - 1 with rho = pi_b / pi_theta = 1 / ratio
     k3 = [r - math.log(r) - 1 for r in (0.5, 1.0, 2.0, 0.25, 0.5)]
     assert metrics["behaviour_kl"] == pytest.approx(sum(k3) / 5)
+
+
+def test_truncated_fraction_counts_what_each_correction_capped():
+    """Sequence-level weights are not held to each token's ratio: at ratios of 2 and 0.5 in one sequence (product
+    1), sequence_tis and topr cap nothing (a reading by token counted the ratio-2 token as truncated), and a
+    correction registered without `capped` is read by token."""
+    logps = torch.zeros(2, 3)
+    behaviour = logps - LOG_RATIO
+    fractions = {}
+    for name, options, advantages in (("sequence_tis", {"cap": 5.0}, [1.0, -1.0]), ("topr", {}, [-1.0, 1.0]),
+                                      ("token_tis", {"cap": 3.0}, [1.0, 1.0])):
+        sums = CorrectionSums()
+        weights, rejected, capped = apply_correction(name, options, logps, behaviour, MASK, torch.tensor(advantages))
+        sums.add(logps, behaviour, MASK, weights, rejected, capped)
+        fractions[name] = correction_metrics(torch.tensor([sums.as_list()], dtype=torch.float64))["truncated_fraction"]
+    # sequence_tis: sequence 1 (product 8 > 5), 2 of 5 tokens; topr: sequence 0 is the negative one, product 1: none;
+    # token_tis: the ratio 4 > 3, 1 of 5
+    assert fractions == {"sequence_tis": pytest.approx(2 / 5), "topr": 0.0, "token_tis": pytest.approx(1 / 5)}
+
+    def two_outputs(log_ratio, mask, advantages):  # a correction from before `capped`: w_t = min(rho_t, 1)
+        return torch.exp(log_ratio).clamp(max=1.0), torch.zeros(mask.shape[0], dtype=torch.bool)
+
+    from gpg_vl.rollout import corrections
+
+    corrections.CORRECTIONS.add("two_outputs_probe", two_outputs)
+    try:
+        _, _, capped = apply_correction("two_outputs_probe", {}, logps, behaviour, MASK, torch.ones(2))
+    finally:
+        corrections.CORRECTIONS.unregister("two_outputs_probe")
+    assert capped.tolist() == [[True, False, False], [True, True, False]]  # the ratios 2, 4 and 2 above 1
 
 
 def test_age_counts_by_hand():
