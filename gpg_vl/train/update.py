@@ -494,7 +494,7 @@ def _reject_sequences(learner: Learner, plan: list[list[MicroBatch]],
             if chunk.sampler_logps is not None:
                 mask = chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask
                 _, rejected, _ = apply_correction(name, options, current, chunk.sampler_logps.to(current.device),
-                                               mask.to(current.device), chunk.advantages)
+                                                  mask.to(current.device), chunk.advantages)
                 rejected = rejected.cpu()
                 for row, prompt in enumerate(chunk.prompt_index):
                     count = groups.setdefault((id(chunk.prompts), prompt), [0, 0])
