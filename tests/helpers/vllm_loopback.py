@@ -39,6 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_SAMPLING = threading.Lock()  # one sampling at a time across every loopback server of this process
+
+
 class LoopbackServer:
     """The state of one loopback `vllm serve`: its model, weight version, pause state and weight-transfer state."""
 
@@ -226,7 +229,11 @@ class LoopbackServer:
     def _sample(self, inputs: dict, params: dict) -> list[dict]:
         """n completions, cut as vLLM cuts them (stop token ids, stop strings, max_tokens), each token's log-prob
         under the distribution it was drawn from (temperature, top_p and the banned ids applied)."""
-        if params.get("seed") is not None:
+        with _SAMPLING:  # torch's generator is the process's: two servers in one process draw one at a time
+            return self._sample_locked(inputs, params)
+
+    def _sample_locked(self, inputs: dict, params: dict) -> list[dict]:
+        if params.get("seed") is not None:  # vLLM gives a seeded request its own generator: nothing else draws
             torch.manual_seed(int(params["seed"]))
         greedy = float(params.get("temperature", 1.0)) == 0.0
         banned = [int(t) for t, bias in (params.get("logit_bias") or {}).items() if float(bias) <= -100]

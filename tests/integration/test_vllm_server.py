@@ -54,9 +54,12 @@ def settings(urls: str, tmp_path, **extra) -> dict:
 
 
 def overrides(urls: str, tmp_path, *extra: str) -> list[str]:
+    """A run against the servers at urls. Seeded: each request draws from its own seed whichever server and thread
+    serves it first, so a run's rewards (and which steps have a group to learn from) never follow the threads'
+    order, as they do unseeded."""
     return ["rollout.engine=vllm_server", f"rollout.vllm_server.urls={urls}",
             "rollout.vllm_server.weight_transfer=disk", f"rollout.vllm_server.transfer_dir={tmp_path / 'transfer'}",
-            "rollout.max_new_tokens=40", *extra]
+            "rollout.vllm_server.seed=1", "rollout.max_new_tokens=40", *extra]
 
 
 def metrics(run: Path) -> list[dict]:
