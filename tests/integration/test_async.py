@@ -200,14 +200,14 @@ def test_the_held_out_accuracy_of_eval_every_is_a_curve_in_the_viewer_and_in_cur
 @pytest.mark.slow
 def test_the_readme_main_job_learns_one_step_behind(tmp_path):
     """`python scripts/train.py trainer.max_staleness=1`, the README's main job with the sampler one step behind,
-    cut to its first 15 steps and 100 held-out rows as tests/integration/test_train.py's synchronous learning test
-    is (the suite's time on 2 cores): measured 0.450 -> 0.700 (with trainer.eval_every=5 over 50 steps: 0.590,
-    0.690, then 0.700 from step 15 to 40, 0.710 at 45 and 50; the synchronous 15 steps: 0.690). The full 150-step
-    job's figures are in docs/results/async.md."""
+    cut to its first 45 steps and 100 held-out rows (the suite's time on 2 cores): a rise of at least 0.25, the
+    issue's figure, measured 0.450 -> 0.710 (one row to spare; with trainer.eval_every=5 over 50 steps: 0.590,
+    0.690, then 0.700 from step 15 to 40, 0.710 at 45 and 50, so 15 steps reach 0.25 with none to spare). The
+    full 150-step job's figures are in docs/results/async.md."""
     from gpg_vl.cli import train_main
     from gpg_vl.config.compose import load_config
 
     summary = train_main(load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=1", "seed=0",
-                                               "trainer.max_steps=15", "eval.limit=100", "trainer.eval_before=false"]))
+                                               "trainer.max_steps=45", "eval.limit=100", "trainer.eval_before=false"]))
     # the same starting weights and rows as test_train.py's short run, which asserts their accuracy: 0.450
-    assert summary["accuracy_after"] - 0.45 >= 0.2, summary
+    assert round(100 * summary["accuracy_after"]) - 45 >= 25, summary  # rows, not floats: 0.70 - 0.45 < 0.25
