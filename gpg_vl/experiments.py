@@ -201,13 +201,16 @@ class Meter:
             with self._lock:
                 self.peak = max(self.peak, self.process.memory_info().rss)
 
-    def start(self) -> None:
+    def start(self, *, trim: bool = True) -> None:
+        """`trim`: hand the heap's free pages back first, so the peak counts only this window's memory; the
+        window then faults in every page it touches again, time a training loop (which reuses them) does not
+        spend. Without it the times are a loop's, and the peak is not this window's alone."""
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            if self._trim is not None:
+            if trim and self._trim is not None:
                 self._trim(0)
             if self.kernel_peak:
                 self._reset_kernel_peak()

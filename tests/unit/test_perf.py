@@ -62,6 +62,20 @@ def test_the_bench_meter_reads_a_window_s_memory_peak_without_a_sampling_thread(
     assert meter.stop()["peak_mib"] < 16 and small.numel() > 0
 
 
+def test_the_bench_meter_trims_the_heap_before_a_window_only_when_asked():
+    """The packing bench times its rounds on the heap as a training loop leaves it (trim=False) and reads the peak
+    from a trimmed window: a trim makes the window fault its pages in again, time a loop does not spend."""
+    from gpg_vl.experiments import Meter
+
+    meter, trims = Meter("cpu"), []
+    meter._trim = trims.append
+    meter.start(trim=False)
+    meter.stop()
+    assert trims == []
+    meter.start()
+    assert meter.stop()["step_s"] >= 0 and trims == [0]
+
+
 def test_the_bench_steps_gpg_vl_s_trainer_on_a_tiny_video_setup():
     """scripts/bench.py drives the trainer's own sample / collect / update functions (GpgRunner.step): one step of
     each variant on a tiny setup (TRL is not needed with --video), so a change of their signatures shows here."""
