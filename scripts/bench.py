@@ -393,9 +393,10 @@ def drawn_lengths(attempt, spec: str, seed: int):
     rollout = attempt.rollout
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (rollout.completion_ids.shape[0],), generator=generator)
-    lengths = lengths.clamp(max=rollout.completion_ids.shape[1])
-    mask = torch.arange(rollout.completion_ids.shape[1])[None, :] < lengths[:, None]  # [B * G, C]
-    ids = rollout.completion_ids.masked_fill(~mask.to(rollout.completion_ids.device), 0)
+    lengths = lengths.clamp(max=rollout.completion_ids.shape[1]).to(rollout.completion_ids.device)
+    columns = torch.arange(rollout.completion_ids.shape[1], device=lengths.device)
+    mask = columns[None, :] < lengths[:, None]  # [B * G, C]
+    ids = rollout.completion_ids.masked_fill(~mask, 0)
     return replace(attempt, rollout=replace(rollout, completion_ids=ids, completion_mask=mask))
 
 

@@ -25,6 +25,13 @@ generated tokens per second, the seconds of each weight sync and the log-prob ga
 
     python scripts/gpu_check.py --models qwen2.5-vl-3b --engines hf --server
 
+With --packing it also checks the packed update (trainer.packing=on: on CUDA in half precision, one varlen
+flash-attention call per layer, gpg_vl/models/packing.py) on each model whose family packs: one sampled step, its
+completions cut to lengths drawn from 8 to --new-tokens, updated from the same weights packed and padded; it prints
+the two gradients' relative gap and each path's update seconds and completion tokens per second:
+
+    python scripts/gpu_check.py --models qwen2.5-vl-3b --engines hf --packing
+
 Without a CUDA GPU it stops in one sentence. It has not run on a GPU yet (see the README).
 """
 
@@ -215,6 +222,71 @@ def run_engine(policy, engine_name: str, args) -> dict:
     return summary
 
 
+class KeepsGradient(torch.optim.SGD):
+    """SGD at lr 0 that keeps the flattened gradient of its last step: the update runs, the weights stay."""
+
+    def step(self, closure=None):
+        self.grad = torch.cat([p.grad.detach().float().flatten() for group in self.param_groups
+                               for p in group["params"] if p.grad is not None])
+        return super().step(closure)
+
+
+def packing_check(policy, args) -> dict:
+    """--packing: one step sampled by the HF engine, its completions cut to lengths drawn from 8 to --new-tokens,
+    updated from the same weights padded (trainer.packing=off) and packed (on): the gap between the two gradients,
+    ||g_on - g_off|| / ||g_off||, and each path's update seconds over --steps after a warm-up (on CUDA in half
+    precision the packed attention is one varlen flash-attention call per layer; elsewhere the CPU buckets)."""
+    from dataclasses import replace
+
+    from accelerate import Accelerator
+    from transformers import get_scheduler
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench import drawn_lengths
+
+    from gpg_vl.config.schema import RolloutSettings, TrainerSettings
+    from gpg_vl.data.stream import PromptStream
+    from gpg_vl.models.scoring import choose_scoring_path
+    from gpg_vl.rollout.engine import build_engine
+    from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
+    from gpg_vl.train.update import Learner, update
+
+    cuda = next(policy.model.parameters()).is_cuda
+    data = rows(args.prompts, 224)
+    task = hash_task(data)
+    rollout = RolloutSettings(engine="hf", max_new_tokens=args.new_tokens, ignore_eos=True)
+    trainer = TrainerSettings(group_size=args.group_size, batch_size=args.prompts, lr=0.0, beta_th=0.0,
+                              max_attempts=1, gradient_checkpointing=False, reward_workers=1, max_grad_norm=1e9)
+    policy.model.train()
+    collected = collect_valid_groups(
+        lambda: sample_attempt(policy, task, PromptStream(data, seed=0), engine=build_engine(rollout, policy),
+                               trainer=trainer, rollout=rollout, warn=print),
+        local_counts, beta_th=0.0, batch_size=args.prompts, max_attempts=1)
+    attempts = [drawn_lengths(a, f"8:{args.new_tokens}", 0) for a in collected.attempts]
+    completion = sum(int(a.rollout.completion_mask.sum()) for a in attempts)
+    results = {}
+    for mode in ("off", "on"):
+        settings = replace(trainer, packing=mode)
+        optimizer = KeepsGradient(policy.model.parameters(), lr=0.0)
+        path = choose_scoring_path(policy.family, policy.model, share_prompt=True, share_vision=True, packing=mode)
+        learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer),
+                          Accelerator(cpu=not cuda), settings, temperature=rollout.temperature, path=path)
+        seconds = []
+        for _ in range(args.steps + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            update(learner, attempts)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - started)
+        results[mode] = {"update_s": float(np.mean(seconds[1:])), "gradient": optimizer.grad, "path": path.describe()}
+    gap = float((results["on"]["gradient"] - results["off"]["gradient"]).norm() / results["off"]["gradient"].norm())
+    return {"gradient_gap": gap, "completion": completion,
+            **{f"{mode}_s": results[mode]["update_s"] for mode in results},
+            **{f"{mode}_path": results[mode]["path"] for mode in results}}
+
+
 def start_server(folder: Path, args) -> tuple[subprocess.Popen, dict]:
     """A real `vllm serve` on the model folder (weights: the trainer's, from the first sync), and the engine's
     rollout.vllm_server settings for it; waits for /health (one sentence and the log's tail if it never answers)."""
@@ -278,6 +350,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per engine (after one warm-up)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--server", action="store_true", help="also train through a real `vllm serve`")
+    parser.add_argument("--packing", action="store_true",
+                        help="also check the packed update (varlen flash attention) against the padded one")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: gpu_check.py needs a CUDA GPU and none is visible here; run it on a GPU machine "
@@ -294,7 +368,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, B={args.prompts} x G={args.group_size}, "
           f"{args.new_tokens} new tokens, 224 px")
-    table = []
+    table, packed = [], []
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="gpg-vl-gpu-check-") as folder:
             policy = build(name, Path(folder))
@@ -304,6 +378,9 @@ def main() -> None:
                 table.append((name, engine, run_engine(policy, engine, args)))
             if args.server:
                 table += [(name, engine, result) for engine, result in server_runs(policy, Path(folder), args)]
+            if args.packing:
+                why = policy.family.packing_unsupported(policy.model)
+                packed.append((name, why or packing_check(policy, args)))
             del policy
             torch.cuda.empty_cache()
     print("\n| model | engine | s/step | rollout s | update s (sync s) | completion tok/s | update MFU | peak GiB "
@@ -315,6 +392,21 @@ def main() -> None:
         print(f"| {name} | {engine} | {s['rollout_s'] + s['update_s']:.2f} | {s['rollout_s']:.2f} | "
               f"{s['update_s']:.2f} ({s['sync_s']:.2f}) | {s['tokens_per_s']:.0f} | {100 * s['mfu']:.1f}% | "
               f"{s['peak_gib']:.1f} | {s['used_gib']:.1f} | {mismatch} | {greedy} |")
+    if packed:
+        print_packing(packed)
+
+
+def print_packing(packed: list[tuple[str, dict | str]]) -> None:
+    """--packing's table: a family that cannot pack says why."""
+    print("\n| model | packed update s | padded update s | packed / padded (tok/s) | gradient gap |")
+    print("|---|---|---|---|---|")
+    for name, s in packed:
+        if isinstance(s, str):
+            print(f"| {name} | does not pack: {s} | | | |")
+            continue
+        print(f"| {name} | {s['on_s']:.3f} | {s['off_s']:.3f} | {s['off_s'] / s['on_s']:.2f}x | "
+              f"{s['gradient_gap']:.2e} |")
+        print(f"  paths: packed = {s['on_path']}; padded = {s['off_path']}")
 
 
 if __name__ == "__main__":

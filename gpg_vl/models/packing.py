@@ -284,7 +284,7 @@ def varlen_keys(segments: tuple, device) -> tuple[Tensor, Tensor, Tensor, int, i
 def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple, *,
                       scaling: float | None) -> Tensor:
     """CUDA: torch's varlen flash attention over the gathered keys (wired, not run on this project's CPU CI;
-    its check is a GPU check)."""
+    its check is `scripts/gpu_check.py --packing`)."""
     from torch.nn.attention.varlen import varlen_attn
 
     index, cu_q, cu_k, max_q, max_k = varlen_keys(segments, query.device)

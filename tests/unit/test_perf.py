@@ -42,6 +42,28 @@ def test_gpu_check_fails_in_one_sentence_without_a_gpu():
     assert run.stderr.strip().startswith("error: gpu_check.py needs a CUDA GPU") and run.stderr.strip().count("\n") == 0
 
 
+def test_the_gpu_checks_packing_check_runs_its_comparison_on_the_cpu_buckets():
+    """scripts/gpu_check.py --packing's comparison, run on the CPU (where the packed attention is the buckets, not
+    the varlen call it checks on CUDA): it samples, cuts the lengths, updates both paths from the same weights
+    (lr 0: they stay) and finds the gradients equal to float32 rounding."""
+    import argparse
+    import importlib.util
+
+    from gpg_vl.models.load import load_policy
+
+    spec = importlib.util.spec_from_file_location("gpu_check", procs.ROOT / "scripts/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    torch.manual_seed(0)
+    policy = load_policy("embedded:tiny-qwen2.5-vl", dtype="float32")
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    result = gpu_check.packing_check(policy, argparse.Namespace(prompts=2, group_size=4, new_tokens=24, steps=1))
+    assert result["on_path"].startswith("packed") and not result["off_path"].startswith("packed"), result
+    assert result["gradient_gap"] < 1e-5 and result["on_s"] > 0 and result["off_s"] > 0, result
+    assert 2 * 4 * 8 <= result["completion"] <= 2 * 4 * 24  # lengths drawn from 8 to --new-tokens
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.model.parameters(), strict=True))
+
+
 def test_the_bench_meter_reads_a_window_s_memory_peak_without_a_sampling_thread():
     import threading
 
