@@ -28,7 +28,8 @@ generated tokens per second, the seconds of each weight sync and the log-prob ga
 With --packing it also checks the packed update (trainer.packing=on: on CUDA in half precision, one varlen
 flash-attention call per layer, gpg_vl/models/packing.py) on each model whose family packs: one sampled step, its
 completions cut to lengths drawn from 8 to --new-tokens, updated from the same weights packed and padded; it prints
-the two gradients' relative gap and each path's update seconds and completion tokens per second:
+the two gradients' relative gap, each path's update seconds and their ratio (the same tokens, so the ratio of
+tokens per second):
 
     python scripts/gpu_check.py --models qwen2.5-vl-3b --engines hf --packing
 
