@@ -265,7 +265,7 @@ def packing_check(policy, args) -> dict:
         local_counts, beta_th=0.0, batch_size=args.prompts, max_attempts=1)
     attempts = [drawn_lengths(a, f"8:{args.new_tokens}", 0) for a in collected.attempts]
     completion = sum(int(a.rollout.completion_mask.sum()) for a in attempts)
-    results = {}
+    result, gradients = {"completion": completion}, {}
     for mode in ("off", "on"):
         settings = replace(trainer, packing=mode)
         optimizer = KeepsGradient(policy.model.parameters(), lr=0.0)
@@ -281,11 +281,10 @@ def packing_check(policy, args) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - started)
-        results[mode] = {"update_s": float(np.mean(seconds[1:])), "gradient": optimizer.grad, "path": path.describe()}
-    gap = float((results["on"]["gradient"] - results["off"]["gradient"]).norm() / results["off"]["gradient"].norm())
-    return {"gradient_gap": gap, "completion": completion,
-            **{f"{mode}_s": results[mode]["update_s"] for mode in results},
-            **{f"{mode}_path": results[mode]["path"] for mode in results}}
+        result[f"{mode}_s"], result[f"{mode}_path"] = float(np.mean(seconds[1:])), path.describe()
+        gradients[mode] = optimizer.grad
+    result["gradient_gap"] = float((gradients["on"] - gradients["off"]).norm() / gradients["off"].norm())
+    return result
 
 
 def start_server(folder: Path, args) -> tuple[subprocess.Popen, dict]:
