@@ -12,7 +12,9 @@ With `--staleness K` the synchronous trainer (trainer.max_staleness = 0) and the
 thread of gpg_vl/train/pipeline.py beside the learner, each side on half of torch's threads) run in alternating
 blocks of --warmup + --steps steps, at 2 threads and at 1 thread, in this process, then TRL's GRPOTrainer runs the
 same work at each thread count; steps per second are over the measured steps of each block, and the learner's
-idle fraction is its seconds waiting for a sampled step over its step time.
+idle fraction is its seconds waiting for a sampled step over its step time. Last, `side_by_side` times each side
+alone (2 threads, 1 thread) and both side by side at one thread each, and prints the most that async / sync at 2
+threads can reach on this machine: the synchronous step over half the two sides' least cost in core-seconds.
 
 With `--video FRAMES` every prompt holds a clip of FRAMES frames (--image-sizes side, 2 fps, read once per
 prompt as training reads it) instead of an image, and TRL, which has no video, is left out: gpg-vl's
@@ -223,15 +225,18 @@ class GpgRunner:
         self.learner = Learner(self.policy, self.model, self.optimizer, self.scheduler, self.accelerator,
                                self.settings, temperature=self.rollout.temperature, path=path)
 
-    def step(self, meter: Meter) -> dict[str, float]:
-        meter.start()
-        started = time.perf_counter()
-        collected = collect_valid_groups(
+    def sample(self):
+        """One step's sampling stage (encode, rollout, rewards, advantages): its Collected."""
+        return collect_valid_groups(
             lambda: sample_attempt(self.policy, self.task, self.stream, engine=self.engine,
                                    trainer=replace(self.settings, reward_workers=1), rollout=self.rollout,
                                    warn=print),
-            local_counts,
-            beta_th=0.0, batch_size=self.settings.batch_size, max_attempts=1)
+            local_counts, beta_th=0.0, batch_size=self.settings.batch_size, max_attempts=1)
+
+    def step(self, meter: Meter) -> dict[str, float]:
+        meter.start()
+        started = time.perf_counter()
+        collected = self.sample()
         rolled = time.perf_counter()
         update(self.learner, collected.attempts)
         measured = meter.stop()
@@ -417,11 +422,7 @@ def packing_step(args):
     image_size, group_size = int(args.image_sizes.split(",")[0]), int(args.group_sizes.split(",")[0])
     rows = make_rows(args.prompts * 2, image_size, args.seed, frames=args.video)
     runner = GpgRunner(args, rows, group_size, image_size, "default")
-    collected = collect_valid_groups(
-        lambda: sample_attempt(runner.policy, runner.task, runner.stream, engine=runner.engine,
-                               trainer=replace(runner.settings, reward_workers=1), rollout=runner.rollout, warn=print),
-        local_counts, beta_th=0.0, batch_size=runner.settings.batch_size, max_attempts=1)
-    attempts = collected.attempts
+    attempts = runner.sample().attempts
     what = f"B={args.prompts} x G={group_size}, {'video of ' + str(args.video) + ' frames' if args.video else 'image'}"
     if args.lengths:
         attempts = [drawn_lengths(a, args.lengths, args.seed) for a in attempts]
@@ -616,6 +617,71 @@ def trl_block(args, rows: list[dict], group_size: int, image_size: int) -> float
     return len(measured) / sum(measured)
 
 
+def _median_s(action, times: int) -> float:
+    spent = []
+    for _ in range(times):
+        began = time.perf_counter()
+        action()
+        spent.append(time.perf_counter() - began)
+    return statistics.median(spent)
+
+
+def side_by_side(learner: GpgRunner, sampler: GpgRunner, times: int = 5) -> dict[str, float]:
+    """What bounds async / sync at 2 threads on this machine, from each side's median seconds: the sampling stage
+    (`sampler`'s) and the update (`learner`'s, on one sampled step, again and again) alone at 2 threads and at 1
+    thread, and at 1 thread each side by side (the sampler in a thread of its own, as the pipeline runs it).
+
+    A side costs the machine at least min(its side-by-side seconds, twice its 2-thread seconds) core-seconds,
+    however its work is spread over the two cores: on its own thread beside the other side, or on both threads
+    alone (a thread alone with the other core idle costs more). So no schedule makes a step faster than half the
+    two sides' least costs, and async / sync at 2 threads is at most the synchronous step (both sides at 2 threads,
+    one after the other) over that."""
+    import threading
+
+    restore, attempts = torch.get_num_threads(), learner.sample().attempts
+    stages = {"sample": sampler.sample, "update": lambda: update(learner.learner, attempts)}
+    seconds = {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        for name, action in stages.items():
+            seconds[f"{name}_{threads}"] = _median_s(action, times)
+    stop, sampled, updated, failed = threading.Event(), [], [], []
+
+    def sample_until_stopped() -> None:
+        torch.set_num_threads(1)  # OpenMP's thread count is per thread
+        try:
+            while not stop.is_set():
+                began = time.perf_counter()
+                sampler.sample()
+                sampled.append(time.perf_counter() - began)
+        except BaseException as error:  # raised in the main thread
+            failed.append(error)
+
+    beside = threading.Thread(target=sample_until_stopped, name="bench-sampler")
+    beside.start()
+    try:  # the first and last samplings may run partly alone: left out, so updates go on until `times` more
+        while not failed and (len(updated) < times or len(sampled) < times + 2):
+            updated.append(_median_s(stages["update"], 1))
+    finally:
+        stop.set()
+        beside.join()
+        torch.set_num_threads(restore)
+    if failed:
+        raise failed[0]
+    seconds["update_beside"] = statistics.median(updated)
+    seconds["sample_beside"] = statistics.median(sampled[1:-1])
+    return {**seconds, **staleness_bound(seconds)}
+
+
+def staleness_bound(seconds: dict[str, float]) -> dict[str, float]:
+    """The synchronous step at 2 threads (sampling, then the update) and the most async / sync can reach at 2
+    threads: that step over half the two sides' least core-seconds (see side_by_side), from `seconds`'
+    sample_2, update_2 (alone at 2 threads) and sample_beside, update_beside (1 thread each, side by side)."""
+    sync = seconds["sample_2"] + seconds["update_2"]
+    least = sum(min(seconds[f"{side}_beside"], 2 * seconds[f"{side}_2"]) for side in ("sample", "update"))
+    return {"sync_step": sync, "bound": sync / (least / 2)}
+
+
 def main_staleness(args) -> None:
     group_size, image_size = int(args.group_sizes.split(",")[0]), int(args.image_sizes.split(",")[0])
     print(f"torch {torch.__version__}, device {args.device}, B={args.prompts}, G={group_size}, image {image_size}, "
@@ -646,6 +712,14 @@ def main_staleness(args) -> None:
         idle = [statistics.mean(b["learner_idle"] for b in results[(threads, k)]) for k in (0, args.staleness)]
         print(f"| {threads} | {sync:.3f} | {stale:.3f} | {stale / sync:.2f}x | {idle[0]:.0%}, {idle[1]:.0%} | "
               f"{trl_rates[threads]:.3f} | {stale / trl_rates[threads]:.2f}x |")
+    bound = side_by_side(runners[0], runners[args.staleness])
+    print("\nThe bound on async / sync at 2 threads (median seconds; see side_by_side):\n")
+    print("| side | 2 threads alone | 1 thread alone | 1 thread each, side by side |")
+    print("|---|---|---|---|")
+    for name in ("sample", "update"):
+        print(f"| {name} | {bound[name + '_2']:.3f} | {bound[name + '_1']:.3f} | {bound[name + '_beside']:.3f} |")
+    print(f"\nsynchronous step at 2 threads {bound['sync_step']:.3f} s; async / sync at 2 threads is at most "
+          f"{bound['bound']:.2f}x")
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
 
 
