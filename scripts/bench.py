@@ -49,6 +49,7 @@ import argparse
 import random
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 import zlib
@@ -636,8 +637,6 @@ def side_by_side(learner: GpgRunner, sampler: GpgRunner, times: int = 5) -> dict
     alone (a thread alone with the other core idle costs more). So no schedule makes a step faster than half the
     two sides' least costs, and async / sync at 2 threads is at most the synchronous step (both sides at 2 threads,
     one after the other) over that."""
-    import threading
-
     restore, attempts = torch.get_num_threads(), learner.sample().attempts
     stages = {"sample": sampler.sample, "update": lambda: update(learner.learner, attempts)}
     seconds = {}
