@@ -25,16 +25,24 @@
   observation tokenized before expansion (its processor expands it, once). Each generated token's sampler
   log-prob is kept (`Trajectory.logps`; 0 on observation tokens in `Rollout.sampler_logps`).
 
-`vllm` is imported only when the engine is built: without a CUDA GPU or without the package,
+- vLLM's CPU build (`vllm-cpu`, in its own environment: scripts/vllm_cpu_env.sh, docs/engines.md): the same
+  engine, without sleep mode (vLLM refuses it on CPU: one line says it is off), the KV cache sized by
+  `VLLM_CPU_KVCACHE_SPACE` (1 GiB unless set). A single process (no `accelerate launch`) gets the launcher's
+  variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT) that `external_launcher` reads.
+
+`vllm` is imported only when the engine is built: without the package, or with vLLM's CUDA build and no CUDA GPU,
 `rollout.engine=vllm` fails in one sentence when the settings are built, before any model loads. The pure
-parts (prompt building, sampling parameters, log-prob extraction) and the multi-turn rollouts are tested on CPU
-with stand-ins for vllm.LLM (tests/integration/test_engines.py, test_vllm_multiturn.py); the engine itself has
-not run on a GPU yet.
+parts (prompt building, sampling parameters, log-prob extraction) and the multi-turn rollouts are tested with
+stand-ins for vllm.LLM (tests/integration/test_engines.py, test_vllm_multiturn.py); the engine itself runs on vLLM's
+CPU build in the suite (tests/integration/test_vllm_real.py); it has not run on a GPU yet.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -205,6 +213,21 @@ def sampled_logps(completion) -> list[float]:
             for t, token in enumerate(completion.token_ids)]
 
 
+def vllm_weights(model, family) -> Iterator[tuple[str, Tensor]]:
+    """The weights a vLLM reload takes (`models/weights.py`'s checkpoint names, one tensor at a time), and, where the
+    model ties its output head to its input embedding, the head under its own name as well: vLLM's in-place reload
+    replaces the embedding's tensor and puts the head's old one back (it finds no weight of its own for it), which
+    unties them; sent, the head gets the embedding's values too."""
+    from gpg_vl.models.weights import engine_weights
+
+    text = getattr(model.config, "text_config", model.config)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    for name, tensor in engine_weights(model, family):
+        yield name, tensor
+        if tied and name.endswith("embed_tokens.weight") and "visual" not in name:
+            yield "lm_head.weight", tensor
+
+
 def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed: int) -> dict:
     """`vllm.LLM` keywords for a colocated engine in one training process."""
     settings = VLLMEngine.settings_in(rollout)
@@ -214,7 +237,8 @@ def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed
     takes_video = settings.max_videos and getattr(family, "engine_takes_video", False)
     videos = {"video": settings.max_videos} if takes_video else {}
     return {
-        "model": model_path, "tokenizer": model_path, "load_format": "dummy",  # weights come from sync()
+        "model": model_path, "tokenizer": model_path,  # the checkpoint (then sync() pushes the trainer's weights):
+        # a dummy load leaves buffers that no reload fills (the CPU build's fused image normalisation) random
         "distributed_executor_backend": "external_launcher", "tensor_parallel_size": settings.tensor_parallel_size,
         "gpu_memory_utilization": settings.gpu_memory_utilization, "enable_sleep_mode": settings.enable_sleep_mode,
         "max_model_len": settings.max_model_len or rollout.max_prompt_tokens + after_prompt,
@@ -224,14 +248,63 @@ def engine_options(rollout, *, model_path: str, family, dtype: torch.dtype, seed
     }
 
 
-def missing(cuda: bool, installed: bool) -> str | None:
-    """One sentence for what `rollout.engine=vllm` lacks here (None when it can run)."""
-    if not cuda:
-        return ("rollout.engine=vllm needs a CUDA GPU and none is visible here; run on a GPU machine "
-                "(pip install -e \".[vllm]\") or use rollout.engine=hf.")
-    if not installed:
-        return ("rollout.engine=vllm needs the vllm package, which is not installed; run pip install -e \".[vllm]\" "
-                "(vLLM 0.33, CUDA) or use rollout.engine=hf.")
+CPU_ENV = "bash scripts/vllm_cpu_env.sh"  # docs/engines.md: vLLM's CPU build, in its own environment
+
+
+def vllm_build() -> str | None:
+    """Which vLLM is installed: "cpu" (the vllm-cpu distribution), "cuda" (vllm), or None."""
+    for name, build in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            importlib.metadata.version(name)
+            return build
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "cuda" if importlib.util.find_spec("vllm") is not None else None
+
+
+def missing(cuda: bool, build: str | None) -> str | None:
+    """One sentence for what `rollout.engine=vllm` lacks here (None when it can run): vLLM's CUDA build needs a
+    CUDA GPU, its CPU build runs anywhere."""
+    if build is None:
+        return ("rollout.engine=vllm needs the vllm package, which is not installed here; on a GPU machine run "
+                f"pip install -e \".[vllm]\" (vLLM 0.33, CUDA), on a CPU machine run the trainer in the environment "
+                f"that `{CPU_ENV}` makes, or use rollout.engine=hf.")
+    if build == "cuda" and not cuda:
+        return ("rollout.engine=vllm with vLLM's CUDA build needs a CUDA GPU and none is visible here; run on a GPU "
+                f"machine, run the trainer in the vLLM CPU environment that `{CPU_ENV}` makes, or use "
+                "rollout.engine=hf.")
+    return None
+
+
+def cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def launcher_variables() -> dict[str, str]:
+    """What `external_launcher` reads from the launcher, for a process that no launcher started (one process, no
+    process group): rank 0 of 1, on a free local port."""
+    import socket
+
+    if "RANK" in os.environ or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return {}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def engine_budget_problem(options: dict, config) -> str | None:
+    """One sentence when the engine's max_model_len passes the model's own context (vLLM refuses it)."""
+    text = getattr(config, "text_config", config)
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit and options["max_model_len"] > limit:
+        return (f"the colocated vLLM engine needs {options['max_model_len']} tokens per sequence "
+                "(rollout.max_prompt_tokens + the completion, or rollout.vllm.max_model_len), more than the model's "
+                f"{limit} positions; lower rollout.max_prompt_tokens or rollout.max_new_tokens to fit {limit}.")
     return None
 
 
@@ -252,7 +325,7 @@ class VLLMEngine(Engine):
     def unavailable(cls, rollout) -> str | None:
         if rollout.engine != cls.name:
             return None
-        return missing(torch.cuda.is_available(), importlib.util.find_spec("vllm") is not None)
+        return missing(torch.cuda.is_available(), vllm_build())
 
     @classmethod
     def asynchronous_problem(cls, rollout, max_staleness: int) -> str | None:
@@ -275,15 +348,30 @@ class VLLMEngine(Engine):
         if tp > 1:  # each group of tp processes shares one engine: prompts gathered in, completions sliced out
             self.tp_group, _ = torch.distributed.new_subgroups(group_size=tp)
         if llm is None:
-            from vllm import LLM, SamplingParams
-
-            sampling_params = SamplingParams
-            dtype = next(policy.model.parameters()).dtype
-            llm = LLM(**engine_options(rollout, model_path=str(policy.name_or_path), family=self.family,
-                                       dtype=dtype, seed=self.settings.seed + rank // tp))
+            llm, sampling_params = self._build_llm(policy, rollout, seed=self.settings.seed + rank // tp,
+                                                   say=accelerator.print if accelerator is not None else print)
         self.llm, self.sampling_params = llm, sampling_params
         self.asleep, self.weights_awake = False, False
         self.sync(policy.model)  # load_format="dummy": the trainer's weights, whatever their source
+
+    def _build_llm(self, policy, rollout, *, seed: int, say) -> tuple:
+        """vLLM's LLM and SamplingParams; on vLLM's CPU platform without sleep mode (one line says so)."""
+        from vllm import LLM, SamplingParams
+
+        options = engine_options(rollout, model_path=str(policy.name_or_path), family=self.family,
+                                 dtype=next(policy.model.parameters()).dtype, seed=seed)
+        problem = engine_budget_problem(options, policy.model.config)
+        if problem is not None:
+            raise UserError(problem)
+        if cpu_platform():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; unset, vLLM asks for most of the memory
+            if options["enable_sleep_mode"]:
+                say("vLLM runs on its CPU platform here, which has no sleep mode: rollout.vllm.enable_sleep_mode is "
+                    "off for this run (vLLM keeps its weights and KV cache in memory during the update).")
+            options["enable_sleep_mode"] = False
+            self.settings = replace(self.settings, enable_sleep_mode=False)
+        os.environ.update(launcher_variables())
+        return LLM(**options), SamplingParams
 
     # ---- the on-policy check --------------------------------------------------------------------
     @property
@@ -373,18 +461,24 @@ class VLLMEngine(Engine):
 
     # ---- weights and memory ----------------------------------------------------------------------
     def sync(self, model) -> None:
-        """Push the trainer's weights into vLLM's model, then drop every cache computed with the old ones."""
-        from gpg_vl.models.weights import engine_weights, merged_lora
+        """Push the trainer's weights into vLLM's model through its workers' `reload_weights` (in process: the
+        launcher's own processes), which loads them in checkpoint layout and redoes the platform's processing of
+        them (the CPU build repacks its linear layers), then drop every cache computed with the old ones."""
+        from gpg_vl.models.weights import merged_lora
 
         if self.asleep and not self.weights_awake:
             self.llm.wake_up(tags=["weights"])
             self.weights_awake = True
-        runner_model = _vllm_model(self.llm)
         with torch.no_grad(), merged_lora(model):
-            runner_model.load_weights(engine_weights(model, self.family))
-        for reset in ("reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache"):  # those this vLLM has
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": vllm_weights(model, self.family)})
+        for reset in ("reset_prefix_cache", "reset_mm_cache"):  # those this vLLM has
             if callable(getattr(self.llm, reset, None)):
                 getattr(self.llm, reset)()
+        # the scheduler's record of encoder outputs too (LLM has no method for it in 0.32): the workers' reload drops
+        # their copies, and an image seen before the sync would otherwise be a cache miss
+        reset = getattr(getattr(self.llm, "llm_engine", None), "reset_encoder_cache", None)
+        if callable(reset):
+            reset()
 
     def sleep(self) -> None:
         if self.settings.enable_sleep_mode and not self.asleep:
@@ -396,9 +490,3 @@ class VLLMEngine(Engine):
             self.llm.wake_up(tags=["kv_cache"]) if self.weights_awake else self.llm.wake_up()
             self.asleep, self.weights_awake = False, False
 
-
-def _vllm_model(llm):
-    """The torch model inside a colocated (external_launcher) vLLM engine: V1's worker, or V0's runner."""
-    worker = llm.llm_engine.model_executor.driver_worker
-    worker = getattr(worker, "worker", worker)
-    return worker.model_runner.model

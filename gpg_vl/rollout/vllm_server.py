@@ -511,7 +511,8 @@ class VLLMServerEngine(Engine):
     def sync(self, model) -> None:
         """Push the trainer's weights to every server, on every rank, within sync_timeout_s
         (rollout/weight_transfer.py)."""
-        from gpg_vl.models.weights import engine_weights, merged_lora
+        from gpg_vl.models.weights import merged_lora
+        from gpg_vl.rollout.vllm import vllm_weights
         from gpg_vl.rollout.weight_transfer import Watchdog, broadcast_from_main, push_weights
 
         self.version += 1
@@ -520,6 +521,6 @@ class VLLMServerEngine(Engine):
                     f"within rollout.vllm_server.sync_timeout_s={limit:g} s; every rank exits. Check the servers' "
                     "logs and the network between the nodes, then continue with resume=auto.")
         with Watchdog(limit, sentence, self.rank), torch.no_grad(), merged_lora(model):
-            push_weights(self.servers, self.transport, engine_weights(model, self.family), version=self.version,
+            push_weights(self.servers, self.transport, vllm_weights(model, self.family), version=self.version,
                          pause_mode="wait", collective=broadcast_from_main)
 

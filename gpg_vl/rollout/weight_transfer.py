@@ -1,21 +1,27 @@
-"""Pushing the trainer's weights into `vllm serve` endpoints through vLLM's weight-transfer API.
+"""Pushing the trainer's weights into `vllm serve` endpoints, through routes stock vLLM has.
 
 One sync, on EVERY trainer rank (DDP, FSDP2, ZeRO-3 alike), under `rollout.vllm_server.sync_timeout_s`:
 
-1. rank 0 pauses generation on every server (`POST /pause?mode=...`) and starts the update
-   (`/start_weight_update`);
+1. rank 0 pauses generation on every server (`POST /pause?mode=...`) and opens the update (`nccl`:
+   `/start_weight_update`; `disk`: nothing to open);
 2. every rank walks the weights (`models/weights.py`: gathered one tensor at a time, which is a collective
-   under FSDP2 / ZeRO-3, LoRA merged, checkpoint names); only rank 0 sends them, over the backend the servers
-   were started with (`--weight-transfer-config '{"backend": ...}'`):
-   - `nccl` (separate GPUs): rank 0 joins one NCCL group with every worker of every server (`init_info`:
-     master address and port, world size, each server's rank offset, packed) once, at start; each sync sends
-     buckets of tensors: `/update_weights` with their names, dtypes and shapes while rank 0 broadcasts them
-     (vLLM's `packed_nccl_broadcast_producer`). Needs CUDA and the vllm package on the trainer's rank 0;
-   - `disk`: rank 0 writes the weights as safetensors into a folder every server reads
-     (`rollout.vllm_server.transfer_dir`), then `/update_weights` with its `path`. Works on CPU (the tests'
-     path);
-3. rank 0 finishes the update with the new weight version (`/finish_weight_update`: the label vLLM writes on
-   every output token sampled after it) and resumes generation (`/resume`);
+   under FSDP2 / ZeRO-3, LoRA merged, checkpoint names); only rank 0 sends them, over
+   `rollout.vllm_server.weight_transfer`:
+   - `nccl` (separate GPUs; the servers started with `--weight-transfer-config '{"backend": "nccl"}'`): rank 0
+     joins one NCCL group with every worker of every server (`init_info`: master address and port, world size,
+     each server's rank offset, packed) once, at start; each sync sends buckets of tensors: `/update_weights` with
+     their names, dtypes and shapes while rank 0 broadcasts them (vLLM's `packed_nccl_broadcast_producer`). Needs
+     CUDA and the vllm package on the trainer's rank 0;
+   - `disk` (any device, CPU included; no `--weight-transfer-config`: vLLM has no `disk` backend): rank 0 writes
+     the weights as one safetensors file into a folder every server reads at the same path
+     (`rollout.vllm_server.transfer_dir`, one sub-folder per version, written whole before it is named), then
+     asks each server to load it in place through dev mode's `POST /collective_rpc` with
+     `{"method": "reload_weights", "kwargs": {"weights_path": folder}}` (the worker's `reload_weights`, which
+     drops the workers' encoder cache), then `/reset_prefix_cache` and `/reset_encoder_cache` (the scheduler's
+     record of the encoder outputs too);
+3. rank 0 labels the new weights with the sync's number (`nccl`: `/finish_weight_update`; `disk`:
+   `/update_weight_version`: the label vLLM writes on every output token sampled after it; both then read back
+   from `/weight_info`) and resumes generation (`/resume`);
 4. rank 0 tells every rank how it went (one broadcast): a failure raises the same sentence on every rank.
 
 A watchdog on every rank bounds the whole sync: past `sync_timeout_s` (a server or a collective that hangs: the
@@ -69,8 +75,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class Transport:
-    """How the weights travel (rollout.vllm_server.weight_transfer); `init_info` is sent once per server at start,
-    `send` runs on every rank for each sync (only rank 0 sends)."""
+    """How the weights travel (rollout.vllm_server.weight_transfer): `init` once per run, then for each sync (rank 0
+    only, but for `send`, which runs on every rank) `open`, `send`, `label`."""
 
     backend = "none"
 
@@ -81,12 +87,25 @@ class Transport:
     def init(self, servers: list[Server]) -> None:
         raise NotImplementedError
 
+    def open(self, servers: list[Server]) -> None:
+        """After the pause, before the weights go (rank 0)."""
+
     def send(self, servers: list[Server], weights, version: int) -> None:
         raise NotImplementedError
 
+    def label(self, servers: list[Server], version: int) -> None:
+        """After the weights: the servers' weight version becomes `version` (rank 0)."""
+        raise NotImplementedError
+
+
+# after a reload, what was computed with the old weights: the prompts' KV blocks, and the encoder outputs (the
+# scheduler's record of them too: else an image seen before is a cache miss)
+RESETS = ("/reset_prefix_cache", "/reset_encoder_cache")
+
 
 class DiskTransport(Transport):
-    """`disk`: safetensors in a shared folder, one folder per version (the previous one removed after)."""
+    """`disk`: safetensors in a shared folder, one folder per version (the previous one removed after), loaded by
+    each server's `reload_weights` through `/collective_rpc`, labelled through `/update_weight_version`."""
 
     backend = "disk"
 
@@ -95,9 +114,7 @@ class DiskTransport(Transport):
         return Path(self.settings.transfer_dir).resolve()
 
     def init(self, servers: list[Server]) -> None:
-        if self.rank == 0:
-            for server in servers:
-                server.post("/init_weight_transfer_engine", {"init_info": {}}, timeout_s=self.timeout_s)
+        """Nothing to set up: the routes are dev mode's, which the engine has checked."""
 
     def send(self, servers: list[Server], weights, version: int) -> None:
         from safetensors.torch import save_file
@@ -115,11 +132,17 @@ class DiskTransport(Transport):
         save_file(tensors, str(partial / "model.safetensors"))
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)  # a server never reads a half-written folder
-        _each(servers, lambda server: server.post("/update_weights", {"update_info": {"path": str(target)}},
-                                                  timeout_s=self.timeout_s, retry=False))
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(target)}}
+        _each(servers, lambda server: server.post("/collective_rpc", body, timeout_s=self.timeout_s, retry=False))
+        for route in RESETS:
+            _each(servers, lambda server, route=route: server.post(route, timeout_s=self.timeout_s, retry=False))
         for old in self.folder.glob("v*"):
             if old != target and old.name.removeprefix("v").isdigit():
                 shutil.rmtree(old, ignore_errors=True)
+
+    def label(self, servers: list[Server], version: int) -> None:
+        _each(servers, lambda server: server.post("/update_weight_version", {"new_version": str(version)},
+                                                  timeout_s=self.timeout_s, retry=False))
 
 
 class NCCLTransport(Transport):
@@ -148,6 +171,13 @@ class NCCLTransport(Transport):
             self.group = trainer_init({**common, "rank_offset": 1})
             for future in pending:
                 future.result()
+
+    def open(self, servers: list[Server]) -> None:
+        _each(servers, lambda server: server.post("/start_weight_update", timeout_s=self.timeout_s, retry=False))
+
+    def label(self, servers: list[Server], version: int) -> None:
+        _each(servers, lambda server: server.post("/finish_weight_update", {"weight_version": str(version)},
+                                                  timeout_s=self.timeout_s, retry=False))
 
     def send(self, servers: list[Server], weights, version: int) -> None:
         bucket, size = [], 0
@@ -184,8 +214,8 @@ def transport_unavailable(settings, cuda: bool, installed: bool) -> str | None:
     """One sentence when the trainer cannot send over rollout.vllm_server.weight_transfer here (None when it can)."""
     if settings.weight_transfer == "nccl" and not (cuda and installed):
         return ("rollout.vllm_server.weight_transfer=nccl needs a CUDA GPU and the vllm package on the trainer "
-                "(pip install -e \".[vllm]\"); where the servers share a folder with the trainer, start them with "
-                "--weight-transfer-config '{\"backend\": \"disk\"}' and set rollout.vllm_server.weight_transfer=disk.")
+                "(pip install -e \".[vllm]\"); where the servers share a folder with the trainer, set "
+                "rollout.vllm_server.weight_transfer=disk and rollout.vllm_server.transfer_dir (docs/many-nodes.md).")
     if settings.weight_transfer == "disk" and not settings.transfer_dir:
         return ("rollout.vllm_server.weight_transfer=disk needs rollout.vllm_server.transfer_dir: a folder the "
                 "trainer writes the weights to and every server reads at the same path.")
@@ -199,6 +229,18 @@ def _each(servers: list[Server], call) -> None:
             future.result()
 
 
+STARTED_WITH = {"nccl": " and --weight-transfer-config '{\"backend\": \"nccl\"}'",
+                "disk": " and reads rollout.vllm_server.transfer_dir at the trainer's path"}
+
+
+def check_version(server: Server, version: int, timeout_s: float) -> None:
+    """The server's weight version after a sync is the sync's number (`/weight_info`), else one sentence."""
+    found = server.get("/weight_info", timeout_s=timeout_s, retry=False).get("weight_version")
+    if str(found) != str(version):
+        raise ServerError(f"the vLLM server at {server.url} reports weight version {found} after the sync that labels "
+                          f"version {version}; check that no other trainer syncs it.")
+
+
 def push_weights(servers: list[Server], transport: Transport, weights, *, version: int, pause_mode: str,
                  collective) -> None:
     """One sync, on every rank (the module's docstring): pause, start, send, finish with `version`, resume; then
@@ -209,11 +251,11 @@ def push_weights(servers: list[Server], transport: Transport, weights, *, versio
     try:
         if transport.rank == 0:
             _each(servers, lambda server: server.post(f"/pause?mode={pause_mode}", timeout_s=timeout, retry=False))
-            _each(servers, lambda server: server.post("/start_weight_update", timeout_s=timeout, retry=False))
+            transport.open(servers)
         transport.send(servers, weights, version)
         if transport.rank == 0:
-            _each(servers, lambda server: server.post("/finish_weight_update", {"weight_version": str(version)},
-                                                      timeout_s=timeout, retry=False))
+            transport.label(servers, version)
+            _each(servers, lambda server: check_version(server, version, timeout))
             _each(servers, lambda server: server.post("/resume", timeout_s=timeout, retry=False))
     except ServerGone as error:
         failure = ("gone", str(error))
@@ -221,8 +263,8 @@ def push_weights(servers: list[Server], transport: Transport, weights, *, versio
         failure = ("error", str(error))
     except Exception as error:  # noqa: BLE001 (a refused route, a transport error: one sentence for every rank)
         failure = ("error", f"the weight sync to the vLLM servers failed ({type(error).__name__}: {error}); check "
-                   "that each was started with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{\"backend\": "
-                   f"\"{transport.backend}\"}}', as docs/many-nodes.md shows.")
+                   f"that each was started with VLLM_SERVER_DEV_MODE=1{STARTED_WITH[transport.backend]}, as "
+                   "docs/many-nodes.md shows.")
     failure = collective(failure)
     if failure:
         kind, sentence = failure

@@ -11,10 +11,12 @@ a video as vLLM's `video/jpeg` data URL of comma-separated base64 frames, its me
 request's `media_io_kwargs` as vLLM's VideoMediaIO reads them, `do_sample_frames` from `mm_processor_kwargs`),
 /inference/v1/generate (token ids + features -> n choices with per-token log-probs of the processed distribution
 and weight-version spans; a prompt too long for --max-model-len is refused with vLLM's 400 sentence),
-/pause, /resume, and the weight-transfer routes with the `disk` backend (safetensors read from `update_info.path`,
-loaded under the checkpoint's names).
+/pause, /resume, and the `disk` sync as stock vLLM takes it: /collective_rpc with `reload_weights` and its
+`weights_path` (a folder of safetensors, loaded under the checkpoint's names), then /update_weight_version.
+The suite's real-vLLM tests (tests/integration/test_vllm_real.py) run vLLM's CPU build itself; this server stays for
+what those cannot do cheaply or at all: a stalled sync, several trainer processes, videos, tool trajectories.
 
-Faults for the tests: `stall_updates` makes /update_weights hang (a stalled sync); `stop()` ends it (a server
+Faults for the tests: `stall_updates` makes /collective_rpc hang (a stalled sync); `stop()` ends it (a server
 that dies). Run it in-process (`LoopbackServer(...).start()`) or as a process:
 
     python tests/helpers/vllm_loopback.py --model embedded:tiny-qwen2.5-vl --port 0 --port-file port.txt
@@ -46,7 +48,7 @@ class LoopbackServer:
     """The state of one loopback `vllm serve`: its model, weight version, pause state and weight-transfer state."""
 
     def __init__(self, model: str = "embedded:tiny-qwen2.5-vl", *, served_model_name: str | None = None,
-                 max_model_len: int = 8192, backend: str | None = "disk", dev_mode: bool = True,
+                 max_model_len: int = 8192, backend: str | None = None, dev_mode: bool = True,
                  min_pixels: int = 3136, max_pixels: int = 50176, port: int = 0) -> None:
         from gpg_vl.models.load import load_policy
         from gpg_vl.models.weights import engine_weights
@@ -61,7 +63,7 @@ class LoopbackServer:
         names = [name for name, _ in engine_weights(self.model)]
         params = [param for _, param in self.model.named_parameters()]
         self.params = dict(zip(names, params, strict=True))
-        self.version, self.initialized, self.updating, self.stall_updates = "default", False, False, False
+        self.version, self.stall_updates = "default", False
         self.running = threading.Event()
         self.running.set()
         self.lock = threading.Lock()  # one generation at a time (CPU), and never during a weight update
@@ -268,26 +270,24 @@ class LoopbackServer:
         return len(tokens), "length"
 
     # ---- weights ------------------------------------------------------------------------------------
-    def update_weights(self, body: dict) -> tuple[int, dict]:
+    def reload_weights(self, body: dict) -> tuple[int, dict]:
+        """/collective_rpc's `reload_weights` (the worker's in-place reload from `weights_path`)."""
         from safetensors.torch import load_file
 
-        info = body.get("update_info")
-        if info is None:
-            return 400, {"detail": "Missing 'update_info' in request body"}
-        if not (self.initialized and self.updating):
-            return 400, {"detail": "update_weights outside start_weight_update / finish_weight_update"}
+        if body.get("method") != "reload_weights":
+            return 500, {"detail": f"the worker has no method {body.get('method')!r}"}
         while self.stall_updates:
             time.sleep(0.05)
-        folder = Path(info["path"])
+        folder = Path((body.get("kwargs") or {}).get("weights_path") or "")
         if not folder.is_absolute() or not list(folder.glob("*.safetensors")):
-            return 400, {"detail": f"{folder} is not an absolute folder of safetensors files"}
+            return 500, {"detail": f"{folder} is not an absolute folder of safetensors files"}
         with self.lock, torch.no_grad():
             for file in sorted(folder.glob("*.safetensors")):
                 for name, tensor in load_file(str(file)).items():
                     if name not in self.params:
-                        return 400, {"detail": f"unexpected weight {name}"}
+                        return 500, {"detail": f"unexpected weight {name}"}
                     self.params[name].copy_(tensor)
-        return 200, {"message": "Weights updated"}
+        return 200, {}
 
     def post(self, route: str, query: dict, body: dict) -> tuple[int, dict]:
         self.calls.append((route, body))
@@ -306,22 +306,13 @@ class LoopbackServer:
         if route == "/resume":
             self.running.set()
             return 200, {"status": "resumed"}
-        if route == "/init_weight_transfer_engine":
-            if self.backend is None or "init_info" not in body:
-                return 400, {"detail": "Missing 'init_info' in request body" if self.backend else
-                             "weight transfer is not configured (--weight-transfer-config)"}
-            self.initialized = True
-            return 200, {"message": "Weight transfer initialized"}
-        if route == "/start_weight_update":
-            self.updating = True
-            return 200, {"message": "Weight update started"}
-        if route == "/update_weights":
-            return self.update_weights(body)
-        if route == "/finish_weight_update":
-            self.updating = False
-            if body.get("weight_version") is not None:
-                self.version = str(body["weight_version"])
-            return 200, {"message": "Weight update finished"}
+        if route == "/collective_rpc":
+            return self.reload_weights(body)
+        if route in ("/reset_prefix_cache", "/reset_encoder_cache", "/reset_mm_cache"):
+            return 200, {}  # it caches nothing
+        if route == "/update_weight_version":
+            self.version = str(body["new_version"])
+            return 200, {"success": True, "new_version": self.version}
         return 404, {"detail": "Not Found"}
 
     def get(self, route: str, query: dict) -> tuple[int, dict]:

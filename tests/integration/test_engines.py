@@ -27,10 +27,13 @@ from gpg_vl.rollout.vllm import (
     missing,
     prompt_requests,
     sampling_kwargs,
+    vllm_build,
 )
 
-needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                reason="vLLM needs a CUDA GPU and the vllm package (pip install -e '.[vllm]')")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None or missing(torch.cuda.is_available(),
+                                                                                    vllm_build()) is not None,
+                                reason="runs where vLLM runs: its CUDA build on a GPU, or its CPU build (the "
+                                       "environment of scripts/vllm_cpu_env.sh: tests/integration/test_vllm_real.py)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,31 +60,33 @@ def test_old_rollout_keys_still_work_with_one_warning_naming_the_new_key():
 
 
 def test_vllm_engine_says_what_is_missing_in_one_sentence():
-    assert "needs a CUDA GPU" in missing(cuda=False, installed=False) and "rollout.engine=hf" in missing(False, True)
-    assert "vllm package" in missing(cuda=True, installed=False) and '.[vllm]' in missing(True, False)
-    assert missing(cuda=True, installed=True) is None
-    assert all(reason.count(". ") == 0 for reason in (missing(False, False), missing(True, False)))
+    """vLLM's CUDA build needs a GPU, its CPU build runs anywhere; without vLLM, one sentence names both ways."""
+    assert "needs a CUDA GPU" in missing(cuda=False, build="cuda") and "vllm_cpu_env.sh" in missing(False, "cuda")
+    assert "vllm package" in missing(cuda=True, build=None) and '.[vllm]' in missing(True, None)
+    assert missing(cuda=True, build="cuda") is None and missing(cuda=False, build="cpu") is None
+    assert all(reason.count(". ") == 0 for reason in (missing(False, "cuda"), missing(True, None)))
     from gpg_vl.config.compose import load_config
+    from gpg_vl.rollout.vllm import vllm_build
 
-    if not torch.cuda.is_available():
-        with pytest.raises(UserError, match="needs a CUDA GPU"):
+    if vllm_build() is None:  # the trainer's own environment: no vLLM
+        with pytest.raises(UserError, match="needs the vllm package"):
             require_engine(RolloutSettings(engine="vllm"))
-        with pytest.raises(UserError, match="needs a CUDA GPU"):  # with the config, before any model loads
+        with pytest.raises(UserError, match="needs the vllm package"):  # with the config, before any model loads
             load_config("train", ["rollout.engine=vllm"])
 
     with pytest.raises(UserError, match="rollout.vllm.tis_cap"):  # ranges: gpg_vl/config/validate.py
         load_config("train", ["rollout.vllm.tis_cap=-1"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
-def test_training_with_vllm_on_cpu_fails_before_the_model_loads(tmp_path, capsys):
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the error without vLLM")
+def test_training_with_vllm_but_without_it_fails_before_the_model_loads(tmp_path, capsys):
     from gpg_vl.config.compose import run_cli
 
     loaded = []
     code = run_cli("train", lambda cfg: loaded.append(cfg), ["rollout.engine=vllm", f"output_dir={tmp_path}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and not loaded
-    assert err.startswith("error: rollout.engine=vllm needs a CUDA GPU") and err.count("\n") == 0
+    assert err.startswith("error: rollout.engine=vllm needs the vllm package") and err.count("\n") == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,10 +211,10 @@ class FakeLLM:
 
     def __init__(self, reply_tokens: list[int]) -> None:
         self.calls, self.loaded, self.reply = [], {}, reply_tokens
-        model = SimpleNamespace(load_weights=lambda weights: self.loaded.update(
-            {name: tensor.clone() for name, tensor in weights}))
-        worker = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights"  # the workers' in-place reload, which takes the weights as they come
+        self.loaded.update({name: tensor.clone() for name, tensor in kwargs["weights_iterator"]})
 
     def generate(self, requests, params, use_tqdm=False):
         self.calls.append(("generate", requests, params))
@@ -262,7 +267,7 @@ def test_vllm_engine_options(policy):
                                              vllm={"tensor_parallel_size": 2, "gpu_memory_utilization": 0.3}),
                              model_path="/m", family=policy.family, dtype=torch.bfloat16, seed=3)
     assert options["distributed_executor_backend"] == "external_launcher" and options["tensor_parallel_size"] == 2
-    assert options["max_model_len"] == 1064 and options["dtype"] == "bfloat16" and options["load_format"] == "dummy"
+    assert options["max_model_len"] == 1064 and options["dtype"] == "bfloat16" and "load_format" not in options
     assert options["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 50176}
     assert options["logprobs_mode"] == "processed_logprobs" and options["enable_sleep_mode"]
 
@@ -272,8 +277,10 @@ def test_vllm_greedy_after_sync_gives_the_trainers_tokens(tmp_path, policy, shap
     """On a GPU with vLLM: the tiny model saved, vLLM loads it, syncs, and decodes greedily what HF decodes."""
     policy.model.save_pretrained(tmp_path)
     policy.processor.save_pretrained(tmp_path)
-    policy = replace(policy, model=policy.model.cuda(), name_or_path=str(tmp_path))
-    engine = VLLMEngine(policy, RolloutSettings(vllm={"gpu_memory_utilization": 0.2, "enforce_eager": True}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy = replace(policy, model=policy.model.to(device), name_or_path=str(tmp_path))
+    engine = VLLMEngine(policy, RolloutSettings(max_prompt_tokens=1024, vllm={"gpu_memory_utilization": 0.2,
+                                                                             "enforce_eager": True}))
     prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:2]])
     greedy = Sampling(max_new_tokens=8, greedy=True)
     assert torch.equal(engine.generate(prompts, 1, greedy).completion_ids.cpu(),

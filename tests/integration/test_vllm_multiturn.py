@@ -39,9 +39,9 @@ class ScriptedLLM:
     def __init__(self, tokenizer, script, logps_of=None) -> None:
         self.tokenizer, self.script, self.calls, self.logps = tokenizer, script, [], {}
         self.logps_of = logps_of  # (call, row) -> the log-probs to report for that completion, else the formula
-        model = SimpleNamespace(load_weights=lambda weights: list(weights))
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker))
+
+    def collective_rpc(self, method, kwargs):  # the sync: the workers' reload_weights
+        list(kwargs["weights_iterator"])
 
     def generate(self, requests, params, use_tqdm=False):
         call = len(self.calls)
