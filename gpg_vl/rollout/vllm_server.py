@@ -246,6 +246,19 @@ def compare_model(url: str, models: dict, info: dict | None, config, needed_len:
     return None
 
 
+def seed_problem(url: str, info: dict | None, seed: int) -> str | None:
+    """One sentence when seeded requests would kill the server: vLLM's CPU build (0.32) rewinds a seeded request's
+    generator when a chunked prefill discards its sample, which a CPU generator cannot do ("CPU Generator does not
+    use offset": the engine dies)."""
+    config = info or {}
+    chunked = (config.get("scheduler_config") or {}).get("enable_chunked_prefill")
+    if seed and (config.get("device_config") or {}).get("device") == "cpu" and chunked:
+        return (f"the vLLM server at {url} runs on CPU with chunked prefill, where a seeded request kills its engine "
+                "(vLLM 0.32 rewinds the request's generator, which a CPU generator cannot do); start it with "
+                "--no-enable-chunked-prefill (docs/engines.md) or set rollout.vllm_server.seed=0.")
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +332,8 @@ class VLLMServerEngine(Engine):
                 raise UserError(f"the vLLM server at {server.url} does not expose its development routes, which the "
                                 "weight sync uses; restart it with VLLM_SERVER_DEV_MODE=1 (docs/many-nodes.md).") \
                     from None
-            reason = compare_model(server.url, models, info, self.policy.model.config, needed)
+            reason = compare_model(server.url, models, info, self.policy.model.config, needed) or \
+                seed_problem(server.url, info, self.settings.seed)
             if reason is not None:
                 raise UserError(reason)
             name = name or (models.get("data") or [{}])[0].get("id")
