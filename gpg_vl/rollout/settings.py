@@ -82,8 +82,9 @@ class VLLMServerSettings:
     max_concurrency: int = field(default=64, metadata=meta(
         "requests in flight at once, over all servers", low=1))
     weight_transfer: str = field(default="nccl", metadata=meta(
-        "vLLM's weight-transfer backend the servers were started with: nccl (separate GPUs) or disk (safetensors "
-        "on a folder every server reads)", choices=("nccl", "disk")))
+        "how the weights reach the servers: nccl (vLLM's weight-transfer backend, separate GPUs; the servers started "
+        "with --weight-transfer-config) or disk (safetensors in a folder every server reads, reloaded in place through "
+        "dev mode's /collective_rpc reload_weights; any device)", choices=("nccl", "disk")))
     transfer_dir: str | None = field(default=None, metadata=meta(
         "weight_transfer=disk: the shared folder the weights are written to (the servers read the same path)"))
     master_address: str | None = field(default=None, metadata=meta(

@@ -241,8 +241,9 @@ def compare_model(url: str, models: dict, info: dict | None, config, needed_len:
                     f"has {getattr(ours, key)}; start `vllm serve` with the trainer's model.")
     length = served.get("max_model_len") or model_config.get("max_model_len")
     if length and int(length) < needed_len:
-        return (f"the vLLM server at {url} takes {length} tokens per sequence, fewer than rollout.max_prompt_tokens "
-                f"+ the completion ({needed_len}); start it with --max-model-len {needed_len}.")
+        return (f"the vLLM server at {url} takes {length} tokens per sequence (its --max-model-len), fewer than "
+                f"rollout.max_prompt_tokens + the completion ({needed_len}); lower rollout.max_prompt_tokens or "
+                f"rollout.max_new_tokens to fit {length}, or start the server with --max-model-len {needed_len}.")
     return None
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from gpg_vl.rollout.server_client import Server, ServerError, ServerGone
+from gpg_vl.rollout.server_client import Rejected, Server, ServerError, ServerGone
 
 SYNC_STALLED_EXIT = 75  # the exit status of a rank whose sync outlived sync_timeout_s
 CALL_SHARE = 0.8  # a request within a sync gives up after this share of sync_timeout_s: rank 0 then tells every
@@ -132,13 +132,23 @@ class DiskTransport(Transport):
         save_file(tensors, str(partial / "model.safetensors"))
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)  # a server never reads a half-written folder
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(target)}}
-        _each(servers, lambda server: server.post("/collective_rpc", body, timeout_s=self.timeout_s, retry=False))
+        _each(servers, lambda server: self._reload(server, target))
         for route in RESETS:
             _each(servers, lambda server, route=route: server.post(route, timeout_s=self.timeout_s, retry=False))
         for old in self.folder.glob("v*"):
             if old != target and old.name.removeprefix("v").isdigit():
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _reload(self, server: Server, target: Path) -> None:
+        """The server loads `target` in place; one sentence when it cannot (another model, or a folder it cannot
+        read: the reload names the first weight it could not place)."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(target)}}
+        try:
+            server.post("/collective_rpc", body, timeout_s=self.timeout_s, retry=False)
+        except Rejected as error:
+            raise ServerError(f"the vLLM server at {server.url} could not load the trainer's weights from {target} "
+                              f"(HTTP {error.status}: {error.detail[:300]}); start it with the trainer's model and let "
+                              "it read rollout.vllm_server.transfer_dir at the trainer's path.") from None
 
     def label(self, servers: list[Server], version: int) -> None:
         _each(servers, lambda server: server.post("/update_weight_version", {"new_version": str(version)},

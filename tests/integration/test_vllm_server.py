@@ -1,7 +1,7 @@
 """rollout.engine=vllm_server against the loopback server (tests/vllm_loopback.py: vLLM's routes and JSON fields,
 generating with the tiny model): the payloads, real rollouts whose per-token log-probs are the trainer's (image
 prompts, and video prompts whose frames and metadata are the trainer's, sampled nowhere else), weight
-sync through the weight-transfer routes (the `disk` backend: CPU), prompts spread over two servers, a multi-turn
+sync as stock vLLM takes it (`disk`: /collective_rpc reload_weights, then /update_weight_version), prompts spread over two servers, a multi-turn
 tool run, and every fault in one sentence: no server at start (before the model loads), a server serving another
 model, a server that dies mid-run (checkpoint, then resume), a stalled sync, a prompt refused as too long.
 The NCCL backend needs CUDA: scripts/gpu_check.py --server runs it."""
@@ -245,8 +245,11 @@ def test_sync_pauses_pushes_every_weight_and_labels_the_version(policy, server, 
             parameter.add_(0.01)
     before = len(server.calls)
     engine.sync(policy.model)
-    assert [route for route, _ in server.calls[before:]] == ["/pause", "/start_weight_update", "/update_weights",
-                                                              "/finish_weight_update", "/resume"]
+    assert [route for route, _ in server.calls[before:]] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
+                                                              "/reset_encoder_cache", "/update_weight_version",
+                                                              "/resume"]
+    (reload,) = [body for route, body in server.calls[before:] if route == "/collective_rpc"]
+    assert reload == {"method": "reload_weights", "kwargs": {"weights_path": str((tmp_path / "transfer" / "v1"))}}
     assert server.version == "1" and server.running.is_set()
     ours = dict(policy.model.named_parameters())
     for name, theirs in server.model.named_parameters():
@@ -353,13 +356,13 @@ def test_a_stalled_sync_ends_the_run_within_sync_timeout_s(tmp_path):
     answer = stalling.post
 
     def post(route, query, body):
-        if route == "/start_weight_update" and stalling.version == "0":
+        if route == "/pause" and stalling.version == "0":
             stalling.stall_updates = True  # the sync after step 1 never ends on the server's side
         return answer(route, query, body)
 
     stalling.post = post
     try:
-        with pytest.raises(UserError, match=r"did not answer POST /update_weights within 2\.4 s .*the run stopped "
+        with pytest.raises(UserError, match=r"did not answer POST /collective_rpc within 2\.4 s .*the run stopped "
                                             r"after step 1 and wrote checkpoint-1"):
             train_run(tmp_path / "out", *overrides(stalling.url, tmp_path, "trainer.max_steps=2",
                                                    "rollout.vllm_server.sync_timeout_s=3"))
@@ -468,14 +471,14 @@ def test_a_run_against_two_servers_spreads_its_prompts_and_syncs_both(tmp_path):
 def test_one_step_behind_the_server_is_the_sampler_and_holds_the_version_the_schedule_says(server, tmp_path):
     """trainer.max_staleness=1 (the asynchronous pipeline): the sampler thread pushes each version it samples with
     (step n: the weights after step n - 2); the learner never syncs the server itself."""
-    before = [route for route, _ in server.calls].count("/update_weights")
+    before = [route for route, _ in server.calls].count("/collective_rpc")
     summary = train_run(tmp_path / "out", *overrides(server.url, tmp_path, "trainer.max_steps=3",
                                                       "trainer.max_staleness=1", "trainer.lr=1e-3"))
     assert summary["steps"] == 3
     lines = metrics(tmp_path / "out")
     assert [m["version_lag_max"] for m in lines] == [0, 1, 1]
     assert all(m["logp_mismatch_mean"] >= 0 for m in lines) and lines[0]["logp_mismatch_mean"] < 1e-4
-    pushed = [route for route, _ in server.calls].count("/update_weights") - before
+    pushed = [route for route, _ in server.calls].count("/collective_rpc") - before
     assert pushed <= 3  # the engine's first sync and the sampler's loads (versions 0, 1), never one per update
 
 
@@ -547,11 +550,11 @@ def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_ev
     push_weights([follower], DiskTransport(settings_, rank=1), weights(), version=3, pause_mode="wait",
                  collective=lambda failure: failure)
     assert follower.routes == [] and walked == ["a", "b"]
-    leader = Recording(fail="/update_weights")
-    with pytest.raises(ServerGone, match="did not answer POST /update_weights"):
+    leader = Recording(fail="/collective_rpc")
+    with pytest.raises(ServerGone, match="did not answer POST /collective_rpc"):
         push_weights([leader], DiskTransport(settings_, rank=0), weights(), version=3, pause_mode="wait",
                      collective=lambda failure: failure)
-    assert leader.routes == ["/pause?mode=wait", "/start_weight_update", "/update_weights"]
+    assert leader.routes == ["/pause?mode=wait", "/collective_rpc"]
     with pytest.raises(ServerError, match="rank 0 failed"):  # rank 0's sentence, on a rank whose own sync went well
         push_weights([Recording()], DiskTransport(settings_, rank=1), weights(), version=4, pause_mode="wait",
                      collective=lambda failure: ("error", "rank 0 failed"))

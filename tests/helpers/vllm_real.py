@@ -1,0 +1,152 @@
+"""vLLM itself in the suite: its CPU build's environment (scripts/vllm_cpu_env.sh), real `vllm serve` processes of
+the tiny model started from the command line docs/engines.md gives, and the trainer run in that environment.
+
+- `ENV`: where scripts/vllm_cpu_env.sh puts the environment ($GPG_VL_VLLM_ENV, else ~/.cache/gpg-vl/vllm-cpu);
+  `needs_vllm_env` skips a test, with the reason, where it is absent (.ci/run always builds it).
+- `server_command`: docs/engines.md's CPU server line, flag for flag (tests/integration/test_vllm_real.py checks
+  that the page holds it).
+- `RealServer`: one server on a free loopback port, in its own process group (killed whole); `shared_server`: one
+  server for the whole test run, whichever pytest-xdist worker asks first (helpers/once.py), ended by a watcher
+  when the run's main process ends; its users take `server_lock` (each test pushes its own weights to it).
+- `vllm_env`: the environment variables that run this clone's gpg_vl in the vLLM environment (whatever clone its
+  editable install points at).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = Path(os.environ.get("GPG_VL_VLLM_ENV") or Path.home() / ".cache" / "gpg-vl" / "vllm-cpu")
+PYTHON = ENV / "bin" / "python"
+STAMP = ENV / ".gpg-vl-vllm-cpu"  # written by scripts/vllm_cpu_env.sh once its check passes
+ABSENT = (f"the vLLM CPU environment is absent at {ENV}: `bash scripts/vllm_cpu_env.sh` makes it (about 4 minutes; "
+          ".ci/run always does)")
+needs_vllm_env = pytest.mark.skipif(not STAMP.exists(), reason=ABSENT)
+TINY = ROOT / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"
+SERVER_VARIABLES = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+START_S = 600  # a cold start on a loaded two-core machine takes about a minute
+
+
+def server_command(model: str | Path = "gpg_vl/assets/tiny-qwen2.5-vl", port: int = 8000) -> list[str]:
+    """docs/engines.md's CPU server line (after its environment variables), for `model` on `port`."""
+    return ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+            "--max-model-len", "2048", "--gpu-memory-utilization", "0.1", "--enable-scale-out",
+            "--logprobs-mode", "processed_logprobs", "--limit-mm-per-prompt", '{"image": 2}',
+            "--no-enable-chunked-prefill", "--enforce-eager", "--port", str(port)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    """os.environ for a process of the vLLM environment that runs THIS clone's gpg_vl (and its tasks, the package
+    gpg_vl_tasks: a link to tasks/ in a folder of the run), one thread, offline."""
+    shim = Path(tempfile.gettempdir()) / f"gpg-vl-tasks-{hashlib.sha1(str(ROOT).encode()).hexdigest()[:12]}"
+    shim.mkdir(parents=True, exist_ok=True)
+    link = shim / "gpg_vl_tasks"
+    if not link.exists():
+        try:
+            link.symlink_to(ROOT / "tasks")
+        except FileExistsError:
+            pass
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{shim}", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", **extra}
+
+
+class RealServer:
+    """One real `vllm serve` (vLLM's CPU build) on a free loopback port; its log in `log`."""
+
+    def __init__(self, model: str | Path, log: Path) -> None:
+        self.port, self.log = free_port(), Path(log)
+        command = [str(PYTHON), *server_command(model, self.port)[1:]]
+        self.process = subprocess.Popen(command, env=vllm_env(**SERVER_VARIABLES), stdout=open(self.log, "w"),  # noqa: SIM115
+                                        stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout_s: float = START_S) -> RealServer:
+        """Until /health answers; the log's tail if the server ends or never answers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):  # noqa: S310
+                    return self
+            except OSError:
+                time.sleep(1)
+        self.kill()
+        tail = self.log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"vllm serve did not start at {self.url}; its log ends:\n{tail}")
+
+    def kill(self) -> None:
+        """The whole server (API process, engine core, worker) at once, as a machine that dies."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+WATCH = """import os, signal, sys, time
+owner, group = int(sys.argv[1]), int(sys.argv[2])
+while True:
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(1)
+try:
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def shared_server(tmp_path_factory) -> str:
+    """The URL of the test run's one server of the tiny model (started by the first worker that asks; a watcher
+    kills it when the run's main process ends)."""
+    from helpers.once import once
+
+    def make(folder: Path) -> None:
+        server = RealServer(TINY, folder / "vllm-serve.log")
+        owner = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+        subprocess.Popen([sys.executable, "-c", WATCH, str(owner), str(server.process.pid)], start_new_session=True)
+        server.wait()
+        (folder / "url").write_text(server.url)
+
+    return (once(tmp_path_factory, "vllm-serve", make) / "url").read_text()
+
+
+def server_lock(tmp_path_factory):
+    """One test at a time on the shared server (each pushes its own weights to it)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    return FileLock(str(base / "vllm-serve-user.lock"))
+
+
+def request(url: str, route: str, body: dict | None = None) -> dict:
+    """One JSON request to a server (POST when there is a body)."""
+    data = None if body is None else json.dumps(body).encode()
+    call = urllib.request.Request(url + route, data=data, headers={"Content-Type": "application/json"},
+                                  method="GET" if body is None else "POST")
+    with urllib.request.urlopen(call, timeout=120) as answer:  # noqa: S310
+        return json.loads(answer.read() or b"{}")
