@@ -18,7 +18,9 @@ every group has signal, AdamW at lr 1e-6) and prints:
 - whether greedy decoding by vLLM after a weight sync gives the HF engine's (the trainer's) tokens.
 
 With --server it also starts a real `vllm serve` on the model (VLLM_SERVER_DEV_MODE=1, --enable-scale-out,
---logprobs-mode processed_logprobs, weight transfer `nccl` on a second GPU, else `disk` on the same one) and trains
+--logprobs-mode processed_logprobs; the weight sync `disk`, the one the CPU suite runs against vLLM 0.32: safetensors
+reloaded through /collective_rpc, each sync's version read back from /weight_info; --server-transfer nccl on a
+second GPU checks vLLM's NCCL backend instead) and trains
 the same steps through `rollout.engine=vllm_server` (docs/many-nodes.md): synchronously, and one step behind
 (k = 1) where the trainer has the asynchronous pipeline (`trainer.max_staleness`); it prints the server's
 generated tokens per second, the seconds of each weight sync and the log-prob gap (logp_mismatch):
@@ -291,14 +293,20 @@ def start_server(folder: Path, args) -> tuple[subprocess.Popen, dict]:
     """A real `vllm serve` on the model folder (weights: the trainer's, from the first sync), and the engine's
     rollout.vllm_server settings for it; waits for /health (one sentence and the log's tail if it never answers)."""
     second_gpu = torch.cuda.device_count() > 1
-    backend = "nccl" if second_gpu else "disk"  # NCCL cannot join two processes on one GPU
+    backend = args.server_transfer
+    if backend == "nccl" and not second_gpu:
+        raise SystemExit("error: --server-transfer nccl needs a second GPU for the server (NCCL cannot join two "
+                         "processes on one GPU); use --server-transfer disk.")
     transfer = Path(folder) / "transfer"
     port = 8017
-    command = ["vllm", "serve", str(folder), "--port", str(port), "--load-format", "dummy", "--dtype", "bfloat16",
+    # the model folder's own weights at start (a dummy load leaves buffers no reload fills), the trainer's after
+    # the first sync; `disk` is the sync the CPU suite runs against vLLM 0.32 (no --weight-transfer-config)
+    command = ["vllm", "serve", str(folder), "--port", str(port), "--dtype", "bfloat16",
                "--max-model-len", "4096", "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                "--limit-mm-per-prompt", '{"image": 2}', "--enforce-eager",
                "--mm-processor-kwargs", '{"min_pixels": 3136, "max_pixels": 50176}', "--enable-scale-out",
-               "--weight-transfer-config", f'{{"backend": "{backend}"}}', "--logprobs-mode", "processed_logprobs"]
+               "--logprobs-mode", "processed_logprobs",
+               *(["--weight-transfer-config", '{"backend": "nccl"}'] if backend == "nccl" else [])]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1" if second_gpu else "0"}
     log = open(Path(folder) / "vllm-serve.log", "w")  # noqa: SIM115 (open while the server runs)
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -350,6 +358,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per engine (after one warm-up)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--server", action="store_true", help="also train through a real `vllm serve`")
+    parser.add_argument("--server-transfer", default="disk", choices=["disk", "nccl"],
+                        help="--server's weight sync: disk (the CPU suite's: /collective_rpc reload_weights) or nccl "
+                             "(vLLM's weight-transfer backend; needs a second GPU for the server)")
     parser.add_argument("--packing", action="store_true",
                         help="also check the packed update (varlen flash attention) against the padded one")
     args = parser.parse_args()

@@ -241,7 +241,8 @@ def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
     assert engine.returns_logps
     from gpg_vl.models.weights import engine_weights
 
-    assert set(fake.loaded) == {name for name, _ in engine_weights(policy.model)} and fake.loaded  # synced at start
+    # synced at start; the tied head under its own name too (vLLM's in-place reload would keep its old tensor)
+    assert set(fake.loaded) == {name for name, _ in engine_weights(policy.model)} | {"lm_head.weight"}
     prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:2]])
     rollout = engine.generate(prompts, 3, Sampling(max_new_tokens=4))
     assert rollout.completion_ids.tolist() == [[11, 12, eos, policy.family.pad_id]] * 6
@@ -252,6 +253,7 @@ def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
     engine.sync(policy.model)
     (embedding,) = [name for name in fake.loaded if name.endswith("embed_tokens.weight")]
     assert torch.equal(fake.loaded[embedding], policy.model.lm_head.weight)
+    assert torch.equal(fake.loaded["lm_head.weight"], policy.model.lm_head.weight)
     kinds = [call[0] for call in fake.calls]
     assert kinds == ["reset_prefix_cache", "reset_mm_cache", "generate", "sleep", "wake_up",
                      "reset_prefix_cache", "reset_mm_cache"]

