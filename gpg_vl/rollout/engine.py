@@ -139,6 +139,10 @@ class Engine:
     def sync(self, model) -> None:
         """Take the trained model's weights (after each optimizer step)."""
 
+    def continue_from(self, step: int) -> None:
+        """A resumed run continues after `step` with the weights it saved there: an engine that numbers its weight
+        versions (the syncs since the run began) numbers them from `step`, as the uninterrupted run does."""
+
     def sleep(self) -> None:
         """Free the engine's memory while the update runs."""
 

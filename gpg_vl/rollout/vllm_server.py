@@ -523,6 +523,25 @@ class VLLMServerEngine(Engine):
                        sampler_logps=logps.to(device), weight_versions=[row.version for row in rows])
 
     # ---- weights ----------------------------------------------------------------------------------
+    def continue_from(self, step: int) -> None:
+        """The servers hold the checkpoint's weights (the first sync): they are version `step`, as in the run that
+        went on without a stop (its sync after step n labels n), and each request's seed follows from it."""
+        from gpg_vl.rollout.weight_transfer import broadcast_from_main, check_version
+
+        self.version = step
+        failure = None
+        if self.rank == 0:
+            timeout = self.transport.timeout_s
+            try:
+                self.transport.label(self.servers, step)
+                for server in self.servers:
+                    check_version(server, step, timeout)
+            except ServerError as error:
+                failure = str(error)
+        failure = broadcast_from_main(failure)
+        if failure:
+            raise ServerError(failure)
+
     def sync(self, model) -> None:
         """Push the trainer's weights to every server, on every rank, within sync_timeout_s
         (rollout/weight_transfer.py)."""
