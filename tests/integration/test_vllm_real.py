@@ -215,3 +215,15 @@ def test_the_colocated_engine_trains_in_the_vllm_environment(tmp_path):
     lines = metrics(out)
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["logp_mismatch_mean"] < 1e-4 and m["logp_mismatch_max"] < 1e-3 for m in lines)
+
+
+def test_bench_measures_both_engines_rollout_and_step():
+    """scripts/bench.py --engines at a tiny scale (its figures come from a quiet machine: docs/results/vllm.md): each
+    engine in a process of its own, a table row each, with the vLLM step's sync timed."""
+    done = subprocess.run([str(PYTHON), "scripts/bench.py", "--engines", "hf,vllm", "--engine-models", "tiny",
+                           "--threads", "1", "--prompts", "1", "--group-sizes", "2", "--new-tokens", "4",
+                           "--image-sizes", "112", "--warmup", "0", "--steps", "1"],
+                          cwd=ROOT, env=vllm_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [row[1] for row in rows] == ["hf", "vllm"] and all(float(row[3]) >= 0 for row in rows)
