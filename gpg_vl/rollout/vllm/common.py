@@ -57,10 +57,11 @@ def vllm_weights(model, family) -> Iterator[tuple[str, Tensor]]:
     model ties its output head to its input embedding, the head under its own name as well: vLLM's in-place reload
     replaces the embedding's tensor and puts the head's old one back (it finds no weight of its own for it), which
     unties them; sent, the head gets the embedding's values too."""
-    from gpg_vl.models.weights import engine_weights
+    from gpg_vl.models.weights import bare_transformers_model, engine_weights
 
-    text = getattr(model.config, "text_config", model.config)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    config = bare_transformers_model(model).config  # through DDP / FSDP / PEFT wrappers
+    text = getattr(config, "text_config", config)
+    tied = bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
     for name, tensor in engine_weights(model, family):
         yield name, tensor
         if tied and name.endswith("embed_tokens.weight") and "visual" not in name:
