@@ -155,8 +155,6 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     run.data = RunData(task, stream, eval_rows=None, eval_kwargs={},
                        reward_names=reward_names(task, trainer))
     _resume(run)
-    if state.start_step:
-        engine.continue_from(state.start_step)  # weight versions (and the seeds they set) as the run that never stopped
     prepare_held_out(run)
     run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,
                    desc=bar_label(trainer.loss), dynamic_ncols=True)

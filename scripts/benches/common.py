@@ -206,7 +206,8 @@ class GpgRunner:
         rolled = time.perf_counter()
         update(self.learner, collected.attempts)
         updated = time.perf_counter()
-        self.engine.sync(self.policy.model)  # an engine with weights of its own (vLLM) takes the new ones
+        self.synced = getattr(self, "synced", 0) + 1
+        self.engine.sync(self.policy.model, self.synced)  # an engine with weights of its own (vLLM) takes them
         measured = meter.stop()
         attempt = collected.attempts[0]
         prompt_tokens = int(attempt.prompts.inputs["attention_mask"].sum()) * self.settings.group_size

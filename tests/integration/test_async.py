@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.learners import learner_for
 from helpers.runs import train_run, untimed
 from safetensors.torch import load_file
 
@@ -102,11 +103,9 @@ def test_rejected_sequences_leave_the_normalizer_and_all_rejected_groups_count_i
     """Three valid groups of two; the behaviour log-probs of group 0's first sequence and of both of group 1's are
     moved far off (geometric-mean rejection rejects them). By hand: normalizer = 3 kept sequences (group 0's second,
     group 2's two), M = 1 (group 1), and the loss is -1/3 sum over the kept of A_i x their token-mean log-prob."""
-    from accelerate import Accelerator
-    from transformers import get_scheduler
 
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.update import update
 
     rollout = RolloutSettings(max_new_tokens=6)
     settings = TrainerSettings(batch_size=3, group_size=2, reward_workers=1, correction="geo_reject",
@@ -127,10 +126,7 @@ def test_rejected_sequences_leave_the_normalizer_and_all_rejected_groups_count_i
     token_means = (logps * mask).sum(1) / mask.sum(1)
     kept = [1, 4, 5]
     expected = -sum(float(advantages.flatten()[i] * token_means[i]) for i in kept) / 3
-    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
-    learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), Accelerator(cpu=True),
-                      settings, temperature=1.0, path=path)
-    result = update(learner, [attempt])
+    result = update(learner_for(policy, settings, path=path), [attempt])
     assert result["groups_rejected"] == 1 and result["rejected_fraction"] == pytest.approx(3 / 6)
     assert result["loss"] == pytest.approx(expected, abs=1e-6)
 
@@ -211,3 +207,20 @@ def test_the_readme_main_job_learns_one_step_behind(tmp_path):
                                                "trainer.max_steps=45", "eval.limit=100", "trainer.eval_before=false"]))
     # the same starting weights and rows as test_train.py's short run, which asserts their accuracy: 0.450
     assert round(100 * summary["accuracy_after"]) - 45 >= 25, summary  # rows, not floats: 0.70 - 0.45 < 0.25
+
+
+def test_a_correction_weighs_a_stale_grpo_loss_and_leaves_its_ratio(tmp_path):
+    """The house issue's measurement: algorithm=grpo one step behind (k = 1) for two steps, without a correction and
+    with token_tis: step 2 trains on the same rollouts in both, and its ratio (to pi_prox, the learner's policy
+    before the step: 1 on a rollout's one optimizer step) is the same, while token_tis weighs its tokens (weights
+    that are not all 1). The ratio used to be exp(w log pi - log pi_b): 0.99942 against 0.99837 on the command line."""
+    lines = {}
+    for correction in ("none", "token_tis"):
+        train_run(tmp_path / correction, "algorithm=grpo", *SMALL, "trainer.max_steps=2", "trainer.save_every=0",
+                  f"trainer.correction={correction}")
+        lines[correction] = _metrics(tmp_path / correction)[1]
+    plain, weighed = lines["none"], lines["token_tis"]
+    assert plain["version_lag_max"] == weighed["version_lag_max"] == 1
+    assert plain["reward_mean"] == weighed["reward_mean"] and plain["groups_used"] == weighed["groups_used"]
+    assert plain["ratio_mean"] == weighed["ratio_mean"] == 1.0 and plain["ratio_max"] == weighed["ratio_max"] == 1.0
+    assert plain["is_weight_max"] == 1.0 and weighed["is_weight_max"] != 1.0 and plain["loss"] != weighed["loss"]

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.scoring import path_for, token_logps
+from helpers.learners import learner_for
+from helpers.scoring import token_logps
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.objective.corrections import apply_correction, logp_mismatch
 from gpg_vl.rollout.engine import ENGINES, EnginePrompts, Sampling, build_engine, encode_prompts, require_engine
 from gpg_vl.rollout.hf import DECODERS, HFEngine, generate, process_logits
 from gpg_vl.rollout.vllm.colocated import (
@@ -150,7 +151,7 @@ def test_hf_engine_through_the_seam(policy, shapes):
     rollout = engine.generate(picked, 2, Sampling(max_new_tokens=6))
     assert rollout.completion_ids.shape[0] == 4 and rollout.group_size == 2
     assert rollout.sampler_logps.shape == rollout.completion_ids.shape  # the behaviour log-probs (trainer.correction)
-    engine.sync(policy.model)  # nothing to do: the sampler is the trained model
+    engine.sync(policy.model, 1)  # nothing to do: the sampler is the trained model
     engine.sleep()
     engine.wake()
 
@@ -255,7 +256,7 @@ def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
     assert torch.allclose(rollout.sampler_logps[0], torch.tensor([-0.25, -0.5, -0.75, 0.0]))
     with torch.no_grad():
         policy.model.lm_head.weight.add_(1.0)  # tied to the input embedding: the checkpoint holds it once
-    engine.sync(policy.model)
+    engine.sync(policy.model, 1)
     (embedding,) = [name for name in fake.loaded if name.endswith("embed_tokens.weight")]
     assert torch.equal(fake.loaded[embedding], policy.model.lm_head.weight)
     assert torch.equal(fake.loaded["lm_head.weight"], policy.model.lm_head.weight)
@@ -308,10 +309,11 @@ def test_logp_mismatch_by_hand():
 
 
 def test_truncated_importance_weights_by_hand_and_without_gradient():
+    """rollout.vllm.tis_cap's weights (token_tis with that cap): min(p / q, cap) per token, 1 off the mask."""
     trainer = torch.tensor([[math.log(0.5), math.log(0.2)], [math.log(0.9), 0.0]], requires_grad=True)
     sampler = torch.tensor([[math.log(0.25), math.log(0.4)], [math.log(0.1), 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
-    weights = truncated_is_weights(trainer, sampler, mask, cap=3.0)
+    weights, _, _ = apply_correction("token_tis", {"cap": 3.0}, trainer, sampler, mask, torch.ones(2))
     assert torch.allclose(weights, torch.tensor([[2.0, 0.5], [3.0, 1.0]]))  # 9 capped at 3; masked out -> 1
     assert not weights.requires_grad
 
@@ -319,14 +321,12 @@ def test_truncated_importance_weights_by_hand_and_without_gradient():
 def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, shapes):
     """The update with sampler log-probs: equal ones give mismatch 0 and (with TIS) the plain gradient;
     a sampler twice as likely on every token (w = 1/2) halves it; AGE's normalizer is unchanged."""
-    from accelerate import Accelerator
-    from transformers import get_scheduler
 
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.rollout.engine import Correction, build_engine
     from gpg_vl.train.sample import sample_attempt
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.update import update
 
     stream = PromptStream(shapes.load("train")[:8], seed=0)
     rollout = RolloutSettings(max_new_tokens=6)
@@ -341,11 +341,8 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
 
     def gradient(sampler, tis_cap):
         attempt.rollout.sampler_logps = sampler
-        accelerator = Accelerator(cpu=True)
-        optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
-        learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), accelerator, settings,
-                          temperature=1.0, path=path_for(policy.family, policy.model, settings),
-                          correction=Correction(sampler_check=sampler is not None, tis_cap=tis_cap))
+        learner = learner_for(policy, settings,
+                              correction=Correction(sampler_check=sampler is not None, tis_cap=tis_cap))
         result = update(learner, [attempt])
         return result, policy.model.lm_head.weight.grad
 

@@ -81,7 +81,7 @@ def test_each_disk_sync_reaches_the_server_and_its_rollouts_are_the_trainers(pol
     with torch.no_grad():
         for parameter in policy.model.parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
-    engine.sync(policy.model)
+    engine.sync(policy.model, 1)
     assert request(served, "/weight_info")["weight_version"] == "1"
     after = request(served, "/weight_checker", {"action": "checksum"})["checksums"]
     # every tensor whose bytes the server can hash changed; the CPU build's repacked linear layers hash as empty

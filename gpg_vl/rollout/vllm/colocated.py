@@ -322,7 +322,7 @@ class VLLMEngine(VLLMEngineBase):
                                                    say=accelerator.print if accelerator is not None else print)
         self.llm, self.sampling_params = llm, sampling_params
         self.asleep, self.weights_awake = False, False
-        self.sync(policy.model)  # the trainer's weights, whatever their source (a checkpoint, LoRA, a resume)
+        self.sync(policy.model, 0)  # the trainer's weights, whatever their source (a checkpoint, LoRA, a resume)
 
     def _build_llm(self, policy, rollout, *, seed: int, say) -> tuple:
         """vLLM's LLM and SamplingParams; on vLLM's CPU platform without sleep mode (one line says so)."""
@@ -408,7 +408,7 @@ class VLLMEngine(VLLMEngineBase):
         return rollout
 
     # ---- weights and memory ----------------------------------------------------------------------
-    def sync(self, model) -> None:
+    def sync(self, model, version: int) -> None:
         """Push the trainer's weights into vLLM's model through its workers' `reload_weights` (in process: the
         launcher's own processes), which loads them in checkpoint layout and redoes the platform's processing of
         them (the CPU build repacks its linear layers), then drop every cache computed with the old ones."""
