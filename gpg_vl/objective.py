@@ -58,11 +58,14 @@ import inspect
 import math
 import sys
 from collections.abc import Callable
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
+from gpg_vl.config.keys import option
 from gpg_vl.config.names import ADVANTAGE_BUILTINS, LOSS_BUILTINS
+from gpg_vl.config.validate import check_options
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
 
@@ -279,6 +282,20 @@ def _base_metrics(loss: Tensor, token_logps: Tensor, mask: Tensor, adv: Tensor) 
 
 
 # ----------------------------------------------------------------------------- policy losses
+# What the built-in losses' options allow, declared beside their defaults (`loss_options` checks them).
+ClipLow = Annotated[float, option("the ratio clipped below at 1 - clip_low", low=0, below=1)]
+ClipHigh = Annotated[float | None, option("the ratio clipped above at 1 + clip_high; null = clip_low", low=0,
+                                          below=1)]
+MaskThreshold = Annotated[float | None, option("the sequence KL above which a negative-advantage sequence is "
+                                               "masked; null = off", low=0)]
+CapOption = Annotated[float, option("the most weight a token gets", above=0)]
+KlCoef = Annotated[float, option("beta of the k3 KL to the reference", low=0)]
+Temperature = Annotated[float, option("the soft gate's temperature", above=0)]
+VespoShape = Annotated[float, option("the gamma weight's shape k", low=0)]
+VespoRate = Annotated[float, option("the gamma weight's rate lambda", above=0)]
+MaxTokens = Annotated[int | None, option("the completion length limit", low=1)]
+
+
 @register_policy_loss("gpg")
 def policy_loss(
     token_logps: Tensor,
@@ -412,8 +429,8 @@ def clipped_surrogate(
 
 
 @register_policy_loss("grpo", needs=("old", "ref"))
-def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = None, kl_coef: float = 0.0, off_policy_mask_threshold: float | None = None,
+def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+              clip_high: ClipHigh = None, kl_coef: KlCoef = 0.0, off_policy_mask_threshold: MaskThreshold = None,
               **inputs):
     """GRPO (DeepSeekMath, R1-V's trainer): clipped ratio (default eps 0.2), k3 KL to the reference with
     `kl_coef`, and the aggregation given (per-sequence token mean, then mean, by default)."""
@@ -422,9 +439,9 @@ def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 
 @register_policy_loss("dr_grpo", needs=("old",), aggregation="seq_mean_token_sum")
-def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-                 clip_high: float | None = None, max_tokens: int | None = None,
-                 off_policy_mask_threshold: float | None = None, **inputs):
+def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+                 clip_high: ClipHigh = None, max_tokens: MaxTokens = None,
+                 off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """Dr. GRPO: the clipped ratio, each sequence's token sum over the constant `max_tokens` (the trainer
     passes rollout.max_new_tokens), no KL."""
     if not max_tokens:
@@ -436,8 +453,8 @@ def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tenso
 
 
 @register_policy_loss("dapo", needs=("old",), aggregation="token_mean")
-def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = 0.28, off_policy_mask_threshold: float | None = None, **inputs):
+def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+              clip_high: ClipHigh = 0.28, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """DAPO: clip-higher (eps_low 0.2, eps_high 0.28 by default), the token mean over the batch, no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
                              off_policy_mask_threshold=off_policy_mask_threshold, **{**inputs, "kl_coef": 0.0})
@@ -448,8 +465,8 @@ def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 # same inputs: tests/unit/test_trl_losses.py) and verl's GMPO (`geo_mean`). Each ratio loss also takes TRL's
 # `off_policy_mask_threshold` (DeepSeek-V3.2's off-policy sequence mask, `off_policy_mask`).
 @register_policy_loss("bnpo", needs=("old",), aggregation="token_mean")
-def bnpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = None, off_policy_mask_threshold: float | None = None, **inputs):
+def bnpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+              clip_high: ClipHigh = None, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """BNPO (TRL `loss_type="bnpo"`): the clipped surrogate per token, summed over the batch's tokens and divided
     by their count (TRL normalises by the local batch; here by the global token count), no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
@@ -457,8 +474,8 @@ def bnpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 
 @register_policy_loss("gspo", needs=("old",), aggregation="seq_mean_token_mean")
-def gspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 3e-4,
-              clip_high: float | None = 4e-4, off_policy_mask_threshold: float | None = None, **inputs):
+def gspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 3e-4,
+              clip_high: ClipHigh = 4e-4, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """GSPO (TRL `loss_type="grpo"` with `importance_sampling_level="sequence"`): one ratio per sequence,
     ``s_i = exp(mean_t (logp - old))``, clipped to [1 - clip_low, 1 + clip_high] (GSPO's 3e-4 / 4e-4), loss
     ``-min(s_i A_i, clip(s_i) A_i)`` per sequence, mean over sequences; no KL."""
@@ -467,8 +484,8 @@ def gspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 
 @register_policy_loss("luspo", needs=("old",), aggregation="seq_token_sum")
-def luspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 3e-4,
-               clip_high: float | None = 4e-4, off_policy_mask_threshold: float | None = None, **inputs):
+def luspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 3e-4,
+               clip_high: ClipHigh = 4e-4, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """LUSPO (TRL `loss_type="luspo"`, sequence-level ratio): GSPO's per-sequence loss times the sequence's length
     (its token sum), mean over sequences; no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
@@ -476,8 +493,8 @@ def luspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
 
 
 @register_policy_loss("sapo", needs=("old",), aggregation="seq_mean_token_mean")
-def sapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, temperature_pos: float = 1.0,
-              temperature_neg: float = 1.05, off_policy_mask_threshold: float | None = None,
+def sapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, temperature_pos: Temperature = 1.0,
+              temperature_neg: Temperature = 1.05, off_policy_mask_threshold: MaskThreshold = None,
               **inputs) -> tuple[Tensor, dict[str, float]]:
     """SAPO (TRL `loss_type="sapo"`): a soft gate instead of the clip. Per token, with r = exp(logp - old) and
     tau = `temperature_pos` where A > 0 else `temperature_neg`: ``-sigmoid(tau (r - 1)) * 4 / tau * A``
@@ -514,9 +531,9 @@ def gamma_weights(adv: Tensor, log_ratio: Tensor, mask: Tensor, *, k_pos: float,
 
 
 @register_policy_loss("vespo", needs=("old",), aggregation="token_mean")
-def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, k_pos: float = 2.0,
-               lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
-               off_policy_mask_threshold: float | None = None, **inputs) -> tuple[Tensor, dict[str, float]]:
+def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, k_pos: VespoShape = 2.0,
+               lambda_pos: VespoRate = 3.0, k_neg: VespoShape = 3.0, lambda_neg: VespoRate = 2.0,
+               off_policy_mask_threshold: MaskThreshold = None, **inputs) -> tuple[Tensor, dict[str, float]]:
     """VESPO (TRL `loss_type="vespo"`): a policy gradient weighted per sequence by the gamma function of its
     ratio (`gamma_weights`, no gradient through it): per token ``-phi_i A_i logp``, token mean over the batch."""
     mask, logps, old, adv = ratio_inputs(token_logps, completion_mask, advantages, inputs.get("old_logps"))
@@ -533,8 +550,8 @@ def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
 
 
 @register_policy_loss("gmpo", needs=("old",), aggregation="seq_mean_token_mean")
-def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.4,
-              clip_high: float | None = 0.4, off_policy_mask_threshold: float | None = None,
+def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.4,
+              clip_high: ClipHigh = 0.4, off_policy_mask_threshold: MaskThreshold = None,
               **inputs) -> tuple[Tensor, dict[str, float]]:
     """GMPO (verl `loss_mode=geo_mean`): the geometric mean of the token ratios, clipped per token in log space.
 
@@ -562,7 +579,7 @@ def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 @register_policy_loss("cispo", needs=("old",), aggregation="token_mean")
 def cispo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, old_logps: Tensor | None = None,
-               cap: float = 5.0, **inputs) -> tuple[Tensor, dict[str, float]]:
+               cap: CapOption = 5.0, **inputs) -> tuple[Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1): per token -sg(min(rho_t, cap)) * A * log pi_t, rho_t = exp(logp - old), the token mean
     over the batch; the weight is detached, so every token keeps a gradient (no clipping takes it away). TRL 1.16's
     loss_type="cispo" caps at its `epsilon_high` itself: cap here is that number. token_logps, old_logps,
@@ -603,13 +620,16 @@ def loss_options(loss: PolicyLoss, given: dict, defaults: dict, *, name: str | N
     (trainer.loss_options), else from `defaults` (the trainer's settings of that name: clip_low, clip_high,
     kl_coef; max_tokens = rollout.max_new_tokens), else keeps the loss's own default. A loss that also takes
     `**kwargs` gets every default it does not declare (what it may forward). A key of `given` that the loss
-    does not declare fails in one sentence naming the loss and its options."""
+    does not declare fails in one sentence naming the loss and its options; a value outside what the loss declares
+    for it (`Annotated[float, option(..., above=0)]`, gpg_vl/config/validate.py's `check_options`) in one naming
+    the option and what it allows."""
     declared = declared_options(loss)
     unknown = sorted(set(given) - set(declared))
     if unknown:
         label = name or getattr(loss, "__name__", "the loss")
         raise UserError(f"trainer.loss_options.{unknown[0]}: loss {label} has no option {unknown[0]!r}; its options: "
                         f"{', '.join(sorted(declared)) or 'none'}.")
+    check_options(loss, given, prefix="trainer.loss_options", owner=f"loss {name or getattr(loss, '__name__', '')}")
     chosen = {key: given[key] if key in given else defaults.get(key, default) for key, default in declared.items()}
     takes_more = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(loss).parameters.values())
     return {**({k: v for k, v in defaults.items() if k not in declared} if takes_more else {}), **chosen}

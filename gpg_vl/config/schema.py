@@ -98,9 +98,9 @@ class TrainerSettings:
     ppo_mini_batch: int = field(default=0, metadata=meta(
         "sequences per optimizer step, over all processes, a multiple of group_size (0 = the whole rollout)",
         low=0, note="0 = the whole rollout"))
-    clip_low: float = field(default=0.2, metadata=meta("ratio clipped below at 1 - clip_low", low=0, high=1))
+    clip_low: float = field(default=0.2, metadata=meta("ratio clipped below at 1 - clip_low", low=0, below=1))
     clip_high: float | None = field(default=None, metadata=meta(
-        "ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)", low=0,
+        "ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)", low=0, below=1,
         note="null = clip_low"))
     kl_coef: float = field(default=0.0, metadata=meta(
         "beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)", low=0))
@@ -201,6 +201,10 @@ class TrainerSettings:
             from gpg_vl.rollout.corrections import correction_options
 
             correction_options(self.correction, self.correction_options)
+        if self.loss_options:  # an unknown option, or a value outside what the loss declares, fails here
+            from gpg_vl.objective import get_policy_loss, loss_options
+
+            loss_options(get_policy_loss(self.loss), dict(self.loss_options), {}, name=self.loss)
         if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in needs:
             raise UserError(f"trainer.ppo_epochs / trainer.ppo_mini_batch take several optimizer steps per rollout, "
                             f"which needs a loss with a ratio to the rollout policy; trainer.loss={self.loss} has "

@@ -13,11 +13,12 @@ A key absent from the config (e.g. `trainer.*` in eval.yaml) is not checked.
 
 from __future__ import annotations
 
+import inspect
 import math
 import types
 import typing
 from collections.abc import Callable, Iterable
-from dataclasses import Field, dataclass
+from dataclasses import Field, dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class Rule:
     low: float | None = None  # inclusive lower bound (`above` for an exclusive one)
     above: float | None = None
     high: float | None = None  # inclusive upper bound
+    below: float | None = None  # exclusive upper bound
     optional: bool = False  # null is allowed
     choices: Callable[[], Iterable[str]] | tuple[str, ...] = ()
     note: str = ""  # why, appended to what is allowed
@@ -56,7 +58,8 @@ class Rule:
         if self.kind == "int" and not isinstance(value, int):
             return False
         return (math.isfinite(value) and (self.low is None or value >= self.low)
-                and (self.above is None or value > self.above) and (self.high is None or value <= self.high))
+                and (self.above is None or value > self.above) and (self.high is None or value <= self.high)
+                and (self.below is None or value < self.below))
 
     def options(self) -> list[str]:
         return list(self.choices() if callable(self.choices) else self.choices)
@@ -72,7 +75,8 @@ class Rule:
         else:
             bounds = [f">= {_number(self.low)}" if self.low is not None else "",
                       f"> {_number(self.above)}" if self.above is not None else "",
-                      f"<= {_number(self.high)}" if self.high is not None else ""]
+                      f"<= {_number(self.high)}" if self.high is not None else "",
+                      f"< {_number(self.below)}" if self.below is not None else ""]
             text = ("an integer" if self.kind == "int" else "a number") + " " + " and ".join(b for b in bounds if b)
         text = text.strip() + (" or null" if self.optional else "")
         return f"{text} ({self.note})" if self.note else text
@@ -98,9 +102,9 @@ def choices_of(source: str) -> list[str]:
     return lists[source]
 
 
-def value_type(item: Field) -> tuple[object, bool]:
-    """A field's type without `None`, and whether null is allowed (`X | None`)."""
-    hint = item.type
+def value_type(item) -> tuple[object, bool]:
+    """A field's type (or a type) without `None`, and whether null is allowed (`X | None`)."""
+    hint = item.type if isinstance(item, Field) else item
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = typing.get_args(hint)
         rest = [a for a in args if a is not type(None)]
@@ -110,8 +114,10 @@ def value_type(item: Field) -> tuple[object, bool]:
 
 def rule_for(item: Field) -> Rule | None:
     """What a schema field allows, from its type and its metadata (None: its type says all, e.g. a free string)."""
-    key = key_of(item) or Key("")
-    hint, optional = value_type(item)
+    return _rule(*value_type(item), key_of(item) or Key(""))
+
+
+def _rule(hint, optional: bool, key: Key) -> Rule | None:
     common = {"optional": optional, "note": key.note}
     if key.choices:
         choices = key.choices
@@ -120,10 +126,45 @@ def rule_for(item: Field) -> Rule | None:
     if hint is bool:
         return Rule("bool", **common)
     if hint in (int, float):
-        return Rule("int" if hint is int else "number", low=key.low, above=key.above, high=key.high, **common)
+        return Rule("int" if hint is int else "number", low=key.low, above=key.above, high=key.high, below=key.below,
+                    **common)
     if hint is str and key.nonempty:
         return Rule("str", **common)
     return None
+
+
+def option_rules(fn: Callable) -> dict[str, Rule]:
+    """The options of a plugin function (a loss, a correction) that declare what they allow: keyword arguments
+    annotated `Annotated[float, option("meaning", above=0)]` (gpg_vl/config/keys.py), or of a plain bool, int or
+    float type; an option with neither (or whose annotation cannot be read) is not checked."""
+    try:
+        parameters = inspect.signature(fn, eval_str=True).parameters
+    except Exception:  # an annotation naming what its module does not define: read it unevaluated
+        parameters = inspect.signature(fn).parameters
+    table = {}
+    for name, parameter in parameters.items():
+        hint, key = parameter.annotation, Key("")
+        if typing.get_origin(hint) is typing.Annotated:
+            hint, *extras = typing.get_args(hint)
+            key = next((extra for extra in extras if isinstance(extra, Key)), key)
+        if parameter.default is parameter.empty or isinstance(hint, str):
+            continue
+        hint, optional = value_type(hint)
+        key = replace(key, note=key.note or key.help)  # the option's meaning, said with what it allows
+        rule = _rule(hint, optional or parameter.default is None, key) if hint in (bool, int, float) else None
+        if rule is not None:
+            table[name] = rule
+    return table
+
+
+def check_options(fn: Callable, given: dict, *, prefix: str, owner: str) -> None:
+    """Raise one UserError for the first value of `given` (a plugin's options, `prefix`.<name> in the config) that
+    its declaration (`option_rules`) does not allow; `owner` names the plugin in the sentence."""
+    declared = option_rules(fn)
+    for name, value in given.items():
+        rule = declared.get(name)
+        if rule is not None and not rule.allows(value):
+            raise UserError(f"{prefix}.{name}={value!r} is not allowed for {owner}: give {rule.allowed()}.")
 
 
 @cache
