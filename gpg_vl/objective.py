@@ -65,7 +65,7 @@ from torch import Tensor
 
 from gpg_vl.config.keys import option
 from gpg_vl.config.names import ADVANTAGE_BUILTINS, LOSS_BUILTINS
-from gpg_vl.config.validate import check_options
+from gpg_vl.config.rules import check_options
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
 
@@ -621,7 +621,7 @@ def loss_options(loss: PolicyLoss, given: dict, defaults: dict, *, name: str | N
     kl_coef; max_tokens = rollout.max_new_tokens), else keeps the loss's own default. A loss that also takes
     `**kwargs` gets every default it does not declare (what it may forward). A key of `given` that the loss
     does not declare fails in one sentence naming the loss and its options; a value outside what the loss declares
-    for it (`Annotated[float, option(..., above=0)]`, gpg_vl/config/validate.py's `check_options`) in one naming
+    for it (`Annotated[float, option(..., above=0)]`, gpg_vl/config/rules.py's `check_options`) in one naming
     the option and what it allows."""
     declared = declared_options(loss)
     unknown = sorted(set(given) - set(declared))

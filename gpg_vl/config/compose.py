@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import typing
 from datetime import datetime
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from gpg_vl.config import names
-from gpg_vl.config.schema import register_schema, schemas_with
+from gpg_vl.config.keys import declared
+from gpg_vl.config.rules import value_type
+from gpg_vl.config.schema import TrainSchema, register_schema, schemas_with
 from gpg_vl.config.validate import check_values
 from gpg_vl.errors import Interrupted, UserError
 
@@ -42,12 +45,22 @@ def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+# the option maps: the schema's keys of a dict (or any value) named *options, whose keys a plugin declares
+OPTION_MAPS = tuple(name for name, item in declared(TrainSchema) if name.endswith("options")
+                    and value_type(item)[0] in (dict, typing.Any))
+
+
+def _option_map(key: str) -> bool:
+    """Whether `key` (as typed, without `+`) is an option map (OPTION_MAPS: a dict of a loss's, a correction's or a
+    task's own keyword arguments, declared by the plugin, not the schema) or a key inside one."""
+    return any(key == name or key.startswith(name + ".") for name in OPTION_MAPS)
+
+
 def _check_override(cfg: DictConfig, override: str) -> None:
     """Raise a UserError naming the valid keys when `key=value` sets a key the config does not have."""
     key = override.split("=", 1)[0].lstrip("~")
     parts = key.split(".")
-    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or parts[:2] in (["task", "options"],
-                                                                                          ["trainer", "loss_options"]):
+    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or _option_map(key):
         return  # task options are the task constructor's keywords, loss options the loss's: each checks its own
     node = cfg
     for depth, part in enumerate(parts):
@@ -101,9 +114,9 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     overrides = [o if o not in plugin else "task=plugin" for o in overrides]
     if plugin:
         overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
-    # trainer.loss_options is a dict of the loss's own keywords (checked against the loss by the trainer), and
-    # task.options the task constructor's (checked by the task, which names its options): add or set
-    overrides = ["++" + o if o.startswith(("trainer.loss_options.", "task.options.")) else o for o in overrides]
+    # an option map holds a plugin's own keywords (checked by the plugin, which names its options): a key of it,
+    # or the whole map (`'trainer.correction_options={cap: 2.0}'`), is added or set
+    overrides = ["++" + o if _option_map(o.split("=", 1)[0]) else o for o in overrides]
     group_overrides = [o for o in overrides if o.split("=", 1)[0] in (*GROUPS, "+experiment")]
     register_schema()
     try:

@@ -32,7 +32,7 @@ def meta(help: str, **allowed) -> dict:
 
 def option(help: str, **allowed):
     """A plugin option's meaning and range, for `typing.Annotated` on its keyword argument, beside its default:
-    `cap: Annotated[float, option("the most weight a token gets", above=0)] = 2.0` (gpg_vl/config/validate.py's
+    `cap: Annotated[float, option("the most weight a token gets", above=0)] = 2.0` (gpg_vl/config/rules.py's
     `check_options` reads it; an option without one is checked against nothing)."""
     return Key(help, **allowed)
 

@@ -13,7 +13,7 @@ configs/*.yaml hold no copy of these defaults; model aliases and task configs se
 
 This module imports nothing heavy (no torch, no transformers), and neither do the settings' checks on built-in
 names: choices that come from a registry or a library are named here (`choices="engines"`) and read in
-gpg_vl/config/validate.py's `choices_of` from gpg_vl/config/names.py, which also holds what the built-in losses
+gpg_vl/config/rules.py's `choices_of` from gpg_vl/config/names.py, which also holds what the built-in losses
 declare; a plugin (`module:name`) is loaded to be checked.
 """
 
@@ -25,7 +25,7 @@ from gpg_vl.config.names import ENGINE_SETTINGS, JUDGE_NEEDS, TOOL_SETTINGS
 from gpg_vl.errors import UserError
 from gpg_vl.registry import load_reference
 
-# The choices read lazily (gpg_vl/config/validate.py's `choices_of`), and how the reference page names them.
+# The choices read lazily (gpg_vl/config/rules.py's `choices_of`), and how the reference page names them.
 CHOICE_SOURCES = {
     "schedules": "a transformers scheduler name (`transformers.SchedulerType`)",
     "trackers": "none, or an accelerate tracker (`accelerate.utils.LoggerType`)",

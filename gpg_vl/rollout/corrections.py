@@ -40,7 +40,7 @@ from torch import Tensor
 
 from gpg_vl.config.keys import option
 from gpg_vl.config.names import CORRECTION_BUILTINS
-from gpg_vl.config.validate import check_options
+from gpg_vl.config.rules import check_options
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
 
