@@ -63,6 +63,7 @@ from gpg_vl.train.pipeline import (
     SyncPipeline,
     count_sampled,
     require_pipeline,
+    staleness_note,
     start_pipeline,
     whole_copy,
 )
@@ -296,6 +297,9 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
         settings = replace(settings, trainer=trainer)
+    stale = staleness_note(trainer.max_staleness, trainer.max_steps)  # k as long as the run: the sampler never moves
+    if stale:
+        accelerator.print(stale)
     learner = _build_learner(policy, trainer, settings.rollout, accelerator, reference,
                              resuming=settings.resume_from is not None)
     # samples, and evaluates; with rollout.max_turns > 1 trajectories that may call the task's tools

@@ -332,6 +332,16 @@ def start_pipeline(run, resumed: dict | None = None):
     return AsyncPipeline(run, resumed=resumed)
 
 
+def staleness_note(max_staleness: int, max_steps: int) -> str | None:
+    """One line when k >= 1 reaches the run's length: every step then samples with the initial weights (step n
+    samples with those after step n - 1 - k <= 0), so the sampler never updates (None otherwise, and for one step)."""
+    if max_staleness == 0 or max_steps < 2 or sampling_version(max_steps, max_staleness) > 0:
+        return None
+    most = f"at most {max_steps - 2}" if max_steps > 2 else "0"
+    return (f"note: trainer.max_staleness={max_staleness} reaches this {max_steps}-step run: every step samples with "
+            f"the initial weights, so the sampler never updates (set trainer.max_staleness to {most} for it to).")
+
+
 def require_pipeline(trainer, rollout, accelerator) -> None:
     """Refuse, in one sentence and before any model loads, what trainer.max_staleness >= 1 cannot run with."""
     from accelerate.utils import DistributedType

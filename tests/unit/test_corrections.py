@@ -20,7 +20,7 @@ from gpg_vl.rollout.corrections import (
     correction_options,
     get_correction,
 )
-from gpg_vl.train.pipeline import sampling_version
+from gpg_vl.train.pipeline import sampling_version, staleness_note
 
 LN = math.log
 # two sequences of three tokens; the second has two counted tokens
@@ -175,6 +175,16 @@ def test_the_schedule_is_fixed_by_step_number():
     assert [sampling_version(n, 0) for n in range(1, 6)] == [0, 1, 2, 3, 4]  # synchronous
     assert [sampling_version(n, 1) for n in range(1, 6)] == [0, 0, 1, 2, 3]  # one step behind
     assert [sampling_version(n, 2) for n in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+def test_a_staleness_as_long_as_the_run_is_said_in_one_line():
+    note = staleness_note(1000, 3)
+    assert note == ("note: trainer.max_staleness=1000 reaches this 3-step run: every step samples with the initial "
+                    "weights, so the sampler never updates (set trainer.max_staleness to at most 1 for it to).")
+    assert staleness_note(2, 3) is not None and staleness_note(1, 2) is not None  # the last step samples version 0
+    assert staleness_note(1, 3) is None and staleness_note(0, 3) is None and staleness_note(5, 1) is None
+    assert all((staleness_note(k, n) is None) == (sampling_version(n, k) > 0 or k == 0 or n == 1)
+               for k in range(0, 6) for n in range(1, 8))
 
 
 def trl_cispo(per_token_logps, old_logps, completion_mask, advantages, *, cap):
