@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import time
 import typing
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +27,7 @@ from gpg_vl.errors import Interrupted, UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ("task", "model", "algorithm")
+QUIET_RANK_WAIT_S = 30.0  # the most a launch's other processes wait for the first to fail on a bad config
 
 if not OmegaConf.has_resolver("now"):
     OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
@@ -228,12 +231,19 @@ def parse_argv(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def run_cli(config_name: str, main, argv: list[str] | None = None) -> int:
-    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2. Ctrl-C
+    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2 (a config that
+    does not compose, under a launch: by each machine's first process only, `LOCAL_RANK` 0). Ctrl-C
     prints one line (`Interrupted`'s, saying how to continue, when `main` gives one) and exits with 130."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         overrides, print_only = parse_argv(argv)
-        cfg = load_config(config_name, overrides)
+        try:
+            cfg = load_config(config_name, overrides)
+        except UserError:
+            if os.environ.get("LOCAL_RANK", "0") != "0":  # a launch: the config is the same on every process, so
+                time.sleep(QUIET_RANK_WAIT_S)  # its one sentence is said by each machine's first process alone,
+                return 2  # which fails meanwhile, and the launcher then ends this one
+            raise
         if print_only:
             print(OmegaConf.to_yaml(cfg, resolve=True))
             return 0

@@ -18,6 +18,7 @@ declare; a plugin (`module:name`) is loaded to be checked.
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
 from gpg_vl.config.keys import as_sections, meta, with_sections
@@ -25,6 +26,7 @@ from gpg_vl.config.names import ENGINE_SETTINGS, JUDGE_NEEDS, TOOL_SETTINGS
 from gpg_vl.errors import UserError
 from gpg_vl.registry import load_reference
 
+ALGORITHM_PRESETS = Path(__file__).resolve().parents[2] / "configs" / "algorithm"  # algorithm=<name>: <name>.yaml
 # The choices read lazily (gpg_vl/config/rules.py's `choices_of`), and how the reference page names them.
 CHOICE_SOURCES = {
     "schedules": "a transformers scheduler name (`transformers.SchedulerType`)",
@@ -188,8 +190,10 @@ class TrainerSettings:
             raise UserError(f"unknown trainer.aggregation {self.aggregation!r}; valid options: "
                             f"{', '.join(names.AGGREGATIONS)}.")
         if fixed is not None and fixed != self.aggregation:
+            preset = (f"algorithm={self.loss} sets both" if (ALGORITHM_PRESETS / f"{self.loss}.yaml").is_file()
+                      else f"there is no algorithm={self.loss} preset: give both settings")
             raise UserError(f"trainer.loss={self.loss} aggregates as {fixed}; set trainer.aggregation={fixed} "
-                            f"(algorithm={self.loss} sets both).")
+                            f"({preset}).")
         if self.kl_coef > 0 and "ref" not in needs:
             raise UserError(f"trainer.kl_coef={self.kl_coef} needs a loss with a KL term; trainer.loss={self.loss} "
                             "has none: set trainer.loss=grpo or trainer.kl_coef=0.")

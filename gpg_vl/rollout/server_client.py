@@ -56,6 +56,13 @@ def split_urls(urls: str) -> list[str]:
     found = [url.strip().rstrip("/") for url in str(urls).split(",") if url.strip()]
     for url in found:
         parsed = urllib.parse.urlparse(url)
+        try:
+            port = parsed.port  # urllib refuses one outside 0-65535
+        except ValueError:
+            port = 0
+        if port == 0:  # (None: no port given, the scheme's own)
+            raise UserError(f"rollout.vllm_server.urls holds {url!r}, whose port {parsed.netloc.rsplit(':', 1)[1]} "
+                            "is not a port (1-65535); give the port `vllm serve --port` listens on.")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise UserError(f"rollout.vllm_server.urls holds {url!r}, which is not an http(s)://host:port address; "
                             "write each `vllm serve` endpoint as http://host:port, separated by commas.")

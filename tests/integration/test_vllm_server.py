@@ -306,9 +306,31 @@ def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, 
     code = run_cli("train", lambda cfg: setup_called.append(cfg), [f"output_dir={tmp_path / 'out'}", *overrides(
         "http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 0 and not setup_called
-    assert err.startswith("error: no vLLM server answers at http://127.0.0.1:9 (GET /health, for "
-                          "rollout.vllm_server.timeout_s=0.5 s); start `vllm serve` there")
+    assert code == 2 and err.count("\n") == 1 and not setup_called
+    waiting, error = err.splitlines()  # the wait is said as it starts (after one short try), then its end
+    assert waiting == ("waiting up to 0.5 s (rollout.vllm_server.timeout_s) for the vLLM server at "
+                       "http://127.0.0.1:9 to answer GET /health ...")
+    assert error.startswith("error: no vLLM server answers at http://127.0.0.1:9 (GET /health, for "
+                            "rollout.vllm_server.timeout_s=0.5 s); start `vllm serve` there")
+
+
+def test_a_port_outside_1_to_65535_is_refused_as_a_port_at_once(tmp_path, capsys, no_model):
+    from gpg_vl.config.compose import run_cli
+
+    for port in ("70000", "0", "http"):
+        code = run_cli("train", lambda cfg: pytest.fail("composed"), [f"output_dir={tmp_path / 'out'}", *overrides(
+            f"http://127.0.0.1:{port}", tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 2 and err == (f"error: rollout.vllm_server.urls holds 'http://127.0.0.1:{port}', whose port "
+                                     f"{port} is not a port (1-65535); give the port `vllm serve --port` listens "
+                                     "on.\n")
+
+
+def test_a_server_that_answers_at_once_is_not_waited_for_aloud(server, tmp_path, capsys):
+    from gpg_vl.config.compose import load_config
+
+    load_config("train", [f"output_dir={tmp_path / 'out'}", *overrides(server.url, tmp_path)])
+    assert "waiting up to" not in capsys.readouterr().err
 
 
 def test_a_run_trains_through_the_server_on_policy_and_the_server_follows_every_step(server, tmp_path):

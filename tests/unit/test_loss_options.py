@@ -113,3 +113,18 @@ def test_an_unknown_loss_option_fails_on_the_command_line_before_anything_loads(
         train_main(load_config("train", [f"output_dir={tmp_path}", "algorithm=dapo", "trainer.loss=cispo",
                                          "trainer.loss_options.cap=abc"]))
     assert not (tmp_path / "config.json").exists()
+
+
+def test_a_loss_with_a_fixed_aggregation_names_a_preset_only_where_one_exists():
+    from gpg_vl.config.schema import TrainerSettings
+
+    with pytest.raises(UserError) as error:
+        TrainerSettings(loss="gspo", aggregation="token_mean")
+    assert str(error.value) == ("trainer.loss=gspo aggregates as seq_mean_token_mean; set trainer.aggregation="
+                                "seq_mean_token_mean (algorithm=gspo sets both).")
+    for loss in ("bnpo", "cispo"):  # no configs/algorithm/<loss>.yaml
+        with pytest.raises(UserError) as error:
+            TrainerSettings(loss=loss)
+        assert str(error.value) == (f"trainer.loss={loss} aggregates as token_mean; set trainer.aggregation="
+                                    f"token_mean (there is no algorithm={loss} preset: give both settings).")
+        assert TrainerSettings(loss=loss, aggregation="token_mean").loss == loss  # what the sentence says works
