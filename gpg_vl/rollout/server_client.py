@@ -77,17 +77,18 @@ class Server:
     def __init__(self, url: str, *, timeout_s: float) -> None:
         self.url, self.timeout_s = url, timeout_s
 
-    def get(self, route: str, *, timeout_s: float | None = None, retry: bool = True) -> dict:
-        return self.request("GET", route, None, timeout_s=timeout_s, retry=retry)
+    def get(self, route: str, *, timeout_s: float | None = None, retry: bool = True, **named) -> dict:
+        return self.request("GET", route, None, timeout_s=timeout_s, retry=retry, **named)
 
     def post(self, route: str, body: dict | None = None, *, timeout_s: float | None = None,
-             retry: bool = True) -> dict:
-        return self.request("POST", route, {} if body is None else body, timeout_s=timeout_s, retry=retry)
+             retry: bool = True, **named) -> dict:
+        return self.request("POST", route, {} if body is None else body, timeout_s=timeout_s, retry=retry, **named)
 
     def request(self, method: str, route: str, body: dict | None, *, timeout_s: float | None = None,
-                retry: bool = True) -> dict:
+                retry: bool = True, limit: str = "rollout.vllm_server.timeout_s") -> dict:
         """The JSON answer of `method route` (body as JSON); retried while the server is unreachable, until
-        `timeout_s` (default: the server's) has passed. Raises ServerGone past it, Rejected on a 4xx."""
+        `timeout_s` (default: the server's) has passed. Raises ServerGone past it, naming `limit` (the setting
+        that gave `timeout_s`), Rejected on a 4xx."""
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         data = None if body is None else json.dumps(body).encode()
@@ -113,9 +114,10 @@ class Server:
                 break
             time.sleep(min(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], max(0.0, deadline - time.monotonic())))
             attempt += 1
+        tries = f"{attempt + 1} {'try' if attempt == 0 else 'tries'}"
         raise ServerGone(f"the vLLM server at {self.url} did not answer {method} {route} within {budget:g} s "
-                         f"({attempt + 1} tries; last: {last or 'no answer'}); check that `vllm serve` is running "
-                         "there and reachable, or raise rollout.vllm_server.timeout_s.")
+                         f"({tries}; last: {last or 'no answer'}); check that `vllm serve` is running there and "
+                         f"reachable, or raise {limit}.")
 
 
 def _detail(error: urllib.error.HTTPError) -> str:

@@ -77,6 +77,8 @@ class Transport:
     def __init__(self, settings, *, rank: int) -> None:
         self.settings, self.rank = settings, rank
         self.timeout_s = CALL_SHARE * settings.sync_timeout_s  # each request of a sync
+        self.limit = (f"rollout.vllm_server.sync_timeout_s={settings.sync_timeout_s:g} s (each request of a weight "
+                      f"sync may take {CALL_SHARE:.0%} of it)")
 
     def init(self, servers: list[Server]) -> None:
         raise NotImplementedError
@@ -97,7 +99,8 @@ class DiskTransport(Transport):
     def init(self, servers: list[Server]) -> None:
         if self.rank == 0:
             for server in servers:
-                server.post("/init_weight_transfer_engine", {"init_info": {}}, timeout_s=self.timeout_s)
+                server.post("/init_weight_transfer_engine", {"init_info": {}}, timeout_s=self.timeout_s,
+                            limit=self.limit)
 
     def send(self, servers: list[Server], weights, version: int) -> None:
         from safetensors.torch import save_file
@@ -116,7 +119,7 @@ class DiskTransport(Transport):
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)  # a server never reads a half-written folder
         _each(servers, lambda server: server.post("/update_weights", {"update_info": {"path": str(target)}},
-                                                  timeout_s=self.timeout_s, retry=False))
+                                                  timeout_s=self.timeout_s, retry=False, limit=self.limit))
         for old in self.folder.glob("v*"):
             if old != target and old.name.removeprefix("v").isdigit():
                 shutil.rmtree(old, ignore_errors=True)
@@ -135,7 +138,8 @@ class NCCLTransport(Transport):
         from vllm.utils.network_utils import get_ip
 
         timeout = self.timeout_s
-        sizes = [int(server.get("/get_world_size", timeout_s=timeout)["world_size"]) for server in servers]
+        sizes = [int(server.get("/get_world_size", timeout_s=timeout, limit=self.limit)["world_size"])
+                 for server in servers]
         infos, offset = [], 1  # the trainer is rank 0 of the group; each server's workers follow in turn
         common = {"master_address": self.settings.master_address or get_ip(), "master_port": self.settings.master_port,
                   "world_size": 1 + sum(sizes), "packed": True}
@@ -144,7 +148,7 @@ class NCCLTransport(Transport):
             offset += size
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:  # the servers block in the rendezvous too
             pending = [pool.submit(server.post, "/init_weight_transfer_engine", {"init_info": info}, timeout_s=timeout,
-                                   retry=False) for server, info in zip(servers, infos, strict=True)]
+                                   retry=False, limit=self.limit) for server, info in zip(servers, infos, strict=True)]
             self.group = trainer_init({**common, "rank_offset": 1})
             for future in pending:
                 future.result()
@@ -170,7 +174,7 @@ class NCCLTransport(Transport):
         timeout = self.timeout_s
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:  # the workers receive while rank 0 broadcasts
             pending = [pool.submit(server.post, "/update_weights", {"update_info": info}, timeout_s=timeout,
-                                   retry=False) for server in servers]
+                                   retry=False, limit=self.limit) for server in servers]
             packed_nccl_broadcast_producer(iterator=iter(bucket), group=self.group, src=0,
                                            post_iter_func=lambda item: item[1])
             for future in pending:
@@ -205,16 +209,18 @@ def push_weights(servers: list[Server], transport: Transport, weights, *, versio
     rank 0's outcome, broadcast by `collective((kind, sentence))` (None when it went well), raised on every rank
     (`ServerGone` for a server that stopped answering: the run checkpoints)."""
     failure = None
-    timeout = transport.timeout_s
+    timeout, limit = transport.timeout_s, transport.limit
     try:
         if transport.rank == 0:
-            _each(servers, lambda server: server.post(f"/pause?mode={pause_mode}", timeout_s=timeout, retry=False))
-            _each(servers, lambda server: server.post("/start_weight_update", timeout_s=timeout, retry=False))
+            _each(servers, lambda server: server.post(f"/pause?mode={pause_mode}", timeout_s=timeout, retry=False,
+                                                      limit=limit))
+            _each(servers, lambda server: server.post("/start_weight_update", timeout_s=timeout, retry=False,
+                                                      limit=limit))
         transport.send(servers, weights, version)
         if transport.rank == 0:
             _each(servers, lambda server: server.post("/finish_weight_update", {"weight_version": str(version)},
-                                                      timeout_s=timeout, retry=False))
-            _each(servers, lambda server: server.post("/resume", timeout_s=timeout, retry=False))
+                                                      timeout_s=timeout, retry=False, limit=limit))
+            _each(servers, lambda server: server.post("/resume", timeout_s=timeout, retry=False, limit=limit))
     except ServerGone as error:
         failure = ("gone", str(error))
     except ServerError as error:

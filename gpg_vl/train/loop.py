@@ -197,9 +197,13 @@ def train(run: Run) -> dict:
                                           f"{run.trainer.max_steps}: {spent}.")
                     break
                 before = run.data.stream.state_dict()  # a step the engine fails in draws its prompts again
+                metrics = None
                 try:
                     metrics = step(run)
+                    sync_engine(run, metrics)
                 except EngineUnreachable as error:
+                    if metrics is not None:  # the step's update ran: its line and rollouts go with its checkpoint
+                        log_step(run, metrics, run.state.attempts)
                     stop_on_lost_engine(run, error, before)
                 metrics.update(evaluate_during(run))  # trainer.eval_every: the held-out split, at this step
                 log_step(run, metrics, run.state.attempts)
@@ -492,8 +496,6 @@ def step(run: Run) -> dict:
         result = update(run.learner, collected.attempts)
         state.updated = not result.get("skipped")
         aside = trainer.max_staleness > 0  # the sampler syncs an engine with its own weights by the schedule
-        if not result.get("skipped") and not aside:
-            run.engine.sync(run.learner.model)  # an engine with its own weights takes the stepped ones (HF: none)
         warning = None if aside else run.engine.mismatch_warning(result)  # its own weights off-policy?
         if warning:
             run.warn(warning)
@@ -521,6 +523,19 @@ def step(run: Run) -> dict:
             **sampled.stream, **pipeline_metrics(state.step, sampled),
             "rollout_s": sampled.rollout_s, "update_s": updated - rolled,
             "step_s": time.perf_counter() - started}
+
+
+def sync_engine(run: Run, metrics: dict) -> None:
+    """After a synchronous step that changed the weights, an engine with its own weights takes them (HF: nothing);
+    its time counts in the step's update_s and step_s. Under trainer.max_staleness >= 1 the sampler syncs instead,
+    by the schedule."""
+    if not run.state.updated or run.trainer.max_staleness > 0:
+        return
+    started = time.perf_counter()
+    run.engine.sync(run.learner.model)
+    took = time.perf_counter() - started
+    metrics["update_s"] += took
+    metrics["step_s"] += took
 
 
 # The step metrics read off the wall clock (seconds, and tokens per second): two runs of one seed, a resumed one
@@ -655,21 +670,26 @@ def stop_on_bad_steps(run: Run) -> None:
 def stop_on_lost_engine(run: Run, error: EngineUnreachable, stream_state: dict) -> None:
     """The rollout engine was lost mid-step (a vLLM server unreachable for rollout.vllm_server.timeout_s): on every
     process, checkpoint what is done (this step's update if it ran, else the step before, its prompts to be drawn
-    again) and stop in one sentence. With trainer.max_staleness >= 1 the sampler's steps in flight cannot be
-    written: the last checkpoint of trainer.save_every is the one to continue from."""
+    again) and stop in one sentence. With trainer.max_staleness >= 1 the checkpoint after the last logged step holds
+    the sampler's state as it began the next one (as save_step writes it); when the sampler never began it, the last
+    checkpoint of trainer.save_every is the one to continue from."""
     state = run.state
-    if run.trainer.max_staleness:
-        last = latest_checkpoint(run.output_dir) if run.main else None
-        run.stop(f"{str(error).rstrip('.')}; the run stopped at step {state.step}: continue from its last "
-                 f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once the rollout engine "
-                 "is back.")
     done = state.step if state.updated else state.step - 1
-    if not state.updated:
+    in_flight = None
+    if run.trainer.max_staleness:
+        state.step = done
+        in_flight = run.pipeline.state_dict(lost=True)  # the sampler's state as it began the next step
+        if in_flight is None:
+            last = latest_checkpoint(run.output_dir) if run.main else None
+            run.stop(f"{str(error).rstrip('.')}; the run stopped at step {done + 1}: continue from its last "
+                     f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once the rollout "
+                     "engine is back.")
+    elif not state.updated:
         run.data.stream.load_state_dict(stream_state)
     state.step = done
     path = run.output_dir / f"checkpoint-{done}"
     save_checkpoint(path, run.learner, run.data.stream, done, keep=run.trainer.keep_checkpoints,
-                    counters=state.counters, config=run.settings.config, record=state.record)
+                    counters=state.counters, config=run.settings.config, record=state.record, in_flight=in_flight)
     run.stop(f"{str(error).rstrip('.')}; the run stopped after step {done} and wrote {path.name}: continue with "
              "resume=auto once the rollout engine is back.")
 

@@ -127,7 +127,7 @@ class SyncPipeline:
     def released(self, step: int) -> None:
         """Step `step` is logged and saved: its weights may be sampled with."""
 
-    def state_dict(self) -> dict | None:
+    def state_dict(self, lost: bool = False) -> dict | None:
         return None
 
     def close(self) -> None:
@@ -224,14 +224,18 @@ class AsyncPipeline:
                 del self.shared.versions[old]
             self.shared.lock.notify_all()
 
-    def state_dict(self) -> dict:
+    def state_dict(self, lost: bool = False) -> dict | None:
         """What regenerates the steps in flight after the learner's current step s (see the module doc): the
         sampler's state as it began step s + 1 (the data stream's position, its generator, its counters) and the
-        weights steps s + 1 .. s + k sample with (those after steps s - k .. s - 1; the checkpoint's own are s's)."""
+        weights steps s + 1 .. s + k sample with (those after steps s - k .. s - 1; the checkpoint's own are s's).
+        `lost`: the sampler failed (its engine is gone): that state if it began step s + 1 before failing, else
+        None."""
         shared, step = self.shared, self.run.state.step
         with shared.lock:
             shared.lock.wait_for(lambda: step + 1 in shared.starts or shared.error is not None)
-            if shared.error is not None:
+            if lost and step + 1 not in shared.starts:
+                return None
+            if shared.error is not None and not lost:
                 raise shared.error
             began = shared.starts[step + 1]
             weights = {v: w for v, w in shared.versions.items() if v < step}
@@ -249,7 +253,8 @@ class AsyncPipeline:
             self.shared.lock.notify_all()
         self.thread.join()
         torch.set_num_threads(self.restore_threads)
-        if self.own_weights:  # evaluation after training samples with the learner's weights
+        if self.own_weights and self.shared.error is None:  # evaluation after training samples with the learner's
+            # weights (not when the sampler lost the engine: its error is the run's, and stays the one said)
             self.engine.sync(self.run.learner.model)
 
     # ---- the sampler's side ----------------------------------------------------------------
