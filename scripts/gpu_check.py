@@ -243,7 +243,7 @@ def packing_check(policy, args) -> dict:
     from transformers import get_scheduler
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench import drawn_lengths
+    from benches.packing import drawn_lengths
 
     from gpg_vl.config.schema import RolloutSettings, TrainerSettings
     from gpg_vl.data.stream import PromptStream

@@ -10,7 +10,7 @@ Engines register by name (`register_engine`) and `rollout.engine` picks one (or 
 `module:Name`, `path.py:Name`); the built-ins are imported on first use:
 
 - `hf` (rollout/hf.py): the trained model itself, through gpg-vl's decode loop or transformers' `generate`;
-- `vllm` (rollout/vllm.py): a colocated vLLM engine in every training process (CUDA only).
+- `vllm` (rollout/vllm/colocated.py): a colocated vLLM engine in every training process (CUDA only).
 
 An engine owns its settings: its `settings_class` (a dataclass of `meta` fields, gpg_vl/config/keys.py) is the
 section `rollout.<name>.*`, typed, checked and documented from that declaration; `settings_in(rollout)` reads
@@ -31,7 +31,7 @@ from gpg_vl.config.names import ENGINE_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.registry import Registry
-from gpg_vl.rollout.trajectory import MultiTurnSettings
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout
 
 
@@ -155,7 +155,7 @@ class Engine:
         its tools in its own prompt), else None."""
         if not (self.multiturn.multi_turn and self.tools and getattr(task, "describe_tools", True)):
             return None
-        from gpg_vl.rollout.tools import TOOLS, tool_schema
+        from gpg_vl.rollout.multiturn.tools import TOOLS, tool_schema
 
         return [tool_schema(TOOLS.get(name)) for name in self.tools]
 
@@ -235,7 +235,7 @@ def build_engine(rollout, policy, *, accelerator=None, tools: tuple[str, ...] = 
 
 def require_tools(rollout, engine_class: type[Engine], tools: tuple[str, ...]) -> None:
     """rollout.max_turns > 1 needs an engine that rolls out trajectories and a task offering registered tools."""
-    from gpg_vl.rollout.tools import TOOLS
+    from gpg_vl.rollout.multiturn.tools import TOOLS
 
     if not engine_class.multi_turn:
         raise UserError(f"rollout.engine={rollout.engine} cannot roll out trajectories with tools "

@@ -1,6 +1,7 @@
 """The update: a rollout's valid groups in micro-batches (by count or by tokens of forward work), in
 mini-batches for the GRPO family's several optimizer steps, each optimizer step with its loss normalized over
-all processes, gradients averaged explicitly under DDP; the frozen reference of a KL loss; the optimizer.
+all processes, gradients averaged explicitly under DDP; the optimizer. The micro-batches are cut in
+micro_batch.py, the loss called and checked in loss_call.py, the frozen reference built in reference.py.
 
 Every count that drives a decision (the loss normalizer, the number of forwards under FSDP / ZeRO-3) is
 all-reduced, so every process takes the same branches and reaches the same collectives.
@@ -9,30 +10,18 @@ all-reduced, so every process takes the same branches and reaches the same colle
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.distributed import forward_is_collective, require_images
-from gpg_vl.errors import UserError
-from gpg_vl.models import router, scoring
-from gpg_vl.models.batch import PromptBatch
+from gpg_vl.models import router
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import ScoringPath
-from gpg_vl.objective import (
-    LOSS_NORMALIZERS,
-    TOKEN_NORMALIZED,
-    get_policy_loss,
-    loss_aggregation,
-    loss_needs,
-    loss_options,
-)
+from gpg_vl.objective import LOSS_NORMALIZERS, TOKEN_NORMALIZED, get_policy_loss, loss_aggregation, loss_needs
 from gpg_vl.rollout.correction import logp_mismatch
 from gpg_vl.rollout.corrections import (
     CORRECTION_METRICS,
@@ -42,147 +31,11 @@ from gpg_vl.rollout.corrections import (
     get_correction,
 )
 from gpg_vl.rollout.engine import Correction
+from gpg_vl.train.loss_call import _add_report, _loss_reports, checked_loss, trainer_loss_options
+from gpg_vl.train.micro_batch import MicroBatch, mini_batches, update_chunks
 from gpg_vl.train.placeholder import placeholder_chunk
+from gpg_vl.train.reference import Reference, kl_on_every_group, needs_reference
 from gpg_vl.train.sample import Attempt
-
-
-def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
-                  share_prompt: bool = False, packed: bool = False, min_padding: float = 0.0):
-    """Sequences of valid groups only, as `MicroBatch`es (prompts, prompt index, ids [n, C], mask [n, C], adv [n],
-    the sampler's log-probs [n, C] or None: engine-sampled log-probs for the on-policy check; for multi-turn
-    trajectories their loss mask [n, C] and the trajectories themselves).
-
-    With `micro_batch_tokens` > 0, a micro-batch holds as many sequences as fit in that many tokens of
-    forward work (`forward_cost`: padding included, or real tokens only where it runs `packed`, which with
-    `min_padding` is where padding would add that share of tokens); groups go longest first and each group's
-    sequences longest first, so neighbours have similar lengths. A
-    sequence over the budget on its own gets a micro-batch of its own. Otherwise `micro_batch_size`
-    sequences at a time, in order.
-    """
-    for attempt in attempts:
-        group_size = attempt.rollout.group_size if attempt.rollout else 1
-        groups = attempt.valid.nonzero().flatten().tolist()
-        if not groups:  # nothing to train on (an attempt of a process without prompts has no rollout)
-            continue
-        if micro_batch_tokens > 0:
-            path = ScoringPath(prompt_once=share_prompt, packed=packed, min_padding=min_padding)
-            batches = _token_budget_batches(attempt, groups, group_size, micro_batch_tokens, path)
-        else:
-            sequences = [b * group_size + g for b in groups for g in range(group_size)]
-            batches = [sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
-        rollout = attempt.rollout
-        for chosen in batches:
-            mask = rollout.completion_mask[chosen]  # [n, C]
-            width = max(int(mask.sum(dim=1).max()), 1)
-            sampler, loss_mask = rollout.sampler_logps, rollout.loss_mask
-            yield MicroBatch(attempt.prompts, [s // group_size for s in chosen],
-                             rollout.completion_ids[chosen, :width], mask[:, :width],
-                             attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width],
-                             None if loss_mask is None else loss_mask[chosen, :width].bool(),
-                             None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen])
-
-
-def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
-                          path: ScoringPath) -> list[list[int]]:
-    """Sequence indices of `groups`, longest group first and longest sequence first, cut at `budget` tokens."""
-    lengths = attempt.rollout.completion_mask.sum(dim=1).tolist()  # [b * G]
-    prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()  # [b]
-    members = {b: sorted(range(b * group_size, (b + 1) * group_size), key=lambda s: -lengths[s]) for b in groups}
-    batches, current = [], []
-    for sequence in (s for b in sorted(groups, key=lambda b: -lengths[members[b][0]]) for s in members[b]):
-        candidate = current + [sequence]
-        cost, _ = forward_cost(path, [prompt_lengths[s // group_size] for s in candidate],
-                               [s // group_size for s in candidate], [lengths[s] for s in candidate])
-        if current and cost > budget:
-            batches.append(current)
-            candidate = [sequence]
-        current = candidate
-    return batches + ([current] if current else [])
-
-
-def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], completion_lengths: list[int], *,
-                     share_prompt: bool, packed: bool = False) -> int:
-    """Tokens one forward computes for these sequences (`prompt_lengths[n]` is sequence n's prompt's):
-    padded, prompts are left-padded to the longest, completions right-padded to the longest; `packed`, the
-    real tokens only. With `share_prompt` each distinct prompt runs once."""
-    if packed:
-        prompts = {p: length for p, length in zip(prompt_index, prompt_lengths, strict=True)}
-        return (sum(prompts.values()) if share_prompt else sum(prompt_lengths)) + sum(completion_lengths)
-    prompt_width, completion_width = max(prompt_lengths), max(max(completion_lengths), 1)
-    prompts = len(set(prompt_index)) if share_prompt else len(prompt_index)
-    return prompts * prompt_width + len(prompt_index) * completion_width
-
-
-def forward_cost(path: ScoringPath, prompt_lengths: list[int], prompt_index: list[int],
-                 completion_lengths: list[int]) -> tuple[int, bool]:
-    """(tokens one forward of these sequences computes on `path`, whether it runs packed): packed where the path
-    packs and padding would add at least `path.min_padding` of the real tokens, else padded."""
-    padded = micro_batch_cost(prompt_lengths, prompt_index, completion_lengths, share_prompt=path.prompt_once)
-    if not path.packed:
-        return padded, False
-    packed = micro_batch_cost(prompt_lengths, prompt_index, completion_lengths, share_prompt=path.prompt_once,
-                              packed=True)
-    return (packed, True) if padded >= packed * (1 + path.min_padding) else (padded, False)
-
-
-class MicroBatch(NamedTuple):
-    """The sequences of one forward/backward: sequence n continues prompt `prompt_index[n]` of `prompts`."""
-
-    prompts: PromptBatch
-    prompt_index: list[int]
-    completion_ids: torch.Tensor  # [n, C]
-    completion_mask: torch.Tensor  # [n, C]
-    advantages: torch.Tensor  # [n]
-    sampler_logps: torch.Tensor | None = None  # [n, C]: the engine's own log-probs (vLLM), for the on-policy check
-    # multi-turn trajectories (rollout.max_turns > 1): completion_mask covers every token of a trajectory (its
-    # observations too); the loss counts `loss_mask` [n, C] bool, the generated tokens only
-    loss_mask: torch.Tensor | None = None
-    trajectories: list | None = None  # n Trajectory: their observations' token types and images go in the forward
-    rejected: torch.Tensor | None = None  # [n] bool: sequences the off-policy correction rejected (trainer.correction)
-
-    @property
-    def counted(self) -> torch.Tensor:
-        """[n, C] bool: the tokens the loss counts (generated ones, of sequences the correction did not reject)."""
-        counted = self.completion_mask if self.loss_mask is None else self.loss_mask
-        return counted if self.rejected is None else counted & ~self.rejected.to(counted.device).unsqueeze(1)
-
-    @property
-    def kept(self) -> int:
-        """The sequences the loss counts (those the correction did not reject)."""
-        return len(self.advantages) - (0 if self.rejected is None else int(self.rejected.sum()))
-
-    def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
-              logits_chunk_tokens: int) -> torch.Tensor:
-        """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward),
-        packed where `forward_cost` says so."""
-        if path.packed:
-            prompt_lengths = self.prompts.inputs["attention_mask"].sum(dim=1).tolist()
-            _, packed = forward_cost(path, [prompt_lengths[p] for p in self.prompt_index], self.prompt_index,
-                                     self.completion_mask.sum(dim=1).tolist())
-            path = path if packed else replace(path, packed=False)
-        return scoring.token_logps(policy.family, model, self.prompts.to(device), self.prompt_index,
-                                   self.completion_ids.to(device), self.completion_mask.to(device), path=path,
-                                   observations=self.trajectories, temperature=temperature,
-                                   logits_chunk_tokens=logits_chunk_tokens)
-
-
-@dataclass
-class Reference:
-    """The frozen reference model (the initial weights) for a loss with a KL term: a copy of them, or with
-    LoRA (`model` None) the policy itself with its adapters disabled (PEFT's `disable_adapter()`)."""
-
-    model: torch.nn.Module | None
-
-    def scoring(self, policy_model):
-        """(the model to score, the context to score it in)."""
-        if self.model is not None:
-            return self.model, contextlib.nullcontext()
-        return policy_model, getattr(policy_model, "module", policy_model).disable_adapter()  # under DDP's wrapper
-
-
-
-
-LOSS_REPORTS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean")  # token means, when a loss has them
 
 
 @dataclass
@@ -237,16 +90,6 @@ class StepInputs:
     options: dict  # the loss's keyword options (`loss_options`)
     later: bool  # not the rollout's first optimizer step
     sequences: int  # the step's valid sequences over all processes
-
-
-def trainer_loss_options(settings: TrainerSettings, max_new_tokens: int | None) -> dict:
-    """The keyword options of trainer.loss: trainer.loss_options, else the trainer settings of that name,
-    else max_tokens = the completion limit (objective.loss_options). Fails in one sentence on an option the
-    loss does not declare."""
-    defaults = {"clip_low": settings.clip_low, "clip_high": settings.clip_high, "kl_coef": settings.kl_coef,
-                "max_tokens": max_new_tokens}
-    return loss_options(get_policy_loss(settings.loss), dict(settings.loss_options or {}), defaults,
-                        name=settings.loss)
 
 
 def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
@@ -325,12 +168,6 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     return metrics
 
 
-def kl_on_every_group(settings: TrainerSettings) -> bool:
-    """Whether trainer.loss's KL to the reference is on (it declares "ref" and its kl_coef > 0): its KL term then
-    acts on every sampled sequence, and the update forwards the groups without signal too (TRL, R1-V)."""
-    return needs_reference(settings)
-
-
 def _every_group(attempts: list[Attempt], accelerator: Accelerator) -> tuple[list[Attempt], int]:
     """The attempts with every group marked for the update, the invalid ones with zero advantages, and the
     number of those (over all processes). Collective: update() calls it on every process or on none."""
@@ -396,21 +233,6 @@ def _combine_results(results: list[dict]) -> dict[str, float]:
     return metrics
 
 
-def mini_batches(attempts: list[Attempt], parts: int) -> list[list[Attempt]]:
-    """This process's valid groups in `parts` contiguous mini-batches of near-equal size, each the attempts
-    with their valid masks cut down to its groups (one part: the attempts as they are)."""
-    if parts == 1:
-        return [attempts]
-    groups = [(a, b) for a, attempt in enumerate(attempts) for b in attempt.valid.nonzero().flatten().tolist()]
-    result = []
-    for chosen in np.array_split(np.arange(len(groups)), parts):
-        masks = [torch.zeros_like(attempt.valid) for attempt in attempts]
-        for index in chosen.tolist():
-            masks[groups[index][0]][groups[index][1]] = True
-        result.append([replace(attempt, valid=mask) for attempt, mask in zip(attempts, masks, strict=True)])
-    return result
-
-
 @torch.no_grad()
 def _score_plan(learner: Learner, model, plan: list[list[MicroBatch]], attempts: list[Attempt],
                 calls: list[int]) -> list[list[torch.Tensor]]:
@@ -432,22 +254,6 @@ def _score_plan(learner: Learner, model, plan: list[list[MicroBatch]], attempts:
         for _ in range(needed - len(chunks) if collective else 0):
             score(MicroBatch(*placeholder_chunk(policy, attempts, device)))
     return scored
-
-
-def _loss_reports(reports: list[dict], accelerator: Accelerator) -> dict[str, float]:
-    """Token means over every optimizer step and process of the loss's own metrics (`LOSS_REPORTS`), the
-    largest ratio, and `logp_drift` (new minus old log-prob) over the steps after the first. Collective."""
-    keys = ("tokens", *LOSS_REPORTS, "later_tokens", "logp_drift")
-    local = torch.tensor([[sum(r.get(k, 0.0) for r in reports) for k in keys]
-                          + [max((r.get("ratio_max", 0.0) for r in reports), default=0.0)]],
-                         dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(local)  # [processes, len(keys) + 1]
-    totals = dict(zip(keys, gathered[:, :-1].sum(0).tolist(), strict=True))
-    result = {k: totals[k] / max(totals["tokens"], 1.0) for k in LOSS_REPORTS}
-    result["ratio_max"] = float(gathered[:, -1].max())
-    if totals["later_tokens"]:
-        result["logp_drift"] = totals["logp_drift"] / totals["later_tokens"]
-    return result
 
 
 @dataclass
@@ -614,68 +420,6 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
     return sums
 
 
-LOSS_METRICS = ("num_tokens", "logp_mean")  # what the trainer reads from every loss's metrics
-LOSS_CONTRACT = ("it must return (loss, metrics): a 0-d tensor with grad, and a dict of numbers holding at least "
-                 f"{', '.join(LOSS_METRICS)} (and with ratio_mean also {', '.join(LOSS_REPORTS[:3])}, ratio_max, "
-                 "logp_drift)")
-
-
-def checked_loss(name: str, loss_fn, *args, **kwargs) -> tuple[torch.Tensor, dict]:
-    """trainer.loss=`name` called on one micro-batch, its contract checked here (`LOSS_CONTRACT`): a raise, or
-    anything else returned, fails in one sentence naming the setting and what came back."""
-    try:
-        result = loss_fn(*args, **kwargs)
-    except (UserError, torch.OutOfMemoryError):
-        raise
-    except Exception as error:  # a plugin's own failure, told in one sentence
-        raise UserError(f"trainer.loss={name} raised {type(error).__name__}: {error}; {LOSS_CONTRACT}.") from error
-    if not (isinstance(result, tuple | list) and len(result) == 2):
-        what = "a bare tensor" if isinstance(result, torch.Tensor) else f"a {type(result).__name__}"
-        raise UserError(f"trainer.loss={name} returned {what}; {LOSS_CONTRACT}.")
-    loss, metrics = result
-    problem = None
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        problem = f"a loss of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else \
-            f"a loss of type {type(loss).__name__}"
-    elif not loss.requires_grad:
-        problem = "a loss without grad (detached, or computed under no_grad)"
-    elif not isinstance(metrics, dict):
-        problem = f"metrics of type {type(metrics).__name__}"
-    else:
-        required = LOSS_METRICS + ((*LOSS_REPORTS, "ratio_max", "logp_drift") if "ratio_mean" in metrics else ())
-        missing = [key for key in required if key not in metrics]
-        wrong = [key for key in required if key in metrics and not _is_number(metrics[key])]
-        if missing:
-            problem = f"metrics without {', '.join(missing)}"
-        elif wrong:
-            problem = f"metrics whose {', '.join(wrong)} is not a number"
-    if problem:
-        raise UserError(f"trainer.loss={name} returned {problem}; {LOSS_CONTRACT}.")
-    return loss, metrics
-
-
-def _is_number(value) -> bool:
-    try:
-        float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    return not isinstance(value, str | bytes)
-
-
-def _add_report(report: dict[str, float], info: dict[str, float], *, later: bool) -> None:
-    """Add one micro-batch's loss metrics (token-weighted) to this step's sums."""
-    if "ratio_mean" not in info:
-        return
-    tokens = info["num_tokens"]
-    report["tokens"] = report.get("tokens", 0.0) + tokens
-    for key in LOSS_REPORTS:
-        report[key] = report.get(key, 0.0) + info[key] * tokens
-    report["ratio_max"] = max(report.get("ratio_max", 0.0), info["ratio_max"])
-    if later:
-        report["later_tokens"] = report.get("later_tokens", 0.0) + tokens
-        report["logp_drift"] = report.get("logp_drift", 0.0) + info["logp_drift"] * tokens
-
-
 def _average_gradients(model, accelerator: Accelerator, bucket_elements: int = 1 << 25) -> None:
     """Average gradients over DDP processes explicitly, as DDP's hooks would: `token_logps` runs the bare
     model (outside those hooks), and a process without valid sequences runs no forward at all. Gradients
@@ -713,57 +457,3 @@ def build_optimizer(model: torch.nn.Module, trainer: TrainerSettings) -> torch.o
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay, fused=fused or None)
-
-
-def needs_reference(trainer: TrainerSettings) -> bool:
-    """Whether trainer.loss scores a frozen reference model (it declares "ref" and its kl_coef > 0:
-    trainer.loss_options.kl_coef, else trainer.kl_coef)."""
-    if "ref" not in loss_needs(get_policy_loss(trainer.loss)):
-        return False
-    return float(trainer_loss_options(trainer, None).get("kl_coef", trainer.kl_coef) or 0.0) > 0
-
-
-def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference: torch.nn.Module | None, *,
-                    resuming: bool) -> Reference | None:
-    """The frozen reference of `setup` (None when the loss needs none)."""
-    if not needs_reference(trainer):
-        return None
-    if hasattr(model, "disable_adapter"):  # a PEFT model: the base weights are the initial ones
-        return Reference(None)
-    if reference is None:
-        if resuming:
-            raise UserError(f"trainer.loss={trainer.loss} with trainer.kl_coef={trainer.kl_coef} scores a reference "
-                            "model, the initial weights, which a checkpoint does not hold: pass reference= (the "
-                            "command line rebuilds it from model.name_or_path).")
-        if any(hasattr(p, "ds_id") for p in model.parameters()):  # a copy's shards belong to no engine
-            raise UserError(f"trainer.loss={trainer.loss} with trainer.kl_coef={trainer.kl_coef} scores a reference "
-                            "model, and a model loaded partitioned by DeepSpeed ZeRO-3 cannot be copied into one: "
-                            "pass reference= (a second load of the initial weights, as the command line does).")
-        reference = copy.deepcopy(model)
-    reference.requires_grad_(False)
-    reference.eval()
-    return Reference(reference)
-
-
-def place_reference(frozen: Reference | None, accelerator: Accelerator) -> Reference | None:
-    """Place a frozen reference copy like the policy: on each process's device (one copy each, as the
-    policy's weights under DDP), sharded across the processes under FSDP2 the way accelerate shards the
-    policy (its forwards are then collective: `_score_plan` keeps them in step). With LoRA (no copy) the
-    reference is the policy itself."""
-    if frozen is None or frozen.model is None:
-        return frozen
-    if getattr(accelerator, "is_fsdp2", False):
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-        return Reference(fsdp2_prepare_model(accelerator, frozen.model.to(accelerator.device)))
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:  # loaded partitioned (zero.Init): only an engine gathers it
-        import deepspeed  # no optimizer; its forwards are collective like the policy's (as TRL's prepare_deepspeed)
-
-        config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
-        engine = deepspeed.initialize(model=frozen.model, config=config)[0]
-        engine.eval()  # DeepSpeedEngine.eval() returns None
-        return Reference(engine)
-    frozen.model.to(accelerator.device)
-    return frozen
-

@@ -19,8 +19,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
 from gpg_vl.rollout.engine import ENGINES, EnginePrompts, Sampling, build_engine, encode_prompts, require_engine
 from gpg_vl.rollout.hf import DECODERS, HFEngine, generate, process_logits
-from gpg_vl.rollout.vllm import (
-    BANNED_BIAS,
+from gpg_vl.rollout.vllm.colocated import (
     VLLMEngine,
     completions_from_outputs,
     engine_options,
@@ -28,6 +27,7 @@ from gpg_vl.rollout.vllm import (
     prompt_requests,
     sampling_kwargs,
 )
+from gpg_vl.rollout.vllm.common import BANNED_BIAS, padded_rollout
 
 needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="vLLM needs a CUDA GPU and the vllm package (pip install -e '.[vllm]')")
@@ -194,11 +194,17 @@ def _outputs(rows: list[list[tuple[int, float]]], group_size: int):
 
 def test_vllm_outputs_become_padded_ids_and_sampled_logps():
     outputs = _outputs([[(5, -0.5), (6, -1.0)], [(7, -2.0)], [(8, -0.1), (9, -0.2), (3, -0.3)], []], group_size=2)
-    ids, logps = completions_from_outputs(outputs, group_size=2, pad_id=0)
-    assert ids.tolist() == [[5, 6, 0], [7, 0, 0], [8, 9, 3], [0, 0, 0]]
-    assert torch.allclose(logps, torch.tensor([[-0.5, -1.0, 0], [-2.0, 0, 0], [-0.1, -0.2, -0.3], [0, 0, 0]]))
+    rows, logps = completions_from_outputs(outputs, group_size=2)
+    assert rows == [[5, 6], [7], [8, 9, 3], []]
+    assert logps == [[-0.5, -1.0], [-2.0], [-0.1, -0.2, -0.3], []]
+    family = SimpleNamespace(pad_id=0, eos_ids=(3,), tokenizer=SimpleNamespace(batch_decode=lambda ids, **k: [
+        " ".join(map(str, row)) for row in ids.tolist()]))
+    rollout = padded_rollout(family, rows, logps, Sampling(max_new_tokens=3), 2, "cpu")
+    assert rollout.completion_ids.tolist() == [[5, 6, 0], [7, 0, 0], [8, 9, 3], [0, 0, 0]]
+    assert torch.allclose(rollout.sampler_logps, torch.tensor([[-0.5, -1.0, 0], [-2.0, 0, 0], [-0.1, -0.2, -0.3],
+                                                               [0, 0, 0]]))
     with pytest.raises(RuntimeError, match="not 3"):
-        completions_from_outputs(outputs, group_size=3, pad_id=0)
+        completions_from_outputs(outputs, group_size=3)
 
 
 class FakeLLM:

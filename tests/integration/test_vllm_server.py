@@ -23,8 +23,8 @@ from helpers.vllm_loopback import LoopbackServer
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-from gpg_vl.rollout.server_client import Rejected, Server, ServerGone, split_urls
-from gpg_vl.rollout.vllm_server import (
+from gpg_vl.rollout.vllm.client import Rejected, Server, ServerGone, split_urls
+from gpg_vl.rollout.vllm.server import (
     FINAL_ONLY,
     choice_logps,
     compare_model,
@@ -36,7 +36,7 @@ from gpg_vl.rollout.vllm_server import (
     video_io_kwargs,
     video_render_body,
 )
-from gpg_vl.rollout.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
+from gpg_vl.rollout.vllm.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
 from gpg_vl.train.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -405,7 +405,7 @@ def test_a_stalled_sync_ends_the_run_within_sync_timeout_s_losing_no_step(tmp_pa
 
 def test_a_sync_that_hangs_past_sync_timeout_s_exits_the_rank_in_one_sentence():
     """What no request timeout can end (a collective that never returns): the watchdog exits the process."""
-    code = ("import time\nfrom gpg_vl.rollout.weight_transfer import Watchdog\n"
+    code = ("import time\nfrom gpg_vl.rollout.vllm.weight_transfer import Watchdog\n"
             "with Watchdog(0.5, 'the weight sync did not end.', 1):\n    time.sleep(30)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == SYNC_STALLED_EXIT and done.stderr.strip() == "error: rank 1: the weight sync did not end."
@@ -555,8 +555,8 @@ def test_tool_trajectories_go_through_the_server_with_every_images_features_and_
 def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_every_rank(tmp_path):
     """push_weights on rank 1 makes no request but walks every weight (gathering them is collective under FSDP2 and
     ZeRO-3); rank 0's failure is what every rank raises (here the collective is the identity)."""
-    from gpg_vl.rollout.server_client import ServerError
-    from gpg_vl.rollout.weight_transfer import DiskTransport, push_weights
+    from gpg_vl.rollout.vllm.client import ServerError
+    from gpg_vl.rollout.vllm.weight_transfer import DiskTransport, push_weights
 
     class Recording(Server):
         def __init__(self, fail: str | None = None) -> None:
@@ -597,7 +597,7 @@ def test_videos_the_server_engine_cannot_place_are_refused_in_one_sentence():
     from types import SimpleNamespace
 
     from gpg_vl.models.qwen import Qwen3_5Family, Qwen3VLFamily, QwenVLFamily
-    from gpg_vl.rollout.vllm_server import VLLMServerEngine
+    from gpg_vl.rollout.vllm.server import VLLMServerEngine
 
     assert Qwen3VLFamily.video_times_in_text and Qwen3_5Family.video_times_in_text
     assert not QwenVLFamily.video_times_in_text
