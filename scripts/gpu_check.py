@@ -186,7 +186,7 @@ def run_engine(policy, engine_name: str, args) -> dict:
         result = update(learner, collected.attempts)
         torch.cuda.synchronize()
         synced = time.perf_counter()
-        engine.sync(model)
+        engine.sync(model, step + 1)
         torch.cuda.synchronize()
         done = time.perf_counter()
         attempt = collected.attempts[0]

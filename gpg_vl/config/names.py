@@ -62,11 +62,11 @@ LOSS_BUILTINS = {"bnpo": f"{_RECENT}:bnpo_loss", "cispo": f"{_RECENT}:cispo_loss
                  "gmpo": f"{_RECENT}:gmpo_loss", "gspo": f"{_RECENT}:gspo_loss", "luspo": f"{_RECENT}:luspo_loss",
                  "sapo": f"{_RECENT}:sapo_loss", "vespo": f"{_RECENT}:vespo_loss", "dr_grpo": f"{_LOSSES}:dr_grpo_loss",
                  "gpg": f"{_LOSSES}:policy_loss", "grpo": f"{_LOSSES}:grpo_loss"}
-# The built-in off-policy corrections (trainer.correction): gpg_vl/rollout/corrections.py's CORRECTIONS.
-CORRECTION_BUILTINS = {"geo_reject": "gpg_vl.rollout.corrections:geo_reject",
-                       "none": "gpg_vl.rollout.corrections:no_correction",
-                       "sequence_tis": "gpg_vl.rollout.corrections:sequence_tis",
-                       "token_tis": "gpg_vl.rollout.corrections:token_tis", "topr": "gpg_vl.rollout.corrections:topr"}
+# The built-in off-policy corrections (trainer.correction): gpg_vl/objective/corrections.py's CORRECTIONS.
+_CORRECTIONS = "gpg_vl.objective.corrections"
+CORRECTION_BUILTINS = {"geo_reject": f"{_CORRECTIONS}:geo_reject", "none": f"{_CORRECTIONS}:no_correction",
+                       "sequence_tis": f"{_CORRECTIONS}:sequence_tis", "token_tis": f"{_CORRECTIONS}:token_tis",
+                       "topr": f"{_CORRECTIONS}:topr"}
 # The built-in tool-use reward sets (task.options.rewards of the thinking-with-images tasks).
 TOOL_REWARD_BUILTINS = {"accuracy": "gpg_vl.reward.tooluse:accuracy_rewards",
                         "deepeyes": "gpg_vl.reward.tooluse:deepeyes_rewards"}
@@ -83,7 +83,7 @@ JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatib
 REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", tuple(ADVANTAGE_BUILTINS)),
     "losses": ("gpg_vl.objective", "POLICY_LOSSES", tuple(LOSS_BUILTINS)),
-    "corrections": ("gpg_vl.rollout.corrections", "CORRECTIONS", tuple(CORRECTION_BUILTINS)),
+    "corrections": ("gpg_vl.objective.corrections", "CORRECTIONS", tuple(CORRECTION_BUILTINS)),
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),

@@ -1,7 +1,7 @@
 """What a setting or a plugin's option may hold (`Rule`), read from its type and its declaration
 (gpg_vl/config/keys.py's `Key`): the schema's per-key checks (gpg_vl/config/validate.py) and the options a loss
 or a correction declares beside their defaults (`option_rules`, `check_options`). Light: no schema, no torch, so
-that the plugins' modules (gpg_vl/objective.py, gpg_vl/rollout/corrections.py) can import it.
+that the plugins' modules (gpg_vl/objective/options.py, gpg_vl/objective/corrections.py) can import it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ CHOICE_SOURCES = {
     "advantages": "a registered advantage estimator (`gpg_vl/objective/advantages.py`)",
     "baselines": "group_mean or none",
     "losses": "a registered policy loss (`gpg_vl/objective/`)",
-    "corrections": "a registered off-policy correction (`gpg_vl/rollout/corrections.py`)",
+    "corrections": "a registered off-policy correction (`gpg_vl/objective/corrections.py`)",
     "aggregations": "a loss aggregation (`gpg_vl/objective/aggregation.py`)",
     "engines": "a registered rollout engine (`gpg_vl/rollout/engine.py`)",
     "decoders": "loop or generate (`gpg_vl/rollout/hf.py`)",
@@ -202,7 +202,7 @@ class TrainerSettings:
                             f"{self.group_size}; mini-batches hold whole groups.")
         if self.correction_options or self.correction not in names.REGISTRIES["corrections"][2] or \
                 names.imported("corrections"):  # a name or option that is not built in: the registry answers
-            from gpg_vl.rollout.corrections import correction_options
+            from gpg_vl.objective.corrections import correction_options
 
             correction_options(self.correction, self.correction_options)
         if self.loss_options:  # an unknown option, or a value outside what the loss declares, fails here

@@ -70,3 +70,9 @@ def _base_metrics(loss: Tensor, token_logps: Tensor, mask: Tensor, adv: Tensor) 
             "num_sequences": float(n),
             "num_tokens": float(int(mask.sum())),
             "logp_mean": _masked_mean(token_logps.detach(), mask)}
+
+
+def weigh(per_token: Tensor, weights: Tensor | None) -> Tensor:
+    """A loss's per-token term [N, L] times the off-policy correction's weights [N, L] (no gradient through them);
+    `weights` None: the term as it is. Every built-in loss weighs its term here and nowhere else (docs/async.md)."""
+    return per_token if weights is None else per_token * weights.detach().to(per_token.dtype)

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
-from gpg_vl.objective.aggregation import _aggregate, _base_metrics, _masked_mean
+from gpg_vl.objective.aggregation import _aggregate, _base_metrics, _masked_mean, weigh
 from gpg_vl.objective.options import ClipHigh, ClipLow, KlCoef, MaskThreshold, MaxTokens
 from gpg_vl.objective.registry import register_policy_loss
 
@@ -23,17 +23,19 @@ def policy_loss(
     aggregation: str = "seq_mean_token_mean",
     normalizer: float | None = None,
     max_tokens: int | None = None,
+    weights: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N].
 
-    No ratio, no clipping, no KL: `old_logps`, `ref_logps` and other options are not used.
+    No ratio, no clipping, no KL: `old_logps`, `ref_logps` and other options are not used. `weights` [N, L]: the
+    off-policy correction's, per token -sg(w) * A * log pi (None: w = 1).
     Masked positions are selected out with ``torch.where`` (so even -inf/NaN padding log-probs
     give neither NaN loss nor NaN gradient).  Returns (scalar loss, float metrics).
     """
     mask = completion_mask.bool()  # [N, L]
     adv = advantages.detach().to(token_logps.dtype)  # [N]
-    per_token = -token_logps * adv.unsqueeze(1)  # [N, L]
+    per_token = -weigh(token_logps, weights) * adv.unsqueeze(1)  # [N, L] (w log pi first: as the trainer had it)
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))  # [N, L]
     loss = _aggregate(per_token, mask, aggregation, normalizer, max_tokens)  # []
     with torch.no_grad():
@@ -93,7 +95,7 @@ def _ratio_metrics(loss: Tensor, token_logps: Tensor, mask: Tensor, adv: Tensor,
 def clipped_surrogate(
     token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, old_logps: Tensor | None = None,
     ref_logps: Tensor | None = None, clip_low: float = 0.2, clip_high: float | None = None, kl_coef: float = 0.0,
-    **aggregate,
+    weights: Tensor | None = None, **aggregate,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO's clipped surrogate, per token, plus ``kl_coef`` x the k3 KL estimate to the reference.
 
@@ -103,9 +105,10 @@ def clipped_surrogate(
     ``k3 = exp(ref - logp) - (ref - logp) - 1``.  `aggregate` may also hold `level`: "sequence" (GSPO, TRL's
     importance_sampling_level) takes one ratio per sequence, exp of the mean of its tokens' log ratios, on every
     token ("token", the default: one per token); and `off_policy_mask_threshold`: DeepSeek-V3.2's sequence mask
-    (`off_policy_mask`) on the surrogate (None, the default: off). Metrics: kl (token mean of k3),
-    clip_fraction_low / clip_fraction_high (tokens whose ratio is clipped below / above, where the clip takes the
-    gradient away), ratio_mean, ratio_max, logp_drift (token mean of logp - old), off_policy_masked.
+    (`off_policy_mask`) on the surrogate (None, the default: off). `weights` [N, L]: the off-policy correction's,
+    sg(w) times the clipped surrogate of each token (the ratio and the KL term are untouched). Metrics: kl (token
+    mean of k3), clip_fraction_low / clip_fraction_high (tokens whose ratio is clipped below / above, where the clip
+    takes the gradient away), ratio_mean, ratio_max, logp_drift (token mean of logp - old), off_policy_masked.
     `aggregate`: how the per-token loss is reduced (`aggregation`, default seq_mean_token_mean; the global
     `normalizer`; `max_tokens`).
     """
@@ -121,7 +124,7 @@ def clipped_surrogate(
     ratio = torch.exp(log_ratio)  # [N, L]
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + high)  # [N, L]
     keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
-    per_token = -torch.minimum(ratio * adv, clipped * adv) * keep  # [N, L]
+    per_token = weigh(-torch.minimum(ratio * adv, clipped * adv) * keep, weights)  # [N, L]
     kl = zeros
     if kl_coef:
         if ref_logps is None:

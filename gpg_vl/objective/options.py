@@ -14,7 +14,8 @@ from gpg_vl.config.rules import check_options
 from gpg_vl.errors import UserError
 from gpg_vl.objective.registry import PolicyLoss
 
-LOSS_INPUTS = ("old_logps", "ref_logps", "aggregation", "normalizer")  # what the trainer passes every loss
+# what the trainer passes every loss (`weights`: the off-policy correction's, only when one is in force)
+LOSS_INPUTS = ("old_logps", "ref_logps", "aggregation", "normalizer", "weights")
 
 # What the built-in losses' options allow, declared beside their defaults (`loss_options` checks them).
 ClipLow = Annotated[float, option("the ratio clipped below at 1 - clip_low", low=0, below=1)]
@@ -64,3 +65,9 @@ def overlong_penalty(lengths: Tensor, max_tokens: int, cache: int) -> Tensor:
     if not 0 < cache <= max_tokens:
         raise ValueError(f"need 0 < cache <= max_tokens, got cache={cache}, max_tokens={max_tokens}")
     return ((max_tokens - cache - lengths.to(torch.float64)) / cache).clamp(min=-1.0, max=0.0)
+
+
+def takes_weights(loss: PolicyLoss) -> bool:
+    """Whether `loss` takes the off-policy correction's `weights` (it names them, or takes `**kwargs`)."""
+    parameters = inspect.signature(loss).parameters
+    return "weights" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())

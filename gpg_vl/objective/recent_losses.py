@@ -9,7 +9,7 @@ import math
 import torch
 from torch import Tensor
 
-from gpg_vl.objective.aggregation import _aggregate, _base_metrics, _masked_mean
+from gpg_vl.objective.aggregation import _aggregate, _base_metrics, _masked_mean, weigh
 from gpg_vl.objective.losses import (
     _OPSM,
     _ratio_metrics,
@@ -61,7 +61,7 @@ def sapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
     ratio = torch.exp(logps - old)  # [N, L]
     tau = torch.where(adv > 0, torch.full_like(adv, temperature_pos), torch.full_like(adv, temperature_neg))  # [N, 1]
     keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
-    per_token = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv * keep  # [N, L]
+    per_token = weigh(-torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv * keep, inputs.get("weights"))  # [N, L]
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     loss = _aggregate(per_token, mask, inputs.get("aggregation", "seq_mean_token_mean"), inputs.get("normalizer"),
                       None)
@@ -98,7 +98,7 @@ def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
     phi = gamma_weights(adv, logps - old, mask, k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg,
                         lambda_neg=lambda_neg)  # [N, 1]
     keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
-    per_token = torch.where(mask, -phi * adv * logps * keep, torch.zeros_like(logps))  # [N, L]
+    per_token = torch.where(mask, weigh(-phi * adv * logps * keep, inputs.get("weights")), torch.zeros_like(logps))
     loss = _aggregate(per_token, mask, inputs.get("aggregation", "token_mean"), inputs.get("normalizer"), None)
     with torch.no_grad():
         metrics = _ratio_metrics(loss, token_logps, mask, adv, torch.exp(sequence_mean(logps - old, mask)),
@@ -123,7 +123,8 @@ def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
     clipped = sign * torch.minimum(sign * delta, sign * delta.clamp(-clip_low, high))  # [N, L]
     ratio = torch.exp(sequence_mean(clipped, mask))  # [N, 1]
     keep = off_policy_mask(adv, logps, old, mask, off_policy_mask_threshold)  # [N, 1]
-    per_token = torch.where(mask, (-adv * ratio * keep).expand_as(logps), torch.zeros_like(logps))  # [N, L]
+    per_token = torch.where(mask, weigh((-adv * ratio * keep).expand_as(logps), inputs.get("weights")),
+                            torch.zeros_like(logps))  # [N, L]
     loss = _aggregate(per_token, mask, inputs.get("aggregation", "seq_mean_token_mean"), inputs.get("normalizer"),
                       None)
     with torch.no_grad():
@@ -149,7 +150,8 @@ def cispo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
     old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
     ratio = torch.exp(logps.detach() - old)  # [N, L]
     weight = ratio.clamp(max=cap)  # [N, L] detached
-    per_token = torch.where(mask, -weight * advantages.detach().to(logps.dtype).unsqueeze(1) * logps, zeros)
+    per_token = torch.where(mask, weigh(-weight * advantages.detach().to(logps.dtype).unsqueeze(1) * logps,
+                                        inputs.get("weights")), zeros)  # [N, L]
     loss = _aggregate(per_token, mask, inputs.get("aggregation", "token_mean"), inputs.get("normalizer"), None)
     with torch.no_grad():
         metrics = _base_metrics(loss, token_logps, mask, advantages.detach())

@@ -80,7 +80,7 @@ def thread_generator(generator):
 
 @dataclass(frozen=True)
 class Correction:
-    """What the update does with the sampler's own log-probs (gpg_vl/rollout/correction.py): `sampler_check`
+    """What the update does with the sampler's own log-probs (gpg_vl/objective/corrections.py): `sampler_check`
     compares them with the trainer's (`logp_mismatch_mean` / `_max`), and with `tis_cap` > 0 each token's loss
     is weighted by its truncated importance weight. An engine that samples with the trained model (HF): neither."""
 
@@ -136,8 +136,9 @@ class Engine:
         """A warning when a step's `logp_mismatch_mean` says the rollout was off-policy (None: nothing to say)."""
         return None
 
-    def sync(self, model) -> None:
-        """Take the trained model's weights (after each optimizer step)."""
+    def sync(self, model, version: int) -> None:
+        """Take the trained model's weights, those after step `version` (the number the pipeline owns, the run's
+        step, so that a resumed run labels its weights as the uninterrupted one did: gpg_vl/train/pipeline.py)."""
 
     def sleep(self) -> None:
         """Free the engine's memory while the update runs."""

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
-from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
 from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
 from gpg_vl.rollout.engine import EngineUnreachable
-from gpg_vl.train.checkpoint import latest_checkpoint, load_in_flight, save_checkpoint, writing
+from gpg_vl.train.checkpoint import latest_checkpoint, save_checkpoint, writing
 from gpg_vl.train.held_out import evaluate_during, evaluate_held_out
 from gpg_vl.train.pipeline import SyncPipeline, count_sampled, start_pipeline
 from gpg_vl.train.reference import kl_on_every_group
@@ -49,7 +47,7 @@ def train(run: Run) -> dict:
     with run.held:
         if run.trainer.eval_before and run.state.start_step == 0:
             evaluate_held_out(run, "before")
-        run.pipeline = start_pipeline(run, _in_flight(run))  # trainer.max_staleness >= 1: a sampler thread
+        run.pipeline = start_pipeline(run)  # trainer.max_staleness >= 1: a sampler thread
         try:
             for _ in range(run.state.start_step + 1, run.trainer.max_steps + 1):
                 spent = budget_spent(run.trainer, run.state.counters)  # checked first: a resume past it stops too
@@ -63,10 +61,10 @@ def train(run: Run) -> dict:
                 metrics = None
                 try:
                     metrics = step(run)
-                    sync_engine(run, metrics)
+                    learned(run, metrics)
                 except EngineUnreachable as error:
-                    if metrics is not None:  # the step's update ran: its line and rollouts go with its checkpoint
-                        log_step(run, metrics, run.state.attempts)
+                    if metrics is not None and run.state.updated:  # the update ran: its line and rollouts go
+                        log_step(run, metrics, run.state.attempts)  # with its checkpoint
                     stop_on_lost_engine(run, error, before)
                 metrics.update(evaluate_during(run))  # trainer.eval_every: the held-out split, at this step
                 log_step(run, metrics, run.state.attempts)
@@ -89,25 +87,23 @@ def step(run: Run) -> dict:
     state.step += 1
     state.updated = False
     started = time.perf_counter()
-    sampled = (run.pipeline or SyncPipeline(run)).take(state.step)
+    pipeline = run.pipeline or SyncPipeline(run)  # it owns staleness and the weight versions
+    sampled = pipeline.take(state.step)
     collected = sampled.collected
     rolled = time.perf_counter()
     state.attempts = collected.attempts
     count_sampled(state.counters, sampled, trainer.group_size)  # resampling included; generated tokens only
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
     if collected.groups_valid > 0 or kl_on_every_group(trainer):
-        result = update(run.learner, collected.attempts)
+        result = update(run.learner, collected.attempts, stale=pipeline.k > 0)
         state.updated = not result.get("skipped")
-        aside = trainer.max_staleness > 0  # the sampler syncs an engine with its own weights by the schedule
-        warning = None if aside else run.engine.mismatch_warning(result)  # its own weights off-policy?
+        warning = None if pipeline.k else run.engine.mismatch_warning(result)  # its own weights off-policy?
         if warning:
             run.warn(warning)
     else:
         result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
         run.warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
                  "it was skipped (check the task's rewards, or raise rollout.temperature).")
-    if run.pipeline is not None:
-        run.pipeline.learned(state.step)  # the weights after this step, for the sampler (trainer.max_staleness)
     updated = time.perf_counter()
     _count_bad_step(run, result)
     turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
@@ -126,6 +122,17 @@ def step(run: Run) -> dict:
             **sampled.stream, **pipeline_metrics(state.step, sampled),
             "rollout_s": sampled.rollout_s, "update_s": updated - rolled,
             "step_s": time.perf_counter() - started}
+
+
+def learned(run: Run, metrics: dict) -> None:
+    """The weights after the step go to the pipeline: an engine with its own weights takes them (k = 0: a sync,
+    which may find the engine gone once the step's metrics exist) or the sampler's snapshot (k >= 1); its time
+    counts in the step's update_s and step_s."""
+    started = time.perf_counter()
+    run.pipeline.learned(run.state.step)
+    took = time.perf_counter() - started
+    metrics["update_s"] += took
+    metrics["step_s"] += took
 
 
 def _count_bad_step(run: Run, result: dict) -> None:
@@ -152,19 +159,6 @@ def stop_on_bad_steps(run: Run) -> None:
                  "rewards and data, then continue with resume=auto.")
 
 
-def sync_engine(run: Run, metrics: dict) -> None:
-    """After a synchronous step that changed the weights, an engine with its own weights takes them (HF: nothing);
-    its time counts in the step's update_s and step_s. Under trainer.max_staleness >= 1 the sampler syncs instead,
-    by the schedule."""
-    if not run.state.updated or run.trainer.max_staleness > 0:
-        return
-    started = time.perf_counter()
-    run.engine.sync(run.learner.model)
-    took = time.perf_counter() - started
-    metrics["update_s"] += took
-    metrics["step_s"] += took
-
-
 def stop_on_lost_engine(run: Run, error: EngineUnreachable, stream_state: dict) -> None:
     """The rollout engine was lost mid-step (a vLLM server unreachable for rollout.vllm_server.timeout_s): on every
     process, checkpoint what is done (this step's update if it ran, else the step before, its prompts to be drawn
@@ -174,7 +168,7 @@ def stop_on_lost_engine(run: Run, error: EngineUnreachable, stream_state: dict) 
     state = run.state
     done = state.step if state.updated else state.step - 1
     in_flight = None
-    if run.trainer.max_staleness:
+    if run.pipeline.k:
         state.step = done
         in_flight = run.pipeline.state_dict(lost=True)  # the sampler's state as it began the next step
         if in_flight is None:
@@ -204,20 +198,6 @@ def save_step(run: Run) -> None:
             save_checkpoint(run.output_dir / f"checkpoint-{state.step}", run.learner, run.data.stream, state.step,
                             keep=run.trainer.keep_checkpoints, counters=state.counters, config=run.settings.config,
                             record=state.record, in_flight=in_flight)
-
-
-def _in_flight(run: Run) -> dict | None:
-    """The steps a resumed checkpoint holds in flight (trainer.max_staleness >= 1), checked against this run's k."""
-    if run.settings.resume_from is None or run.trainer.max_staleness == 0:
-        return None
-    state = load_in_flight(Path(run.settings.resume_from))
-    if state is None:
-        run.warn(f"{run.settings.resume_from} holds no steps in flight (saved with trainer.max_staleness=0): the "
-                 "steps up to the next k sample with its weights, so the run differs from an uninterrupted one.")
-    elif state["max_staleness"] != run.trainer.max_staleness:
-        raise UserError(f"{run.settings.resume_from} was saved with trainer.max_staleness={state['max_staleness']}, "
-                        f"and this run has {run.trainer.max_staleness}; resume with the same value.")
-    return state
 
 
 def finish(run: Run) -> dict:

@@ -108,6 +108,7 @@ class MicroBatch(NamedTuple):
     loss_mask: torch.Tensor | None = None
     trajectories: list | None = None  # n Trajectory: their observations' token types and images go in the forward
     rejected: torch.Tensor | None = None  # [n] bool: sequences the off-policy correction rejected (trainer.correction)
+    weights: torch.Tensor | None = None  # [n, C]: the correction's weights, where resolved before the update's steps
 
     @property
     def counted(self) -> torch.Tensor:

@@ -18,18 +18,20 @@ from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.distributed import forward_is_collective, require_images
+from gpg_vl.errors import UserError
 from gpg_vl.models import router
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import ScoringPath
 from gpg_vl.objective import LOSS_NORMALIZERS, TOKEN_NORMALIZED, get_policy_loss, loss_aggregation, loss_needs
-from gpg_vl.rollout.correction import logp_mismatch
-from gpg_vl.rollout.corrections import (
-    CORRECTION_METRICS,
+from gpg_vl.objective.corrections import (
+    ActiveCorrection,
     CorrectionSums,
     apply_correction,
     correction_metrics,
-    get_correction,
+    logp_mismatch,
+    resolve_correction,
 )
+from gpg_vl.objective.options import takes_weights
 from gpg_vl.rollout.engine import Correction
 from gpg_vl.train.loss_call import _add_report, _loss_reports, checked_loss, trainer_loss_options
 from gpg_vl.train.micro_batch import MicroBatch, mini_batches, update_chunks
@@ -60,20 +62,11 @@ class Learner:
     correction: Correction = field(default_factory=Correction)
     whole_copy: torch.nn.Module | None = None  # FSDP2 at trainer.max_staleness >= 1: the sampler's, taken unsharded
 
-    @property
-    def off_policy(self) -> tuple[str, dict]:
-        """trainer.correction and its options; rollout.vllm.tis_cap > 0 (the engine's) is token_tis with that cap."""
-        if self.settings.correction == "none" and self.correction.tis_cap > 0:
-            return "token_tis", {"cap": self.correction.tis_cap}
-        from gpg_vl.rollout.corrections import correction_options
-
-        return self.settings.correction, correction_options(self.settings.correction,
-                                                            self.settings.correction_options)
-
-    @property
-    def reports_correction(self) -> bool:
-        """Whether the update weighs the loss and logs the correction's metrics (the same on every process)."""
-        return self.settings.max_staleness > 0 or self.off_policy[0] != "none"
+    def off_policy(self, stale: bool) -> ActiveCorrection:
+        """The correction this update applies (trainer.correction; rollout.vllm.tis_cap > 0, the engine's, is
+        token_tis with that cap), worked out once per update; `stale`: the pipeline samples ahead of the learner."""
+        return resolve_correction(self.settings.correction, self.settings.correction_options,
+                                  engine_cap=self.correction.tis_cap, stale=stale)
 
 
 @dataclass
@@ -90,9 +83,11 @@ class StepInputs:
     options: dict  # the loss's keyword options (`loss_options`)
     later: bool  # not the rollout's first optimizer step
     sequences: int  # the step's valid sequences over all processes
+    correction: ActiveCorrection = field(default_factory=ActiveCorrection)  # resolved once per update
+    correction_sums: CorrectionSums | None = None  # the update's: filled here at its first step, where not up front
 
 
-def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
+def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) -> dict[str, float]:
     """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
     mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
 
@@ -105,7 +100,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
     (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
     `learner.correction`: the on-policy check of an engine that samples with its own weights (see
-    `_optimizer_step`).
+    `_optimizer_step`). The off-policy correction (`Learner.off_policy`; `stale`: the rollouts may be older than the
+    learner, trainer.max_staleness >= 1) is resolved once: its weights come from pi_prox, the policy before this
+    update, against the behaviour log-probs, and go to the loss as `weights` (`_resolve_corrections`).
     """
     settings, accelerator = learner.settings, learner.accelerator
     kl_everywhere = kl_on_every_group(settings)
@@ -122,9 +119,8 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
                                share_prompt=learner.path.prompt_once, packed=learner.path.packed,
                                min_padding=learner.path.min_padding))
             for part in mini_batches(attempts, parts)]
-    groups_rejected = None
-    if getattr(get_correction(learner.off_policy[0]), "rejects", False):  # the normalizer leaves rejected sequences
-        plan, groups_rejected = _reject_sequences(learner, plan, attempts)
+    correction, steps, sums = learner.off_policy(stale), settings.ppo_epochs * parts, CorrectionSums()
+    plan, groups_rejected, prox = _correct_up_front(learner, correction, loss_fn, plan, attempts, sums, steps=steps)
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
@@ -136,9 +132,8 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     # Collective under FSDP / ZeRO-3 like the update's forwards: every process scores max-over-processes
     # micro-batches per mini-batch, padding with placeholders whose log-probs are dropped.
     calls = [int(per_part[:, part, 2].max()) for part in range(parts)]
-    old, ref = _old_and_ref(learner, plan, attempts, calls, needs, steps=settings.ppo_epochs * parts)
-    if settings.max_staleness > 0 and "old" in needs:  # stale rollouts: the ratio is to the policy that sampled them
-        old = [[c.sampler_logps for c in chunks] for chunks in plan]
+    # the ratio of a loss with one is to pi_prox at every staleness (AReaL's decoupled objective, docs/async.md)
+    old, ref = _old_and_ref(learner, plan, attempts, calls, needs, steps=steps, prox=prox)
     options = trainer_loss_options(settings, learner.max_new_tokens)
     results, reports = [], []
     for _epoch in range(settings.ppo_epochs):
@@ -150,7 +145,8 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
                 ref=ref[part] if ref is not None else None,
                 normalizer=LOSS_NORMALIZERS[settings.age](valid_count, share),
                 steps_needed=int(per_part[:, part, 2].max()), aggregation=aggregation, options=options,
-                later=bool(results), sequences=int(per_part[:, part, 0].sum())))
+                later=bool(results), sequences=int(per_part[:, part, 0].sum()), correction=correction,
+                correction_sums=sums if prox is None and not results else None))
             results.append(result)
             reports.append(report)
             if result.get("nonfinite"):  # no weight changed in that step; the rollout's later steps are dropped
@@ -158,6 +154,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
         if results[-1].get("nonfinite"):
             break
     metrics = _combine_results(results)
+    if correction.reports:  # collective, on every process alike (the settings are the same everywhere)
+        rows = accelerator.gather(torch.tensor([sums.as_list()], device=accelerator.device, dtype=torch.float64))
+        metrics.update(correction_metrics(rows.cpu()))
     if groups_rejected is not None:
         metrics["groups_rejected"] = groups_rejected
     if kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
@@ -204,11 +203,14 @@ def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelera
 
 
 def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt], calls: list[int],
-                 needs: tuple[str, ...], *, steps: int):
-    """The rollout policy's log-probs (a loss that declares "old", when the rollout takes more than one step)
-    and the reference's (one that declares "ref", with kl_coef > 0), per mini-batch and micro-batch."""
+                 needs: tuple[str, ...], *, steps: int, prox: list[list[torch.Tensor]] | None = None):
+    """pi_prox's log-probs, the policy's before this update (a loss that declares "old", when the rollout takes
+    more than one step: `prox` where the correction scored them already) and the reference's (one that declares
+    "ref", with kl_coef > 0), per mini-batch and micro-batch."""
     settings = learner.settings
-    old = _score_plan(learner, learner.model, plan, attempts, calls) if "old" in needs and steps > 1 else None
+    old = None
+    if "old" in needs and steps > 1:
+        old = prox if prox is not None else _score_plan(learner, learner.model, plan, attempts, calls)
     ref = None
     if "ref" in needs and needs_reference(settings):
         if learner.reference is None:
@@ -227,7 +229,7 @@ def _combine_results(results: list[dict]) -> dict[str, float]:
         "skipped": float(all(r["skipped"] for r in results)),
         **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
         **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {}),
-        **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max", *CORRECTION_METRICS)
+        **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max")
            if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
     return metrics
@@ -267,48 +269,69 @@ class _Sums:
     gap_max: float = 0.0
     gap_count: int = 0
     report: dict = field(default_factory=dict)
-    correction: CorrectionSums = field(default_factory=CorrectionSums)
 
 
-def _corrected(name: str, options: dict, chunk: MicroBatch, logps: torch.Tensor, sampler: torch.Tensor,
-               sums: CorrectionSums) -> torch.Tensor:
-    """The correction's weights [n, C] (detached, in `logps`' dtype) for one micro-batch, its metrics added to
-    `sums`; the sequences `_reject_sequences` rejected (chunk.rejected) weigh 0."""
-    mask = (chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask).to(logps.device)
-    weights, rejected, capped = apply_correction(name, options, logps, sampler, mask, chunk.advantages)
-    if chunk.rejected is not None:
-        rejected = chunk.rejected.to(rejected.device)
-        weights = torch.where(rejected.unsqueeze(1) & mask.bool(), torch.zeros_like(weights), weights)
-    sums.add(logps, sampler, mask, weights, rejected, capped)
-    return weights.to(logps.dtype)
+def _correct_up_front(learner: Learner, correction: ActiveCorrection, loss_fn, plan: list[list[MicroBatch]],
+                      attempts: list[Attempt], sums: CorrectionSums, *, steps: int):
+    """(the plan, the valid groups all rejected or None, pi_prox's log-probs or None): pi_prox is scored once before
+    the first step where the correction's weights must be known before it (a correction that rejects: the
+    normalizer leaves its sequences out) or serve several steps (`_resolve_corrections`); otherwise the one step's
+    forward has it. A loss that takes no weights is refused in one sentence."""
+    if correction.weighs and not takes_weights(loss_fn):
+        raise UserError(f"trainer.correction={correction.name} weighs each token's loss, and trainer.loss="
+                        f"{learner.settings.loss} takes no `weights`; give it a `weights=None` argument (its "
+                        "per-token loss times them) or set trainer.correction=none.")
+    if not (correction.weighs and (correction.rejects or steps > 1)):
+        return plan, None, None
+    prox = _score_before(learner, plan, attempts)
+    plan, groups_rejected = _resolve_corrections(correction, plan, prox, sums, learner.accelerator)
+    return plan, groups_rejected, prox
 
 
-def _reject_sequences(learner: Learner, plan: list[list[MicroBatch]],
-                      attempts: list[Attempt]) -> tuple[list[list[MicroBatch]], int]:
-    """The plan with each micro-batch's `rejected` sequences marked (a correction that rejects: pi_theta scored
-    once, without gradient, before the step, so the normalizer leaves them out), and the number of valid groups,
-    over all processes, whose sequences were all rejected (they count in AGE's M). Collective."""
+def _score_before(learner: Learner, plan: list[list[MicroBatch]],
+                  attempts: list[Attempt]) -> list[list[torch.Tensor]]:
+    """pi_prox's log-probs [n, C] of every micro-batch, scored once without gradient before the update's first
+    step. Collective: every process scores the most micro-batches any process has (placeholders dropped)."""
     accelerator = learner.accelerator
-    name, options = learner.off_policy
     calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
-    scored = _score_plan(learner, learner.model, plan, attempts, calls.max(dim=0).values.tolist())
+    return _score_plan(learner, learner.model, plan, attempts, calls.max(dim=0).values.tolist())
+
+
+def _resolve_corrections(correction: ActiveCorrection, plan: list[list[MicroBatch]], prox: list[list[torch.Tensor]],
+                         sums: CorrectionSums, accelerator: Accelerator) -> tuple[list[list[MicroBatch]], int | None]:
+    """The plan with each micro-batch's correction resolved from pi_prox (`prox`) against its behaviour log-probs:
+    its `weights` and `rejected` sequences (so the normalizer leaves them out), the metrics added to `sums`; and,
+    for a correction that rejects, the valid groups over all processes whose sequences were all rejected (they
+    count in AGE's M; collective), else None."""
     marked, groups = [], {}  # (prompts, prompt index) -> [rejected, sequences]
-    for chunks, logps in zip(plan, scored, strict=True):
+    for chunks, logps in zip(plan, prox, strict=True):
         marked.append([])
         for chunk, current in zip(chunks, logps, strict=True):
-            rejected = None
-            if chunk.sampler_logps is not None:
-                mask = chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask
-                _, rejected, _ = apply_correction(name, options, current, chunk.sampler_logps.to(current.device),
-                                                  mask.to(current.device), chunk.advantages)
-                rejected = rejected.cpu()
-                for row, prompt in enumerate(chunk.prompt_index):
-                    count = groups.setdefault((id(chunk.prompts), prompt), [0, 0])
-                    count[0], count[1] = count[0] + int(rejected[row]), count[1] + 1
-            marked[-1].append(chunk._replace(rejected=rejected))
+            if chunk.sampler_logps is None:
+                marked[-1].append(chunk)
+                continue
+            weights, rejected = _chunk_weights(correction, chunk, current, chunk.sampler_logps.to(current.device),
+                                               sums)
+            for row, prompt in enumerate(chunk.prompt_index):
+                count = groups.setdefault((id(chunk.prompts), prompt), [0, 0])
+                count[0], count[1] = count[0] + int(rejected[row]), count[1] + 1
+            marked[-1].append(chunk._replace(weights=weights, rejected=rejected.cpu()))
+    if not correction.rejects:
+        return marked, None
     all_rejected = sum(1 for rejected, total in groups.values() if rejected == total)
-    total = accelerator.reduce(torch.tensor(all_rejected, device=accelerator.device), "sum")
-    return marked, int(total)
+    return marked, int(accelerator.reduce(torch.tensor(all_rejected, device=accelerator.device), "sum"))
+
+
+def _chunk_weights(correction: ActiveCorrection, chunk: MicroBatch, prox: torch.Tensor, sampler: torch.Tensor,
+                   sums: CorrectionSums) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's correction weights [n, C] (detached, in `prox`'s dtype; 0 on rejected sequences, 1 off the
+    counted tokens) and rejected sequences [n], from pi_prox's log-probs against the behaviour ones; its metrics
+    added to `sums`."""
+    mask = (chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask).to(prox.device)
+    weights, rejected, capped = apply_correction(correction.name, correction.options, prox, sampler, mask,
+                                                 chunk.advantages)
+    sums.add(prox, sampler, mask, weights, rejected, capped)
+    return weights.to(prox.dtype), rejected
 
 
 def _optimizer_step(learner: Learner, attempts: list[Attempt],
@@ -328,9 +351,10 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     `learner.path` is the run's scoring path (`choose_scoring_path`, chosen once in `setup`): the forward and the
     micro-batch cost both follow it, so a micro-batch never holds more tokens than trainer.micro_batch_tokens.
     `learner.correction.sampler_check` (an engine that returns its own log-probs: vLLM; the same on every
-    process) adds the on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens; with its
-    `tis_cap` > 0 each token's loss is multiplied by its truncated importance weight min(p / q, tis_cap)
-    (gpg_vl/rollout/correction.py).
+    process) adds the on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens. The loss gets the
+    off-policy correction's weights (`step.correction`; with the engine's `tis_cap` > 0, token_tis) as `weights`:
+    each micro-batch's resolved before the update, or here at its first step from the forward's own log-probs
+    (pi_prox then: nothing has stepped yet).
     Returns (metrics, this process's token-weighted sums of the loss's own metrics).
     """
     model, accelerator, optimizer = learner.model, learner.accelerator, learner.optimizer
@@ -355,9 +379,6 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     optimizer.zero_grad(set_to_none=True)
     result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
               "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
-    if learner.reports_correction:  # collective, on every process alike (the settings are the same everywhere)
-        rows = accelerator.gather(torch.tensor([sums.correction.as_list()], device=device, dtype=torch.float64))
-        result.update(correction_metrics(rows.cpu()))
     if learner.correction.sampler_check:  # collective, on every process alike (the engine is the same everywhere)
         gaps = accelerator.gather(torch.tensor([[sums.gap, sums.gap_max, sums.gap_count]], device=device,
                                                dtype=torch.float64))  # [processes, 3]
@@ -371,8 +392,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
     DDP, up to `step.steps_needed`); gradients accumulate, synced on the last (see `_optimizer_step`)."""
     policy, model, accelerator = learner.policy, learner.model, learner.accelerator
     device = accelerator.device
-    correct = learner.reports_correction
-    name, options = learner.off_policy
+    correction, corrections = step.correction, step.correction_sums
     chunks, old, ref = step.chunks, step.old, step.ref
     real = len(chunks)
     if step.steps_needed > real and not ddp:  # DDP needs no matching calls: its reduction is the explicit one
@@ -390,13 +410,14 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 # forward steps_needed times, each with images (require_images), so the calls match.
                 logps = chunk.logps(policy, model, device, temperature=learner.temperature, path=learner.path,
                                     logits_chunk_tokens=learner.settings.logits_chunk_tokens)  # [n, C]
+                weights = None if chunk.weights is None else chunk.weights.to(device)  # resolved up front
                 if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
                     sampler = sampler.to(device)
                     total, worst, count = logp_mismatch(logps, sampler, mask)
                     sums.gap, sums.gap_max, sums.gap_count = sums.gap + total, max(sums.gap_max, worst), \
                         sums.gap_count + count
-                    if correct:  # -sg(w) * A * log pi: w from pi_theta / pi_behaviour (rollout/corrections.py)
-                        logps = logps * _corrected(name, options, chunk, logps, sampler, sums.correction)  # [n, C]
+                    if corrections is not None and correction.reports:  # the first step: its forward is pi_prox
+                        weights = _chunk_weights(correction, chunk, logps.detach(), sampler, corrections)[0]
                 router_loss = router.router_aux_loss(model)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
@@ -405,7 +426,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                                               old_logps=old[index] if old is not None else None,
                                               ref_logps=ref[index] if ref is not None else None,
                                               aggregation=step.aggregation, normalizer=step.normalizer,
-                                              **step.options)
+                                              **({"weights": weights} if correction.weighs else {}), **step.options)
                     if router_loss is not None:  # averaged over the micro-batches, weighted by their sequences
                         loss = loss + router_loss * (len(adv) / step.sequences)
                     sums.loss += float(loss.detach())

@@ -16,7 +16,7 @@ from helpers.scoring import path_for, token_logps
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.objective.corrections import apply_correction, logp_mismatch
 from gpg_vl.rollout.engine import ENGINES, EnginePrompts, Sampling, build_engine, encode_prompts, require_engine
 from gpg_vl.rollout.hf import DECODERS, HFEngine, generate, process_logits
 from gpg_vl.rollout.vllm.colocated import (
@@ -146,7 +146,7 @@ def test_hf_engine_through_the_seam(policy, shapes):
     rollout = engine.generate(picked, 2, Sampling(max_new_tokens=6))
     assert rollout.completion_ids.shape[0] == 4 and rollout.group_size == 2
     assert rollout.sampler_logps.shape == rollout.completion_ids.shape  # the behaviour log-probs (trainer.correction)
-    engine.sync(policy.model)  # nothing to do: the sampler is the trained model
+    engine.sync(policy.model, 1)  # nothing to do: the sampler is the trained model
     engine.sleep()
     engine.wake()
 
@@ -250,7 +250,7 @@ def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
     assert torch.allclose(rollout.sampler_logps[0], torch.tensor([-0.25, -0.5, -0.75, 0.0]))
     with torch.no_grad():
         policy.model.lm_head.weight.add_(1.0)  # tied to the input embedding: the checkpoint holds it once
-    engine.sync(policy.model)
+    engine.sync(policy.model, 1)
     (embedding,) = [name for name in fake.loaded if name.endswith("embed_tokens.weight")]
     assert torch.equal(fake.loaded[embedding], policy.model.lm_head.weight)
     kinds = [call[0] for call in fake.calls]
@@ -300,10 +300,11 @@ def test_logp_mismatch_by_hand():
 
 
 def test_truncated_importance_weights_by_hand_and_without_gradient():
+    """rollout.vllm.tis_cap's weights (token_tis with that cap): min(p / q, cap) per token, 1 off the mask."""
     trainer = torch.tensor([[math.log(0.5), math.log(0.2)], [math.log(0.9), 0.0]], requires_grad=True)
     sampler = torch.tensor([[math.log(0.25), math.log(0.4)], [math.log(0.1), 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
-    weights = truncated_is_weights(trainer, sampler, mask, cap=3.0)
+    weights, _, _ = apply_correction("token_tis", {"cap": 3.0}, trainer, sampler, mask, torch.ones(2))
     assert torch.allclose(weights, torch.tensor([[2.0, 0.5], [3.0, 1.0]]))  # 9 capped at 3; masked out -> 1
     assert not weights.requires_grad
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import train_run
+from helpers.runs import train_run, untimed
 from helpers.scoring import token_logps
 from helpers.vllm_loopback import LoopbackServer
+from safetensors.torch import load_file
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
@@ -246,7 +247,7 @@ def test_sync_pauses_pushes_every_weight_and_labels_the_version(policy, server, 
         for parameter in policy.model.parameters():
             parameter.add_(0.01)
     before = len(server.calls)
-    engine.sync(policy.model)
+    engine.sync(policy.model, 1)
     assert [route for route, _ in server.calls[before:]] == ["/pause", "/start_weight_update", "/update_weights",
                                                               "/finish_weight_update", "/resume"]
     assert server.version == "1" and server.running.is_set()
@@ -370,6 +371,20 @@ def test_a_server_that_dies_mid_run_ends_it_with_a_checkpoint_and_resume_continu
     finally:
         back.stop()
     assert summary["steps"] == 3 and [m["step"] for m in metrics(out)] == [1, 2, 3]
+    # the resumed run numbers its weights from the run's step (the pipeline's), not from a counter that restarts:
+    # the same versions, request seeds and weights as the uninterrupted run (issue 51: [0, 0, 1] and other weights)
+    whole = LoopbackServer().start()
+    try:
+        train_run(tmp_path / "whole", *overrides(whole.url, tmp_path, "trainer.max_steps=3", "trainer.save_every=0"))
+    finally:
+        whole.stop()
+    resumed, uninterrupted = metrics(out), metrics(tmp_path / "whole")
+    assert [m["rollout_weight_version"] for m in resumed] == [m["rollout_weight_version"] for m in uninterrupted] \
+        == [0, 1, 2]
+    assert [untimed(m) for m in resumed] == [untimed(m) for m in uninterrupted]
+    assert back.version == whole.version == "3"
+    final = [load_file(run / "final" / "model.safetensors") for run in (out, tmp_path / "whole")]
+    assert all(torch.equal(final[0][name], final[1][name]) for name in final[1])
 
 
 @pytest.mark.parametrize("k", [0, 1])
@@ -452,7 +467,7 @@ def test_two_trainer_processes_train_against_one_server(k, tmp_path):
         assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines)
     else:  # steps 1 and 2 sampled by the start's weights, step 3 by step 1's; the learner's pushed at the end
         assert [m["rollout_weight_version"] for m in lines] == [0, 0, 1]
-        assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and version == "2"
+        assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and version == "3"
 
 
 @pytest.mark.slow

@@ -71,5 +71,4 @@ def test_the_trainer_stages_name_no_engine():
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not {"vllm", "HFEngine", "VLLMEngine"} & names, name
         assert not {m for m in modules if m.startswith("gpg_vl.rollout.") and m != "gpg_vl.rollout.engine"
-                    and m not in ("gpg_vl.rollout.types", "gpg_vl.rollout.correction", "gpg_vl.rollout.corrections",
-                                  "gpg_vl.rollout.multiturn.trajectory")}, name  # engine-neutral: what all return
+                    and m not in ("gpg_vl.rollout.types", "gpg_vl.rollout.multiturn.trajectory")}, name  # neutral

@@ -262,7 +262,7 @@ class VLLMEngine(VLLMEngineBase):
                                        dtype=dtype, seed=self.settings.seed + rank // tp))
         self.llm, self.sampling_params = llm, sampling_params
         self.asleep, self.weights_awake = False, False
-        self.sync(policy.model)  # load_format="dummy": the trainer's weights, whatever their source
+        self.sync(policy.model, 0)  # load_format="dummy": the trainer's weights, whatever their source
 
     # ---- rollout -------------------------------------------------------------------------------
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
@@ -329,7 +329,7 @@ class VLLMEngine(VLLMEngineBase):
         return rollout
 
     # ---- weights and memory ----------------------------------------------------------------------
-    def sync(self, model) -> None:
+    def sync(self, model, version: int) -> None:
         """Push the trainer's weights into vLLM's model, then drop every cache computed with the old ones."""
         from gpg_vl.models.weights import engine_weights, merged_lora
 

@@ -14,7 +14,9 @@ weights pushed to them through vLLM's weight-transfer API after each optimizer s
   bias, `logprobs=0`: each sampled token's log-prob comes back (`logprobs.content[*].logprob`; vLLM's
   `--logprobs-mode processed_logprobs` makes it the distribution it drew from) for the sampler check and the
   correction (rollout.vllm_server.tis_cap).
-- Weight versions: every sync labels the servers' weights with the sync's number (`/finish_weight_update`), and
+- Weight versions: every sync labels the servers' weights with the step they are the weights after, the number the
+  pipeline owns (gpg_vl/train/pipeline.py: a resumed run labels them as the uninterrupted one did; the per-request
+  seeds include it), sent with `/finish_weight_update`, and
   each rollout row records the oldest label that sampled any of its tokens (`Rollout.weight_versions`, from the
   choice's `weight_versions` where the server reports them, else the label in force: generation is paused around
   each update).
@@ -300,11 +302,12 @@ class VLLMServerEngine(VLLMEngineBase):
         self.servers = [Server(url, timeout_s=self.settings.timeout_s) for url in split_urls(self.settings.urls)]
         self.model_name = self._check_models(rollout)
         self.transport = TRANSPORTS[self.settings.weight_transfer](self.settings, rank=self.rank)
-        self.version = -1
+        self.version = 0  # the weights the servers hold: those after this step (the pipeline's number)
         self.tokens = {"image": self._image_token(), "video": self._video_token()}
         self.requests = 0  # requests sent by this process (spread across the servers)
         self.transport.init(self.servers)
-        self.sync(policy.model)  # version 0: the servers hold the trainer's weights, whatever they loaded
+        self.sync(policy.model, 0)  # the servers hold the trainer's weights, whatever they loaded (a resumed run's
+        # pipeline labels them with its step before the first rollout)
 
     def _check_models(self, rollout) -> str:
         """The served model's name, after checking each server serves the trainer's model (one sentence if not)."""
@@ -475,13 +478,13 @@ class VLLMServerEngine(VLLMEngineBase):
                        sampler_logps=logps.to(device), weight_versions=[row.version for row in rows])
 
     # ---- weights ----------------------------------------------------------------------------------
-    def sync(self, model) -> None:
+    def sync(self, model, version: int) -> None:
         """Push the trainer's weights to every server, on every rank, within sync_timeout_s
         (rollout/vllm/weight_transfer.py)."""
         from gpg_vl.models.weights import engine_weights, merged_lora
         from gpg_vl.rollout.vllm.weight_transfer import Watchdog, broadcast_from_main, push_weights
 
-        self.version += 1
+        self.version = version
         limit = self.settings.sync_timeout_s
         sentence = (f"the weight sync to the vLLM servers ({', '.join(s.url for s in self.servers)}) did not end "
                     f"within rollout.vllm_server.sync_timeout_s={limit:g} s; every rank exits. Check the servers' "
