@@ -26,6 +26,7 @@ asks `collective_group()` for it.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import torch
@@ -98,6 +99,12 @@ DEEPSPEED_FILE_KEYS = {"stage": "zero_stage", "offload_optimizer.device": "offlo
                        "offload_param.device": "offload_param_device"}
 
 
+def _once(expected: str) -> str:
+    """pydantic's list of an enum's values ("0, 1, 2, 3 or 3") with each value once ("0, 1, 2 or 3")."""
+    values = list(dict.fromkeys(part.strip() for part in re.split(r",| or ", expected) if part.strip()))
+    return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else "".join(values)
+
+
 def check_deepspeed_config(config: dict) -> None:
     """DeepSpeed's own check of the config's zero_optimization section (its pydantic model), run when the
     Accelerator is made: a bad value (zero_stage: 7) fails in one sentence on every process, before the model
@@ -109,6 +116,8 @@ def check_deepspeed_config(config: dict) -> None:
         DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
     except pydantic.ValidationError as error:
         first = error.errors()[0]
+        if first["type"] == "enum":  # pydantic lists an enum's aliases again (stage: "0, 1, 2, 3 or 3")
+            first["msg"] = f"input should be {_once(first['ctx']['expected'])}"
         key = ".".join(str(part) for part in first["loc"])
         where = f" ({DEEPSPEED_FILE_KEYS[key]} in the accelerate config file)" if key in DEEPSPEED_FILE_KEYS else ""
         raise UserError(f"the DeepSpeed config has zero_optimization.{key}={first.get('input')!r}{where}, which "

@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's gpg_vl
 
 from gpg_vl.config.keys import declared, default_of, key_of  # noqa: E402
+from gpg_vl.config.rules import value_type  # noqa: E402
 from gpg_vl.config.schema import CHOICE_SOURCES, EvalSchema, TrainSchema  # noqa: E402
-from gpg_vl.config.validate import rule_for, value_type  # noqa: E402
+from gpg_vl.config.validate import rule_for  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
 SECTIONS = [  # (heading, key prefix, what it is)

@@ -6,8 +6,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import time
+import typing
 from datetime import datetime
 from pathlib import Path
 
@@ -16,12 +19,15 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from gpg_vl.config import names
-from gpg_vl.config.schema import register_schema, schemas_with
+from gpg_vl.config.keys import declared
+from gpg_vl.config.rules import value_type
+from gpg_vl.config.schema import TrainSchema, register_schema, schemas_with
 from gpg_vl.config.validate import check_values
 from gpg_vl.errors import Interrupted, UserError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 GROUPS = ("task", "model", "algorithm")
+QUIET_RANK_WAIT_S = 30.0  # the most a launch's other processes wait for the first to fail on a bad config
 
 if not OmegaConf.has_resolver("now"):
     OmegaConf.register_new_resolver("now", lambda pattern: datetime.now().strftime(pattern), use_cache=True)
@@ -42,12 +48,22 @@ def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return keys
 
 
+# the option maps: the schema's keys of a dict (or any value) named *options, whose keys a plugin declares
+OPTION_MAPS = tuple(name for name, item in declared(TrainSchema) if name.endswith("options")
+                    and value_type(item)[0] in (dict, typing.Any))
+
+
+def _option_map(key: str) -> bool:
+    """Whether `key` (as typed, without `+`) is an option map (OPTION_MAPS: a dict of a loss's, a correction's or a
+    task's own keyword arguments, declared by the plugin, not the schema) or a key inside one."""
+    return any(key == name or key.startswith(name + ".") for name in OPTION_MAPS)
+
+
 def _check_override(cfg: DictConfig, override: str) -> None:
     """Raise a UserError naming the valid keys when `key=value` sets a key the config does not have."""
     key = override.split("=", 1)[0].lstrip("~")
     parts = key.split(".")
-    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or parts[:2] in (["task", "options"],
-                                                                                          ["trainer", "loss_options"]):
+    if override.startswith("+") or key in GROUPS or parts[0] == "hydra" or _option_map(key):
         return  # task options are the task constructor's keywords, loss options the loss's: each checks its own
     node = cfg
     for depth, part in enumerate(parts):
@@ -101,9 +117,9 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     overrides = [o if o not in plugin else "task=plugin" for o in overrides]
     if plugin:
         overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
-    # trainer.loss_options is a dict of the loss's own keywords (checked against the loss by the trainer), and
-    # task.options the task constructor's (checked by the task, which names its options): add or set
-    overrides = ["++" + o if o.startswith(("trainer.loss_options.", "task.options.")) else o for o in overrides]
+    # an option map holds a plugin's own keywords (checked by the plugin, which names its options): a key of it,
+    # or the whole map (`'trainer.correction_options={cap: 2.0}'`), is added or set
+    overrides = ["++" + o if _option_map(o.split("=", 1)[0]) else o for o in overrides]
     group_overrides = [o for o in overrides if o.split("=", 1)[0] in (*GROUPS, "+experiment")]
     register_schema()
     try:
@@ -215,12 +231,19 @@ def parse_argv(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def run_cli(config_name: str, main, argv: list[str] | None = None) -> int:
-    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2. Ctrl-C
+    """Compose the config, then run `main(cfg)`; a UserError is printed as one sentence, exit code 2 (a config that
+    does not compose, under a launch: by each machine's first process only, `LOCAL_RANK` 0). Ctrl-C
     prints one line (`Interrupted`'s, saying how to continue, when `main` gives one) and exits with 130."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         overrides, print_only = parse_argv(argv)
-        cfg = load_config(config_name, overrides)
+        try:
+            cfg = load_config(config_name, overrides)
+        except UserError:
+            if os.environ.get("LOCAL_RANK", "0") != "0":  # a launch: the config is the same on every process, so
+                time.sleep(QUIET_RANK_WAIT_S)  # its one sentence is said by each machine's first process alone,
+                return 2  # which fails meanwhile, and the launcher then ends this one
+            raise
         if print_only:
             print(OmegaConf.to_yaml(cfg, resolve=True))
             return 0

@@ -18,6 +18,7 @@ class Key:
     low: float | None = None  # inclusive lower bound
     above: float | None = None  # exclusive lower bound
     high: float | None = None  # inclusive upper bound
+    below: float | None = None  # exclusive upper bound
     choices: tuple[str, ...] | str = ()  # the names allowed, or the name of a lazy source (`CHOICE_SOURCES`)
     references: bool = False  # `module:name` / `path/to/file.py:name` is allowed too (a plugin)
     nonempty: bool = False  # a string with something in it
@@ -27,6 +28,13 @@ class Key:
 def meta(help: str, **allowed) -> dict:
     """A field's metadata: `field(default=1e-6, metadata=meta("AdamW learning rate", above=0))`."""
     return {"key": Key(help, **allowed)}
+
+
+def option(help: str, **allowed):
+    """A plugin option's meaning and range, for `typing.Annotated` on its keyword argument, beside its default:
+    `cap: Annotated[float, option("the most weight a token gets", above=0)] = 2.0` (gpg_vl/config/rules.py's
+    `check_options` reads it; an option without one is checked against nothing)."""
+    return Key(help, **allowed)
 
 
 def key_of(item: Field) -> Key | None:

@@ -13,11 +13,12 @@ configs/*.yaml hold no copy of these defaults; model aliases and task configs se
 
 This module imports nothing heavy (no torch, no transformers), and neither do the settings' checks on built-in
 names: choices that come from a registry or a library are named here (`choices="engines"`) and read in
-gpg_vl/config/validate.py's `choices_of` from gpg_vl/config/names.py, which also holds what the built-in losses
+gpg_vl/config/rules.py's `choices_of` from gpg_vl/config/names.py, which also holds what the built-in losses
 declare; a plugin (`module:name`) is loaded to be checked.
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
 from gpg_vl.config.keys import as_sections, meta, with_sections
@@ -25,7 +26,8 @@ from gpg_vl.config.names import ENGINE_SETTINGS, JUDGE_NEEDS, TOOL_SETTINGS
 from gpg_vl.errors import UserError
 from gpg_vl.registry import load_reference
 
-# The choices read lazily (gpg_vl/config/validate.py's `choices_of`), and how the reference page names them.
+ALGORITHM_PRESETS = Path(__file__).resolve().parents[2] / "configs" / "algorithm"  # algorithm=<name>: <name>.yaml
+# The choices read lazily (gpg_vl/config/rules.py's `choices_of`), and how the reference page names them.
 CHOICE_SOURCES = {
     "schedules": "a transformers scheduler name (`transformers.SchedulerType`)",
     "trackers": "none, or an accelerate tracker (`accelerate.utils.LoggerType`)",
@@ -98,9 +100,9 @@ class TrainerSettings:
     ppo_mini_batch: int = field(default=0, metadata=meta(
         "sequences per optimizer step, over all processes, a multiple of group_size (0 = the whole rollout)",
         low=0, note="0 = the whole rollout"))
-    clip_low: float = field(default=0.2, metadata=meta("ratio clipped below at 1 - clip_low", low=0, high=1))
+    clip_low: float = field(default=0.2, metadata=meta("ratio clipped below at 1 - clip_low", low=0, below=1))
     clip_high: float | None = field(default=None, metadata=meta(
-        "ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)", low=0,
+        "ratio clipped above at 1 + clip_high (null = clip_low; DAPO's clip-higher: 0.28)", low=0, below=1,
         note="null = clip_low"))
     kl_coef: float = field(default=0.0, metadata=meta(
         "beta: k3 KL to the frozen reference model (loss grpo; 0 = no reference model)", low=0))
@@ -188,8 +190,10 @@ class TrainerSettings:
             raise UserError(f"unknown trainer.aggregation {self.aggregation!r}; valid options: "
                             f"{', '.join(names.AGGREGATIONS)}.")
         if fixed is not None and fixed != self.aggregation:
+            preset = (f"algorithm={self.loss} sets both" if (ALGORITHM_PRESETS / f"{self.loss}.yaml").is_file()
+                      else f"there is no algorithm={self.loss} preset: give both settings")
             raise UserError(f"trainer.loss={self.loss} aggregates as {fixed}; set trainer.aggregation={fixed} "
-                            f"(algorithm={self.loss} sets both).")
+                            f"({preset}).")
         if self.kl_coef > 0 and "ref" not in needs:
             raise UserError(f"trainer.kl_coef={self.kl_coef} needs a loss with a KL term; trainer.loss={self.loss} "
                             "has none: set trainer.loss=grpo or trainer.kl_coef=0.")
@@ -201,6 +205,10 @@ class TrainerSettings:
             from gpg_vl.objective.corrections import correction_options
 
             correction_options(self.correction, self.correction_options)
+        if self.loss_options:  # an unknown option, or a value outside what the loss declares, fails here
+            from gpg_vl.objective import get_policy_loss, loss_options
+
+            loss_options(get_policy_loss(self.loss), dict(self.loss_options), {}, name=self.loss)
         if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in needs:
             raise UserError(f"trainer.ppo_epochs / trainer.ppo_mini_batch take several optimizer steps per rollout, "
                             f"which needs a loss with a ratio to the rollout policy; trainer.loss={self.loss} has "

@@ -13,117 +13,21 @@ A key absent from the config (e.g. `trainer.*` in eval.yaml) is not checked.
 
 from __future__ import annotations
 
-import math
-import types
-import typing
-from collections.abc import Callable, Iterable
-from dataclasses import Field, dataclass
+from dataclasses import Field
 from functools import cache
 from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from gpg_vl.config import names
 from gpg_vl.config.keys import Key, declared, key_of
+from gpg_vl.config.rules import Rule, choices_of, rule_of, value_type
 from gpg_vl.config.schema import EvalSchema, TrainSchema
 from gpg_vl.errors import UserError
 
 
-@dataclass(frozen=True)
-class Rule:
-    """What a key may hold: an integer or a number in a range, a bool, a string, or one of some names."""
-
-    kind: str  # "int", "number", "bool", "str" or "choice"
-    low: float | None = None  # inclusive lower bound (`above` for an exclusive one)
-    above: float | None = None
-    high: float | None = None  # inclusive upper bound
-    optional: bool = False  # null is allowed
-    choices: Callable[[], Iterable[str]] | tuple[str, ...] = ()
-    note: str = ""  # why, appended to what is allowed
-    references: bool = False  # a choice that also takes module:name / path.py:name (a plugin from outside)
-
-    def allows(self, value) -> bool:
-        if value is None:
-            return self.optional
-        if self.kind == "bool":
-            return isinstance(value, bool)
-        if self.kind == "str":
-            return isinstance(value, str) and bool(value.strip())
-        if self.kind == "choice":
-            return isinstance(value, str) and (value in self.options() or (self.references and ":" in value))
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return False
-        if self.kind == "int" and not isinstance(value, int):
-            return False
-        return (math.isfinite(value) and (self.low is None or value >= self.low)
-                and (self.above is None or value > self.above) and (self.high is None or value <= self.high))
-
-    def options(self) -> list[str]:
-        return list(self.choices() if callable(self.choices) else self.choices)
-
-    def allowed(self) -> str:
-        if self.kind == "bool":
-            text = "true or false"
-        elif self.kind == "str":
-            text = "a non-empty string"
-        elif self.kind == "choice":
-            outside = ", or module:name / path.py:name" if self.references else ""
-            text = "one of " + ", ".join(self.options()) + outside
-        else:
-            bounds = [f">= {_number(self.low)}" if self.low is not None else "",
-                      f"> {_number(self.above)}" if self.above is not None else "",
-                      f"<= {_number(self.high)}" if self.high is not None else ""]
-            text = ("an integer" if self.kind == "int" else "a number") + " " + " and ".join(b for b in bounds if b)
-        text = text.strip() + (" or null" if self.optional else "")
-        return f"{text} ({self.note})" if self.note else text
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
-def choices_of(source: str) -> list[str]:
-    """The names a lazy choice (`Key.choices` naming a source in schema.CHOICE_SOURCES) allows now: the registries
-    (plugins included) and the libraries' lists, read from gpg_vl/config/names.py so that checking a config
-    imports none of torch, transformers or accelerate."""
-    if source in names.REGISTRIES:
-        found = names.registered(source)
-        return ["auto", *found] if source == "families" else found
-    lists = {"schedules": list(names.SCHEDULES), "trackers": ["none", *names.TRACKERS],
-             "baselines": list(names.BASELINES), "aggregations": sorted(names.AGGREGATIONS),
-             "decoders": list(names.DECODERS), "box_frames": list(names.BOX_FRAMES),
-             "segmenters": list(names.SEGMENTERS)}
-    if source not in lists:
-        raise ValueError(f"unknown choice source {source!r}")
-    return lists[source]
-
-
-def value_type(item: Field) -> tuple[object, bool]:
-    """A field's type without `None`, and whether null is allowed (`X | None`)."""
-    hint = item.type
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = typing.get_args(hint)
-        rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else typing.Any), len(rest) < len(args)
-    return hint, False
-
-
 def rule_for(item: Field) -> Rule | None:
     """What a schema field allows, from its type and its metadata (None: its type says all, e.g. a free string)."""
-    key = key_of(item) or Key("")
-    hint, optional = value_type(item)
-    common = {"optional": optional, "note": key.note}
-    if key.choices:
-        choices = key.choices
-        source = (lambda: choices_of(choices)) if isinstance(choices, str) else tuple(choices)
-        return Rule("choice", choices=source, references=key.references, **common)
-    if hint is bool:
-        return Rule("bool", **common)
-    if hint in (int, float):
-        return Rule("int" if hint is int else "number", low=key.low, above=key.above, high=key.high, **common)
-    if hint is str and key.nonempty:
-        return Rule("str", **common)
-    return None
+    return rule_of(*value_type(item), key_of(item) or Key(""))
 
 
 @cache

@@ -35,11 +35,12 @@ def vision_pattern(vision_modules: list[str]) -> str | None:
 
 def apply_lora(model: torch.nn.Module, *, r: int, alpha: float, dropout: float = 0.0,
                target_modules: str | list[str] = LANGUAGE_LINEARS, include_vision: bool = False,
-               vision_modules: list[str] = (), target_parameters: list[str] | None = None):
+               vision_modules: list[str] = (), target_parameters: list[str] | None = None, seed: int = 0):
     """`model` wrapped in a trainable LoRA `PeftModel`: rank `r`, scale `alpha / r`, on `target_modules`
     (module names, or one regular expression matched against full module names) and `target_parameters`
     (parameter names, e.g. `mlp.experts.gate_up_proj`); modules under `vision_modules` are left alone
-    unless `include_vision`."""
+    unless `include_vision`. The adapters' random initial values are drawn from `seed` (the run's), on a
+    forked generator: the same seed gives the same adapters, and the process's own random state is untouched."""
     from peft import LoraConfig, get_peft_model
 
     if r <= 0:
@@ -49,7 +50,9 @@ def apply_lora(model: torch.nn.Module, *, r: int, alpha: float, dropout: float =
                         target_parameters=list(target_parameters) if target_parameters else None,
                         exclude_modules=None if include_vision else vision_pattern(list(vision_modules)), bias="none")
     try:
-        return get_peft_model(model, config)
+        with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+            torch.manual_seed(seed)
+            return get_peft_model(model, config)
     except ValueError as error:  # PEFT's "Target modules ... not found in the base model"
         raise UserError(f"model.lora.target_modules={targets!r} matches no layer of the model "
                         f"({str(error).splitlines()[0][:120]}); name linear layers such as "

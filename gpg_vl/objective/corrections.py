@@ -25,12 +25,13 @@ Built in (ρ_seq = exp(sum_t log rho_t), ρ_geo = exp(mean_t log rho_t)):
 - `geo_reject` (delta): w = 1, the sequence rejected when ρ_geo leaves [1 - delta, 1 + delta] (verl's geo_rs);
 - `topr`: TOPR's asymmetric rule, w = 1 when A >= 0, w = clip(ρ_seq, 0, 1) when A < 0.
 
-A correction declares its options as keyword arguments with defaults (`correction_options` checks
-trainer.correction_options against them) and `rejects=True` when it may reject sequences: the update then scores
-pi_theta once before its optimizer step, so that the normalizer already leaves the rejected sequences out. It
-returns (weights, rejected, capped): `capped` marks the tokens whose weight its rule set below the importance
-ratio it stands for (its cap was reached), read by the `truncated_fraction` metric; a correction that returns
-only (weights, rejected) is read as token-level (capped where w_t < rho_t).
+A correction declares its options as keyword arguments with defaults, and what each allows beside it
+(`cap: Annotated[float, option("meaning", above=0)] = 2.0`, gpg_vl/config/keys.py; `correction_options` checks
+trainer.correction_options against them before the model loads), and `rejects=True` when it may reject sequences:
+the update then scores pi_theta once before its optimizer step, so that the normalizer already leaves the
+rejected sequences out. It returns (weights, rejected, capped): `capped` marks the tokens whose weight its rule set
+below the importance ratio it stands for (its cap was reached), read by the `truncated_fraction` metric; a
+correction that returns only (weights, rejected) is read as token-level (capped where w_t < rho_t).
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
+from gpg_vl.config.keys import option
 from gpg_vl.config.names import CORRECTION_BUILTINS
+from gpg_vl.config.rules import check_options
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
 
@@ -66,9 +70,13 @@ def get_correction(name: str) -> Correction:
     return CORRECTIONS.get(name)
 
 
+Cap = Annotated[float, option("the most weight a token gets", above=0)]
+
+
 def correction_options(name: str, given: dict | None) -> dict:
     """The options of trainer.correction=`name`: its declared defaults, overridden by `given`
-    (trainer.correction_options); an option it does not declare fails in one sentence."""
+    (trainer.correction_options); an option it does not declare, or a value outside what it declares, fails in one
+    sentence."""
     correction = get_correction(name)
     declared = {key: p.default for key, p in inspect.signature(correction).parameters.items()
                 if p.default is not p.empty and key not in CORRECTION_INPUTS}
@@ -76,6 +84,7 @@ def correction_options(name: str, given: dict | None) -> dict:
     if unknown:
         raise UserError(f"trainer.correction_options.{unknown[0]}: correction {name} has no option {unknown[0]!r}; "
                         f"its options: {', '.join(sorted(declared)) or 'none'}.")
+    check_options(correction, dict(given or {}), prefix="trainer.correction_options", owner=f"correction {name}")
     return {**declared, **(given or {})}
 
 
@@ -100,7 +109,7 @@ def no_correction(log_ratio: Tensor, mask: Tensor, advantages: Tensor) -> tuple[
 
 @register_correction("token_tis")
 def token_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
-              cap: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
+              cap: Cap = 2.0) -> tuple[Tensor, Tensor, Tensor]:
     """Token-level truncated importance sampling: w_t = min(rho_t, cap), capped where rho_t > cap. log_ratio,
     mask [n, C]."""
     ratio = torch.exp(log_ratio)
@@ -109,7 +118,7 @@ def token_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
 
 @register_correction("sequence_tis")
 def sequence_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
-                 cap: float = 5.0) -> tuple[Tensor, Tensor, Tensor]:
+                 cap: Cap = 5.0) -> tuple[Tensor, Tensor, Tensor]:
     """Sequence-level truncated IS: w = min(prod_t rho_t, cap) on every token of the sequence, all of its tokens
     capped where the product exceeds the cap."""
     log_sequence = _sequence_log_ratio(log_ratio, mask)  # [n]
@@ -120,7 +129,8 @@ def sequence_tis(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
 
 @register_correction("geo_reject", rejects=True)
 def geo_reject(log_ratio: Tensor, mask: Tensor, advantages: Tensor, *,
-               delta: float = 0.2) -> tuple[Tensor, Tensor, Tensor]:
+               delta: Annotated[float, option("the band around 1 a sequence's geometric-mean ratio must stay in",
+                                              above=0, below=1)] = 0.2) -> tuple[Tensor, Tensor, Tensor]:
     """Geometric-mean rejection: a sequence whose exp(mean_t log rho_t) leaves [1 - delta, 1 + delta] is rejected
     (it adds nothing to the gradient and leaves the normalizer); the others keep w = 1."""
     tokens = mask.sum(dim=1).clamp(min=1)  # [n]

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from gpg_vl.errors import UserError
 from gpg_vl.objective.aggregation import _aggregate, _base_metrics, _masked_mean, weigh
+from gpg_vl.objective.options import ClipHigh, ClipLow, KlCoef, MaskThreshold, MaxTokens
 from gpg_vl.objective.registry import register_policy_loss
 
 
@@ -147,8 +148,8 @@ def clipped_surrogate(
 
 
 @register_policy_loss("grpo", needs=("old", "ref"))
-def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = None, kl_coef: float = 0.0, off_policy_mask_threshold: float | None = None,
+def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+              clip_high: ClipHigh = None, kl_coef: KlCoef = 0.0, off_policy_mask_threshold: MaskThreshold = None,
               **inputs):
     """GRPO (DeepSeekMath, R1-V's trainer): clipped ratio (default eps 0.2), k3 KL to the reference with
     `kl_coef`, and the aggregation given (per-sequence token mean, then mean, by default)."""
@@ -157,9 +158,9 @@ def grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 
 @register_policy_loss("dr_grpo", needs=("old",), aggregation="seq_mean_token_sum")
-def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-                 clip_high: float | None = None, max_tokens: int | None = None,
-                 off_policy_mask_threshold: float | None = None, **inputs):
+def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+                 clip_high: ClipHigh = None, max_tokens: MaxTokens = None,
+                 off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """Dr. GRPO: the clipped ratio, each sequence's token sum over the constant `max_tokens` (the trainer
     passes rollout.max_new_tokens), no KL."""
     if not max_tokens:
@@ -171,8 +172,8 @@ def dr_grpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tenso
 
 
 @register_policy_loss("dapo", needs=("old",), aggregation="token_mean")
-def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = 0.28, off_policy_mask_threshold: float | None = None, **inputs):
+def dapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+              clip_high: ClipHigh = 0.28, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """DAPO: clip-higher (eps_low 0.2, eps_high 0.28 by default), the token mean over the batch, no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
                              off_policy_mask_threshold=off_policy_mask_threshold, **{**inputs, "kl_coef": 0.0})

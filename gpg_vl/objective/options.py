@@ -4,15 +4,31 @@ DAPO's overlong penalty."""
 from __future__ import annotations
 
 import inspect
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
+from gpg_vl.config.keys import option
+from gpg_vl.config.rules import check_options
 from gpg_vl.errors import UserError
 from gpg_vl.objective.registry import PolicyLoss
 
 # what the trainer passes every loss (`weights`: the off-policy correction's, only when one is in force)
 LOSS_INPUTS = ("old_logps", "ref_logps", "aggregation", "normalizer", "weights")
+
+# What the built-in losses' options allow, declared beside their defaults (`loss_options` checks them).
+ClipLow = Annotated[float, option("the ratio clipped below at 1 - clip_low", low=0, below=1)]
+ClipHigh = Annotated[float | None, option("the ratio clipped above at 1 + clip_high; null = clip_low", low=0,
+                                          below=1)]
+MaskThreshold = Annotated[float | None, option("the sequence KL above which a negative-advantage sequence is "
+                                               "masked; null = off", low=0)]
+CapOption = Annotated[float, option("the most weight a token gets", above=0)]
+KlCoef = Annotated[float, option("beta of the k3 KL to the reference", low=0)]
+Temperature = Annotated[float, option("the soft gate's temperature", above=0)]
+VespoShape = Annotated[float, option("the gamma weight's shape k", low=0)]
+VespoRate = Annotated[float, option("the gamma weight's rate lambda", above=0)]
+MaxTokens = Annotated[int | None, option("the completion length limit", low=1)]
 
 
 def declared_options(loss: PolicyLoss) -> dict[str, object]:
@@ -28,13 +44,16 @@ def loss_options(loss: PolicyLoss, given: dict, defaults: dict, *, name: str | N
     (trainer.loss_options), else from `defaults` (the trainer's settings of that name: clip_low, clip_high,
     kl_coef; max_tokens = rollout.max_new_tokens), else keeps the loss's own default. A loss that also takes
     `**kwargs` gets every default it does not declare (what it may forward). A key of `given` that the loss
-    does not declare fails in one sentence naming the loss and its options."""
+    does not declare fails in one sentence naming the loss and its options; a value outside what the loss declares
+    for it (`Annotated[float, option(..., above=0)]`, gpg_vl/config/rules.py's `check_options`) in one naming
+    the option and what it allows."""
     declared = declared_options(loss)
     unknown = sorted(set(given) - set(declared))
     if unknown:
         label = name or getattr(loss, "__name__", "the loss")
         raise UserError(f"trainer.loss_options.{unknown[0]}: loss {label} has no option {unknown[0]!r}; its options: "
                         f"{', '.join(sorted(declared)) or 'none'}.")
+    check_options(loss, given, prefix="trainer.loss_options", owner=f"loss {name or getattr(loss, '__name__', '')}")
     chosen = {key: given[key] if key in given else defaults.get(key, default) for key, default in declared.items()}
     takes_more = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(loss).parameters.values())
     return {**({k: v for k, v in defaults.items() if k not in declared} if takes_more else {}), **chosen}

@@ -18,12 +18,13 @@ from gpg_vl.objective.losses import (
     ratio_inputs,
     sequence_mean,
 )
+from gpg_vl.objective.options import CapOption, ClipHigh, ClipLow, MaskThreshold, Temperature, VespoRate, VespoShape
 from gpg_vl.objective.registry import register_policy_loss
 
 
 @register_policy_loss("bnpo", needs=("old",), aggregation="token_mean")
-def bnpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.2,
-              clip_high: float | None = None, off_policy_mask_threshold: float | None = None, **inputs):
+def bnpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.2,
+              clip_high: ClipHigh = None, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """BNPO (TRL `loss_type="bnpo"`): the clipped surrogate per token, summed over the batch's tokens and divided
     by their count (TRL normalises by the local batch; here by the global token count), no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
@@ -31,8 +32,8 @@ def bnpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 
 @register_policy_loss("gspo", needs=("old",), aggregation="seq_mean_token_mean")
-def gspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 3e-4,
-              clip_high: float | None = 4e-4, off_policy_mask_threshold: float | None = None, **inputs):
+def gspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 3e-4,
+              clip_high: ClipHigh = 4e-4, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """GSPO (TRL `loss_type="grpo"` with `importance_sampling_level="sequence"`): one ratio per sequence,
     ``s_i = exp(mean_t (logp - old))``, clipped to [1 - clip_low, 1 + clip_high] (GSPO's 3e-4 / 4e-4), loss
     ``-min(s_i A_i, clip(s_i) A_i)`` per sequence, mean over sequences; no KL."""
@@ -41,8 +42,8 @@ def gspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 
 @register_policy_loss("luspo", needs=("old",), aggregation="seq_token_sum")
-def luspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 3e-4,
-               clip_high: float | None = 4e-4, off_policy_mask_threshold: float | None = None, **inputs):
+def luspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 3e-4,
+               clip_high: ClipHigh = 4e-4, off_policy_mask_threshold: MaskThreshold = None, **inputs):
     """LUSPO (TRL `loss_type="luspo"`, sequence-level ratio): GSPO's per-sequence loss times the sequence's length
     (its token sum), mean over sequences; no KL."""
     return clipped_surrogate(token_logps, completion_mask, advantages, clip_low=clip_low, clip_high=clip_high,
@@ -50,8 +51,8 @@ def luspo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
 
 
 @register_policy_loss("sapo", needs=("old",), aggregation="seq_mean_token_mean")
-def sapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, temperature_pos: float = 1.0,
-              temperature_neg: float = 1.05, off_policy_mask_threshold: float | None = None,
+def sapo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, temperature_pos: Temperature = 1.0,
+              temperature_neg: Temperature = 1.05, off_policy_mask_threshold: MaskThreshold = None,
               **inputs) -> tuple[Tensor, dict[str, float]]:
     """SAPO (TRL `loss_type="sapo"`): a soft gate instead of the clip. Per token, with r = exp(logp - old) and
     tau = `temperature_pos` where A > 0 else `temperature_neg`: ``-sigmoid(tau (r - 1)) * 4 / tau * A``
@@ -88,9 +89,9 @@ def gamma_weights(adv: Tensor, log_ratio: Tensor, mask: Tensor, *, k_pos: float,
 
 
 @register_policy_loss("vespo", needs=("old",), aggregation="token_mean")
-def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, k_pos: float = 2.0,
-               lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,
-               off_policy_mask_threshold: float | None = None, **inputs) -> tuple[Tensor, dict[str, float]]:
+def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, k_pos: VespoShape = 2.0,
+               lambda_pos: VespoRate = 3.0, k_neg: VespoShape = 3.0, lambda_neg: VespoRate = 2.0,
+               off_policy_mask_threshold: MaskThreshold = None, **inputs) -> tuple[Tensor, dict[str, float]]:
     """VESPO (TRL `loss_type="vespo"`): a policy gradient weighted per sequence by the gamma function of its
     ratio (`gamma_weights`, no gradient through it): per token ``-phi_i A_i logp``, token mean over the batch."""
     mask, logps, old, adv = ratio_inputs(token_logps, completion_mask, advantages, inputs.get("old_logps"))
@@ -107,8 +108,8 @@ def vespo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
 
 
 @register_policy_loss("gmpo", needs=("old",), aggregation="seq_mean_token_mean")
-def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: float = 0.4,
-              clip_high: float | None = 0.4, off_policy_mask_threshold: float | None = None,
+def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, clip_low: ClipLow = 0.4,
+              clip_high: ClipHigh = 0.4, off_policy_mask_threshold: MaskThreshold = None,
               **inputs) -> tuple[Tensor, dict[str, float]]:
     """GMPO (verl `loss_mode=geo_mean`): the geometric mean of the token ratios, clipped per token in log space.
 
@@ -137,7 +138,7 @@ def gmpo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, 
 
 @register_policy_loss("cispo", needs=("old",), aggregation="token_mean")
 def cispo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor, *, old_logps: Tensor | None = None,
-               cap: float = 5.0, **inputs) -> tuple[Tensor, dict[str, float]]:
+               cap: CapOption = 5.0, **inputs) -> tuple[Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1): per token -sg(min(rho_t, cap)) * A * log pi_t, rho_t = exp(logp - old), the token mean
     over the batch; the weight is detached, so every token keeps a gradient (no clipping takes it away). TRL 1.16's
     loss_type="cispo" caps at its `epsilon_high` itself: cap here is that number. token_logps, old_logps,

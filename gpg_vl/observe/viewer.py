@@ -11,7 +11,9 @@ page also reads with scripts off.
   the predicted and target boxes drawn on the image in original pixels.
 - `write_predictions_html(path, task, records, rows, metrics)`: `predictions.html` beside `predictions.jsonl`: a
   right/wrong filter, accuracy broken down by the task's `group_columns`, and for grounding tasks the predicted
-  and target boxes, and the segmenter's mask over the ground-truth mask when a segmenter ran.
+  and target boxes, and the segmenter's mask over the ground-truth mask when a segmenter ran. With k samples per
+  row (eval.samples) it shows the first SAMPLES_SHOWN of each row and says how many it hides (the counts and
+  tables cover them all; predictions.jsonl holds them), so the page stays small whatever k is.
 
 Multi-turn completions (rollout.max_turns > 1) show turn by turn on both pages: each segment's text, the tool
 call it ended with (name, arguments), the observation's text, the crop the model received (thumbnail) and that
@@ -59,6 +61,7 @@ def shown_curves(metrics: list[dict]) -> tuple[tuple[str, str], ...]:
     return CURVES + evaluated + (OFF_POLICY_CURVES if off_policy else ())
 RIGHT_IOU = 0.5  # a grounding prediction is right at box IoU >= 0.5 with the target
 RIGHT_ACCURACY = 0.5  # otherwise when its accuracy reward is >= 0.5 (the 0/1 rewards: when it is 1)
+SAMPLES_SHOWN = 8  # predictions.html shows this many samples of a row (eval.samples=k); predictions.jsonl holds all
 TRUTH_RGBA, PRED_RGBA = (22, 163, 74, 110), (217, 70, 239, 120)  # mask overlay colours
 
 
@@ -325,11 +328,12 @@ def read_metrics(path: Path) -> list[dict]:
 # predictions.html
 # ---------------------------------------------------------------------------------------------
 def write_predictions_html(path: str | Path, task, records: Sequence[dict], rows: Sequence[dict],
-                           metrics: dict[str, float], *, split: str = "") -> Path:
+                           metrics: dict[str, float], *, split: str = "", samples_shown: int = SAMPLES_SHOWN) -> Path:
     """Write an evaluation's page (see the module doc). `rows` are the split's rows, indexed by each record's
-    `index` (their images are read once more, here)."""
+    `index` (their images are read once more, here); `samples_shown`: the most samples of one row shown."""
     columns = tuple(getattr(task, "group_columns", ()))
     cards, tallies, right_count = [], {}, 0  # tallies: (column, value) -> [right, count]
+    per_row: dict[int, int] = {}  # row index -> its records so far
     for record in records:
         row = rows[int(record["index"])]
         right = is_right(task, record, row)
@@ -339,10 +343,16 @@ def write_predictions_html(path: str | Path, task, records: Sequence[dict], rows
             tally = tallies.setdefault(group, [0, 0])
             tally[0] += right
             tally[1] += 1
-        cards.append(prediction_html(task, record, row, right, groups))
+        per_row[int(record["index"])] = seen = per_row.get(int(record["index"]), 0) + 1
+        if seen <= samples_shown:
+            cards.append(prediction_html(task, record, row, right, groups))
+    hidden = len(records) - sum(min(count, samples_shown) for count in per_row.values())
+    hidden_text = (f"; the page shows the first {samples_shown} samples of each row, {hidden} more are in "
+                   "predictions.jsonl" if hidden else "")
     body = [
         f"<h1>Predictions: {esc(task.name)}{' / ' + esc(split) if split else ''}</h1>",
-        f"<div class='sub'>{len(records)} rows, {right_count} right ({esc(right_rule(task))})</div>",
+        f"<div class='sub'>{len(records)} predictions of {len(per_row)} rows, {right_count} right "
+        f"({esc(right_rule(task))}){esc(hidden_text)}</div>",
         "<div class='tables'>" + metrics_table(metrics) + breakdown_tables(columns, tallies) + "</div>",
         "<div class='controls'><label>show <select class='filter' id='verdict'><option value=''>all</option>"
         "<option value='right'>right</option><option value='wrong'>wrong</option></select></label>"

@@ -18,8 +18,9 @@ from gpg_vl.models.load import load_policy
 from gpg_vl.models.lora import adapter_base, adapter_folder, apply_lora, freeze_vision, load_adapter
 
 
-def build_policy(model_cfg: DictConfig, device):
-    """The policy of a model alias, with its memory options: LoRA (`model.lora.r > 0`) and a frozen vision tower.
+def build_policy(model_cfg: DictConfig, device, seed: int = 0):
+    """The policy of a model alias, with its memory options: LoRA (`model.lora.r > 0`, new adapters drawn from
+    `seed`, the run's) and a frozen vision tower.
 
     A checkpoint holding a LoRA adapter loads its base model, then the adapter: trainable when LoRA is on
     (resuming), merged into the weights otherwise (evaluating).
@@ -46,7 +47,7 @@ def build_policy(model_cfg: DictConfig, device):
         model = apply_lora(model, r=int(lora.r), alpha=float(lora.alpha), dropout=float(lora.dropout),
                            target_modules=_plain(lora.target_modules), include_vision=bool(lora.include_vision),
                            vision_modules=policy.family.vision_modules(model),
-                           target_parameters=_plain(lora.get("target_parameters")) or None)
+                           target_parameters=_plain(lora.get("target_parameters")) or None, seed=seed)
     if model_cfg.get("freeze_vision"):
         freeze_vision(model, policy.family.vision_modules(model))
     return replace(policy, model=model, save_format=str(lora.save) if training_lora else "full")

@@ -226,7 +226,8 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str, tokenizer=N
 
 def read_predictions(path: str | Path) -> list[dict]:
     """The records of a predictions.jsonl written by scripts/eval.py, each checked for what `rescore` reads
-    (`index` a whole number >= 0, `id`, `completion` a string); a bad file or line fails in one sentence."""
+    (`index` a whole number >= 0, `id`, `completion` a string); a bad file or line (named by its number in the
+    file), or a file without records, fails in one sentence."""
     source = Path(path)
     if not source.is_file():
         raise UserError(f"predictions file {str(source)!r} does not exist; pass predictions=path/to/predictions.jsonl.")
@@ -236,14 +237,17 @@ def read_predictions(path: str | Path) -> list[dict]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"predictions file {str(source)!r} is not JSON lines ({error}); "
-                            "pass a predictions.jsonl written by scripts/eval.py.") from None
+        except json.JSONDecodeError as error:  # its own position is within the line: say the file's line
+            raise UserError(f"line {number} of predictions file {str(source)!r} is not JSON ({error.msg} at column "
+                            f"{error.colno}); pass a predictions.jsonl written by scripts/eval.py.") from None
         problem = _prediction_problem(record)
         if problem:
             raise UserError(f"line {number} of predictions file {str(source)!r} {problem}; pass a predictions.jsonl "
                             "written by scripts/eval.py (each line holds index, id and completion).")
         records.append(record)
+    if not records:
+        raise UserError(f"predictions file {str(source)!r} holds no records, so there is nothing to re-score; pass a "
+                        "predictions.jsonl written by scripts/eval.py (one record per line).")
     return records
 
 

@@ -58,9 +58,13 @@ def train(run: Run) -> dict:
                                           f"{run.trainer.max_steps}: {spent}.")
                     break
                 before = run.data.stream.state_dict()  # a step the engine fails in draws its prompts again
+                metrics = None
                 try:
                     metrics = step(run)
+                    learned(run, metrics)
                 except EngineUnreachable as error:
+                    if metrics is not None and run.state.updated:  # the update ran: its line and rollouts go
+                        log_step(run, metrics, run.state.attempts)  # with its checkpoint
                     stop_on_lost_engine(run, error, before)
                 metrics.update(evaluate_during(run))  # trainer.eval_every: the held-out split, at this step
                 log_step(run, metrics, run.state.attempts)
@@ -100,7 +104,6 @@ def step(run: Run) -> dict:
         result = {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
         run.warn("a step had no group with differing rewards after trainer.max_attempts rollouts; "
                  "it was skipped (check the task's rewards, or raise rollout.temperature).")
-    pipeline.learned(state.step)  # the weights after this step: the engine's (k = 0) or the sampler's (k >= 1)
     updated = time.perf_counter()
     _count_bad_step(run, result)
     turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
@@ -119,6 +122,17 @@ def step(run: Run) -> dict:
             **sampled.stream, **pipeline_metrics(state.step, sampled),
             "rollout_s": sampled.rollout_s, "update_s": updated - rolled,
             "step_s": time.perf_counter() - started}
+
+
+def learned(run: Run, metrics: dict) -> None:
+    """The weights after the step go to the pipeline: an engine with its own weights takes them (k = 0: a sync,
+    which may find the engine gone once the step's metrics exist) or the sampler's snapshot (k >= 1); its time
+    counts in the step's update_s and step_s."""
+    started = time.perf_counter()
+    run.pipeline.learned(run.state.step)
+    took = time.perf_counter() - started
+    metrics["update_s"] += took
+    metrics["step_s"] += took
 
 
 def _count_bad_step(run: Run, result: dict) -> None:
@@ -148,21 +162,26 @@ def stop_on_bad_steps(run: Run) -> None:
 def stop_on_lost_engine(run: Run, error: EngineUnreachable, stream_state: dict) -> None:
     """The rollout engine was lost mid-step (a vLLM server unreachable for rollout.vllm_server.timeout_s): on every
     process, checkpoint what is done (this step's update if it ran, else the step before, its prompts to be drawn
-    again) and stop in one sentence. With trainer.max_staleness >= 1 the sampler's steps in flight cannot be
-    written: the last checkpoint of trainer.save_every is the one to continue from."""
+    again) and stop in one sentence. With trainer.max_staleness >= 1 the checkpoint after the last logged step holds
+    the sampler's state as it began the next one (as save_step writes it); when the sampler never began it, the last
+    checkpoint of trainer.save_every is the one to continue from."""
     state = run.state
-    if run.pipeline.k:
-        last = latest_checkpoint(run.output_dir) if run.main else None
-        run.stop(f"{str(error).rstrip('.')}; the run stopped at step {state.step}: continue from its last "
-                 f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once the rollout engine "
-                 "is back.")
     done = state.step if state.updated else state.step - 1
-    if not state.updated:
+    in_flight = None
+    if run.pipeline.k:
+        state.step = done
+        in_flight = run.pipeline.state_dict(lost=True)  # the sampler's state as it began the next step
+        if in_flight is None:
+            last = latest_checkpoint(run.output_dir) if run.main else None
+            run.stop(f"{str(error).rstrip('.')}; the run stopped at step {done + 1}: continue from its last "
+                     f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once the rollout "
+                     "engine is back.")
+    elif not state.updated:
         run.data.stream.load_state_dict(stream_state)
     state.step = done
     path = run.output_dir / f"checkpoint-{done}"
     save_checkpoint(path, run.learner, run.data.stream, done, keep=run.trainer.keep_checkpoints,
-                    counters=state.counters, config=run.settings.config, record=state.record)
+                    counters=state.counters, config=run.settings.config, record=state.record, in_flight=in_flight)
     run.stop(f"{str(error).rstrip('.')}; the run stopped after step {done} and wrote {path.name}: continue with "
              "resume=auto once the rollout engine is back.")
 

@@ -140,7 +140,7 @@ class SyncPipeline:
     def released(self, step: int) -> None:
         """Step `step` is logged and saved: its weights may be sampled with."""
 
-    def state_dict(self) -> dict | None:
+    def state_dict(self, lost: bool = False) -> dict | None:
         return None
 
     def close(self) -> None:
@@ -237,14 +237,18 @@ class AsyncPipeline:
                 del self.shared.versions[old]
             self.shared.lock.notify_all()
 
-    def state_dict(self) -> dict:
+    def state_dict(self, lost: bool = False) -> dict | None:
         """What regenerates the steps in flight after the learner's current step s (see the module doc): the
         sampler's state as it began step s + 1 (the data stream's position, its generator, its counters) and the
-        weights steps s + 1 .. s + k sample with (those after steps s - k .. s - 1; the checkpoint's own are s's)."""
+        weights steps s + 1 .. s + k sample with (those after steps s - k .. s - 1; the checkpoint's own are s's).
+        `lost`: the sampler failed (its engine is gone): that state if it began step s + 1 before failing, else
+        None."""
         shared, step = self.shared, self.run.state.step
         with shared.lock:
             shared.lock.wait_for(lambda: step + 1 in shared.starts or shared.error is not None)
-            if shared.error is not None:
+            if lost and step + 1 not in shared.starts:
+                return None
+            if shared.error is not None and not lost:
                 raise shared.error
             began = shared.starts[step + 1]
             weights = {v: w for v, w in shared.versions.items() if v < step}
@@ -262,7 +266,8 @@ class AsyncPipeline:
             self.shared.lock.notify_all()
         self.thread.join()
         torch.set_num_threads(self.restore_threads)
-        if self.own_weights:  # evaluation after training samples with the learner's weights
+        if self.own_weights and self.shared.error is None:  # evaluation after training samples with the learner's
+            # weights (not when the sampler lost the engine: its error is the run's, and stays the one said)
             self.engine.sync(self.run.learner.model, self.run.state.step)
 
     # ---- the sampler's side ----------------------------------------------------------------
@@ -361,6 +366,16 @@ def in_flight(run) -> dict | None:
         raise UserError(f"{run.settings.resume_from} was saved with trainer.max_staleness={state['max_staleness']}, "
                         f"and this run has {run.trainer.max_staleness}; resume with the same value.")
     return state
+
+
+def staleness_note(max_staleness: int, max_steps: int) -> str | None:
+    """One line when k >= 1 reaches the run's length: every step then samples with the initial weights (step n
+    samples with those after step n - 1 - k <= 0), so the sampler never updates (None otherwise, and for one step)."""
+    if max_staleness == 0 or max_steps < 2 or sampling_version(max_steps, max_staleness) > 0:
+        return None
+    most = f"at most {max_steps - 2}" if max_steps > 2 else "0"
+    return (f"note: trainer.max_staleness={max_staleness} reaches this {max_steps}-step run: every step samples with "
+            f"the initial weights, so the sampler never updates (set trainer.max_staleness to {most} for it to).")
 
 
 def require_pipeline(trainer, rollout, accelerator) -> None:

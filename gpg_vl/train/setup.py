@@ -41,7 +41,7 @@ from gpg_vl.train.checkpoint import (
 from gpg_vl.train.held_out import prepare_held_out
 from gpg_vl.train.loss_call import trainer_loss_options
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
-from gpg_vl.train.pipeline import require_pipeline, whole_copy
+from gpg_vl.train.pipeline import require_pipeline, staleness_note, whole_copy
 from gpg_vl.train.reference import build_reference, needs_reference, place_reference
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
 from gpg_vl.train.sample import reward_names
@@ -71,7 +71,7 @@ def setup(cfg) -> Run:
         if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
         check_model_folder(model_cfg)  # before the weights load
-        policy = build.build_policy(model_cfg, accelerator.device)
+        policy = build.build_policy(model_cfg, accelerator.device, seed=int(cfg.seed))
         # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
         # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
         reference = None
@@ -131,6 +131,9 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     if trainer.epochs:  # epochs over the train split decide the length of the run
         trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
         settings = replace(settings, trainer=trainer)
+    stale = staleness_note(trainer.max_staleness, trainer.max_steps)  # k as long as the run: the sampler never moves
+    if stale:
+        accelerator.print(stale)
     learner = _build_learner(policy, trainer, settings.rollout, accelerator, reference,
                              resuming=settings.resume_from is not None)
     # samples, and evaluates; with rollout.max_turns > 1 trajectories that may call the task's tools

@@ -456,9 +456,10 @@ def test_a_bad_deepspeed_value_fails_in_one_sentence_naming_the_file_key():
         check_deepspeed_config({"zero_optimization": {"stage": 7}})
     message = str(error.value)
     assert message.startswith("the DeepSpeed config has zero_optimization.stage=7 (zero_stage in the accelerate "
-                              "config file), which DeepSpeed refuses: input should be 0, 1, 2, 3")
+                              "config file), which DeepSpeed refuses: input should be 0, 1, 2 or 3; fix it")
     assert "\n" not in message and message.endswith(".")
-    with pytest.raises(UserError, match=r"offload_param.device='gpu' \(offload_param_device in the accelerate"):
+    with pytest.raises(UserError, match=r"offload_param.device='gpu' \(offload_param_device in the accelerate.*"
+                                        r"input should be 'none', 'cpu' or 'nvme'; fix"):
         check_deepspeed_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})
 
 

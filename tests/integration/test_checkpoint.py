@@ -250,3 +250,27 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights_and_metrics(tmp_p
     assert "checkpoint-2 at step 2" in result["resumed_from"]
     assert result["weights_identical"] and result["weights_trained"], result["sha256"]
     assert result["metrics_identical_after_kill"] and result["steps_once"] and not result["partials_left"]
+
+
+RUN_SCRIPT = "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+@pytest.mark.slow
+def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_runs_adapters(tmp_path, monkeypatch):
+    script = load_script()
+    launches = []
+
+    def forked_train(args: list[str], log: Path, prefix: list[str] | None = None, threads: int = 1):
+        """check_resume's run of scripts/train.py, forked, each launch starting from another torch random state
+        (as separate launches do; forks of one server would all start from the same)."""
+        launches.append(args)
+        code, extra = (prefix[1], prefix[2:]) if prefix else (RUN_SCRIPT, [])
+        return procs.Forked(["-c", f"import torch\ntorch.manual_seed({len(launches)})\n{code}", *extra,
+                             str(ROOT / "scripts" / "train.py"), *args], output=log)
+
+    monkeypatch.setattr(script, "_train", forked_train)
+    result = script.check(tmp_path, steps=3, kill_after=1, overrides=["model.lora.r=8"])  # dies writing checkpoint-2
+    assert result["tensors"] > 0 and "checkpoint-1 at step 1" in result["resumed_from"]
+    assert result["weights_identical"] and result["weights_trained"], result["sha256"]
+    # step 1 of the killed run equals the uninterrupted run's: the two drew the same adapters
+    assert result["metrics_identical_all"] and result["steps_once"] and not result["partials_left"]

@@ -181,3 +181,21 @@ def test_a_value_typed_on_the_command_line_is_never_replaced_by_a_config_group_w
     assert capsys.readouterr().err.splitlines() == [
         "note: trainer.epochs=2.0 replaces trainer.max_steps=3, both given on the command line: passes over the train "
         "split decide the run's length (drop trainer.epochs to use trainer.max_steps)."]
+
+
+def test_a_config_that_does_not_compose_is_said_once_per_machine_under_a_launch(monkeypatch, capsys):
+    """Under `accelerate launch` every process composes the same config: the first process of each machine
+    (LOCAL_RANK 0) says the sentence, the others exit 2 without a word once the launcher ends them."""
+    import gpg_vl.config.compose as compose
+
+    monkeypatch.setattr(compose, "QUIET_RANK_WAIT_S", 0.0)
+    bad = ["rollout.vllm_server.urls=http://127.0.0.1:70000", "rollout.engine=vllm_server"]
+    for rank, said in (("1", ""), ("7", ""), ("0", "error: rollout.vllm_server.weight_transfer=nccl needs"),
+                       (None, "error: ")):
+        if rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", rank)
+        assert compose.run_cli("train", lambda cfg: pytest.fail("composed"), bad) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(said) and err.count("\n") == (1 if said else 0), (rank, err)

@@ -56,6 +56,22 @@ def test_rescoring_a_malformed_predictions_line_fails_in_one_sentence(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("error: line 2 of predictions file") and says in err and err.count("\n") == 1
 
+
+def test_rescoring_names_the_files_line_that_is_not_json_and_refuses_an_empty_file(tmp_path, capsys):
+    good = [json.dumps({"index": i, "id": str(i), "completion": "<answer>x</answer>"}) for i in range(11)]
+    bad = tmp_path / "p.jsonl"
+    bad.write_text("\n".join([*good, '{"index": 11, "id": "11", "completion": }']) + "\n")
+    assert run_cli("eval", eval_main, [f"predictions={bad}", f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: line 12 of predictions file {str(bad)!r} is not JSON (Expecting value at column 41); "
+                   "pass a predictions.jsonl written by scripts/eval.py.\n")
+    for text in ("", "\n \n"):
+        bad.write_text(text)
+        assert run_cli("eval", eval_main, [f"predictions={bad}", f"output_dir={tmp_path / 'empty'}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: predictions file {str(bad)!r} holds no records") and err.count("\n") == 1
+        assert not (tmp_path / "empty" / "metrics.json").exists()
+
 def test_the_docs_example_task_registers_and_trains_two_steps(tmp_path):
     page = (ROOT / "docs" / "adding-a-task.md").read_text()
     code = re.search(r"```python\n# dominant.py\n(.*?)```", page, re.DOTALL).group(1)

@@ -206,6 +206,33 @@ def test_lora_targets_the_language_model_only_unless_the_vision_tower_is_asked_f
         apply_lora(load(tiny_paths, "qwen2_5_vl").model, r=4, alpha=8, target_modules=["no_such_layer"])
 
 
+def test_lora_adapters_are_drawn_from_the_seed_and_leave_the_process_random_state_alone(tiny_paths):
+    def adapters(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_A." in n}
+
+    model = load(tiny_paths, "qwen2_5_vl").model
+    state = torch.get_rng_state()
+    first = adapters(apply_lora(model, r=4, alpha=8, seed=0))
+    assert torch.equal(torch.get_rng_state(), state)  # what the process draws next is as without LoRA
+    torch.manual_seed(99)  # the process's state does not matter: the seed does
+    again = adapters(apply_lora(load(tiny_paths, "qwen2_5_vl").model, r=4, alpha=8, seed=0))
+    other = adapters(apply_lora(load(tiny_paths, "qwen2_5_vl").model, r=4, alpha=8, seed=1))
+    assert first and all(torch.equal(first[k], again[k]) for k in first)
+    assert not any(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_a_lora_run_trained_twice_with_one_seed_ends_with_the_same_adapters(tmp_path):
+    from safetensors.torch import load_file
+
+    common = ["model=tiny", VOWELS, "trainer.max_steps=2", "trainer.lr=1e-2", "model.lora.r=8", "seed=0"]
+    run(tmp_path / "a", *common)
+    run(tmp_path / "b", *common)
+    a = load_file(tmp_path / "a" / "final" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "b" / "final" / "adapter_model.safetensors")
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [
+        k for k in a if not torch.equal(a[k], b[k])]
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_lora_trains_its_adapter_only_and_saves_it_loadable_by_peft(tmp_path, tiny_paths, family):
     from peft import PeftModel

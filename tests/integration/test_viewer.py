@@ -394,6 +394,32 @@ def test_predictions_page_breaks_accuracy_down_by_the_task_groups(shapes_eval):
     assert sum(int(c) for _, c, _ in rows) == 8
 
 
+def test_predictions_page_shows_a_bounded_number_of_samples_per_row_and_says_how_many_it_hides(tmp_path):
+    from gpg_vl.observe.viewer import SAMPLES_SHOWN, write_predictions_html
+
+    task = get_task("shapes")
+    rows = task.load(task.eval_split)[:4]
+
+    def records(k):
+        return [{"index": i, "id": str(i), "sample": s, "prompt": "What shape?", "completion": f"<answer>{s}</answer>",
+                 "answer": str(s), "target": "circle", "rewards": {"accuracy": float(s % 2)}}
+                for i in range(len(rows)) for s in range(k)]
+
+    many = records(500)  # eval.samples=500 on 4 rows
+    kept = json.dumps(many)
+    page = write_predictions_html(tmp_path / "many.html", task, many, rows, {"accuracy": 0.5}, split="test")
+    html = page.read_text()
+    assert html.count("<article class='card item'") == 4 * SAMPLES_SHOWN == 32
+    hidden = 4 * 500 - 32
+    assert (f"2000 predictions of 4 rows, 1000 right (right: accuracy reward &gt;= 0.5); the page shows the first "
+            f"8 samples of each row, {hidden} more are in predictions.jsonl") in html  # the counts cover them all
+    assert json.dumps(many) == kept  # the records (what predictions.jsonl holds) are all left as they were
+    one = write_predictions_html(tmp_path / "one.html", task, records(1), rows, {"accuracy": 0.0}).read_text()
+    assert one.count("<article class='card item'") == 4 and "more are in" not in one  # greedy: every row shown
+    eight = write_predictions_html(tmp_path / "eight.html", task, records(8), rows, {"accuracy": 0.5}, split="test")
+    assert page.stat().st_size < 1.05 * eight.stat().st_size  # 500 samples a row weigh what 8 do
+
+
 @pytest.fixture(scope="module")
 def shapes_eval(tmp_path_factory):
     output = tmp_path_factory.mktemp("eval")

@@ -10,6 +10,7 @@ CUDA: scripts/gpu_check.py --server-transfer nccl runs it."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,10 @@ from gpg_vl.rollout.vllm.server import (
     video_render_body,
 )
 from gpg_vl.rollout.vllm.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
+from gpg_vl.train.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
+SAMPLING_ROUTES = ("/v1/chat/completions/render", "/inference/v1/generate")
 
 
 @pytest.fixture(scope="module")
@@ -309,9 +312,31 @@ def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, 
     code = run_cli("train", lambda cfg: setup_called.append(cfg), [f"output_dir={tmp_path / 'out'}", *overrides(
         "http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 0 and not setup_called
-    assert err.startswith("error: no vLLM server answers at http://127.0.0.1:9 (GET /health, for "
-                          "rollout.vllm_server.timeout_s=0.5 s); start `vllm serve` there")
+    assert code == 2 and err.count("\n") == 1 and not setup_called
+    waiting, error = err.splitlines()  # the wait is said as it starts (after one short try), then its end
+    assert waiting == ("waiting up to 0.5 s (rollout.vllm_server.timeout_s) for the vLLM server at "
+                       "http://127.0.0.1:9 to answer GET /health ...")
+    assert error.startswith("error: no vLLM server answers at http://127.0.0.1:9 (GET /health, for "
+                            "rollout.vllm_server.timeout_s=0.5 s); start `vllm serve` there")
+
+
+def test_a_port_outside_1_to_65535_is_refused_as_a_port_at_once(tmp_path, capsys, no_model):
+    from gpg_vl.config.compose import run_cli
+
+    for port in ("70000", "0", "http"):
+        code = run_cli("train", lambda cfg: pytest.fail("composed"), [f"output_dir={tmp_path / 'out'}", *overrides(
+            f"http://127.0.0.1:{port}", tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 2 and err == (f"error: rollout.vllm_server.urls holds 'http://127.0.0.1:{port}', whose port "
+                                     f"{port} is not a port (1-65535); give the port `vllm serve --port` listens "
+                                     "on.\n")
+
+
+def test_a_server_that_answers_at_once_is_not_waited_for_aloud(server, tmp_path, capsys):
+    from gpg_vl.config.compose import load_config
+
+    load_config("train", [f"output_dir={tmp_path / 'out'}", *overrides(server.url, tmp_path)])
+    assert "waiting up to" not in capsys.readouterr().err
 
 
 def test_a_run_trains_through_the_server_on_policy_and_the_server_follows_every_step(server, tmp_path):
@@ -323,7 +348,8 @@ def test_a_run_trains_through_the_server_on_policy_and_the_server_follows_every_
     assert server.version == "2"
 
 
-def test_a_stalled_sync_ends_the_run_within_sync_timeout_s(tmp_path):
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_stalled_sync_ends_the_run_within_sync_timeout_s_losing_no_step(tmp_path, k):
     stalling = LoopbackServer().start()
     answer = stalling.post
 
@@ -333,15 +359,24 @@ def test_a_stalled_sync_ends_the_run_within_sync_timeout_s(tmp_path):
         return answer(route, query, body)
 
     stalling.post = post
-    try:
-        with pytest.raises(UserError, match=r"did not answer POST /collective_rpc within 2\.4 s .*the run stopped "
-                                            r"after step 1 and wrote checkpoint-1"):
-            train_run(tmp_path / "out", *overrides(stalling.url, tmp_path, "trainer.max_steps=2",
+    try:  # k = 0: the sync after step 1's update stalls; k = 1: the sampler's, before step 3 (with step 1's weights)
+        with pytest.raises(UserError) as error:
+            train_run(tmp_path / "out", *overrides(stalling.url, tmp_path, "trainer.max_steps=3",
+                                                   f"trainer.max_staleness={k}",
                                                    "rollout.vllm_server.sync_timeout_s=3"))
     finally:
         stalling.stall_updates = False
         stalling.stop()
-    assert (tmp_path / "out" / "checkpoint-1").is_dir()  # step 1's update ran: it is kept
+    done = 1 + k  # the steps whose update ran
+    sentence = str(error.value)
+    assert re.search(r"did not answer POST /collective_rpc within 2\.4 s \(1 try; last: [^)]*\); check that `vllm "
+                     r"serve` is running there and reachable, or raise rollout\.vllm_server\.sync_timeout_s=3 s \(each "
+                     rf"request of a weight sync may take 80% of it\); the run stopped after step {done} and wrote "
+                     rf"checkpoint-{done}: continue with resume=auto", sentence), sentence
+    out = tmp_path / "out"
+    assert latest_checkpoint(out).name == f"checkpoint-{done}"  # the steps that ran are kept ...
+    assert [m["step"] for m in metrics(out)] == list(range(1, done + 1))  # ... with their lines
+    assert (out / "rollouts" / "step-1.json").is_file()  # and rollouts (trainer.log_rollouts_every: step 1 and 10s)
 
 
 def test_a_sync_that_hangs_past_sync_timeout_s_exits_the_rank_in_one_sentence():

@@ -20,7 +20,7 @@ from gpg_vl.objective.corrections import (
     correction_options,
     get_correction,
 )
-from gpg_vl.train.pipeline import sampling_version
+from gpg_vl.train.pipeline import sampling_version, staleness_note
 
 LN = math.log
 # two sequences of three tokens; the second has two counted tokens
@@ -134,10 +134,57 @@ def test_correction_options_are_declared_by_the_correction():
         get_correction("nope")
 
 
+@pytest.mark.parametrize(("name", "options", "allowed"), [
+    ("token_tis", {"cap": -1}, "a number > 0"), ("token_tis", {"cap": 0}, "a number > 0"),
+    ("sequence_tis", {"cap": "abc"}, "a number > 0"), ("token_tis", {"cap": math.nan}, "a number > 0"),
+    ("geo_reject", {"delta": 0}, "a number > 0 and < 1"), ("geo_reject", {"delta": 1.5}, "a number > 0 and < 1")])
+def test_a_correction_option_outside_its_declared_range_fails_in_one_sentence_naming_it(name, options, allowed):
+    with pytest.raises(UserError) as error:
+        correction_options(name, options)
+    (key, value), = options.items()
+    message = str(error.value)
+    assert message.startswith(f"trainer.correction_options.{key}={value!r} is not allowed for correction {name}: "
+                              f"give {allowed} (") and "\n" not in message, message
+    assert correction_options(name, {key: 0.5})[key] == 0.5  # inside the range: taken
+
+
+def test_a_plugin_corrections_option_without_a_declared_range_is_taken_as_given(tmp_path):
+    plugin = tmp_path / "my_correction.py"
+    plugin.write_text(
+        "import torch\n"
+        "def scaled(log_ratio, mask, advantages, *, scale=1.0, floor: float = 0.0):\n"
+        "    return torch.full_like(log_ratio, scale), torch.zeros(mask.shape[0], dtype=torch.bool)\n")
+    name = f"{plugin}:scaled"
+    assert correction_options(name, {"scale": -3}) == {"scale": -3, "floor": 0.0}  # no range declared: as given
+    with pytest.raises(UserError, match=r"trainer.correction_options.floor='x' is not allowed for correction .*: "
+                                        r"give a number\.$"):
+        correction_options(name, {"floor": "x"})  # a plain float annotation still says its type
+
+
+def test_a_bad_correction_option_fails_before_the_model_loads(tmp_path, monkeypatch):
+    from gpg_vl.cli import train_main
+    from gpg_vl.config.compose import load_config
+
+    monkeypatch.setattr("gpg_vl.train.build.build_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(UserError, match=r"trainer.correction_options.cap=-1 is not allowed for correction token_tis"):
+        train_main(load_config("train", [f"output_dir={tmp_path}", "trainer.max_staleness=1",
+                                         "trainer.correction=token_tis", "++trainer.correction_options.cap=-1"]))
+
+
 def test_the_schedule_is_fixed_by_step_number():
     assert [sampling_version(n, 0) for n in range(1, 6)] == [0, 1, 2, 3, 4]  # synchronous
     assert [sampling_version(n, 1) for n in range(1, 6)] == [0, 0, 1, 2, 3]  # one step behind
     assert [sampling_version(n, 2) for n in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+def test_a_staleness_as_long_as_the_run_is_said_in_one_line():
+    note = staleness_note(1000, 3)
+    assert note == ("note: trainer.max_staleness=1000 reaches this 3-step run: every step samples with the initial "
+                    "weights, so the sampler never updates (set trainer.max_staleness to at most 1 for it to).")
+    assert staleness_note(2, 3) is not None and staleness_note(1, 2) is not None  # the last step samples version 0
+    assert staleness_note(1, 3) is None and staleness_note(0, 3) is None and staleness_note(5, 1) is None
+    assert all((staleness_note(k, n) is None) == (sampling_version(n, k) > 0 or k == 0 or n == 1)
+               for k in range(0, 6) for n in range(1, 8))
 
 
 def trl_cispo(per_token_logps, old_logps, completion_mask, advantages, *, cap):

@@ -1,6 +1,8 @@
 """A loss declares its options in its signature; objective.loss_options fills them from trainer.loss_options,
 then the trainer setting of that name (or max_tokens), then the loss's own default."""
 
+import math
+
 import pytest
 
 from gpg_vl.errors import UserError
@@ -48,13 +50,52 @@ def test_a_plugin_loss_declares_its_own_option(tmp_path):
         loss_options(loss, {"scael": 2.5}, TRAINER)
 
 
+@pytest.mark.parametrize(("loss", "options", "allowed"), [
+    ("gspo", {"clip_low": -1}, "a number >= 0 and < 1"), ("dapo", {"clip_high": 1.0}, "a number >= 0 and < 1 or null"),
+    ("grpo", {"clip_low": math.nan}, "a number >= 0 and < 1"), ("cispo", {"cap": -1}, "a number > 0"),
+    ("cispo", {"cap": 0}, "a number > 0"), ("cispo", {"cap": "abc"}, "a number > 0"),
+    ("sapo", {"temperature_pos": 0}, "a number > 0"), ("sapo", {"temperature_neg": -1.05}, "a number > 0"),
+    ("vespo", {"lambda_pos": 0}, "a number > 0"), ("dr_grpo", {"max_tokens": 0}, "an integer >= 1 or null")])
+def test_a_loss_option_outside_its_declared_range_or_of_the_wrong_type_fails_naming_the_option(loss, options,
+                                                                                                allowed):
+    with pytest.raises(UserError) as error:
+        loss_options(get_policy_loss(loss), options, TRAINER, name=loss)
+    (key, value), = options.items()
+    message = str(error.value)
+    assert message.startswith(f"trainer.loss_options.{key}={value!r} is not allowed for loss {loss}: give {allowed} ("
+                              ) and "\n" not in message and "must return" not in message, message
+
+
+def test_a_plugin_losss_options_are_checked_only_as_far_as_it_declares_them(tmp_path):
+    plugin = tmp_path / "ranged_loss.py"
+    plugin.write_text(
+        "from typing import Annotated\n"
+        "from gpg_vl.config.keys import option\n"
+        "def ranged(token_logps, completion_mask, advantages, *, old_logps=None, ref_logps=None,\n"
+        "           aggregation='seq_mean_token_mean', normalizer=None,\n"
+        "           scale: Annotated[float, option('the loss scale', above=0, high=10)] = 1.0, free=1.0,\n"
+        "           typed: int = 2):\n"
+        "    return (-(token_logps * completion_mask).sum() * scale, {})\n")
+    loss = get_policy_loss(f"{plugin}:ranged")
+    assert loss_options(loss, {"scale": 10, "free": "anything", "typed": 3}, TRAINER) == {
+        "scale": 10, "free": "anything", "typed": 3}  # an option with no declared range still works
+    with pytest.raises(UserError, match=r"^trainer.loss_options.scale=11 is not allowed for loss ranged: give a "
+                                        r"number > 0 and <= 10 \(the loss scale\)\.$"):
+        loss_options(loss, {"scale": 11}, TRAINER)
+    with pytest.raises(UserError, match=r"^trainer.loss_options.typed=2.5 is not allowed for loss ranged: give an "
+                                        r"integer\.$"):
+        loss_options(loss, {"typed": 2.5}, TRAINER)
+
+
 def test_the_trainer_checks_loss_options_against_trainer_loss():
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.train.loss_call import trainer_loss_options
 
     assert trainer_loss_options(TrainerSettings(loss="grpo", loss_options={"clip_low": 0.1}), 32)["clip_low"] == 0.1
-    with pytest.raises(UserError, match="loss gpg has no option 'clip_low'"):
+    with pytest.raises(UserError, match="loss gpg has no option 'clip_low'"):  # as the settings are read
         trainer_loss_options(TrainerSettings(loss_options={"clip_low": 0.1}), 32)
+    with pytest.raises(UserError, match="trainer.loss_options.clip_low=-1 is not allowed for loss gspo"):
+        TrainerSettings(loss="gspo", aggregation="seq_mean_token_mean", loss_options={"clip_low": -1})
 
 
 def test_an_unknown_loss_option_fails_on_the_command_line_before_anything_loads(tmp_path, monkeypatch):
@@ -68,4 +109,22 @@ def test_an_unknown_loss_option_fails_on_the_command_line_before_anything_loads(
     monkeypatch.setattr("gpg_vl.train.build.build_task", refuse)
     with pytest.raises(UserError, match="trainer.loss_options.clip_lo: loss grpo has no option 'clip_lo'"):
         train_main(load_config("train", [f"output_dir={tmp_path}", "algorithm=grpo", "trainer.loss_options.clip_lo=1"]))
+    with pytest.raises(UserError, match="trainer.loss_options.cap='abc' is not allowed for loss cispo"):
+        train_main(load_config("train", [f"output_dir={tmp_path}", "algorithm=dapo", "trainer.loss=cispo",
+                                         "trainer.loss_options.cap=abc"]))
     assert not (tmp_path / "config.json").exists()
+
+
+def test_a_loss_with_a_fixed_aggregation_names_a_preset_only_where_one_exists():
+    from gpg_vl.config.schema import TrainerSettings
+
+    with pytest.raises(UserError) as error:
+        TrainerSettings(loss="gspo", aggregation="token_mean")
+    assert str(error.value) == ("trainer.loss=gspo aggregates as seq_mean_token_mean; set trainer.aggregation="
+                                "seq_mean_token_mean (algorithm=gspo sets both).")
+    for loss in ("bnpo", "cispo"):  # no configs/algorithm/<loss>.yaml
+        with pytest.raises(UserError) as error:
+            TrainerSettings(loss=loss)
+        assert str(error.value) == (f"trainer.loss={loss} aggregates as token_mean; set trainer.aggregation="
+                                    f"token_mean (there is no algorithm={loss} preset: give both settings).")
+        assert TrainerSettings(loss=loss, aggregation="token_mean").loss == loss  # what the sentence says works

@@ -6,8 +6,9 @@ import sys
 from dataclasses import asdict
 
 from gpg_vl.config.keys import declared, key_of
+from gpg_vl.config.rules import value_type
 from gpg_vl.config.schema import EvalSchema, ModelSettings, TrainSchema
-from gpg_vl.config.validate import rules, value_type
+from gpg_vl.config.validate import rules
 
 
 def test_every_checkable_key_gets_its_check_from_the_schema():

@@ -56,6 +56,13 @@ def split_urls(urls: str) -> list[str]:
     found = [url.strip().rstrip("/") for url in str(urls).split(",") if url.strip()]
     for url in found:
         parsed = urllib.parse.urlparse(url)
+        try:
+            port = parsed.port  # urllib refuses one outside 0-65535
+        except ValueError:
+            port = 0
+        if port == 0:  # (None: no port given, the scheme's own)
+            raise UserError(f"rollout.vllm_server.urls holds {url!r}, whose port {parsed.netloc.rsplit(':', 1)[1]} "
+                            "is not a port (1-65535); give the port `vllm serve --port` listens on.")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise UserError(f"rollout.vllm_server.urls holds {url!r}, which is not an http(s)://host:port address; "
                             "write each `vllm serve` endpoint as http://host:port, separated by commas.")
@@ -70,17 +77,18 @@ class Server:
     def __init__(self, url: str, *, timeout_s: float) -> None:
         self.url, self.timeout_s = url, timeout_s
 
-    def get(self, route: str, *, timeout_s: float | None = None, retry: bool = True) -> dict:
-        return self.request("GET", route, None, timeout_s=timeout_s, retry=retry)
+    def get(self, route: str, *, timeout_s: float | None = None, retry: bool = True, **named) -> dict:
+        return self.request("GET", route, None, timeout_s=timeout_s, retry=retry, **named)
 
     def post(self, route: str, body: dict | None = None, *, timeout_s: float | None = None,
-             retry: bool = True) -> dict:
-        return self.request("POST", route, {} if body is None else body, timeout_s=timeout_s, retry=retry)
+             retry: bool = True, **named) -> dict:
+        return self.request("POST", route, {} if body is None else body, timeout_s=timeout_s, retry=retry, **named)
 
     def request(self, method: str, route: str, body: dict | None, *, timeout_s: float | None = None,
-                retry: bool = True) -> dict:
+                retry: bool = True, limit: str = "rollout.vllm_server.timeout_s") -> dict:
         """The JSON answer of `method route` (body as JSON); retried while the server is unreachable, until
-        `timeout_s` (default: the server's) has passed. Raises ServerGone past it, Rejected on a 4xx."""
+        `timeout_s` (default: the server's) has passed. Raises ServerGone past it, naming `limit` (the setting
+        that gave `timeout_s`), Rejected on a 4xx."""
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         data = None if body is None else json.dumps(body).encode()
@@ -106,9 +114,10 @@ class Server:
                 break
             time.sleep(min(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)], max(0.0, deadline - time.monotonic())))
             attempt += 1
+        tries = f"{attempt + 1} {'try' if attempt == 0 else 'tries'}"
         raise ServerGone(f"the vLLM server at {self.url} did not answer {method} {route} within {budget:g} s "
-                         f"({attempt + 1} tries; last: {last or 'no answer'}); check that `vllm serve` is running "
-                         "there and reachable, or raise rollout.vllm_server.timeout_s.")
+                         f"({tries}; last: {last or 'no answer'}); check that `vllm serve` is running there and "
+                         f"reachable, or raise {limit}.")
 
 
 def _detail(error: urllib.error.HTTPError) -> str:

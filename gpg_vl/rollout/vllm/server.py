@@ -38,6 +38,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +60,7 @@ from gpg_vl.rollout.vllm.common import BANNED_BIAS, VLLMEngineBase, banned_token
 FINAL_ONLY = 2  # vLLM's RequestOutputKind.FINAL_ONLY: every one of the n sequences in one answer
 TOO_LONG = re.compile(r"maximum (context|model) length|too long|max_model_len|exceeds", re.IGNORECASE)
 CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+FIRST_CHECK_S = 5.0  # the first, short /health check of a server before the run says it waits for it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,8 +292,14 @@ class VLLMServerEngine(VLLMEngineBase):
         if reason is not None:
             return reason
         for url in split_urls(settings.urls):  # refused before any model loads: a server that is not there
+            server = Server(url, timeout_s=settings.timeout_s)
             try:
-                Server(url, timeout_s=settings.timeout_s).get("/health")
+                try:  # one short try first; a server still starting is then waited for, saying so at once
+                    server.get("/health", timeout_s=min(FIRST_CHECK_S, settings.timeout_s), retry=False)
+                except ServerGone:
+                    print(f"waiting up to {settings.timeout_s:g} s (rollout.vllm_server.timeout_s) for the vLLM "
+                          f"server at {url} to answer GET /health ...", file=sys.stderr, flush=True)
+                    server.get("/health")
             except ServerGone:
                 return (f"no vLLM server answers at {url} (GET /health, for rollout.vllm_server.timeout_s="
                         f"{settings.timeout_s:g} s); start `vllm serve` there (docs/many-nodes.md) or fix "

@@ -83,6 +83,8 @@ class Transport:
     def __init__(self, settings, *, rank: int) -> None:
         self.settings, self.rank = settings, rank
         self.timeout_s = CALL_SHARE * settings.sync_timeout_s  # each request of a sync
+        self.limit = (f"rollout.vllm_server.sync_timeout_s={settings.sync_timeout_s:g} s (each request of a weight "
+                      f"sync may take {CALL_SHARE:.0%} of it)")
 
     def init(self, servers: list[Server]) -> None:
         raise NotImplementedError
@@ -134,7 +136,8 @@ class DiskTransport(Transport):
         partial.rename(target)  # a server never reads a half-written folder
         _each(servers, lambda server: self._reload(server, target))
         for route in RESETS:
-            _each(servers, lambda server, route=route: server.post(route, timeout_s=self.timeout_s, retry=False))
+            _each(servers, lambda server, route=route: server.post(route, timeout_s=self.timeout_s, retry=False,
+                                                                   limit=self.limit))
         for old in self.folder.glob("v*"):
             if old != target and old.name.removeprefix("v").isdigit():
                 shutil.rmtree(old, ignore_errors=True)
@@ -144,7 +147,7 @@ class DiskTransport(Transport):
         read: the reload names the first weight it could not place)."""
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(target)}}
         try:
-            server.post("/collective_rpc", body, timeout_s=self.timeout_s, retry=False)
+            server.post("/collective_rpc", body, timeout_s=self.timeout_s, retry=False, limit=self.limit)
         except Rejected as error:
             raise ServerError(f"the vLLM server at {server.url} could not load the trainer's weights from {target} "
                               f"(HTTP {error.status}: {error.detail[:300]}); start it with the trainer's model and let "
@@ -152,7 +155,7 @@ class DiskTransport(Transport):
 
     def label(self, servers: list[Server], version: int) -> None:
         _each(servers, lambda server: server.post("/update_weight_version", {"new_version": str(version)},
-                                                  timeout_s=self.timeout_s, retry=False))
+                                                  timeout_s=self.timeout_s, retry=False, limit=self.limit))
 
 
 class NCCLTransport(Transport):
@@ -168,7 +171,8 @@ class NCCLTransport(Transport):
         from vllm.utils.network_utils import get_ip
 
         timeout = self.timeout_s
-        sizes = [int(server.get("/get_world_size", timeout_s=timeout)["world_size"]) for server in servers]
+        sizes = [int(server.get("/get_world_size", timeout_s=timeout, limit=self.limit)["world_size"])
+                 for server in servers]
         infos, offset = [], 1  # the trainer is rank 0 of the group; each server's workers follow in turn
         common = {"master_address": self.settings.master_address or get_ip(), "master_port": self.settings.master_port,
                   "world_size": 1 + sum(sizes), "packed": True}
@@ -177,17 +181,18 @@ class NCCLTransport(Transport):
             offset += size
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:  # the servers block in the rendezvous too
             pending = [pool.submit(server.post, "/init_weight_transfer_engine", {"init_info": info}, timeout_s=timeout,
-                                   retry=False) for server, info in zip(servers, infos, strict=True)]
+                                   retry=False, limit=self.limit) for server, info in zip(servers, infos, strict=True)]
             self.group = trainer_init({**common, "rank_offset": 1})
             for future in pending:
                 future.result()
 
     def open(self, servers: list[Server]) -> None:
-        _each(servers, lambda server: server.post("/start_weight_update", timeout_s=self.timeout_s, retry=False))
+        _each(servers, lambda server: server.post("/start_weight_update", timeout_s=self.timeout_s, retry=False,
+                                                  limit=self.limit))
 
     def label(self, servers: list[Server], version: int) -> None:
         _each(servers, lambda server: server.post("/finish_weight_update", {"weight_version": str(version)},
-                                                  timeout_s=self.timeout_s, retry=False))
+                                                  timeout_s=self.timeout_s, retry=False, limit=self.limit))
 
     def send(self, servers: list[Server], weights, version: int) -> None:
         bucket, size = [], 0
@@ -210,7 +215,7 @@ class NCCLTransport(Transport):
         timeout = self.timeout_s
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:  # the workers receive while rank 0 broadcasts
             pending = [pool.submit(server.post, "/update_weights", {"update_info": info}, timeout_s=timeout,
-                                   retry=False) for server in servers]
+                                   retry=False, limit=self.limit) for server in servers]
             packed_nccl_broadcast_producer(iterator=iter(bucket), group=self.group, src=0,
                                            post_iter_func=lambda item: item[1])
             for future in pending:
@@ -243,9 +248,9 @@ STARTED_WITH = {"nccl": " and --weight-transfer-config '{\"backend\": \"nccl\"}'
                 "disk": " and reads rollout.vllm_server.transfer_dir at the trainer's path"}
 
 
-def check_version(server: Server, version: int, timeout_s: float) -> None:
+def check_version(server: Server, version: int, timeout_s: float, limit: str) -> None:
     """The server's weight version after a sync is the sync's number (`/weight_info`), else one sentence."""
-    found = server.get("/weight_info", timeout_s=timeout_s, retry=False).get("weight_version")
+    found = server.get("/weight_info", timeout_s=timeout_s, retry=False, limit=limit).get("weight_version")
     if str(found) != str(version):
         raise ServerError(f"the vLLM server at {server.url} reports weight version {found} after the sync that labels "
                           f"version {version}; check that no other trainer syncs it.")
@@ -257,16 +262,17 @@ def push_weights(servers: list[Server], transport: Transport, weights, *, versio
     rank 0's outcome, broadcast by `collective((kind, sentence))` (None when it went well), raised on every rank
     (`ServerGone` for a server that stopped answering: the run checkpoints)."""
     failure = None
-    timeout = transport.timeout_s
+    timeout, limit = transport.timeout_s, transport.limit
     try:
         if transport.rank == 0:
-            _each(servers, lambda server: server.post(f"/pause?mode={pause_mode}", timeout_s=timeout, retry=False))
+            _each(servers, lambda server: server.post(f"/pause?mode={pause_mode}", timeout_s=timeout, retry=False,
+                                                      limit=limit))
             transport.open(servers)
         transport.send(servers, weights, version)
         if transport.rank == 0:
             transport.label(servers, version)
-            _each(servers, lambda server: check_version(server, version, timeout))
-            _each(servers, lambda server: server.post("/resume", timeout_s=timeout, retry=False))
+            _each(servers, lambda server: check_version(server, version, timeout, limit))
+            _each(servers, lambda server: server.post("/resume", timeout_s=timeout, retry=False, limit=limit))
     except ServerGone as error:
         failure = ("gone", str(error))
     except ServerError as error:
