@@ -103,7 +103,8 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
         overrides.append(f"task.name='{plugin[-1].split('=', 1)[1]}'")
     # trainer.loss_options is a dict of the loss's own keywords (checked against the loss by the trainer), and
     # task.options the task constructor's (checked by the task, which names its options): add or set
-    overrides = ["++" + o if o.startswith(("trainer.loss_options.", "task.options.")) else o for o in overrides]
+    overrides = ["++" + o if o.startswith(("trainer.loss_options.", "task.options.", "task.mixture.", "task.rollout.",
+                                           "task.data.")) else o for o in overrides]
     group_overrides = [o for o in overrides if o.split("=", 1)[0] in (*GROUPS, "+experiment")]
     register_schema()
     try:

@@ -32,6 +32,8 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+from gpg_vl.data.mixture import Mixture, MixtureStream, require_inputs, require_shared_run
+from gpg_vl.data.samplers import build_sampler
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
 from gpg_vl.errors import UserError
@@ -58,6 +60,7 @@ from gpg_vl.train.checkpoint import (
     writing,
 )
 from gpg_vl.train.held_out import evaluate_during, evaluate_held_out, prepare_held_out
+from gpg_vl.train.mixed import mixture_engines, task_step_metrics
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.pipeline import (
     SyncPipeline,
@@ -96,6 +99,9 @@ class RunSettings:
     resume_from: str | Path | None = None
     config: dict | None = None
     max_bad_fraction: float = 0.05
+    sampler: str = "uniform"  # data.sampler (gpg_vl/data/samplers.py)
+    difficulty_keep: float = 0.25  # data.difficulty_keep
+    difficulty_window: int = 2  # data.difficulty_window
 
 
 @dataclass
@@ -107,6 +113,9 @@ class RunData:
     eval_rows: object
     eval_kwargs: dict
     reward_names: list[str]  # the task's reward components, "temporal" (T-GRPO), "overlong" (DAPO's shaping)
+    engines: dict = field(default_factory=dict)  # task=mix: each task's engine (its tools, its rollout settings)
+    rollouts: dict = field(default_factory=dict)  # task=mix: each task's rollout settings (the run's + its own)
+    eval_sets: dict = field(default_factory=dict)  # task=mix: name -> (task, held-out rows, evaluate's keywords)
 
 
 @dataclass
@@ -225,6 +234,9 @@ def setup(cfg) -> Run:
     trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
     task = build.build_task(cfg.task, cfg.data)
+    require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
+    if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
+        require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
     accelerator = _command_line_accelerator(cfg)
     require_pipeline(trainer, cfg.rollout, accelerator)  # trainer.max_staleness >= 1 with this launch and engine
     build.build_judge(cfg.get("reward"), task, accelerator.device)  # a judge that cannot be built fails first
@@ -244,7 +256,8 @@ def setup(cfg) -> Run:
             reference = build.build_policy(cfg.model, accelerator.device).model
         settings = RunSettings(trainer, OmegaConf.to_object(cfg.rollout), EvalSettings(**container["eval"]),
                                output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, config=container,
-                               max_bad_fraction=cfg.data.max_bad_fraction)
+                               max_bad_fraction=cfg.data.max_bad_fraction, sampler=cfg.data.sampler,
+                               difficulty_keep=cfg.data.difficulty_keep, difficulty_window=cfg.data.difficulty_window)
         return _build_run(policy, task, settings, accelerator, reference, held)
     except BaseException:
         held.close()
@@ -288,18 +301,24 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     step. Checkpoints never hold it."""
     _start_process(accelerator, settings)
     trainer = settings.trainer
-    policy.family.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
-    train_rows = task.load(task.train_split)
+    mixed = isinstance(task, Mixture)
+    for one in task.tasks.values() if mixed else [task]:  # a grounding task on a family without a box frame
+        policy.family.require_box_frame(one)
+    train_rows = {name: one.load(one.train_split) for name, one in task.tasks.items()} if mixed else \
+        task.load(task.train_split)
     note = task.data_note(train_rows)  # e.g. how many rows need a judge: said once, at the start
     if note:
         accelerator.print(note)
     if trainer.epochs:  # epochs over the train split decide the length of the run
-        trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
+        size = sum(map(len, train_rows.values())) if mixed else len(train_rows)
+        trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * size / trainer.batch_size)))
         settings = replace(settings, trainer=trainer)
     learner = _build_learner(policy, trainer, settings.rollout, accelerator, reference,
                              resuming=settings.resume_from is not None)
     # samples, and evaluates; with rollout.max_turns > 1 trajectories that may call the task's tools
-    engine = build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
+    rollouts, engines = mixture_engines(task, settings.rollout, learner.policy, accelerator) if mixed else ({}, {})
+    engine = next(iter(engines.values())) if mixed else \
+        build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
     learner = replace(learner, correction=engine.correction)
     if getattr(task, "temporal", False) and forward_is_collective(learner.model):
         raise UserError("T-GRPO's shuffled-frame rollouts (task.options.temporal=true) run only on the prompts with "
@@ -314,11 +333,19 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     run = Run(settings, learner, engine, data=None, state=state, bar=None, held=held)
     accelerator.print(f"model: {policy.family.describe(learner.model)}; the update scores "
                       f"{run.learner.path.describe()}")
-    stream = PromptStream(train_rows, seed=settings.seed, rank=accelerator.process_index,
-                          world_size=accelerator.num_processes, max_bad_fraction=settings.max_bad_fraction,
-                          warn=run.warn, stop=run.stop, max_aspect_ratio=policy.family.max_aspect_ratio)
+    def make_stream(name: str | None, rows) -> PromptStream:  # a task's stream: alone, or in a mixture
+        sampler = build_sampler(settings.sampler, len(rows), seed=settings.seed, keep=settings.difficulty_keep,
+                                window=settings.difficulty_window) if settings.sampler != "uniform" else None
+        return PromptStream(rows, seed=settings.seed,  # a task walks its split as it would alone
+                            rank=accelerator.process_index, world_size=accelerator.num_processes,
+                            max_bad_fraction=settings.max_bad_fraction, warn=run.warn, stop=run.stop,
+                            max_aspect_ratio=policy.family.max_aspect_ratio, sampler=sampler)
+
+    stream = MixtureStream(task, train_rows, seed=settings.seed, rank=accelerator.process_index,
+                           world_size=accelerator.num_processes, make_stream=make_stream) if mixed else \
+        make_stream(None, train_rows)
     run.data = RunData(task, stream, eval_rows=None, eval_kwargs={},
-                       reward_names=reward_names(task, trainer))
+                       reward_names=reward_names(task, trainer), engines=engines, rollouts=rollouts)
     _resume(run)
     prepare_held_out(run)
     run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,
@@ -501,7 +528,8 @@ def step(run: Run) -> dict:
         run.pipeline.learned(state.step)  # the weights after this step, for the sampler (trainer.max_staleness)
     updated = time.perf_counter()
     _count_bad_step(run, result)
-    turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
+    engines = list(run.data.engines.values()) or [run.engine]
+    turns = trajectory_step_metrics(collected, accelerator) if any(e.multiturn.multi_turn for e in engines) else {}
     valid = collected.groups_valid - int(result.get("groups_rejected", 0))  # all-rejected groups count in M
     versions = [v for a in collected.attempts if a.rollout is not None for v in a.rollout.weight_versions or []]
     return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names),
@@ -516,7 +544,8 @@ def step(run: Run) -> dict:
             "nonfinite_steps": state.counters["nonfinite_steps"],
             **sampled.stream, **pipeline_metrics(state.step, sampled),
             "rollout_s": sampled.rollout_s, "update_s": updated - rolled,
-            "step_s": time.perf_counter() - started}
+            "step_s": time.perf_counter() - started,
+            **task_step_metrics(run, collected, step_metrics, trajectory_step_metrics)}  # task=mix: each task's
 
 
 # The step metrics read off the wall clock (seconds, and tokens per second): two runs of one seed, a resumed one
