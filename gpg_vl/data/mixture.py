@@ -29,6 +29,7 @@ from gpg_vl.errors import UserError
 # the rollout settings a task owns in a mixture (the others are the run's)
 TASK_ROLLOUT_KEYS = ("max_new_tokens", "max_turns", "max_total_tokens", "max_images", "max_prompt_tokens", "on_limit",
                      "tool_seconds", "zoom_min_side", "zoom_max_aspect_ratio")
+TASK_EVAL_KEYS = ("max_new_tokens",)  # evaluation settings a task owns in a mixture (its config's eval.*)
 MIXTURE_SEED_OFFSET = 524_287  # the mixture's generator: seed * 100_003 + this
 TASK_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "task"
 
@@ -55,17 +56,19 @@ def mixture_weights(mixture) -> dict[str, float]:
     return weights
 
 
-def config_defaults(entry: str) -> tuple[dict, dict]:
-    """(options, owned rollout settings) of configs/task/<entry>.yaml, when the task has a config file there."""
+def config_defaults(entry: str) -> tuple[dict, dict, dict]:
+    """(options, owned rollout settings, owned eval settings) of configs/task/<entry>.yaml, when the task has a
+    config file there."""
     path = TASK_CONFIGS / f"{entry}.yaml"
     if ":" in entry or not path.is_file():
-        return {}, {}
+        return {}, {}, {}
     from omegaconf import OmegaConf
 
     loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     options = dict((loaded.get("task") or {}).get("options") or {})
     rollout = {k: v for k, v in (loaded.get("rollout") or {}).items() if k in TASK_ROLLOUT_KEYS}
-    return options, rollout
+    evaluation = {k: v for k, v in (loaded.get("eval") or {}).items() if k in TASK_EVAL_KEYS}
+    return options, rollout, evaluation
 
 
 class Mixture(Task):
@@ -75,9 +78,11 @@ class Mixture(Task):
 
     name = "mix"
 
-    def __init__(self, tasks: dict[str, Task], weights: dict[str, float], rollouts: dict[str, dict]) -> None:
+    def __init__(self, tasks: dict[str, Task], weights: dict[str, float], rollouts: dict[str, dict],
+                 evals: dict[str, dict] | None = None) -> None:
         super().__init__()
         self.tasks, self.weights, self.rollouts = tasks, weights, rollouts
+        self.evals = evals or {name: {} for name in tasks}  # name -> its own eval settings (TASK_EVAL_KEYS)
         self.tools = tuple(dict.fromkeys(tool for task in tasks.values() for tool in task.tools))
         self.uses_boxes = any(task.uses_boxes for task in tasks.values())
         self.uses_judge = any(task.uses_judge for task in tasks.values())
@@ -121,9 +126,9 @@ def build_mixture(mixture, options: dict | None, rollouts: dict | None, *, data:
         if data.get(key) is not None:
             raise UserError(f"data.{key} points one task at its data, and task=mix trains several; set it per task "
                             f"as task.data.<entry>.{key}=....")
-    tasks, owned = {}, {}
+    tasks, owned, evals = {}, {}, {}
     for entry in weights:
-        defaults, rollout = config_defaults(entry)
+        defaults, rollout, evaluation = config_defaults(entry)
         chosen = {**defaults, **dict(options.get(entry) or {})}
         unknown = sorted(set(rollouts.get(entry) or {}) - set(TASK_ROLLOUT_KEYS))
         if unknown:
@@ -150,7 +155,9 @@ def build_mixture(mixture, options: dict | None, rollouts: dict | None, *, data:
             raise UserError("task.mixture cannot hold a mixture; list its tasks directly.")
         tasks[name] = task
         owned[name] = {**rollout, **dict(rollouts.get(entry) or {})}
-    return Mixture(tasks, {task_name: weights[entry] for task_name, entry in zip(tasks, weights, strict=True)}, owned)
+        evals[name] = evaluation
+    return Mixture(tasks, {task_name: weights[entry] for task_name, entry in zip(tasks, weights, strict=True)}, owned,
+                   evals)
 
 
 def require_shared_run(mixture: Mixture, rollout, trainer) -> None:

@@ -23,7 +23,7 @@ def prepare_held_out(run) -> None:
         run.data.eval_sets = {}
         for name, one in task.tasks.items():
             rows, kwargs, data = _held_out_rows(run, one, evaluation.split or one.eval_split, run.data.engines[name],
-                                                run.data.rollouts[name])
+                                                run.data.rollouts[name], task.evals[name].get("max_new_tokens"))
             run.data.eval_sets[name] = (one, rows, kwargs)
             if data is not None:
                 run.state.summary.setdefault("eval_data", {})[name] = data.summary()
@@ -42,8 +42,9 @@ def _summary_start(run) -> None:
                     "output_dir": str(run.output_dir), **run.state.record})
 
 
-def _held_out_rows(run, task, split: str, engine, rollout):
-    """(rows, evaluate's keywords, the rows' bad-row log or None) of `task`'s held-out `split`."""
+def _held_out_rows(run, task, split: str, engine, rollout, max_new_tokens: int | None = None):
+    """(rows, evaluate's keywords, the rows' bad-row log or None) of `task`'s held-out `split`; `max_new_tokens`: a
+    mixture's task's own evaluation length (eval.max_new_tokens, when set, wins)."""
     evaluation, trainer = run.settings.evaluation, run.trainer
     accelerator, family = run.accelerator, run.learner.policy.family
     evaluated = (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after or trainer.eval_every > 0
@@ -60,7 +61,7 @@ def _held_out_rows(run, task, split: str, engine, rollout):
         eval_rows = Subset(eval_rows, good)
     kwargs = {
         "batch_size": evaluation.batch_size,
-        "max_new_tokens": evaluation.max_new_tokens or rollout.max_new_tokens,
+        "max_new_tokens": evaluation.max_new_tokens or max_new_tokens or rollout.max_new_tokens,
         "share": Share(accelerator.process_index, accelerator.num_processes, gather_object), "engine": engine,
         "reward_workers": evaluation.reward_workers, "reward_budget_s": evaluation.reward_budget_s,
         "decoding": decoding(evaluation, rollout, seed=run.settings.seed)}
