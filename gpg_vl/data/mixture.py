@@ -232,7 +232,7 @@ class MixtureStream:
     def record(self, outcomes: Sequence[tuple[str | None, int, float]]) -> None:
         """Group outcomes (task, row, pass rate) for each task's sampler."""
         for name, index, rate in outcomes:
-            self.streams[name].record([index], [rate])
+            self.streams[name].record([(name, index, rate)])
 
     @property
     def epoch(self) -> int:

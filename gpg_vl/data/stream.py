@@ -264,10 +264,11 @@ class PromptStream:
         """Whether its sampler keeps group outcomes (`record`)."""
         return self.sampler is not None and self.sampler.records
 
-    def record(self, indices: Sequence[int], pass_rates: Sequence[float]) -> None:
-        """Each drawn row's group outcome, for the sampler (the same on every process: the caller gathers them)."""
+    def record(self, outcomes: Sequence[tuple[str | None, int, float]]) -> None:
+        """Group outcomes (task, row, pass rate) for the sampler (the same on every process: the caller gathers
+        them); the task is a mixture's (data/mixture.py), None here."""
         if self.sampler is not None:
-            for index, rate in zip(indices, pass_rates, strict=True):
+            for _, index, rate in outcomes:
                 self.sampler.record(index, rate)
 
     def next_local(self, global_count: int) -> list[tuple[int, dict]]:

@@ -335,7 +335,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
                       f"{run.learner.path.describe()}")
     def make_stream(name: str | None, rows) -> PromptStream:  # a task's stream: alone, or in a mixture
         sampler = build_sampler(settings.sampler, len(rows), seed=settings.seed, keep=settings.difficulty_keep,
-                                window=settings.difficulty_window) if settings.sampler != "uniform" else None
+                                window=settings.difficulty_window)  # uniform: the plain walk
         return PromptStream(rows, seed=settings.seed,  # a task walks its split as it would alone
                             rank=accelerator.process_index, world_size=accelerator.num_processes,
                             max_bad_fraction=settings.max_bad_fraction, warn=run.warn, stop=run.stop,

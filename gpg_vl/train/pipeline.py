@@ -45,7 +45,6 @@ import torch
 
 from gpg_vl.data.mixture import Mixture
 from gpg_vl.data.samplers import group_pass_rates
-from gpg_vl.data.stream import PromptStream
 from gpg_vl.distributed import collective_group, collectives_on
 from gpg_vl.errors import UserError
 from gpg_vl.models.weights import whole_tensor
@@ -126,10 +125,7 @@ def record_outcomes(stream, attempts, processes: int) -> None:
         gathered = [None] * processes
         torch.distributed.all_gather_object(gathered, local, group=collective_group())
         local = [outcome for part in gathered for outcome in part]
-    if isinstance(stream, PromptStream):
-        stream.record([index for _, index, _ in local], [rate for _, _, rate in local])
-    else:
-        stream.record(local)
+    stream.record(local)
 
 
 def count_sampled(counters: dict, sampled: SampledStep, group_size: int) -> None:

@@ -187,7 +187,7 @@ def test_settled_prompts_come_back_less_often_and_never_vanish():
     for _ in range(epochs * size // 4):
         for index in stream.next_indices(4):
             draws[index] += 1
-            stream.record([index], [1.0 if index in settled else 0.5])
+            stream.record([(None, index, 1.0 if index in settled else 0.5)])
     easy = [draws[i] for i in settled]
     hard = [draws[i] for i in range(10, 20)]
     assert min(easy) >= 1  # never vanish
