@@ -10,6 +10,7 @@ import torch
 from gpg_vl.data.mixture import Mixture
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train.sample import reward_names
+from gpg_vl.train.step_log import step_metrics, trajectory_step_metrics
 
 
 def mixture_engines(mixture: Mixture, rollout, policy, accelerator) -> tuple[dict, dict]:
@@ -24,11 +25,11 @@ def mixture_engines(mixture: Mixture, rollout, policy, accelerator) -> tuple[dic
     return rollouts, engines
 
 
-def task_step_metrics(run, collected, step_metrics, trajectory_step_metrics) -> dict[str, float]:
+def task_step_metrics(run, collected) -> dict[str, float]:
     """task=mix: each task's step figures under `<task>/`: its reward components and total, accuracy, valid-group
     fraction, completion length, groups (`step_metrics`, the totals' own), and its multi-turn figures (tool calls,
-    turns: `trajectory_step_metrics`) when it rolls out trajectories. Collective (every process, each task in the
-    mixture's order); {} for a single task."""
+    turns) when it rolls out trajectories. Collective (every process, each task in the mixture's order); {} for a
+    single task."""
     task, accelerator = run.data.task, run.accelerator
     if not isinstance(task, Mixture):
         return {}
