@@ -6,8 +6,7 @@ import json
 
 import datasets
 import pytest
-from test_task_classification_lisa import array_mask, reasonseg
-from test_task_cvbench_geoqa import GEO_TRAIN, picture, sat_parquet
+from helpers.task_fixtures import GEO_TRAIN, array_mask, picture, reasonseg, sat_parquet
 
 from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config
