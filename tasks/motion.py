@@ -120,6 +120,7 @@ class Motion(Shapes):
     `shapes`' rewards (exact match + format) and splits."""
 
     name = "motion"
+    inputs = ("image", "video")
 
     def __init__(self, train_size: int = 20_000, test_size: int = 200, frames: int = 4, frame_size: int = 56,
                  directions: Sequence[str] = tuple(DIRECTIONS), hold: int = 2, question: str = "direction",

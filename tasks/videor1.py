@@ -280,6 +280,7 @@ class VideoR1(Task):
     """
 
     name = "videor1"
+    inputs = ("image", "video")
     group_columns = GROUP_COLUMNS
 
     def __init__(self, nframes: int = NFRAMES, max_pixels: int = MAX_PIXELS, temporal: bool = False) -> None:

@@ -79,6 +79,7 @@ class VSIBench(Task):
     """VSI-Bench: multiple-choice and numerical questions on indoor videos; VSI-Bench's scores + format."""
 
     name = "vsibench"
+    inputs = ("image", "video")
     group_columns = ("question_type", "dataset")
 
     def __init__(self, nframes: int = NFRAMES, max_pixels: int = MAX_PIXELS) -> None:

@@ -49,7 +49,9 @@ def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
 
 
 # the option maps: the schema's keys of a dict (or any value) named *options, whose keys a plugin declares
-OPTION_MAPS = tuple(name for name, item in declared(TrainSchema) if name.endswith("options")
+# task=mix's maps too: task.mixture ({task: weight}), task.rollout and task.data (each entry's own settings)
+OPTION_MAPS = tuple(name for name, item in declared(TrainSchema)
+                    if (name.endswith("options") or name in ("task.mixture", "task.rollout", "task.data"))
                     and value_type(item)[0] in (dict, typing.Any))
 
 

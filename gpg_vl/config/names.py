@@ -70,6 +70,9 @@ CORRECTION_BUILTINS = {"geo_reject": f"{_CORRECTIONS}:geo_reject", "none": f"{_C
 # The built-in tool-use reward sets (task.options.rewards of the thinking-with-images tasks).
 TOOL_REWARD_BUILTINS = {"accuracy": "gpg_vl.reward.tooluse:accuracy_rewards",
                         "deepeyes": "gpg_vl.reward.tooluse:deepeyes_rewards"}
+# The built-in prompt samplers (data.sampler): gpg_vl/data/samplers.py's SAMPLERS.
+SAMPLER_BUILTINS = {"uniform": "gpg_vl.data.samplers:UniformSampler",
+                    "difficulty": "gpg_vl.data.samplers:DifficultySampler"}
 # The built-in judges (reward.judge.kind): builders registered in gpg_vl/reward/judge.py's JUDGES.
 JUDGE_BUILTINS = {
     "none": "gpg_vl.reward.judge:no_judge",
@@ -88,6 +91,7 @@ REGISTRIES = {
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),
     "tasks": ("gpg_vl.data.task", "TASKS", tuple(TASK_BUILTINS)),
+    "samplers": ("gpg_vl.data.samplers", "SAMPLERS", tuple(SAMPLER_BUILTINS)),
     "tools": ("gpg_vl.rollout.multiturn.tools", "TOOLS", tuple(TOOL_BUILTINS)),
     "tool_rewards": ("gpg_vl.reward.tooluse", "TOOL_REWARDS", tuple(TOOL_REWARD_BUILTINS)),
 }

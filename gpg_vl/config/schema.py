@@ -42,6 +42,7 @@ CHOICE_SOURCES = {
     "box_frames": "a box frame (`gpg_vl/models/family.py`): relative-1000, resized-pixels, relative-1, none",
     "segmenters": "a segmenter (`gpg_vl/reward/segment.py`): box, sam, sam2",
     "judges": "a registered judge (`gpg_vl/reward/judge.py`): none, endpoint, local",
+    "samplers": "a registered prompt sampler (`gpg_vl/data/samplers.py`): uniform, difficulty",
 }
 
 
@@ -415,6 +416,15 @@ class DataSettings:
         "bad rows are skipped and counted; stop when more than this fraction of rows seen are bad", low=0, high=1))
     max_video_frames: int = field(default=16, metadata=meta(
         "the most frames sampled from one video of a prompt (Video-R1 trains on 16)", low=2))
+    sampler: str = field(default="uniform", metadata=meta(
+        "which prompts the stream draws: uniform (each row once per epoch, in a seeded order) or difficulty "
+        "(prompts all-right or all-wrong on their last groups come back less often; gpg_vl/data/samplers.py)",
+        choices="samplers", references=True))
+    difficulty_keep: float = field(default=0.25, metadata=meta(
+        "data.sampler=difficulty: the chance a settled prompt (pass rate 0 or 1 on its last groups) is drawn when "
+        "its turn comes (else it waits for the next epoch)", above=0, high=1))
+    difficulty_window: int = field(default=2, metadata=meta(
+        "data.sampler=difficulty: the groups of a prompt its pass rate is read from (the most recent ones)", low=1))
 
 
 @dataclass
@@ -424,7 +434,16 @@ class TaskSettings:
     name: str | None = field(default=None, metadata=meta(
         "registered task name, or module:ClassName, or path/to/file.py:ClassName"))
     options: Any = field(default=None, metadata=meta(
-        "keyword arguments of the task's constructor (task.options.<key>=; see the task's config)"))
+        "keyword arguments of the task's constructor (task.options.<key>=; see the task's config); task=mix: "
+        "each task's under its entry, task.options.<entry>.<key>="))
+    mixture: Any = field(default=None, metadata=meta(
+        "task=mix: the tasks trained together and their weights, {name: weight, ...} (a name, module:Class or "
+        "file.py:Class; weights > 0, each task's share of the prompts is its weight over their sum)"))
+    rollout: Any = field(default=None, metadata=meta(
+        "task=mix: the rollout settings each task owns, task.rollout.<entry>.<key>= (max_new_tokens, max_turns, "
+        "max_total_tokens, max_images, ...; default: its task config's)"))
+    data: Any = field(default=None, metadata=meta(
+        "task=mix: each task's data.path / data.image_root, task.data.<entry>.path="))
 
 
 @dataclass

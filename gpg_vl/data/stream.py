@@ -30,6 +30,7 @@ class Prompt:
     index: int  # position in the split
     row: dict
     messages: list[dict]
+    task: str | None = None  # its task in a mixture (gpg_vl/data/mixture.py)
 
 
 def prepare_prompt(task, rows: Sequence, index: int, max_aspect_ratio: float = MAX_ASPECT_RATIO) -> Prompt:
@@ -221,10 +222,13 @@ class PromptStream:
 
     def __init__(self, rows: Sequence, *, seed: int, rank: int = 0, world_size: int = 1,
                  max_bad_fraction: float = 1.0, warn: Callable[[str], None] | None = None,
-                 stop: Callable[[str], None] | None = None, max_aspect_ratio: float = MAX_ASPECT_RATIO) -> None:
+                 stop: Callable[[str], None] | None = None, max_aspect_ratio: float = MAX_ASPECT_RATIO,
+                 sampler=None) -> None:
         if len(rows) == 0:
             raise ValueError("the training split has no rows")
         self.rows, self.seed, self.rank, self.world_size = rows, seed, rank, world_size
+        # data.sampler (gpg_vl/data/samplers.py): which rows of the walk are taken now; None: all (uniform)
+        self.sampler = sampler
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
         self.bad = BadRowLog(max_bad_fraction, total=len(rows))
@@ -244,10 +248,28 @@ class PromptStream:
                 self.epoch += 1
                 self.position = 0
                 self._order = self._permutation(self.epoch)
+            if self.sampler is not None and self.sampler.records:  # a row may be deferred to the next epoch
+                index = self._order[self.position]
+                self.position += 1
+                if self.sampler.take(index):
+                    indices.append(index)
+                continue
             take = min(count - len(indices), len(self._order) - self.position)
             indices += self._order[self.position:self.position + take]
             self.position += take
         return indices
+
+    @property
+    def records(self) -> bool:
+        """Whether its sampler keeps group outcomes (`record`)."""
+        return self.sampler is not None and self.sampler.records
+
+    def record(self, outcomes: Sequence[tuple[str | None, int, float]]) -> None:
+        """Group outcomes (task, row, pass rate) for the sampler (the same on every process: the caller gathers
+        them); the task is a mixture's (data/mixture.py), None here."""
+        if self.sampler is not None:
+            for _, index, rate in outcomes:
+                self.sampler.record(index, rate)
 
     def next_local(self, global_count: int) -> list[tuple[int, dict]]:
         """This process's share (index, row) of the next `global_count` prompts (rows unchecked)."""
@@ -274,10 +296,20 @@ class PromptStream:
         return good[self.rank::self.world_size]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "bad": self.bad.state_dict()}
+        state = {"epoch": self.epoch, "position": self.position, "seed": self.seed, "bad": self.bad.state_dict()}
+        if self.sampler is not None and self.sampler.records:
+            state["sampler"] = self.sampler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
         if "bad" in state:
             self.bad.load_state_dict(state["bad"])
+        if "sampler" in state and self.sampler is not None:
+            self.sampler.load_state_dict(state["sampler"])
+
+    def metrics(self) -> dict:
+        """The stream's figures for metrics.jsonl: bad rows, epoch, position, the sampler's own."""
+        return {**self.bad.metrics(), "data_epoch": self.epoch, "data_position": self.position,
+                **(self.sampler.metrics() if self.sampler is not None else {})}

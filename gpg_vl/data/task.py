@@ -79,6 +79,8 @@ class Task:
     describe_tools: ClassVar[bool] = True
     # whether some rows need an LLM judge (`self.judge`, set from reward.judge.* by the setup: gpg_vl/reward/judge.py)
     uses_judge: ClassVar[bool] = False
+    # what its prompts hold: "image", "video" (a model that cannot read video refuses the task before it loads)
+    inputs: ClassVar[tuple[str, ...]] = ("image",)
 
     def __init__(self, **options: Any) -> None:
         if options:

@@ -108,13 +108,7 @@ class GenericFamily(Family):
                            videos_per_prompt if sum(videos_per_prompt) else [])
 
     def videos_unsupported(self) -> str | None:
-        model_type = getattr(self.config, "model_type", "generic")
-        if model_type in VIDEO_MODEL_TYPES:
-            return None
-        reason = NO_VIDEO.get(model_type, "its video inputs are not tested in gpg-vl yet")
-        return (f"the {model_type} model (generic family) does not take video prompts ({reason}); train video tasks "
-                "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V, InternVL, Gemma 4) or drop "
-                "the video parts.")
+        return video_refusal(getattr(self.config, "model_type", "generic"))
 
     def _encode_each(self, texts: list[str], images: list[list], videos: list[list[dict]]) -> tuple[dict, dict]:
         """One processor call per prompt, merged: per-token inputs left-padded, the others concatenated, each
@@ -261,3 +255,34 @@ def _row_layout(inputs: dict[str, Tensor], images_per_prompt: list[int],
                 if sum(tokens) % first == 0 and all(t % (sum(tokens) // first) == 0 for t in tokens):
                     rows[key] = [t // (sum(tokens) // first) for t in tokens]
     return rows
+
+
+def video_refusal(model_type: str) -> str | None:
+    """Why a model of `model_type` on the generic family cannot take video prompts (None when it can)."""
+    if model_type in VIDEO_MODEL_TYPES:
+        return None
+    reason = NO_VIDEO.get(model_type, "its video inputs are not tested in gpg-vl yet")
+    return (f"the {model_type} model (generic family) does not take video prompts ({reason}); train video tasks "
+            "on a model that does (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V, InternVL, Gemma 4) or drop "
+            "the video parts.")
+
+
+def model_video_refusal(model_cfg) -> str | None:
+    """`video_refusal` of the model `model.*` names, read before it loads: the Qwen families take video; a generic
+    model's type comes from `tiny:<type>` or a local folder's config.json (a hub id is left to its processor)."""
+    from pathlib import Path
+
+    family, name = str(model_cfg.get("family") or "auto"), str(model_cfg.get("name_or_path") or "")
+    if family not in ("auto", "generic"):
+        return None
+    if name.startswith("tiny:"):
+        model_type = name[len("tiny:"):]
+    elif (Path(name).expanduser() / "config.json").is_file():
+        import json
+
+        model_type = json.loads((Path(name).expanduser() / "config.json").read_text()).get("model_type", "")
+    else:
+        return None
+    if model_type.startswith(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")):
+        return None
+    return video_refusal(model_type)

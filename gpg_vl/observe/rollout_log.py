@@ -202,7 +202,8 @@ def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, ima
     frames: dict[int, list[str]] = {}  # attempt -> its completions in the task's frame
     records = []
     for a, b in chosen_groups(attempts, groups):
-        attempt = attempts[a]
+        attempt, whole = attempts[a], task
+        task = whole.tasks[attempt.task] if getattr(attempt, "task", None) else whole  # task=mix: the group's own
         if a not in frames:
             frames[a] = in_task_frame(policy, task, attempt.rollout.texts, attempt.prompts, attempt.rollout.group_size)
         row = attempt.rows[b]
@@ -219,7 +220,11 @@ def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, ima
             "target": _clipped(str(task.target(row)), text_chars)["text"],
             **({"target_box": _box(row.get("box"))} if task.uses_boxes else {}),
             "completions": completions,
+            **({"task": attempt.task, "reward_names": list(task.reward_functions),
+                "reward_weights": {n: task.reward_weights.get(n, 1.0) for n in task.reward_functions}}
+               if getattr(attempt, "task", None) else {}),
         })
+        task = whole
     return {
         "step": step, "task": task.name, "uses_boxes": bool(task.uses_boxes),
         "reward_names": list(task.reward_functions),

@@ -142,7 +142,9 @@ def step_html(record: dict, metrics: dict, images: Path) -> str:
 
 
 def group_html(group: dict, names: list[str], weights: dict, images: Path, key: str) -> str:
-    """One group: its image (boxes drawn) and prompt on the left, its completions side by side."""
+    """One group: its image (boxes drawn) and prompt on the left, its completions side by side; in a mixture
+    (task=mix) labelled with its task, whose rewards it shows."""
+    names, weights = group.get("reward_names", names), group.get("reward_weights", weights)
     valid = "valid" if group["valid"] else "invalid"
     origin = "first" if group["attempt"] == 0 else "resampled"
     completions = group["completions"]
@@ -176,8 +178,9 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
     tags = json.dumps([valid, origin])
     return (f"<article class='group item {valid}' data-tags='{esc(tags)}'><div class='side'>{image}"
             f"<div><span class='badge {valid}'>{valid}</span><span class='badge {origin}'>"
-            f"{'rollout 1' if origin == 'first' else 'resampled, rollout ' + str(group['attempt'] + 1)}</span></div>"
-            f"<div class='fields'>{esc(group['id'])}; target <b>{esc(group['target'])}</b>"
+            f"{'rollout 1' if origin == 'first' else 'resampled, rollout ' + str(group['attempt'] + 1)}</span>"
+            + (f"<span class='badge task'>task {esc(group['task'])}</span>" if group.get("task") else "")
+            + f"</div><div class='fields'>{esc(group['id'])}; target <b>{esc(group['target'])}</b>"
             f"</div><div class='prompt'>{esc(group['prompt'] + prompt_more)}</div></div>"
             f"<div class='completions'>{''.join(cards)}</div></article>")
 

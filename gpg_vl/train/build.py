@@ -59,8 +59,18 @@ def _plain(value):
 
 
 def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
+    """The task `task.*` names with its `data.*`; task=mix: the mixture of `task.mixture` (gpg_vl/data/mixture.py)."""
     options = OmegaConf.to_container(task_cfg.options, resolve=True) if task_cfg.options is not None else {}
     data_cfg = data_cfg or {}
+    if task_cfg.name == "mix":
+        from gpg_vl.data.mixture import build_mixture
+
+        def plain(key):
+            found = task_cfg.get(key)
+            return OmegaConf.to_container(found, resolve=True) if isinstance(found, DictConfig) else found
+
+        data = OmegaConf.to_container(data_cfg, resolve=True) if isinstance(data_cfg, DictConfig) else dict(data_cfg)
+        return build_mixture(plain("mixture"), options, plain("rollout"), data=data, task_data=plain("data"))
     return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"),
                     allow_outside_paths=bool(data_cfg.get("allow_outside_paths", False)),
                     max_video_frames=data_cfg.get("max_video_frames"), **options)

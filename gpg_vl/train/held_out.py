@@ -8,6 +8,7 @@ from __future__ import annotations
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
+from gpg_vl.data.mixture import Mixture
 from gpg_vl.data.stream import Subset, scan_rows
 from gpg_vl.errors import UserError
 from gpg_vl.train.evaluate import Share, decoding, evaluate
@@ -15,11 +16,39 @@ from gpg_vl.train.evaluate import Share, decoding, evaluate
 
 def prepare_held_out(run) -> None:
     """The held-out rows (checked once, here, when they will be evaluated), how they are evaluated, and the
-    summary's start."""
-    task, evaluation, trainer = run.data.task, run.settings.evaluation, run.trainer
+    summary's start. task=mix: each task's own held-out split, evaluated with its own engine and settings
+    (`run.data.eval_sets`)."""
+    task, evaluation = run.data.task, run.settings.evaluation
+    if isinstance(task, Mixture):
+        run.data.eval_sets = {}
+        for name, one in task.tasks.items():
+            rows, kwargs, data = _held_out_rows(run, one, evaluation.split or one.eval_split, run.data.engines[name],
+                                                run.data.rollouts[name], task.evals[name].get("max_new_tokens"))
+            run.data.eval_sets[name] = (one, rows, kwargs)
+            if data is not None:
+                run.state.summary.setdefault("eval_data", {})[name] = data.summary()
+        _summary_start(run)
+        return
+    run.data.eval_rows, run.data.eval_kwargs, eval_data = _held_out_rows(
+        run, task, evaluation.split or task.eval_split, run.engine, run.settings.rollout)
+    _summary_start(run)
+    if eval_data is not None:
+        run.state.summary["eval_data"] = eval_data.summary()
+
+
+def _summary_start(run) -> None:
+    summary = run.state.summary
+    summary.update({"task": run.data.task.name, "model": run.learner.policy.name_or_path,
+                    "output_dir": str(run.output_dir), **run.state.record})
+
+
+def _held_out_rows(run, task, split: str, engine, rollout, max_new_tokens: int | None = None):
+    """(rows, evaluate's keywords, the rows' bad-row log or None) of `task`'s held-out `split`; `max_new_tokens`: a
+    mixture's task's own evaluation length (eval.max_new_tokens, when set, wins)."""
+    evaluation, trainer = run.settings.evaluation, run.trainer
     accelerator, family = run.accelerator, run.learner.policy.family
     evaluated = (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after or trainer.eval_every > 0
-    eval_rows = task.load(evaluation.split or task.eval_split) if evaluated else []  # evaluation off: never read
+    eval_rows = task.load(split) if evaluated else []  # evaluation off: never read
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
     eval_data = None
     if evaluated:
@@ -30,18 +59,13 @@ def prepare_held_out(run) -> None:
         if eval_data.over_limit():
             raise UserError(f"held-out split: {eval_data.stop_message()}")
         eval_rows = Subset(eval_rows, good)
-    run.data.eval_rows = eval_rows
-    run.data.eval_kwargs = {
+    kwargs = {
         "batch_size": evaluation.batch_size,
-        "max_new_tokens": evaluation.max_new_tokens or run.settings.rollout.max_new_tokens,
-        "share": Share(accelerator.process_index, accelerator.num_processes, gather_object), "engine": run.engine,
+        "max_new_tokens": evaluation.max_new_tokens or max_new_tokens or rollout.max_new_tokens,
+        "share": Share(accelerator.process_index, accelerator.num_processes, gather_object), "engine": engine,
         "reward_workers": evaluation.reward_workers, "reward_budget_s": evaluation.reward_budget_s,
-        "decoding": decoding(evaluation, run.settings.rollout, seed=run.settings.seed)}
-    summary = run.state.summary
-    summary.update({"task": task.name, "model": run.learner.policy.name_or_path, "output_dir": str(run.output_dir),
-                    **run.state.record})
-    if eval_data is not None:
-        summary["eval_data"] = eval_data.summary()
+        "decoding": decoding(evaluation, rollout, seed=run.settings.seed)}
+    return eval_rows, kwargs, eval_data
 
 
 def evaluate_held_out(run, when: str) -> None:
@@ -69,9 +93,18 @@ def evaluate_during(run) -> dict[str, float]:
 
 
 def _evaluate(run) -> dict:
-    """The held-out rows' metrics with the learner's current weights (the run's engine and decoding)."""
-    metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
-    return metrics
+    """The held-out rows' metrics with the learner's current weights (the run's engine and decoding). task=mix:
+    each task's metrics on its own split under `<task>/`, and `accuracy` the mean of the tasks' accuracies."""
+    if not isinstance(run.data.task, Mixture):
+        metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
+        return metrics
+    found, accuracies = {}, []
+    for name, (task, rows, kwargs) in run.data.eval_sets.items():
+        metrics, _ = evaluate(run.learner.policy, task, rows, **kwargs)
+        found.update({f"{name}/{key}": value for key, value in metrics.items()})
+        if metrics.get("accuracy") is not None:
+            accuracies.append(metrics["accuracy"])
+    return {"accuracy": sum(accuracies) / len(accuracies) if accuracies else None, **found}
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -27,6 +27,7 @@ from gpg_vl.observe.report import write_curves
 from gpg_vl.rollout.engine import EngineUnreachable
 from gpg_vl.train.checkpoint import latest_checkpoint, save_checkpoint, writing
 from gpg_vl.train.held_out import evaluate_during, evaluate_held_out
+from gpg_vl.train.mixed import task_step_metrics
 from gpg_vl.train.pipeline import SyncPipeline, count_sampled, start_pipeline
 from gpg_vl.train.reference import kl_on_every_group
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
@@ -106,13 +107,14 @@ def step(run: Run) -> dict:
                  "it was skipped (check the task's rewards, or raise rollout.temperature).")
     updated = time.perf_counter()
     _count_bad_step(run, result)
-    turns = trajectory_step_metrics(collected, accelerator) if run.engine.multiturn.multi_turn else {}
+    engines = list(run.data.engines.values()) or [run.engine]  # task=mix: each task's
+    turns = trajectory_step_metrics(collected, accelerator) if any(e.multiturn.multi_turn for e in engines) else {}
     valid = collected.groups_valid - int(result.get("groups_rejected", 0))  # all-rejected groups count in M
     versions = [v for a in collected.attempts if a.rollout is not None for v in a.rollout.weight_versions or []]
     return {"step": state.step, **step_metrics(collected, accelerator, run.data.reward_names),
             **turns, **({"rollout_weight_version": min(versions)} if versions else {}),
             "valid_fraction": collected.valid_fractions[0], "valid_fractions": collected.valid_fractions,
-            "attempts": len(collected.attempts), "groups_sampled": collected.groups_sampled,
+            "attempts": len(collected.valid_fractions), "groups_sampled": collected.groups_sampled,
             "groups_used": collected.groups_valid,
             "alpha": loss_alpha(trainer.age, collected.groups_sampled, valid),
             "completions_sampled": state.counters["completions_sampled"],
@@ -121,7 +123,7 @@ def step(run: Run) -> dict:
             "nonfinite_steps": state.counters["nonfinite_steps"],
             **sampled.stream, **pipeline_metrics(state.step, sampled),
             "rollout_s": sampled.rollout_s, "update_s": updated - rolled,
-            "step_s": time.perf_counter() - started}
+            "step_s": time.perf_counter() - started, **task_step_metrics(run, collected)}  # task=mix: each task's
 
 
 def learned(run: Run, metrics: dict) -> None:

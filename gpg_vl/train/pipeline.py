@@ -50,7 +50,9 @@ from pathlib import Path
 
 import torch
 
-from gpg_vl.distributed import collectives_on
+from gpg_vl.data.mixture import Mixture
+from gpg_vl.data.samplers import group_pass_rates
+from gpg_vl.distributed import collective_group, collectives_on
 from gpg_vl.errors import UserError
 from gpg_vl.models.weights import whole_tensor
 from gpg_vl.reward.pool import RewardBudget
@@ -63,6 +65,7 @@ from gpg_vl.train.sample import (
     collect_valid_groups,
     global_counts,
     sample_attempt,
+    sample_mixed_attempt,
     tokens_left,
 )
 
@@ -100,16 +103,37 @@ def sample_step(run, step: int, policy, engine, counters: dict, version: int) ->
     if getattr(task, "judge", None) is not None:
         task.judge.new_step()  # a verdict that failed in the last step is asked again
     budget = RewardBudget(trainer.reward_budget_s)  # reward time of this step, over all its attempts
+    stream = run.data.stream
+    if isinstance(task, Mixture):  # task=mix: each task's prompts with its own engine and rollout settings
+        def attempt():
+            return sample_mixed_attempt(policy, task, stream, engines=run.data.engines, rollouts=run.data.rollouts,
+                                        trainer=trainer, warn=run.warn, reward_budget=budget)
+    else:
+        def attempt():
+            return sample_attempt(policy, task, stream, engine=engine, trainer=trainer, rollout=run.settings.rollout,
+                                  warn=run.warn, reward_budget=budget)
     collected = collect_valid_groups(
-        lambda: sample_attempt(policy, task, run.data.stream, engine=engine, trainer=trainer,
-                               rollout=run.settings.rollout, warn=run.warn, reward_budget=budget),
-        lambda attempt: global_counts(attempt, run.accelerator),
+        attempt, lambda attempt: global_counts(attempt, run.accelerator),
         beta_th=trainer.beta_th, batch_size=trainer.batch_size,
         max_attempts=attempts_allowed(trainer, counters["completions_sampled"]),
         tokens_left=tokens_left(trainer, counters["tokens_sampled"]))
-    stream = run.data.stream
-    return SampledStep(step, version, collected, time.perf_counter() - started,
-                       {**stream.bad.metrics(), "data_epoch": stream.epoch, "data_position": stream.position})
+    record_outcomes(stream, collected.attempts, run.accelerator.num_processes)  # data.sampler=difficulty
+    return SampledStep(step, version, collected, time.perf_counter() - started, stream.metrics())
+
+
+def record_outcomes(stream, attempts, processes: int) -> None:
+    """Each group's pass rate, for a stream whose sampler keeps them (data.sampler=difficulty), gathered from every
+    process (collective then, on the sampler's group) so that every process's stream stays the same; else nothing."""
+    if not stream.records:
+        return
+    local = [(attempt.task, index, rate) for attempt in attempts if attempt.rollout is not None
+             for index, rate in zip(attempt.indices, group_pass_rates(attempt.components.get("accuracy"),
+                                                                       attempt.rewards), strict=True)]
+    if processes > 1:
+        gathered = [None] * processes
+        torch.distributed.all_gather_object(gathered, local, group=collective_group())
+        local = [outcome for part in gathered for outcome in part]
+    stream.record(local)
 
 
 def count_sampled(counters: dict, sampled: SampledStep, group_size: int) -> None:

@@ -32,6 +32,9 @@ class RunSettings:
     resume_from: str | Path | None = None
     config: dict | None = None
     max_bad_fraction: float = 0.05
+    sampler: str = "uniform"  # data.sampler (gpg_vl/data/samplers.py)
+    difficulty_keep: float = 0.25  # data.difficulty_keep
+    difficulty_window: int = 2  # data.difficulty_window
 
 
 @dataclass
@@ -43,6 +46,9 @@ class RunData:
     eval_rows: object
     eval_kwargs: dict
     reward_names: list[str]  # the task's reward components, "temporal" (T-GRPO), "overlong" (DAPO's shaping)
+    engines: dict = field(default_factory=dict)  # task=mix: each task's engine (its tools, its rollout settings)
+    rollouts: dict = field(default_factory=dict)  # task=mix: each task's rollout settings (the run's + its own)
+    eval_sets: dict = field(default_factory=dict)  # task=mix: name -> (task, held-out rows, evaluate's keywords)
 
 
 @dataclass

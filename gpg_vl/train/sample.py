@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 import torch
@@ -73,9 +73,9 @@ def collect_valid_groups(
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
     collected: Collected[A] = Collected()
     for _ in range(max_attempts):
-        attempt = sample_attempt()
+        attempt = sample_attempt()  # one attempt, or a mixture's: one per task (sample_mixed_attempt)
         groups, valid, tokens = count_valid(attempt)
-        collected.attempts.append(attempt)
+        collected.attempts.extend(attempt if isinstance(attempt, list) else [attempt])
         collected.groups_sampled += groups
         collected.groups_valid += valid
         collected.tokens_sampled += tokens
@@ -102,6 +102,8 @@ class Attempt:
     tokens_sampled: int = 0  # this process's sampled tokens: its rollout's and T-GRPO's shuffled rollouts'
     reward_errors: int = 0  # reward function calls that raised on its completions (T-GRPO's shuffled ones too)
     lost: str | None = None  # the engine could not be reached (its sentence): every process stops at the count
+    indices: list[int] = field(default_factory=list)  # each group's row in its task's train split
+    task: str | None = None  # its task in a mixture (gpg_vl/data/mixture.py), else None
 
 
 def empty_attempt(names: list[str], group_size: int, lost: str | None = None) -> Attempt:
@@ -119,8 +121,38 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
 
     trainer.advantage names the estimator; with trainer.overlong_cache > 0 the reward gets DAPO's overlong
     component "overlong" (0 down to -trainer.overlong_penalty over the last overlong_cache tokens)."""
-    batch_size, group_size, overlong_cache = trainer.batch_size, trainer.group_size, trainer.overlong_cache
-    drawn = stream.next_prompts(batch_size, task)  # good rows only: a bad one is skipped, counted and replaced
+    drawn = stream.next_prompts(trainer.batch_size, task)  # good rows only: a bad one is skipped, counted, replaced
+    return rollout_prompts(policy, task, drawn, engine=engine, trainer=trainer, rollout=rollout, warn=warn,
+                           world_size=stream.world_size, reward_budget=reward_budget)
+
+
+def sample_mixed_attempt(policy: Policy, mixture, stream, *, engines: dict, rollouts: dict, trainer: TrainerSettings,
+                         warn, reward_budget: RewardBudget | None = None) -> list[Attempt]:
+    """A mixture's attempt: this process's share of trainer.batch_size prompts drawn by task weight
+    (gpg_vl/data/mixture.py's MixtureStream), each task's prompts rolled out and scored as that task's own attempt,
+    with its engine and rollout settings (`engines`, `rollouts`: name -> ...), in the mixture's order (every
+    process makes the same calls, a task without prompts here an empty one)."""
+    drawn = stream.next_prompts(trainer.batch_size, mixture)
+    attempts = []
+    for name, task in mixture.tasks.items():
+        mine = [p for p in drawn if p.task == name]
+        attempt = rollout_prompts(policy, task, mine, engine=engines[name], trainer=trainer, rollout=rollouts[name],
+                                  warn=warn, world_size=stream.world_size, reward_budget=reward_budget)
+        zero = torch.zeros_like(attempt.rewards)  # [b, G]: a component another task has counts 0 in the totals
+        components = {n: attempt.components.get(n, zero) for n in reward_names(mixture, trainer)}
+        attempts.append(replace(attempt, task=name, components={**components, **attempt.components}))
+    return attempts
+
+
+def rollout_prompts(policy: Policy, task, drawn: list, *, engine, trainer: TrainerSettings, rollout: RolloutSettings,
+                    warn, world_size: int = 1, reward_budget: RewardBudget | None = None) -> Attempt:
+    """`sample_attempt` on prompts already drawn (`drawn`: data/stream.py's Prompt)."""
+    group_size, overlong_cache = trainer.group_size, trainer.overlong_cache
+    names = reward_names(task, trainer)
+    if not drawn:  # a mixture's task with no prompt on this process in this attempt
+        if forward_is_collective(policy.model):
+            engine.generate(EnginePrompts(placeholder_prompts(policy)), group_size, Sampling.from_settings(rollout))
+        return empty_attempt(names, group_size)
     rows = [p.row for p in drawn]
     prompts = encode_prompts(policy, [p.messages for p in drawn], ids=[str(p.row.get("id", p.index)) for p in drawn],
                              tools=engine.prompt_tools(task))
@@ -132,7 +164,6 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
              "lower model.max_pixels.")
     if len(keep) < len(rows):
         rows, prompts = [rows[i] for i in keep], prompts.select(keep) if keep else None
-    names = reward_names(task, trainer)
     if not rows:
         # Under FSDP / ZeRO-3 generation is collective (weights gathered per module, synced_gpus): a process
         # whose prompts were all skipped still makes this attempt's one generate call, on a placeholder whose
@@ -141,7 +172,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
             engine.generate(EnginePrompts(placeholder_prompts(policy)), group_size, Sampling.from_settings(rollout))
         return empty_attempt(names, group_size)
     # Raised by this process alone, before its next collective: the launcher (torchrun) then stops the others.
-    require_images(prompts.batch.has_images, stream.world_size, "a batch of training prompts")
+    require_images(prompts.batch.has_images, world_size, "a batch of training prompts")
     try:
         result = engine.generate(prompts, group_size, Sampling.from_settings(rollout))
     except EngineUnreachable as error:  # every process learns it at this attempt's count (global_counts)
@@ -174,7 +205,7 @@ def sample_attempt(policy: Policy, task, stream: PromptStream, *, engine, traine
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, reward_timeouts=timeouts,
-                   tokens_sampled=tokens, reward_errors=errors)
+                   tokens_sampled=tokens, reward_errors=errors, indices=[drawn[i].index for i in keep])
 
 
 def skip_rejected(result: Rollout, rows: list[dict], prompts: EnginePrompts, keep: list[int], warn):
@@ -308,11 +339,14 @@ def local_counts(attempt: Attempt) -> tuple[int, int, int]:
     return attempt.valid.numel(), int(attempt.valid.sum()), attempt.tokens_sampled
 
 
-def global_counts(attempt: Attempt, accelerator: Accelerator) -> tuple[int, int, int]:
-    """local_counts summed over all processes. Collective: collect_valid_groups calls it once per attempt on every
-    process, and stops on its result, the same everywhere: an engine lost on any process stops every one."""
+def global_counts(attempt: Attempt | list[Attempt], accelerator: Accelerator) -> tuple[int, int, int]:
+    """local_counts summed over all processes (and over a mixture's attempts, one per task). Collective:
+    collect_valid_groups calls it once per attempt on every process, and stops on its result, the same everywhere:
+    an engine lost on any process stops every one."""
+    parts = attempt if isinstance(attempt, list) else [attempt]
+    attempt = next((a for a in parts if a.lost is not None), parts[0])
     lost = attempt.lost is not None
-    local = (0, 0, 0) if lost else local_counts(attempt)
+    local = (0, 0, 0) if lost else tuple(sum(c) for c in zip(*(local_counts(a) for a in parts), strict=True))
     group = collective_group()  # the sampler thread's own (trainer.max_staleness >= 1: gpg_vl/distributed.py)
     if group is None:
         counts = accelerator.reduce(torch.tensor([*local, int(lost)], device=accelerator.device), "sum")

@@ -20,6 +20,8 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+from gpg_vl.data.mixture import Mixture, MixtureStream, require_inputs, require_shared_run
+from gpg_vl.data.samplers import build_sampler
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
 from gpg_vl.errors import UserError
@@ -40,6 +42,7 @@ from gpg_vl.train.checkpoint import (
 )
 from gpg_vl.train.held_out import prepare_held_out
 from gpg_vl.train.loss_call import trainer_loss_options
+from gpg_vl.train.mixed import mixture_engines
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.pipeline import require_pipeline, staleness_note, whole_copy
 from gpg_vl.train.reference import build_reference, needs_reference, place_reference
@@ -60,6 +63,9 @@ def setup(cfg) -> Run:
     trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
     task = build.build_task(cfg.task, cfg.data)
+    require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
+    if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
+        require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
     accelerator = _command_line_accelerator(cfg)
     require_pipeline(trainer, cfg.rollout, accelerator)  # trainer.max_staleness >= 1 with this launch and engine
     build.build_judge(cfg.get("reward"), task, accelerator.device)  # a judge that cannot be built fails first
@@ -79,7 +85,8 @@ def setup(cfg) -> Run:
             reference = build.build_policy(cfg.model, accelerator.device).model
         settings = RunSettings(trainer, OmegaConf.to_object(cfg.rollout), EvalSettings(**container["eval"]),
                                output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, config=container,
-                               max_bad_fraction=cfg.data.max_bad_fraction)
+                               max_bad_fraction=cfg.data.max_bad_fraction, sampler=cfg.data.sampler,
+                               difficulty_keep=cfg.data.difficulty_keep, difficulty_window=cfg.data.difficulty_window)
         return _build_run(policy, task, settings, accelerator, reference, held)
     except BaseException:
         held.close()
@@ -123,13 +130,17 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     step. Checkpoints never hold it."""
     _start_process(accelerator, settings)
     trainer = settings.trainer
-    policy.family.require_box_frame(task)  # a grounding task on a family without a box frame: one sentence
-    train_rows = task.load(task.train_split)
+    mixed = isinstance(task, Mixture)
+    for one in task.tasks.values() if mixed else [task]:  # a grounding task on a family without a box frame
+        policy.family.require_box_frame(one)
+    train_rows = {name: one.load(one.train_split) for name, one in task.tasks.items()} if mixed else \
+        task.load(task.train_split)
     note = task.data_note(train_rows)  # e.g. how many rows need a judge: said once, at the start
     if note:
         accelerator.print(note)
     if trainer.epochs:  # epochs over the train split decide the length of the run
-        trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * len(train_rows) / trainer.batch_size)))
+        size = sum(map(len, train_rows.values())) if mixed else len(train_rows)
+        trainer = replace(trainer, max_steps=max(1, math.ceil(trainer.epochs * size / trainer.batch_size)))
         settings = replace(settings, trainer=trainer)
     stale = staleness_note(trainer.max_staleness, trainer.max_steps)  # k as long as the run: the sampler never moves
     if stale:
@@ -137,7 +148,9 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     learner = _build_learner(policy, trainer, settings.rollout, accelerator, reference,
                              resuming=settings.resume_from is not None)
     # samples, and evaluates; with rollout.max_turns > 1 trajectories that may call the task's tools
-    engine = build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
+    rollouts, engines = mixture_engines(task, settings.rollout, learner.policy, accelerator) if mixed else ({}, {})
+    engine = next(iter(engines.values())) if mixed else \
+        build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
     learner = replace(learner, correction=engine.correction)
     if getattr(task, "temporal", False) and forward_is_collective(learner.model):
         raise UserError("T-GRPO's shuffled-frame rollouts (task.options.temporal=true) run only on the prompts with "
@@ -152,11 +165,19 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     run = Run(settings, learner, engine, data=None, state=state, bar=None, held=held)
     accelerator.print(f"model: {policy.family.describe(learner.model)}; the update scores "
                       f"{run.learner.path.describe()}")
-    stream = PromptStream(train_rows, seed=settings.seed, rank=accelerator.process_index,
-                          world_size=accelerator.num_processes, max_bad_fraction=settings.max_bad_fraction,
-                          warn=run.warn, stop=run.stop, max_aspect_ratio=policy.family.max_aspect_ratio)
+    def make_stream(name: str | None, rows) -> PromptStream:  # a task's stream: alone, or in a mixture
+        sampler = build_sampler(settings.sampler, len(rows), seed=settings.seed, keep=settings.difficulty_keep,
+                                window=settings.difficulty_window)  # uniform: the plain walk
+        return PromptStream(rows, seed=settings.seed,  # a task walks its split as it would alone
+                            rank=accelerator.process_index, world_size=accelerator.num_processes,
+                            max_bad_fraction=settings.max_bad_fraction, warn=run.warn, stop=run.stop,
+                            max_aspect_ratio=policy.family.max_aspect_ratio, sampler=sampler)
+
+    stream = MixtureStream(task, train_rows, seed=settings.seed, rank=accelerator.process_index,
+                           world_size=accelerator.num_processes, make_stream=make_stream) if mixed else \
+        make_stream(None, train_rows)
     run.data = RunData(task, stream, eval_rows=None, eval_kwargs={},
-                       reward_names=reward_names(task, trainer))
+                       reward_names=reward_names(task, trainer), engines=engines, rollouts=rollouts)
     _resume(run)
     prepare_held_out(run)
     run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,

@@ -11,6 +11,7 @@ import gpg_vl_tasks.lisa  # noqa: F401
 import numpy as np
 import pytest
 from gpg_vl_tasks.lisa import mask_box
+from helpers.task_fixtures import BOX, HEIGHT, WIDTH, array_mask, reasonseg
 from PIL import Image
 from pycocotools import mask as mask_utils
 
@@ -24,43 +25,12 @@ CLASSES = {"pink primrose": (230, 120, 170), "sunflower": (240, 200, 20), "engli
 PROBLEM = ("This is an image containing a plant. Please identify the species of the plant based on the image.\n"
            "Output the thinking process in <think> </think> and final answer in <answer> </answer> tags.")
 
-# ReasonSeg-like rows: a 64 x 48 image whose object is the rectangle of rows 8..19 and columns 10..29.
-WIDTH, HEIGHT = 64, 48
-BOX = (10.0, 8.0, 30.0, 20.0)  # by hand: columns 10..29 -> x 10 to 30 (exclusive), rows 8..19 -> y 8 to 20
 
 
 @pytest.fixture(autouse=True)
 def datasets_cache(tmp_path_factory, monkeypatch):
     """Keep the arrow cache that `load_dataset` writes for local files out of the home folder."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets-cache")))
-
-
-def scene(box=BOX):
-    image = Image.new("RGB", (WIDTH, HEIGHT), (250, 250, 250))
-    if box is not None:
-        image.paste((200, 40, 40), tuple(int(v) for v in box))
-    return image
-
-
-def array_mask(box=BOX):
-    mask = np.zeros((HEIGHT, WIDTH), dtype=bool)
-    if box is not None:
-        x1, y1, x2, y2 = (int(v) for v in box)
-        mask[y1:y2, x1:x2] = True
-    return mask
-
-
-def reasonseg(masks, boxes, features=None):
-    count = len(masks)
-    return datasets.Dataset.from_dict({
-        "image": [scene(box) for box in boxes],
-        "text": [f"the thing a cook would stir with, {i}" for i in range(count)],
-        "mask": masks,
-        "image_id": [f"img{i}" for i in range(count)],
-        "ann_id": list(range(count)),
-        "img_height": [HEIGHT] * count,
-        "img_width": [WIDTH] * count,
-    }, features=features)
 
 
 @pytest.fixture()

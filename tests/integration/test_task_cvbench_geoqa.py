@@ -10,15 +10,13 @@ import datasets
 import gpg_vl_tasks.cvbench
 import gpg_vl_tasks.geoqa
 import pytest
-from PIL import Image
+from helpers.task_fixtures import COLOURS, GEO_TRAIN, SAT_ROWS, picture, sat_parquet
 
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.data.sources import load_rows
 from gpg_vl.errors import UserError
-
-COLOURS = [(200, 40, 40), (40, 160, 60), (40, 70, 220), (230, 190, 30), (120, 40, 160), (30, 170, 170)]
 
 
 @pytest.fixture(autouse=True)
@@ -27,28 +25,11 @@ def datasets_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets-cache")))
 
 
-def picture(index, size=(56, 56)):
-    return Image.new("RGB", size, COLOURS[index % len(COLOURS)])
-
-
 def think(answer):
     return f"<think> looking </think><answer>{answer}</answer>"
 
 
 # ---------------------------------------------------------------- cvbench
-
-SAT_FEATURES = datasets.Features({
-    "image_bytes": datasets.List(datasets.Image()), "question": datasets.Value("string"),
-    "answers": datasets.List(datasets.Value("string")), "question_type": datasets.Value("string"),
-    "correct_answer": datasets.Value("string"),
-})
-# (images, question, options, question type, right option's text); the two-image row is skipped.
-SAT_ROWS = [
-    (1, "Is the chair left or right of the table?", ["left", "right"], "obj_rel", "right"),
-    (2, "Did the camera move forward or backward?", ["forward", "backward"], "ego_movement", "forward"),
-    (1, "Which object is closer to the camera?", ["lamp", "sofa", "door"], "obj_depth", "sofa"),
-    (1, "How many steps to the door?", ["2", "3"], "goal_aim", "3"),
-]
 
 # CV-Bench rows: (task, source, options, right letter); Count/Relation are 2D, Depth/Distance 3D (Omni3D).
 CV_ROWS = [
@@ -71,18 +52,6 @@ CV_FEATURES = datasets.Features({
     "target_class": datasets.Value("string"), "target_size": datasets.Value("int64"),
     "bbox": datasets.List(datasets.List(datasets.Value("float64"))),
 })
-
-
-def sat_parquet(path):
-    columns = {name: [] for name in SAT_FEATURES}
-    for i, (count, question, options, qtype, right) in enumerate(SAT_ROWS):
-        columns["image_bytes"].append([picture(i + k) for k in range(count)])
-        columns["question"].append(question)
-        columns["answers"].append(options)
-        columns["question_type"].append(qtype)
-        columns["correct_answer"].append(right)
-    datasets.Dataset.from_dict(columns, features=SAT_FEATURES).to_parquet(str(path))
-    return path
 
 
 def cv_bench_rows():
@@ -219,9 +188,6 @@ def test_cvbench_evaluates_on_the_tiny_model(tmp_path):
 
 # ---------------------------------------------------------------- geoqa
 
-GEO_TRAIN = [("In the figure, AB = 3 and BC = 4; find AC.", "<answer>5</answer>"),
-             ("Find the angle ABC.", "<answer>140°</answer>"),
-             ("Find the area.", "12")]  # a bare solution is its own answer
 GEO_TEST = [("Angle 1 = 40°; find angle 2.", "140°"), ("Find x.", "2\\sqrt{3}"), ("Find y.", "7"),
             ("Find z.", "0.5"), ("Find w.", "30°")]
 
