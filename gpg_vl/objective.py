@@ -292,15 +292,16 @@ def policy_loss(
     max_tokens: int | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N].
+    """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N] (or per token [N, L]:
+    a teacher's, gpg_vl/distill.py).
 
     No ratio, no clipping, no KL: `old_logps`, `ref_logps` and other options are not used.
     Masked positions are selected out with ``torch.where`` (so even -inf/NaN padding log-probs
     give neither NaN loss nor NaN gradient).  Returns (scalar loss, float metrics).
     """
     mask = completion_mask.bool()  # [N, L]
-    adv = advantages.detach().to(token_logps.dtype)  # [N]
-    per_token = -token_logps * adv.unsqueeze(1)  # [N, L]
+    adv = advantages.detach().to(token_logps.dtype)  # [N] or [N, L]
+    per_token = -token_logps * per_token_advantages(adv)  # [N, L]
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))  # [N, L]
     loss = _aggregate(per_token, mask, aggregation, normalizer, max_tokens)  # []
     with torch.no_grad():
@@ -320,7 +321,13 @@ def ratio_inputs(token_logps: Tensor, completion_mask: Tensor, advantages: Tenso
     zeros = torch.zeros_like(token_logps)
     logps = torch.where(mask, token_logps, zeros)  # [N, L]
     old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
-    return mask, logps, old, advantages.detach().to(logps.dtype).unsqueeze(1)
+    return mask, logps, old, per_token_advantages(advantages.detach().to(logps.dtype))
+
+
+def per_token_advantages(advantages: Tensor) -> Tensor:
+    """advantages [N] -> [N, 1] (one per sequence, broadcast over its tokens); per-token ones [N, L] as they are
+    (a teacher's: A_t = A_group + coef * sg(log teacher - log student), gpg_vl/distill.py)."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
 
 
 def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -574,7 +581,7 @@ def cispo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
     old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
     ratio = torch.exp(logps.detach() - old)  # [N, L]
     weight = ratio.clamp(max=cap)  # [N, L] detached
-    per_token = torch.where(mask, -weight * advantages.detach().to(logps.dtype).unsqueeze(1) * logps, zeros)
+    per_token = torch.where(mask, -weight * per_token_advantages(advantages.detach().to(logps.dtype)) * logps, zeros)
     loss = _aggregate(per_token, mask, inputs.get("aggregation", "token_mean"), inputs.get("normalizer"), None)
     with torch.no_grad():
         metrics = _base_metrics(loss, token_logps, mask, advantages.detach())

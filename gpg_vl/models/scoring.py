@@ -132,7 +132,7 @@ SHARED_VISION = "gpg_shared_vision"  # model(..., gpg_shared_vision=(prompts, pr
 # ---------------------------------------------------------------------------------------------
 def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
                 completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
-                temperature: float = 1.0, logits_chunk_tokens: int = 0) -> Tensor:
+                temperature: float = 1.0, logits_chunk_tokens: int = 0, entropy: bool = False):
     """Log-probs [N, C] of `completion_ids` [N, C] under `model`; sequence n continues prompt `prompt_index[n]`.
 
     `path` (the run's, from `choose_scoring_path`) says how: packed runs the micro-batch as one padding-free row,
@@ -146,20 +146,36 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     and backward. Suppressed tokens get -inf before the softmax, exactly as in sampling. The fast paths call the
     bare model's parts (the trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs
     whole sequences (images still encoded once per group, inside its forward) and full completion logits are
-    computed.
+    computed. With `entropy`: (log-probs, each position's entropy [N, C] from the same logits, no gradient).
     """
     bare = unwrap(model)
-    chunked = logits_chunk_tokens > 0 and not path.wrapped
+    hidden, logits = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask,
+                                       path=path, observations=observations,
+                                       chunked=logits_chunk_tokens > 0)
+    if hidden is not None:
+        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
+                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1], entropy=entropy)
+    logps = family.logps_from_logits(logits, completion_ids, temperature=temperature)
+    if not entropy:
+        return logps
+    with torch.no_grad():
+        return logps, _sampling_entropy(family, logits, temperature) * completion_mask.to(logps.dtype)
+
+
+def completion_states(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                      completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
+                      chunked: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """(final hidden states [N, C, H], None), or where the path computes them whole (wrapped, or not `chunked` on
+    the plain path) (None, logits [N, C, V] in float32): the states that predict each completion token, from one
+    forward on `path` (see `token_logps`)."""
+    bare = unwrap(model)
+    chunked = chunked and not path.wrapped
     if path.packed:
-        hidden = packed_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask, observations,
-                               prompt_once=path.prompt_once, shared_vision=path.shared_vision)  # [N, C, H]
-        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
-                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
+        return packed_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask, observations,
+                             prompt_once=path.prompt_once, shared_vision=path.shared_vision), None  # [N, C, H]
     if path.prompt_once:
-        hidden = prompt_once_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask,
-                                    observations)  # [N, C, H]
-        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
-                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
+        return prompt_once_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask,
+                                  observations), None  # [N, C, H]
     shared = path.shared_vision and (prompts.has_images or prompts.has_videos) and observations is None
     sequences = trim_left_padding(prompts.select(prompt_index, drop=family.pixel_keys if shared else ()).inputs)
     if observations is None:
@@ -179,20 +195,51 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     mask = full["attention_mask"]
     weigh_router_tokens(bare, lambda: torch.cat([mask[:, :-1], mask[:, -1:] * 0], dim=1))
     if chunked:  # hidden states only; the output layer runs chunk by chunk
-        hidden = bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
-        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
-                             chunk_tokens=logits_chunk_tokens)
+        return bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1], None  # [N, C, H]
     outputs = (model if path.wrapped else bare)(**full, use_cache=False, logits_to_keep=completion_length + 1)
-    logits = outputs.logits[:, :-1].float()  # [N, C, V]
-    return family.logps_from_logits(logits, completion_ids, temperature=temperature)
+    return None, outputs.logits[:, :-1].float()  # [N, C, V]
+
+
+def token_logits(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                 completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
+                 temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(full-vocabulary logits [T, V'] (float32, divided by `temperature`, softcapped as sampled) of the T positions
+    where `completion_mask` is True, row-major, the suppressed ids left out (V' = V minus them), and the sampled
+    tokens' columns [T] in them): what a loss over the whole distribution (GKD's JSD: gpg_vl/distill.py) reads.
+    One forward on `path`, with gradient."""
+    bare = unwrap(model)
+    hidden, logits = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask,
+                                       path=path, observations=observations)
+    selected = completion_mask.bool()
+    if hidden is not None:
+        logits = _chunk_logits(hidden[selected], bare.get_output_embeddings().weight, None, temperature,
+                               family.logit_softcap(bare))  # [T, V]
+    else:
+        logits = logits[selected] / temperature  # [T, V]
+    targets = completion_ids[selected]  # [T]
+    if family.suppressed_ids:
+        kept = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        kept[torch.tensor(family.suppressed_ids, device=logits.device)] = False
+        logits, targets = logits[:, kept], (kept.long().cumsum(0) - 1)[targets]  # a sampled id is never suppressed
+    return logits, targets
+
+
+def _sampling_entropy(family, logits: Tensor, temperature: float) -> Tensor:
+    """Entropy [N, C] of the sampling distribution of logits [N, C, V] (suppressed ids removed, at temperature)."""
+    from gpg_vl.distill import logits_entropy
+
+    if family.suppressed_ids:
+        logits = logits.index_fill(-1, torch.tensor(family.suppressed_ids, device=logits.device), float("-inf"))
+    return logits_entropy(logits / temperature)
 
 
 def _hidden_logps(family, bare, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
-                  temperature: float, chunk_tokens: int) -> Tensor:
-    """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks."""
+                  temperature: float, chunk_tokens: int, entropy: bool = False):
+    """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks (with
+    `entropy`, and the entropies [N, C])."""
     return completion_logps(hidden, bare.get_output_embeddings().weight, completion_ids, completion_mask.bool(),
                             suppressed_ids=family.suppressed_ids, temperature=temperature, chunk_tokens=chunk_tokens,
-                            softcap=family.logit_softcap(bare))
+                            softcap=family.logit_softcap(bare), entropy=entropy)
 
 
 def encode_shared_vision_in_forward(model: torch.nn.Module, family) -> None:
@@ -491,20 +538,26 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, suppressed: Tensor | None,
-                temperature: float, chunk: int, softcap: float | None) -> Tensor:
+                temperature: float, chunk: int, softcap: float | None, entropy: bool = False):
         logps = hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # [T]
         normalizers = torch.empty_like(logps)  # [T]
+        entropies = torch.empty_like(logps) if entropy else logps.new_empty(0)  # [T] when asked
         for start in range(0, hidden.shape[0], chunk):
             logits = _chunk_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
             normalizers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1)  # [t]
             logps[start:start + chunk] = picked - normalizers[start:start + chunk]
+            if entropy:  # from the chunk's logits already in memory: no extra forward (distill.logits_entropy)
+                probs = torch.exp(logits - normalizers[start:start + chunk, None])  # [t, V]
+                weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(probs)).sum(dim=-1)
+                entropies[start:start + chunk] = normalizers[start:start + chunk] - weighted
         ctx.save_for_backward(hidden, weight, targets, normalizers, suppressed)
         ctx.temperature, ctx.chunk, ctx.softcap = temperature, chunk, softcap
-        return logps
+        ctx.mark_non_differentiable(entropies)
+        return logps, entropies
 
     @staticmethod
-    def backward(ctx, grad_logps: Tensor):
+    def backward(ctx, grad_logps: Tensor, _grad_entropies: Tensor | None = None):
         hidden, weight, targets, normalizers, suppressed = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
@@ -521,7 +574,8 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_weight:
                 grad_weight += grad.T @ hidden[start:end].float()
-        return grad_hidden, (grad_weight.to(weight.dtype) if want_weight else None), None, None, None, None, None
+        return (grad_hidden, (grad_weight.to(weight.dtype) if want_weight else None), None, None, None, None, None,
+                None)
 
 
 def _chunk_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, temperature: float,
@@ -537,16 +591,20 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, tem
 
 
 def completion_logps(hidden: Tensor, weight: Tensor, token_ids: Tensor, mask: Tensor, *, suppressed_ids: list[int],
-                     temperature: float, chunk_tokens: int, softcap: float | None = None) -> Tensor:
+                     temperature: float, chunk_tokens: int, softcap: float | None = None, entropy: bool = False):
     """Log-probs [N, C] of token_ids under softmax(hidden @ weight.T / temperature), suppressed ids removed
     (with `softcap`, the logits are first capped as cap * tanh(logits / cap), as Gemma's output layer does).
 
     Only tokens where `mask` is True are scored (others are 0); they go through the output layer
-    `chunk_tokens` at a time, forward and backward.
+    `chunk_tokens` at a time, forward and backward. With `entropy`, (log-probs, entropies [N, C] of the same
+    distributions, without gradient, 0 off the mask).
     """
     selected = mask.nonzero(as_tuple=True)
     suppressed = torch.tensor(suppressed_ids, device=hidden.device) if suppressed_ids else None
-    values = _ChunkedTokenLogps.apply(hidden[selected], weight, token_ids[selected], suppressed, temperature,
-                                      max(int(chunk_tokens), 1), softcap)  # [T]
+    values, entropies = _ChunkedTokenLogps.apply(hidden[selected], weight, token_ids[selected], suppressed,
+                                                 temperature, max(int(chunk_tokens), 1), softcap, entropy)  # [T]
     logps = torch.zeros(token_ids.shape, dtype=values.dtype, device=values.device)
-    return logps.index_put(selected, values)  # [N, C]
+    logps = logps.index_put(selected, values)  # [N, C]
+    if not entropy:
+        return logps
+    return logps, torch.zeros_like(logps).index_put(selected, entropies)  # [N, C], [N, C]

@@ -31,7 +31,7 @@ from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+from gpg_vl.config.schema import EvalSettings, RolloutSettings, TeacherSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
 from gpg_vl.errors import UserError
@@ -67,6 +67,7 @@ from gpg_vl.train.pipeline import (
     whole_copy,
 )
 from gpg_vl.train.sample import Attempt, budget_spent, reward_names
+from gpg_vl.train.teacher import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
 from gpg_vl.train.update import (
     Learner,
     build_optimizer,
@@ -96,6 +97,7 @@ class RunSettings:
     resume_from: str | Path | None = None
     config: dict | None = None
     max_bad_fraction: float = 0.05
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)  # teacher.*: on-policy distillation
 
 
 @dataclass
@@ -224,6 +226,9 @@ def setup(cfg) -> Run:
 
     trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
+    teacher = TeacherSettings(**OmegaConf.to_container(cfg.teacher, resolve=True)) if cfg.get("teacher") else \
+        TeacherSettings()
+    require_teacher_settings(teacher, trainer)
     task = build.build_task(cfg.task, cfg.data)
     accelerator = _command_line_accelerator(cfg)
     require_pipeline(trainer, cfg.rollout, accelerator)  # trainer.max_staleness >= 1 with this launch and engine
@@ -236,7 +241,9 @@ def setup(cfg) -> Run:
         if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
         check_model_folder(model_cfg)  # before the weights load
+        check_teacher(teacher, cfg.model.name_or_path)  # another tokenizer: one sentence, before any model loads
         policy = build.build_policy(model_cfg, accelerator.device)
+        frozen = load_teacher(teacher, cfg.model, accelerator.device, trainer=trainer)
         # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
         # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
         reference = None
@@ -244,25 +251,30 @@ def setup(cfg) -> Run:
             reference = build.build_policy(cfg.model, accelerator.device).model
         settings = RunSettings(trainer, OmegaConf.to_object(cfg.rollout), EvalSettings(**container["eval"]),
                                output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, config=container,
-                               max_bad_fraction=cfg.data.max_bad_fraction)
-        return _build_run(policy, task, settings, accelerator, reference, held)
+                               max_bad_fraction=cfg.data.max_bad_fraction, teacher=teacher)
+        return _build_run(policy, task, settings, accelerator, reference, held, teacher=frozen)
     except BaseException:
         held.close()
         raise
 
 
 def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Accelerator | None = None,
-                 reference: torch.nn.Module | None = None) -> Run:
+                 reference: torch.nn.Module | None = None, teacher: torch.nn.Module | None = None) -> Run:
     """Build a run around a policy the caller built (programmatic use: `train(setup_policy(policy, task,
     RunSettings(trainer=..., rollout=..., output_dir=...)))`). The main process claims settings.output_dir for
     the run (gpg_vl/train/outdir.py: one run per folder); `accelerator`: one the caller made (else one is made
-    here); `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken).
+    here); `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken);
+    `teacher`: the teacher model of settings.teacher (on-policy distillation; frozen here).
 
     settings.resume_from is a complete checkpoint (see gpg_vl/train/checkpoint.py): training continues from its
     step with its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past
     that step. Bad rows are skipped and counted; more than settings.max_bad_fraction of the rows seen stops
     the run."""
     trainer_loss_options(settings.trainer, settings.rollout.max_new_tokens)
+    require_teacher_settings(settings.teacher, settings.trainer)
+    if (teacher is None) != (settings.teacher.model is None):
+        raise UserError("settings.teacher.model and the teacher= model go together: pass both (the teacher model "
+                        "and its teacher.* settings) or neither.")
     accelerator = accelerator or Accelerator(
         log_with=None if settings.trainer.report_to == "none" else settings.trainer.report_to,
         project_dir=str(settings.output_dir))
@@ -271,14 +283,16 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
     try:
         if accelerator.is_main_process:
             held.enter_context(claim_output_dir(settings.output_dir, resume=settings.resume_from))
-        return _build_run(policy, task, settings, accelerator, reference, held)
+        frozen = None if teacher is None else frozen_teacher(teacher.to(accelerator.device), policy.family,
+                                                             settings.teacher, settings.trainer)
+        return _build_run(policy, task, settings, accelerator, reference, held, teacher=frozen)
     except BaseException:
         held.close()
         raise
 
 
 def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Accelerator,
-               reference: torch.nn.Module | None, held: contextlib.ExitStack) -> Run:
+               reference: torch.nn.Module | None, held: contextlib.ExitStack, *, teacher: Teacher | None = None) -> Run:
     """Build a run once: seeds, data, optimizer and schedule (counting optimizer steps), the prepared model,
     the reference model when the loss needs one, the scoring path, the resumed state, the held-out rows.
 
@@ -300,7 +314,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
                              resuming=settings.resume_from is not None)
     # samples, and evaluates; with rollout.max_turns > 1 trajectories that may call the task's tools
     engine = build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
-    learner = replace(learner, correction=engine.correction)
+    learner = replace(learner, correction=engine.correction, teacher=teacher)
     if getattr(task, "temporal", False) and forward_is_collective(learner.model):
         raise UserError("T-GRPO's shuffled-frame rollouts (task.options.temporal=true) run only on the prompts with "
                         "video of each process, which FSDP / ZeRO-3's collective generation cannot follow; turn "
@@ -484,7 +498,7 @@ def step(run: Run) -> dict:
     state.attempts = collected.attempts
     count_sampled(state.counters, sampled, trainer.group_size)  # resampling included; generated tokens only
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
-    if collected.groups_valid > 0 or kl_on_every_group(trainer):
+    if collected.groups_valid > 0 or kl_on_every_group(trainer) or run.learner.teacher is not None:
         result = update(run.learner, collected.attempts)
         state.updated = not result.get("skipped")
         aside = trainer.max_staleness > 0  # the sampler syncs an engine with its own weights by the schedule

@@ -25,8 +25,11 @@ from gpg_vl.models import router, scoring
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import ScoringPath
+from gpg_vl.distill import generalized_jsd, high_entropy_mask
 from gpg_vl.objective import (
+    AGGREGATIONS,
     LOSS_NORMALIZERS,
+    loss_alpha,
     TOKEN_NORMALIZED,
     get_policy_loss,
     loss_aggregation,
@@ -152,9 +155,9 @@ class MicroBatch(NamedTuple):
         return len(self.advantages) - (0 if self.rejected is None else int(self.rejected.sum()))
 
     def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
-              logits_chunk_tokens: int) -> torch.Tensor:
+              logits_chunk_tokens: int, entropy: bool = False):
         """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward),
-        packed where `forward_cost` says so."""
+        packed where `forward_cost` says so; with `entropy`, (log-probs, entropies [n, C])."""
         if path.packed:
             prompt_lengths = self.prompts.inputs["attention_mask"].sum(dim=1).tolist()
             _, packed = forward_cost(path, [prompt_lengths[p] for p in self.prompt_index], self.prompt_index,
@@ -163,7 +166,7 @@ class MicroBatch(NamedTuple):
         return scoring.token_logps(policy.family, model, self.prompts.to(device), self.prompt_index,
                                    self.completion_ids.to(device), self.completion_mask.to(device), path=path,
                                    observations=self.trajectories, temperature=temperature,
-                                   logits_chunk_tokens=logits_chunk_tokens)
+                                   logits_chunk_tokens=logits_chunk_tokens, entropy=entropy)
 
 
 @dataclass
@@ -206,6 +209,7 @@ class Learner:
     max_new_tokens: int | None = None
     correction: Correction = field(default_factory=Correction)
     whole_copy: torch.nn.Module | None = None  # FSDP2 at trainer.max_staleness >= 1: the sampler's, taken unsharded
+    teacher: object = None  # teacher.model's frozen Teacher (gpg_vl/train/teacher.py), or None
 
     @property
     def off_policy(self) -> tuple[str, dict]:
@@ -266,8 +270,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     """
     settings, accelerator = learner.settings, learner.accelerator
     kl_everywhere = kl_on_every_group(settings)
-    if kl_everywhere:  # the KL acts on every sampled sequence, as in TRL's and R1-V's GRPO: invalid groups too
-        attempts, kl_only = _every_group(attempts, accelerator)
+    teacher = learner.teacher
+    if kl_everywhere or teacher is not None:  # the KL (as in TRL's and R1-V's GRPO) or the teacher acts on every
+        attempts, kl_only = _every_group(attempts, accelerator)  # sampled sequence: invalid groups too
     loss_fn = get_policy_loss(settings.loss)
     aggregation = loss_aggregation(loss_fn, settings.aggregation)
     parts = 1
@@ -282,6 +287,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     groups_rejected = None
     if getattr(get_correction(learner.off_policy[0]), "rejects", False):  # the normalizer leaves rejected sequences
         plan, groups_rejected = _reject_sequences(learner, plan, attempts)
+    taught = _teach(learner, plan, attempts) if teacher is not None else None  # AGE on the combined advantage
+    if taught is not None:
+        plan = taught.pop("plan")
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
@@ -317,6 +325,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     metrics = _combine_results(results)
     if groups_rejected is not None:
         metrics["groups_rejected"] = groups_rejected
+    if taught is not None:  # every sampled group forwarded; valid: those whose combined advantage is not all zero
+        metrics.update({"groups_used": taught["valid"], "teacher_kl": taught["teacher_kl"],
+                        "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])})
     if kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
         metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
                         "groups_kl_only": kl_only, "alpha": 1.0})
@@ -380,6 +391,27 @@ def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[
         with scope:
             ref = _score_plan(learner, ref_model, plan, attempts, calls)
     return old, ref
+
+
+def _teach(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt]) -> dict:
+    """The teacher's part before the optimizer steps (gpg_vl/train/teacher.py): with teacher.loss=reverse_kl the
+    plan's per-token advantages, the groups whose combined advantage is all zero marked rejected; with jsd the
+    plan as it is (every group carries the JSD). Returns {plan, valid groups and sampled groups over all processes,
+    teacher_kl (the token mean of log student - log teacher; jsd: logged by the loss)}. Collective."""
+    from gpg_vl.train.teacher import jsd_teacher_valid, with_teacher
+
+    accelerator = learner.accelerator
+    sampled = sum(len(a.valid) for a in attempts)
+    if learner.teacher.settings.loss == "jsd":
+        valid, report = jsd_teacher_valid(plan), {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}
+    else:
+        calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
+        plan, report, valid = with_teacher(learner, plan, lambda scored: _score_plan(
+            learner, learner.model, scored, attempts, calls.max(dim=0).values.tolist()))
+    totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"]],
+                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
+    return {"plan": plan, "valid": int(totals[0]), "groups": int(totals[1]),
+            "teacher_kl": totals[2] / max(totals[3], 1.0)}
 
 
 def _combine_results(results: list[dict]) -> dict[str, float]:
@@ -460,8 +492,35 @@ class _Sums:
     gap: float = 0.0  # the on-policy check: summed |logp - sampler logp|, its largest, its token count
     gap_max: float = 0.0
     gap_count: int = 0
+    entropy: float = 0.0  # summed entropy of the counted tokens (entropy_mean = entropy / tokens)
+    jsd: float = 0.0  # teacher.loss=jsd: the JSD term of the loss, summed over micro-batches
     report: dict = field(default_factory=dict)
     correction: CorrectionSums = field(default_factory=CorrectionSums)
+
+
+def _scored(learner: Learner, chunk: MicroBatch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log-probs [n, C] with gradient, entropies [n, C] without, from the same logits: no extra forward; with
+    teacher.loss=jsd, the per-token generalized JSD [n, C] to the teacher on the counted tokens, else None)."""
+    teacher = learner.teacher
+    if teacher is None or teacher.settings.loss != "jsd":
+        logps, entropy = chunk.logps(learner.policy, learner.model, device, temperature=learner.temperature,
+                                     path=learner.path, logits_chunk_tokens=learner.settings.logits_chunk_tokens,
+                                     entropy=True)
+        return logps, entropy, None
+    from gpg_vl.distill import logits_entropy
+    from gpg_vl.train.teacher import chunk_logits
+
+    family = learner.policy.family
+    counted = chunk.counted.to(device)
+    logits, targets = chunk_logits(family, learner.model, chunk, device, path=learner.path,
+                                   temperature=learner.temperature)  # [T, V'], [T]
+    teacher_logits, _ = teacher.logits(family, chunk, device, temperature=learner.temperature)  # [T, V']
+    zeros = torch.zeros(counted.shape, dtype=torch.float32, device=device)
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
+    jsd = generalized_jsd(logits, teacher_logits, beta=teacher.settings.beta)  # [T]
+    return (zeros.index_put(counted.nonzero(as_tuple=True), picked),
+            zeros.index_put(counted.nonzero(as_tuple=True), logits_entropy(logits.detach())),
+            zeros.index_put(counted.nonzero(as_tuple=True), jsd))
 
 
 def _corrected(name: str, options: dict, chunk: MicroBatch, logps: torch.Tensor, sampler: torch.Tensor,
@@ -539,8 +598,8 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     norm = accelerator.clip_grad_norm_(model.parameters(), learner.settings.max_grad_norm)
     grad_norm = 0.0 if norm is None else float(norm)
     # Collective, before any branch: every process reaches it exactly once per update.
-    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens], device=device,
-                                             dtype=torch.float64), "sum")
+    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens, sums.entropy, sums.jsd],
+                                             device=device, dtype=torch.float64), "sum")
     if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}, sums.report
@@ -548,7 +607,10 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     learner.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
-              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0)),
+              "entropy_mean": float(totals[3] / max(float(totals[2]), 1.0))}
+    if learner.teacher is not None and learner.teacher.settings.loss == "jsd":
+        result["teacher_jsd"] = float(totals[4])
     if learner.reports_correction:  # collective, on every process alike (the settings are the same everywhere)
         rows = accelerator.gather(torch.tensor([sums.correction.as_list()], device=device, dtype=torch.float64))
         result.update(correction_metrics(rows.cpu()))
@@ -582,8 +644,12 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 mask, adv, sampler = chunk.counted.to(device), chunk.advantages, chunk.sampler_logps
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
-                logps = chunk.logps(policy, model, device, temperature=learner.temperature, path=learner.path,
-                                    logits_chunk_tokens=learner.settings.logits_chunk_tokens)  # [n, C]
+                logps, entropy, distill = _scored(learner, chunk, device)  # [n, C], [n, C] (no grad), [] or None
+                if index < real:
+                    sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).sum())
+                if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient
+                    keep = high_entropy_mask(entropy, mask, learner.settings.top_entropy_quantile)  # [n, C]
+                    logps = torch.where(keep, logps, logps.detach())
                 if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
                     sampler = sampler.to(device)
                     total, worst, count = logp_mismatch(logps, sampler, mask)
@@ -602,6 +668,10 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                                               **step.options)
                     if router_loss is not None:  # averaged over the micro-batches, weighted by their sequences
                         loss = loss + router_loss * (len(adv) / step.sequences)
+                    if distill is not None:  # teacher.loss=jsd: coef x the JSD, aggregated as the policy loss
+                        jsd = AGGREGATIONS[step.aggregation](distill, mask, step.normalizer, learner.max_new_tokens)
+                        loss = loss + learner.teacher.settings.coef * jsd
+                        sums.jsd += float(jsd.detach())
                     sums.loss += float(loss.detach())
                     sums.logp += info["logp_mean"] * info["num_tokens"]
                     sums.tokens += int(info["num_tokens"])

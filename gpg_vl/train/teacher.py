@@ -1,0 +1,178 @@
+"""The teacher of on-policy distillation (`teacher.*`, docs/distillation.md): loaded frozen beside the student,
+it scores the student's own samples through the update's one scoring path (each prompt once per group, images and
+video included, a multi-turn trajectory's observations in its forward, its generated tokens only counted).
+
+The policy-gradient form (`teacher.loss=reverse_kl`) turns the teacher's log-probs into per-token advantages before
+the update's optimizer steps (`with_teacher`: one teacher forward and one student forward without gradient per
+micro-batch); the supervised form (`teacher.loss=jsd`) reads the teacher's full-vocabulary logits inside each
+micro-batch's loss (`teacher_logits`). The maths is in gpg_vl/distill.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpg_vl.config.schema import TeacherSettings
+from gpg_vl.distill import combined_valid, teacher_advantages, teacher_kl
+from gpg_vl.errors import UserError
+from gpg_vl.models import scoring
+from gpg_vl.models.scoring import ScoringPath
+
+
+@dataclass
+class Teacher:
+    """The frozen teacher model (no gradient, no optimizer state), its scoring path, and `teacher.*`."""
+
+    model: torch.nn.Module
+    path: ScoringPath
+    settings: TeacherSettings
+
+    def logps(self, family, chunk, device, *, temperature: float, logits_chunk_tokens: int) -> torch.Tensor:
+        """The teacher's log-probs [n, C] of a micro-batch's completions (no gradient)."""
+        with torch.no_grad():
+            return chunk.logps(_Frozen(family), self.model, device, path=self.path, temperature=temperature,
+                               logits_chunk_tokens=logits_chunk_tokens)
+
+    def logits(self, family, chunk, device, *, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's full-vocabulary logits [T, V'] at the micro-batch's counted positions, and the sampled
+        tokens' columns [T] (no gradient)."""
+        with torch.no_grad():
+            return chunk_logits(family, self.model, chunk, device, path=self.path, temperature=temperature)
+
+
+@dataclass
+class _Frozen:
+    """What MicroBatch.logps reads of a policy (its family), for a model that is not the policy."""
+
+    family: object
+
+
+def chunk_logits(family, model, chunk, device, *, path: ScoringPath,
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full-vocabulary logits [T, V'] of `model` at the counted positions of micro-batch `chunk` (row-major), the
+    suppressed ids left out; the sampled tokens' columns [T]) (gpg_vl/models/scoring.py's `token_logits`)."""
+    counted = chunk.counted.to(device)
+    return scoring.token_logits(family, model, chunk.prompts.to(device), chunk.prompt_index,
+                                chunk.completion_ids.to(device), counted, path=path,
+                                observations=chunk.trajectories, temperature=temperature)
+
+
+def check_teacher(teacher: TeacherSettings, student_name: str, *, lora: bool = False) -> None:
+    """Refuse, in one sentence and before any model loads, a teacher whose tokenizer differs from the student's
+    (its log-probs would score other tokens)."""
+    if teacher.model is None:
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    from gpg_vl.models.load import resolve_path
+
+    paths = {"model.name_or_path": resolve_path(str(student_name)), "teacher.model": resolve_path(str(teacher.model))}
+    vocabularies, sizes = {}, {}
+    for key, path in paths.items():
+        try:
+            vocabularies[key] = AutoTokenizer.from_pretrained(path).get_vocab()
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise UserError(f"{key}={path} has no tokenizer or config that loads ({type(error).__name__}); "
+                            "name a model folder or hub id.") from None
+        text = getattr(config, "text_config", None) or config
+        sizes[key] = getattr(text, "vocab_size", None)
+    if vocabularies["teacher.model"] != vocabularies["model.name_or_path"] or \
+            sizes["teacher.model"] != sizes["model.name_or_path"]:
+        raise UserError(f"teacher.model={teacher.model} has another tokenizer or vocabulary than the student "
+                        f"({student_name}); on-policy distillation scores the student's tokens, so pick a teacher "
+                        "of the same tokenizer (the same model family).")
+
+
+def load_teacher(teacher: TeacherSettings, model_cfg, device, *, trainer) -> Teacher | None:
+    """The frozen teacher (None without teacher.model): loaded like the student (`model.*`, its processor
+    settings) from teacher.model in teacher.dtype, without LoRA, every parameter frozen, in eval mode; its
+    scoring path chosen as the student's (prompt once per group where the model allows)."""
+    if teacher.model is None:
+        return None
+    from omegaconf import OmegaConf
+
+    from gpg_vl.train import build
+
+    settings = OmegaConf.merge(model_cfg, {"name_or_path": teacher.model, "freeze_vision": False,
+                                           "lora": {"r": 0},
+                                           **({} if teacher.dtype == "auto" else {"dtype": teacher.dtype})})
+    policy = build.build_policy(settings, device)
+    return frozen_teacher(policy.model, policy.family, teacher, trainer)
+
+
+def frozen_teacher(model: torch.nn.Module, family, teacher: TeacherSettings, trainer) -> Teacher:
+    """`model` frozen as the teacher, with its scoring path."""
+    model.requires_grad_(False)
+    model.eval()
+    path = scoring.choose_scoring_path(family, model, share_prompt=trainer.share_prompt,
+                                       share_vision=trainer.share_vision, packing=trainer.packing)
+    return Teacher(model, path, teacher)
+
+
+def with_teacher(learner, plan: list[list], score_student) -> tuple[list[list], dict[str, float], int]:
+    """The policy-gradient form: each micro-batch of `plan` (every sampled group's sequences) with per-token
+    advantages [n, C] = its group advantage (0 with teacher.only) + teacher.coef * (log teacher - log student),
+    the student scored without gradient (`score_student(plan)`: one [n, C] per micro-batch, collective where the
+    model's forward is); the sequences of a group whose combined advantage is all zero marked `rejected`, so the
+    loss's normalizer leaves them out (AGE). Returns (plan, metrics: teacher_kl, the token mean of log student -
+    log teacher, this process's token count as teacher_tokens, valid groups of this process)."""
+    teacher, settings = learner.teacher, learner.settings
+    device = learner.accelerator.device
+    students = score_student(plan)
+    scored, kl_sum, tokens, groups = [], 0.0, 0, {}
+    for chunks, logps in zip(plan, students, strict=True):
+        scored.append([])
+        for chunk, student in zip(chunks, logps, strict=True):
+            nu = teacher.logps(learner.policy.family, chunk, device, temperature=learner.temperature,
+                               logits_chunk_tokens=settings.logits_chunk_tokens).to(student.device)
+            counted = chunk.counted.to(student.device)
+            advantages = teacher_advantages(chunk.advantages.to(student.device), nu, student, counted,
+                                            coef=teacher.settings.coef, only=teacher.settings.only)  # [n, C]
+            total, count = teacher_kl(nu, student, counted)
+            kl_sum, tokens = kl_sum + total, tokens + count
+            for row, prompt in enumerate(chunk.prompt_index):  # a group's sequences may span micro-batches
+                groups.setdefault((id(chunk.prompts), prompt), []).append((len(scored) - 1, len(scored[-1]), row))
+            scored[-1].append((chunk._replace(advantages=advantages.cpu()), counted.cpu()))
+    rejected = {}
+    for members in groups.values():
+        width = max(scored[p][c][1].shape[1] for p, c, _ in members)
+        adv = torch.stack([_padded(scored[p][c][0].advantages[r], width) for p, c, r in members])
+        mask = torch.stack([_padded(scored[p][c][1][r], width) for p, c, r in members])
+        keep = bool(combined_valid(adv, mask, len(members))[0])
+        for member in members:
+            rejected[member] = not keep
+    marked = []
+    for part, chunks in enumerate(scored):
+        marked.append([])
+        for index, (chunk, _) in enumerate(chunks):
+            flags = torch.tensor([rejected[(part, index, row)] for row in range(len(chunk.prompt_index))])
+            earlier = chunk.rejected
+            marked[-1].append(chunk._replace(rejected=flags if earlier is None else flags | earlier))
+    valid = sum(not rejected[members[0]] for members in groups.values())
+    return marked, {"teacher_kl_sum": kl_sum, "teacher_tokens": float(tokens)}, valid
+
+
+def _padded(row: torch.Tensor, width: int) -> torch.Tensor:
+    """A micro-batch row [c] padded with zeros to `width` (sequences of one group may sit in micro-batches of
+    different widths)."""
+    return torch.nn.functional.pad(row, (0, width - row.shape[0]))
+
+
+def jsd_teacher_valid(plan: list[list]) -> int:
+    """The supervised form: every sampled group carries the teacher's signal (the JSD is zero only where the two
+    distributions agree everywhere), so every group counts as valid."""
+    return len({(id(c.prompts), p) for chunks in plan for c in chunks for p in c.prompt_index})
+
+
+def require_teacher_settings(teacher: TeacherSettings, trainer) -> None:
+    """Contradictions between teacher.* and the trainer, in one sentence, before anything loads."""
+    if teacher.model is None:
+        return
+    if getattr(trainer, "max_staleness", 0) > 0:
+        raise UserError("teacher.model with trainer.max_staleness >= 1 is not supported: the teacher's advantages "
+                        "are computed in the update from the current weights; set trainer.max_staleness=0.")
+
+
