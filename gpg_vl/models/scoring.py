@@ -132,7 +132,7 @@ SHARED_VISION = "gpg_shared_vision"  # model(..., gpg_shared_vision=(prompts, pr
 # ---------------------------------------------------------------------------------------------
 def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
                 completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
-                temperature: float = 1.0, logits_chunk_tokens: int = 0, entropy: bool = False):
+                temperature: float = 1.0, logits_chunk_tokens: int = 0) -> Tensor:
     """Log-probs [N, C] of `completion_ids` [N, C] under `model`; sequence n continues prompt `prompt_index[n]`.
 
     `path` (the run's, from `choose_scoring_path`) says how: packed runs the micro-batch as one padding-free row,
@@ -146,14 +146,31 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     and backward. Suppressed tokens get -inf before the softmax, exactly as in sampling. The fast paths call the
     bare model's parts (the trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs
     whole sequences (images still encoded once per group, inside its forward) and full completion logits are
-    computed. With `entropy`: (log-probs, each position's entropy [N, C] from the same logits, no gradient).
+    computed. `token_logps_and_entropy` gives each position's entropy too, from the same logits.
     """
-    bare = unwrap(model)
-    hidden, logits = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask,
-                                       path=path, observations=observations,
-                                       chunked=logits_chunk_tokens > 0)
+    states = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask, path=path,
+                               observations=observations, chunked=logits_chunk_tokens > 0)
+    return _scores(family, model, states, completion_ids, completion_mask, temperature=temperature,
+                   logits_chunk_tokens=logits_chunk_tokens, entropy=False)
+
+
+def token_logps_and_entropy(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                            completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
+                            temperature: float = 1.0, logits_chunk_tokens: int = 0) -> tuple[Tensor, Tensor]:
+    """`token_logps`, and each position's entropy [N, C] (0 off `completion_mask`, no gradient) of the same sampling
+    distribution, from the logits it computes anyway (chunk by chunk with `logits_chunk_tokens`): no extra forward."""
+    states = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask, path=path,
+                               observations=observations, chunked=logits_chunk_tokens > 0)
+    return _scores(family, model, states, completion_ids, completion_mask, temperature=temperature,
+                   logits_chunk_tokens=logits_chunk_tokens, entropy=True)
+
+
+def _scores(family, model, states: tuple[Tensor | None, Tensor | None], completion_ids: Tensor,
+            completion_mask: Tensor, *, temperature: float, logits_chunk_tokens: int, entropy: bool):
+    """Log-probs [N, C] (with `entropy`, and entropies [N, C]) from `completion_states`' hidden states or logits."""
+    hidden, logits = states
     if hidden is not None:
-        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
+        return _hidden_logps(family, unwrap(model), hidden, completion_ids, completion_mask, temperature=temperature,
                              chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1], entropy=entropy)
     logps = family.logps_from_logits(logits, completion_ids, temperature=temperature)
     if not entropy:

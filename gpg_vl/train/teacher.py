@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from gpg_vl.config.schema import TeacherSettings
-from gpg_vl.distill import combined_valid, teacher_advantages, teacher_kl
+from gpg_vl.distill import combined_valid, generalized_jsd, logits_entropy, teacher_advantages, teacher_kl
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
 from gpg_vl.models.scoring import ScoringPath
+from gpg_vl.objective import loss_alpha
 
 
 @dataclass
@@ -112,16 +113,18 @@ def frozen_teacher(model: torch.nn.Module, family, teacher: TeacherSettings, tra
     return Teacher(model, path, teacher)
 
 
-def with_teacher(learner, plan: list[list], score_student) -> tuple[list[list], dict[str, float], int]:
+def with_teacher(learner, plan: list[list], attempts: list, score_student) -> tuple[list[list], dict[str, float], int]:
     """The policy-gradient form: each micro-batch of `plan` (every sampled group's sequences) with per-token
     advantages [n, C] = its group advantage (0 with teacher.only) + teacher.coef * (log teacher - log student),
     the student scored without gradient (`score_student(plan)`: one [n, C] per micro-batch, collective where the
     model's forward is); the sequences of a group whose combined advantage is all zero marked `rejected`, so the
     loss's normalizer leaves them out (AGE). Returns (plan, metrics: teacher_kl, the token mean of log student -
-    log teacher, this process's token count as teacher_tokens, valid groups of this process)."""
+    log teacher, this process's token count as teacher_tokens, valid groups of this process). Both log-probs are
+    kept on each attempt's rollout (`Rollout.token_logps`) for the rollout log."""
     teacher, settings = learner.teacher, learner.settings
     device = learner.accelerator.device
     students = score_student(plan)
+    rollouts = {id(a.prompts): a.rollout for a in attempts if a.rollout is not None}
     scored, kl_sum, tokens, groups = [], 0.0, 0, {}
     for chunks, logps in zip(plan, students, strict=True):
         scored.append([])
@@ -131,6 +134,7 @@ def with_teacher(learner, plan: list[list], score_student) -> tuple[list[list], 
             counted = chunk.counted.to(student.device)
             advantages = teacher_advantages(chunk.advantages.to(student.device), nu, student, counted,
                                             coef=teacher.settings.coef, only=teacher.settings.only)  # [n, C]
+            keep_token_logps(rollouts[id(chunk.prompts)], chunk, student, nu)
             total, count = teacher_kl(nu, student, counted)
             kl_sum, tokens = kl_sum + total, tokens + count
             for row, prompt in enumerate(chunk.prompt_index):  # a group's sequences may span micro-batches
@@ -155,6 +159,15 @@ def with_teacher(learner, plan: list[list], score_student) -> tuple[list[list], 
     return marked, {"teacher_kl_sum": kl_sum, "teacher_tokens": float(tokens)}, valid
 
 
+def keep_token_logps(rollout, chunk, student: torch.Tensor, teacher: torch.Tensor) -> None:
+    """Write a micro-batch's student and teacher log-probs [n, c] into its rollout's `token_logps` [B * G, C]."""
+    if rollout.token_logps is None:
+        rollout.token_logps = {key: torch.zeros(rollout.completion_ids.shape) for key in ("student", "teacher")}
+    width = student.shape[1]
+    for key, values in (("student", student), ("teacher", teacher)):
+        rollout.token_logps[key][chunk.rows, :width] = values.detach().float().cpu()
+
+
 def _padded(row: torch.Tensor, width: int) -> torch.Tensor:
     """A micro-batch row [c] padded with zeros to `width` (sequences of one group may sit in micro-batches of
     different widths)."""
@@ -176,3 +189,53 @@ def require_teacher_settings(teacher: TeacherSettings, trainer) -> None:
                         "are computed in the update from the current weights; set trainer.max_staleness=0.")
 
 
+
+
+def teach(learner, plan: list[list], attempts: list, score_plan) -> dict:
+    """The teacher's part before the update's optimizer steps: with teacher.loss=reverse_kl the plan's per-token
+    advantages, the groups whose combined advantage is all zero marked rejected (`with_teacher`; the student scored
+    by `score_plan(learner, model, plan, attempts, calls)`, train/update.py's); with jsd the plan as it is (every
+    group carries the JSD). Returns {plan, valid groups and sampled groups over all processes, teacher_kl (the
+    token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}. Collective."""
+    accelerator = learner.accelerator
+    sampled = sum(len(a.valid) for a in attempts)
+    if learner.teacher.settings.loss == "jsd":
+        valid, report = jsd_teacher_valid(plan), {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}
+    else:
+        calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
+        plan, report, valid = with_teacher(learner, plan, attempts, lambda scored: score_plan(
+            learner, learner.model, scored, attempts, calls.max(dim=0).values.tolist()))
+    totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"]],
+                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
+    return {"plan": plan, "valid": int(totals[0]), "groups": int(totals[1]),
+            "teacher_kl": totals[2] / max(totals[3], 1.0)}
+
+
+def taught_metrics(taught: dict | None, settings) -> dict[str, float]:
+    """With a teacher: every sampled group forwarded, the valid ones those whose combined advantage is not all zero
+    (groups_used, AGE's alpha), and teacher_kl; nothing without one."""
+    if taught is None:
+        return {}
+    return {"groups_used": taught["valid"], "teacher_kl": taught["teacher_kl"],
+            "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])}
+
+
+def scored_chunk(learner, chunk, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A micro-batch in the update: (log-probs [n, C] with gradient, entropies [n, C] without, from the same
+    logits: no extra forward; with teacher.loss=jsd, the per-token generalized JSD [n, C] to the teacher on the
+    counted tokens (GKD), else None)."""
+    teacher = learner.teacher
+    if teacher is None or teacher.settings.loss != "jsd":
+        return (*chunk.logps(learner.policy, learner.model, device, temperature=learner.temperature,
+                             path=learner.path, logits_chunk_tokens=learner.settings.logits_chunk_tokens,
+                             entropy=True), None)
+    family = learner.policy.family
+    rows = chunk.counted.to(device).nonzero(as_tuple=True)
+    logits, targets = chunk_logits(family, learner.model, chunk, device, path=learner.path,
+                                   temperature=learner.temperature)  # [T, V'], [T]
+    teacher_logits, _ = teacher.logits(family, chunk, device, temperature=learner.temperature)  # [T, V']
+    zeros = torch.zeros(chunk.completion_ids.shape, dtype=torch.float32, device=device)  # [n, C]
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
+    jsd = generalized_jsd(logits, teacher_logits, beta=teacher.settings.beta)  # [T]
+    return (zeros.index_put(rows, picked), zeros.index_put(rows, logits_entropy(logits.detach())),
+            zeros.index_put(rows, jsd))

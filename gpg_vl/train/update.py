@@ -19,17 +19,16 @@ import torch
 from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
+from gpg_vl.distill import high_entropy_mask
 from gpg_vl.distributed import forward_is_collective, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.models import router, scoring
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import ScoringPath
-from gpg_vl.distill import generalized_jsd, high_entropy_mask
 from gpg_vl.objective import (
     AGGREGATIONS,
     LOSS_NORMALIZERS,
-    loss_alpha,
     TOKEN_NORMALIZED,
     get_policy_loss,
     loss_aggregation,
@@ -47,6 +46,7 @@ from gpg_vl.rollout.corrections import (
 from gpg_vl.rollout.engine import Correction
 from gpg_vl.train.placeholder import placeholder_chunk
 from gpg_vl.train.sample import Attempt
+from gpg_vl.train.teacher import scored_chunk, taught_metrics, teach
 
 
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
@@ -82,7 +82,8 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
                              rollout.completion_ids[chosen, :width], mask[:, :width],
                              attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width],
                              None if loss_mask is None else loss_mask[chosen, :width].bool(),
-                             None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen])
+                             None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen],
+                             rows=chosen)
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
@@ -142,6 +143,7 @@ class MicroBatch(NamedTuple):
     loss_mask: torch.Tensor | None = None
     trajectories: list | None = None  # n Trajectory: their observations' token types and images go in the forward
     rejected: torch.Tensor | None = None  # [n] bool: sequences the off-policy correction rejected (trainer.correction)
+    rows: list[int] | None = None  # each sequence's row in its attempt's rollout (b * G + g)
 
     @property
     def counted(self) -> torch.Tensor:
@@ -163,10 +165,10 @@ class MicroBatch(NamedTuple):
             _, packed = forward_cost(path, [prompt_lengths[p] for p in self.prompt_index], self.prompt_index,
                                      self.completion_mask.sum(dim=1).tolist())
             path = path if packed else replace(path, packed=False)
-        return scoring.token_logps(policy.family, model, self.prompts.to(device), self.prompt_index,
-                                   self.completion_ids.to(device), self.completion_mask.to(device), path=path,
-                                   observations=self.trajectories, temperature=temperature,
-                                   logits_chunk_tokens=logits_chunk_tokens, entropy=entropy)
+        score = scoring.token_logps_and_entropy if entropy else scoring.token_logps
+        return score(policy.family, model, self.prompts.to(device), self.prompt_index, self.completion_ids.to(device),
+                     self.completion_mask.to(device), path=path, observations=self.trajectories,
+                     temperature=temperature, logits_chunk_tokens=logits_chunk_tokens)
 
 
 @dataclass
@@ -287,14 +289,14 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     groups_rejected = None
     if getattr(get_correction(learner.off_policy[0]), "rejects", False):  # the normalizer leaves rejected sequences
         plan, groups_rejected = _reject_sequences(learner, plan, attempts)
-    taught = _teach(learner, plan, attempts) if teacher is not None else None  # AGE on the combined advantage
+    taught = teach(learner, plan, attempts, _score_plan) if teacher is not None else None  # AGE: combined advantage
     if taught is not None:
         plan = taught.pop("plan")
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if int(per_part[..., 0].sum()) == 0:
-        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
+        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0, **taught_metrics(taught, settings)}
     column = 1 if aggregation in TOKEN_NORMALIZED else 0  # the normalizer counts tokens, or sequences
     counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
     needs = loss_needs(loss_fn)
@@ -325,9 +327,7 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     metrics = _combine_results(results)
     if groups_rejected is not None:
         metrics["groups_rejected"] = groups_rejected
-    if taught is not None:  # every sampled group forwarded; valid: those whose combined advantage is not all zero
-        metrics.update({"groups_used": taught["valid"], "teacher_kl": taught["teacher_kl"],
-                        "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])})
+    metrics.update(taught_metrics(taught, settings))
     if kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
         metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
                         "groups_kl_only": kl_only, "alpha": 1.0})
@@ -391,27 +391,6 @@ def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[
         with scope:
             ref = _score_plan(learner, ref_model, plan, attempts, calls)
     return old, ref
-
-
-def _teach(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt]) -> dict:
-    """The teacher's part before the optimizer steps (gpg_vl/train/teacher.py): with teacher.loss=reverse_kl the
-    plan's per-token advantages, the groups whose combined advantage is all zero marked rejected; with jsd the
-    plan as it is (every group carries the JSD). Returns {plan, valid groups and sampled groups over all processes,
-    teacher_kl (the token mean of log student - log teacher; jsd: logged by the loss)}. Collective."""
-    from gpg_vl.train.teacher import jsd_teacher_valid, with_teacher
-
-    accelerator = learner.accelerator
-    sampled = sum(len(a.valid) for a in attempts)
-    if learner.teacher.settings.loss == "jsd":
-        valid, report = jsd_teacher_valid(plan), {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}
-    else:
-        calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
-        plan, report, valid = with_teacher(learner, plan, lambda scored: _score_plan(
-            learner, learner.model, scored, attempts, calls.max(dim=0).values.tolist()))
-    totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"]],
-                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
-    return {"plan": plan, "valid": int(totals[0]), "groups": int(totals[1]),
-            "teacher_kl": totals[2] / max(totals[3], 1.0)}
 
 
 def _combine_results(results: list[dict]) -> dict[str, float]:
@@ -496,31 +475,6 @@ class _Sums:
     jsd: float = 0.0  # teacher.loss=jsd: the JSD term of the loss, summed over micro-batches
     report: dict = field(default_factory=dict)
     correction: CorrectionSums = field(default_factory=CorrectionSums)
-
-
-def _scored(learner: Learner, chunk: MicroBatch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(log-probs [n, C] with gradient, entropies [n, C] without, from the same logits: no extra forward; with
-    teacher.loss=jsd, the per-token generalized JSD [n, C] to the teacher on the counted tokens, else None)."""
-    teacher = learner.teacher
-    if teacher is None or teacher.settings.loss != "jsd":
-        logps, entropy = chunk.logps(learner.policy, learner.model, device, temperature=learner.temperature,
-                                     path=learner.path, logits_chunk_tokens=learner.settings.logits_chunk_tokens,
-                                     entropy=True)
-        return logps, entropy, None
-    from gpg_vl.distill import logits_entropy
-    from gpg_vl.train.teacher import chunk_logits
-
-    family = learner.policy.family
-    counted = chunk.counted.to(device)
-    logits, targets = chunk_logits(family, learner.model, chunk, device, path=learner.path,
-                                   temperature=learner.temperature)  # [T, V'], [T]
-    teacher_logits, _ = teacher.logits(family, chunk, device, temperature=learner.temperature)  # [T, V']
-    zeros = torch.zeros(counted.shape, dtype=torch.float32, device=device)
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
-    jsd = generalized_jsd(logits, teacher_logits, beta=teacher.settings.beta)  # [T]
-    return (zeros.index_put(counted.nonzero(as_tuple=True), picked),
-            zeros.index_put(counted.nonzero(as_tuple=True), logits_entropy(logits.detach())),
-            zeros.index_put(counted.nonzero(as_tuple=True), jsd))
 
 
 def _corrected(name: str, options: dict, chunk: MicroBatch, logps: torch.Tensor, sampler: torch.Tensor,
@@ -644,7 +598,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 mask, adv, sampler = chunk.counted.to(device), chunk.advantages, chunk.sampler_logps
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
-                logps, entropy, distill = _scored(learner, chunk, device)  # [n, C], [n, C] (no grad), [] or None
+                logps, entropy, distill = scored_chunk(learner, chunk, device)  # [n, C], [n, C] (no grad), [] or None
                 if index < real:
                     sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).sum())
                 if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient
