@@ -268,7 +268,9 @@ def update(learner: Learner, attempts: list[Attempt]) -> dict[str, float]:
     when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
     (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
     `learner.correction`: the on-policy check of an engine that samples with its own weights (see
-    `_optimizer_step`).
+    `_optimizer_step`). `learner.teacher` (teacher.model: on-policy distillation, gpg_vl/train/teacher.py) forwards
+    every sampled group too, each token's advantage its group's plus the teacher's term (or the JSD in the loss);
+    a group counts as valid when that combined advantage is not all zero, and the metrics say teacher_kl.
     """
     settings, accelerator = learner.settings, learner.accelerator
     kl_everywhere = kl_on_every_group(settings)
@@ -400,7 +402,7 @@ def _combine_results(results: list[dict]) -> dict[str, float]:
         "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
         "skipped": float(all(r["skipped"] for r in results)),
         **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
-        **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {}),
+        **{k: results[0][k] for k in ("logp_mean", "entropy_mean", "teacher_jsd") if k in results[0]},
         **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max", *CORRECTION_METRICS)
            if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
