@@ -564,10 +564,10 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             normalizers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1)  # [t]
             logps[start:start + chunk] = picked - normalizers[start:start + chunk]
-            if entropy:  # from the chunk's logits already in memory: no extra forward (distill.logits_entropy)
-                probs = torch.exp(logits - normalizers[start:start + chunk, None])  # [t, V]
-                weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(probs)).sum(dim=-1)
-                entropies[start:start + chunk] = normalizers[start:start + chunk] - weighted
+            if entropy:  # from the chunk's logits already in memory, one [t, V] buffer more: no extra forward
+                weighted = torch.exp(logits - normalizers[start:start + chunk, None]).mul_(logits)  # p * z [t, V]
+                # a suppressed id gives 0 * -inf = NaN: it counts 0 (distill.logits_entropy)
+                entropies[start:start + chunk] = normalizers[start:start + chunk] - torch.nansum(weighted, dim=-1)
         ctx.save_for_backward(hidden, weight, targets, normalizers, suppressed)
         ctx.temperature, ctx.chunk, ctx.softcap = temperature, chunk, softcap
         ctx.mark_non_differentiable(entropies)
