@@ -15,7 +15,8 @@ the prompt G times in both phases. Here:
   layer a chunk of tokens at a time, and the backward pass recomputes each chunk's logits, so fp32
   full-vocabulary logits are never held for all tokens at once.
 
-The update scores through one function, `token_logps(family, model, ..., path=...)`, whose `ScoringPath` is
+The update scores through one function, `token_logps(family, model, ..., path=...)` (`token_logps_and_entropy`: the
+same, with each position's entropy from the same logits), whose `ScoringPath` is
 chosen once per run at setup (`choose_scoring_path`: packed, prompt-once, shared vision, or plain) and is required
 afterwards; everything that depends on that choice (the forward, the micro-batch cost) reads the same path.
 Calls go one way: the update calls scoring, and scoring asks the family's small protocol methods (`position_ids`,

@@ -190,18 +190,19 @@ def completion_records(attempt, b: int, texts: list[str], *, policy, task, text_
             "advantage": _number(attempt.advantages[b, g]),
             "tokens": tokens, "end": "eos" if ended else "cut",
             **({"box": answer_box(text)} if task.uses_boxes else {}),
-            **scored_tokens(attempt.rollout, sequence, policy.family.tokenizer, text_chars // TOKEN_CHARS),
+            **scored_tokens(attempt.rollout, sequence, policy.family, text_chars // TOKEN_CHARS),
             **(trajectory_record(trajectories[sequence], policy.family.tokenizer, text_chars=text_chars,
                                  store=store) if trajectories else {}),
         })
     return completions
 
 
-def scored_tokens(rollout, sequence: int, tokenizer, limit: int) -> dict:
+def scored_tokens(rollout, sequence: int, family, limit: int) -> dict:
     """With a teacher (`Rollout.token_logps`): {"scored": {"tokens", "student", "teacher"}}, the first `limit` of
     the completion's counted tokens (their text, and the student's and the teacher's log-probs); else {}."""
-    if rollout.token_logps is None or limit <= 0:
+    if getattr(rollout, "token_logps", None) is None or limit <= 0:
         return {}
+    tokenizer = family.tokenizer
     counted = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask.bool()
     columns = counted[sequence].nonzero().flatten()[:limit].tolist()
     ids = rollout.completion_ids[sequence, columns].tolist()

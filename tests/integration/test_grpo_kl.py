@@ -139,14 +139,15 @@ def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn, m
         assert not kl_on_every_group(settings)
         forwarded = []
         model = copy.deepcopy(policy.model)
-        original = scoring.token_logps
+        for name in ("token_logps", "token_logps_and_entropy"):  # the update's forward logs the entropy too
+            original = getattr(scoring, name)
 
-        def counting(family, scorer, prompts, prompt_index, *args, _original=original, _seen=forwarded, **kwargs):
-            _seen.append(len(prompt_index))
-            return _original(family, scorer, prompts, prompt_index, *args, **kwargs)
+            def counting(family, scorer, prompts, prompt_index, *args, _original=original, _seen=forwarded, **kwargs):
+                _seen.append(len(prompt_index))
+                return _original(family, scorer, prompts, prompt_index, *args, **kwargs)
 
+            monkeypatch.setattr(scoring, name, counting)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        monkeypatch.setattr(scoring, "token_logps", counting)
         path = scoring.choose_scoring_path(policy.family, model, share_prompt=settings.share_prompt,
                                            share_vision=settings.share_vision)
         result = update(Learner(dataclasses.replace(policy, model=model), model, optimizer,
