@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.scoring import token_logps
+from helpers.scoring import on_every_scoring, token_logps
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.models import scoring
@@ -139,14 +139,8 @@ def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn, m
         assert not kl_on_every_group(settings)
         forwarded = []
         model = copy.deepcopy(policy.model)
-        for name in ("token_logps", "token_logps_and_entropy"):  # the update's forward logs the entropy too
-            original = getattr(scoring, name)
-
-            def counting(family, scorer, prompts, prompt_index, *args, _original=original, _seen=forwarded, **kwargs):
-                _seen.append(len(prompt_index))
-                return _original(family, scorer, prompts, prompt_index, *args, **kwargs)
-
-            monkeypatch.setattr(scoring, name, counting)
+        on_every_scoring(monkeypatch, lambda family, scorer, prompts, prompt_index, *a, _seen=forwarded, **k:
+                         _seen.append(len(prompt_index)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         path = scoring.choose_scoring_path(policy.family, model, share_prompt=settings.share_prompt,
                                            share_vision=settings.share_vision)
