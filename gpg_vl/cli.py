@@ -27,7 +27,7 @@ def __getattr__(name: str):
 
 
 def train_main(cfg: DictConfig) -> dict:
-    """Train from a composed config: build the run once (gpg_vl/train/loop.py's `setup`), train it, and end
+    """Train from a composed config: build the run once (gpg_vl/train/setup.py's `setup`), train it, and end
     the process group; a UserError reaches scripts/train.py, which prints its sentence. Ctrl-C ends the run
     with `Interrupted` (the output folder released): one line naming the step and how to continue."""
     from gpg_vl.train.loop import setup, train

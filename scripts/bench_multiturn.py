@@ -21,8 +21,8 @@ from PIL import Image
 from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import tiny_model_path
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.multiturn import generate_trajectories, incremental_unsupported
-from gpg_vl.rollout.trajectory import MultiTurnSettings
+from gpg_vl.rollout.multiturn.decoding import generate_trajectories, incremental_unsupported
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 
 
 def main() -> None:

@@ -50,9 +50,9 @@ from gpg_vl.models import scoring
 from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import build_tiny
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.multiturn import generate_trajectories
-from gpg_vl.rollout.tools import ToolContext, answer_call
-from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory, pad_trajectories
+from gpg_vl.rollout.multiturn.decoding import generate_trajectories
+from gpg_vl.rollout.multiturn.tools import ToolContext, answer_call
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings, Trajectory, pad_trajectories
 from gpg_vl.rollout.types import in_task_frame
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"

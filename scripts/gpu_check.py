@@ -186,7 +186,7 @@ def run_engine(policy, engine_name: str, args) -> dict:
         result = update(learner, collected.attempts)
         torch.cuda.synchronize()
         synced = time.perf_counter()
-        engine.sync(model)
+        engine.sync(model, step + 1)
         torch.cuda.synchronize()
         done = time.perf_counter()
         attempt = collected.attempts[0]
@@ -243,7 +243,7 @@ def packing_check(policy, args) -> dict:
     from transformers import get_scheduler
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench import drawn_lengths
+    from benches.packing import drawn_lengths
 
     from gpg_vl.config.schema import RolloutSettings, TrainerSettings
     from gpg_vl.data.stream import PromptStream

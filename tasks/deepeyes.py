@@ -31,7 +31,7 @@ from gpg_vl.data.task import checked_text, register_task, row_name
 from gpg_vl.errors import BadRow, SkippedRow, UserError
 from gpg_vl.reward.primitives import choice_letter, normalize_text
 from gpg_vl.reward.tooluse import MAX_ANSWER_CHARS, deepeyes_answer, lettered_options
-from gpg_vl.rollout.tools import ZOOM_PARAMETERS, register_tool, zoom_in
+from gpg_vl.rollout.multiturn.tools import ZOOM_PARAMETERS, register_tool, zoom_in
 
 from .vstar import ToolTask
 

@@ -158,7 +158,7 @@ def _plugin_schemas(base: DictConfig, overrides: list[str]):
     task = _chosen(base, overrides, "task.name")
     if wanted and task:
         from gpg_vl.data.task import TASKS
-        from gpg_vl.rollout.tools import TOOLS
+        from gpg_vl.rollout.multiturn.tools import TOOLS
 
         for name in getattr(TASKS.get(task), "tools", ()):
             tool = TOOLS.get(name)

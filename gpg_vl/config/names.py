@@ -26,8 +26,8 @@ TRACKERS = ("all", "aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow
 # registries in gpg_vl/rollout/engine.py and gpg_vl/models/family.py take these tables).
 ENGINE_BUILTINS = {
     "hf": "gpg_vl.rollout.hf:HFEngine",
-    "vllm": "gpg_vl.rollout.vllm:VLLMEngine",
-    "vllm_server": "gpg_vl.rollout.vllm_server:VLLMServerEngine",
+    "vllm": "gpg_vl.rollout.vllm.colocated:VLLMEngine",
+    "vllm_server": "gpg_vl.rollout.vllm.server:VLLMServerEngine",
 }
 # Where each built-in engine's and tool's settings are declared (the engine's `settings`, the tool's): light
 # modules, so the config types and checks rollout.<engine>.* and rollout.tools.<tool>.* before torch loads.
@@ -36,8 +36,8 @@ ENGINE_SETTINGS = {
     "vllm": "gpg_vl.rollout.settings:VLLMEngineSettings",
     "vllm_server": "gpg_vl.rollout.settings:VLLMServerSettings",
 }
-# The built-in tools a task may offer (gpg_vl/rollout/tools.py's TOOLS), and their settings.
-TOOL_BUILTINS = {"zoom_in": "gpg_vl.rollout.tools:zoom_in"}
+# The built-in tools a task may offer (gpg_vl/rollout/multiturn/tools.py's TOOLS), and their settings.
+TOOL_BUILTINS = {"zoom_in": "gpg_vl.rollout.multiturn.tools:zoom_in"}
 TOOL_SETTINGS = {"zoom_in": "gpg_vl.rollout.settings:ZoomInSettings"}
 FAMILY_BUILTINS = {
     "generic": "gpg_vl.models.generic:GenericFamily",
@@ -54,20 +54,19 @@ TASK_BUILTINS = {
     "shapes": "gpg_vl_tasks.shapes:Shapes", "videor1": "gpg_vl_tasks.videor1:VideoR1",
     "vsibench": "gpg_vl_tasks.vsibench:VSIBench", "vstar": "gpg_vl_tasks.vstar:VStar", "zoom": "gpg_vl_tasks.zoom:Zoom",
 }
-ADVANTAGE_BUILTINS = {"group_mean": "gpg_vl.objective:group_mean_advantages",
-                      "none": "gpg_vl.objective:raw_reward_advantages",
-                      "std_normalized": "gpg_vl.objective:std_normalized_advantages"}
-LOSS_BUILTINS = {"bnpo": "gpg_vl.objective:bnpo_loss", "cispo": "gpg_vl.objective:cispo_loss",
-                 "dapo": "gpg_vl.objective:dapo_loss", "gmpo": "gpg_vl.objective:gmpo_loss",
-                 "gspo": "gpg_vl.objective:gspo_loss", "luspo": "gpg_vl.objective:luspo_loss",
-                 "sapo": "gpg_vl.objective:sapo_loss", "vespo": "gpg_vl.objective:vespo_loss",
-                 "dr_grpo": "gpg_vl.objective:dr_grpo_loss", "gpg": "gpg_vl.objective:policy_loss",
-                 "grpo": "gpg_vl.objective:grpo_loss"}
-# The built-in off-policy corrections (trainer.correction): gpg_vl/rollout/corrections.py's CORRECTIONS.
-CORRECTION_BUILTINS = {"geo_reject": "gpg_vl.rollout.corrections:geo_reject",
-                       "none": "gpg_vl.rollout.corrections:no_correction",
-                       "sequence_tis": "gpg_vl.rollout.corrections:sequence_tis",
-                       "token_tis": "gpg_vl.rollout.corrections:token_tis", "topr": "gpg_vl.rollout.corrections:topr"}
+ADVANTAGE_BUILTINS = {"group_mean": "gpg_vl.objective.advantages:group_mean_advantages",
+                      "none": "gpg_vl.objective.advantages:raw_reward_advantages",
+                      "std_normalized": "gpg_vl.objective.advantages:std_normalized_advantages"}
+_LOSSES, _RECENT = "gpg_vl.objective.losses", "gpg_vl.objective.recent_losses"
+LOSS_BUILTINS = {"bnpo": f"{_RECENT}:bnpo_loss", "cispo": f"{_RECENT}:cispo_loss", "dapo": f"{_LOSSES}:dapo_loss",
+                 "gmpo": f"{_RECENT}:gmpo_loss", "gspo": f"{_RECENT}:gspo_loss", "luspo": f"{_RECENT}:luspo_loss",
+                 "sapo": f"{_RECENT}:sapo_loss", "vespo": f"{_RECENT}:vespo_loss", "dr_grpo": f"{_LOSSES}:dr_grpo_loss",
+                 "gpg": f"{_LOSSES}:policy_loss", "grpo": f"{_LOSSES}:grpo_loss"}
+# The built-in off-policy corrections (trainer.correction): gpg_vl/objective/corrections.py's CORRECTIONS.
+_CORRECTIONS = "gpg_vl.objective.corrections"
+CORRECTION_BUILTINS = {"geo_reject": f"{_CORRECTIONS}:geo_reject", "none": f"{_CORRECTIONS}:no_correction",
+                       "sequence_tis": f"{_CORRECTIONS}:sequence_tis", "token_tis": f"{_CORRECTIONS}:token_tis",
+                       "topr": f"{_CORRECTIONS}:topr"}
 # The built-in tool-use reward sets (task.options.rewards of the thinking-with-images tasks).
 TOOL_REWARD_BUILTINS = {"accuracy": "gpg_vl.reward.tooluse:accuracy_rewards",
                         "deepeyes": "gpg_vl.reward.tooluse:deepeyes_rewards"}
@@ -84,23 +83,23 @@ JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatib
 REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", tuple(ADVANTAGE_BUILTINS)),
     "losses": ("gpg_vl.objective", "POLICY_LOSSES", tuple(LOSS_BUILTINS)),
-    "corrections": ("gpg_vl.rollout.corrections", "CORRECTIONS", tuple(CORRECTION_BUILTINS)),
+    "corrections": ("gpg_vl.objective.corrections", "CORRECTIONS", tuple(CORRECTION_BUILTINS)),
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),
     "tasks": ("gpg_vl.data.task", "TASKS", tuple(TASK_BUILTINS)),
-    "tools": ("gpg_vl.rollout.tools", "TOOLS", tuple(TOOL_BUILTINS)),
+    "tools": ("gpg_vl.rollout.multiturn.tools", "TOOLS", tuple(TOOL_BUILTINS)),
     "tool_rewards": ("gpg_vl.reward.tooluse", "TOOL_REWARDS", tuple(TOOL_REWARD_BUILTINS)),
 }
-# what each built-in loss declares (gpg_vl/objective.py's `register_policy_loss`): (needs, fixed aggregation)
+# what each built-in loss declares (gpg_vl/objective/registry.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),
           "dapo": (("old",), "token_mean"), "cispo": (("old",), "token_mean"), "bnpo": (("old",), "token_mean"),
           "gspo": (("old",), "seq_mean_token_mean"), "luspo": (("old",), "seq_token_sum"),
           "sapo": (("old",), "seq_mean_token_mean"), "vespo": (("old",), "token_mean"),
           "gmpo": (("old",), "seq_mean_token_mean")}
-# gpg_vl/objective.py's AGGREGATIONS
+# gpg_vl/objective/aggregation.py's AGGREGATIONS
 AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_token_sum", "token_mean")
-BASELINES = ("group_mean", "none")  # gpg_vl/objective.py's BASELINES (the deprecated trainer.baseline)
+BASELINES = ("group_mean", "none")  # gpg_vl/objective/advantages.py's BASELINES (the deprecated trainer.baseline)
 DECODERS = ("loop", "generate")  # gpg_vl/rollout/hf.py
 BOX_FRAMES = ("relative-1000", "resized-pixels", "relative-1", "none")  # gpg_vl/models/family.py
 SEGMENTERS = ("box", "sam", "sam2")  # gpg_vl/reward/segment.py

@@ -29,11 +29,11 @@ from gpg_vl.registry import load_reference
 CHOICE_SOURCES = {
     "schedules": "a transformers scheduler name (`transformers.SchedulerType`)",
     "trackers": "none, or an accelerate tracker (`accelerate.utils.LoggerType`)",
-    "advantages": "a registered advantage estimator (`gpg_vl/objective.py`)",
+    "advantages": "a registered advantage estimator (`gpg_vl/objective/advantages.py`)",
     "baselines": "group_mean or none",
-    "losses": "a registered policy loss (`gpg_vl/objective.py`)",
-    "corrections": "a registered off-policy correction (`gpg_vl/rollout/corrections.py`)",
-    "aggregations": "a loss aggregation (`gpg_vl/objective.py`)",
+    "losses": "a registered policy loss (`gpg_vl/objective/`)",
+    "corrections": "a registered off-policy correction (`gpg_vl/objective/corrections.py`)",
+    "aggregations": "a loss aggregation (`gpg_vl/objective/aggregation.py`)",
     "engines": "a registered rollout engine (`gpg_vl/rollout/engine.py`)",
     "decoders": "loop or generate (`gpg_vl/rollout/hf.py`)",
     "families": "auto, or a registered model family (`gpg_vl/models/family.py`)",
@@ -45,7 +45,7 @@ CHOICE_SOURCES = {
 
 def loss_declaration(name: str) -> tuple[tuple[str, ...], str | None]:
     """(needs, fixed aggregation) of the loss `trainer.loss` names: a built-in's from names.LOSSES while
-    gpg_vl/objective.py is not imported, else (and for `module:fn` / `path.py:fn`) the loss's own."""
+    gpg_vl.objective is not imported, else (and for `module:fn` / `path.py:fn`) the loss's own."""
     from gpg_vl.config import names
 
     if name in names.LOSSES and not names.imported("losses"):
@@ -176,7 +176,7 @@ class TrainerSettings:
 
         # an unknown variant, or a contradiction between keys, fails before any work; a built-in name is read
         # from gpg_vl/config/names.py (no torch), a plugin (`module:fn`, or a registry already imported) from its
-        # registry, and the deprecated keys through gpg_vl/objective.py (their one warning)
+        # registry, and the deprecated keys through gpg_vl/objective/advantages.py (their one warning)
         if self.baseline is not None or self.std_normalize is not None:
             from gpg_vl.objective import advantage_from_deprecated
 
@@ -201,7 +201,7 @@ class TrainerSettings:
                             f"{self.group_size}; mini-batches hold whole groups.")
         if self.correction_options or self.correction not in names.REGISTRIES["corrections"][2] or \
                 names.imported("corrections"):  # a name or option that is not built in: the registry answers
-            from gpg_vl.rollout.corrections import correction_options
+            from gpg_vl.objective.corrections import correction_options
 
             correction_options(self.correction, self.correction_options)
         if (self.ppo_epochs > 1 or self.ppo_mini_batch) and "old" not in needs:

@@ -73,7 +73,7 @@ class Task:
     eval_split: ClassVar[str] = "test"
     uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model family maps them to original pixels
     group_columns: ClassVar[tuple[str, ...]] = ()  # row columns whose values evaluation breaks accuracy down by
-    # the tools the model may call (registered names, gpg_vl/rollout/tools.py), with rollout.max_turns > 1
+    # the tools the model may call (registered names, gpg_vl/rollout/multiturn/tools.py), with rollout.max_turns > 1
     tools: ClassVar[tuple[str, ...]] = ()
     # whether the prompt lists those tools as the model's chat template does (False: the task's own prompt does)
     describe_tools: ClassVar[bool] = True
@@ -163,7 +163,7 @@ class Task:
         """Each reward function's raw score for one completion of `row` (the dataset's published row, or the
         row the loader prepared: see `scoring_row`). A reward function is called `fn(completion, row)`; one that
         takes a `trajectory` keyword also gets the multi-turn `Trajectory` of the completion (its segments, tool
-        calls and observations: gpg_vl/rollout/trajectory.py), None for a single turn or a re-scored file.
+        calls and observations: gpg_vl/rollout/multiturn/trajectory.py), None for a single turn or a re-scored file.
 
         A reward function that raises gives this completion 0 for that reward: the error is counted in
         `reward_errors[name]` (the task's running record) and its first traceback is printed once; the trainer

@@ -94,7 +94,7 @@ def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, s
     Packing (`packing` auto or on: models/packing.py) needs the bare model's parts, no gradient checkpointing
     (its recomputation would run outside the packed attention) and a family whose layers are all full
     attention (`Family.packing_unsupported`); `on` fails in one sentence where it cannot pack, `auto` steps aside,
-    and packs only the micro-batches with padding to remove (`AUTO_MIN_PADDING`: train/update.py's `forward_cost`).
+    and packs only the micro-batches with padding to remove (`AUTO_MIN_PADDING`: train/micro_batch.py's `forward_cost`).
     """
     wrapped = distributed.forward_is_collective(model)
     bare = unwrap(model)
@@ -141,7 +141,7 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     gradient, its G sequences' completions on its forked cache (`prompt_once_hidden`); otherwise every sequence
     runs prompt + completion, and with shared vision each distinct prompt's images go through the vision tower
     once (with gradient), the G sequences reusing those features. `observations[n]` (multi-turn trajectories,
-    rollout/trajectory.py) puts trajectory n's observations (token types and images) in its forward on every
+    rollout/multiturn/trajectory.py) puts trajectory n's observations (token types and images) in its forward on every
     path; `completion_mask` then covers every token of a trajectory (the loss mask is the caller's). Logits are
     computed for completion positions only; with `logits_chunk_tokens` > 0 that many tokens at a time, forward
     and backward. Suppressed tokens get -inf before the softmax, exactly as in sampling. The fast paths call the
@@ -382,7 +382,7 @@ def reserve(cache, *, capacity: int):
 def with_observations(prompts: PromptBatch, prompt_index: list[int], sequences: dict[str, Tensor],
                       completion_ids: Tensor, completion_mask: Tensor, observations: list) -> dict[str, Tensor]:
     """Full inputs [N, P + C]: `sequences` (the selected prompts [N, P]) followed by completions that hold
-    observations. `observations[n]` is trajectory n (rollout/trajectory.py: `observations`, the [start, end)
+    observations. `observations[n]` is trajectory n (rollout/multiturn/trajectory.py: `observations`, the [start, end)
     of each observation in the completion, and `observation_inputs`, its processor outputs). Per-token keys
     (token types) take each observation's values; image keys list, per sequence in order, its prompt's
     images and then its observations' (the order in which the model meets their placeholders)."""

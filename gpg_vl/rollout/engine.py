@@ -10,7 +10,7 @@ Engines register by name (`register_engine`) and `rollout.engine` picks one (or 
 `module:Name`, `path.py:Name`); the built-ins are imported on first use:
 
 - `hf` (rollout/hf.py): the trained model itself, through gpg-vl's decode loop or transformers' `generate`;
-- `vllm` (rollout/vllm.py): a colocated vLLM engine in every training process (CUDA only).
+- `vllm` (rollout/vllm/colocated.py): a colocated vLLM engine in every training process (CUDA only).
 
 An engine owns its settings: its `settings_class` (a dataclass of `meta` fields, gpg_vl/config/keys.py) is the
 section `rollout.<name>.*`, typed, checked and documented from that declaration; `settings_in(rollout)` reads
@@ -31,7 +31,7 @@ from gpg_vl.config.names import ENGINE_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.registry import Registry
-from gpg_vl.rollout.trajectory import MultiTurnSettings
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout
 
 
@@ -80,7 +80,7 @@ def thread_generator(generator):
 
 @dataclass(frozen=True)
 class Correction:
-    """What the update does with the sampler's own log-probs (gpg_vl/rollout/correction.py): `sampler_check`
+    """What the update does with the sampler's own log-probs (gpg_vl/objective/corrections.py): `sampler_check`
     compares them with the trainer's (`logp_mismatch_mean` / `_max`), and with `tis_cap` > 0 each token's loss
     is weighted by its truncated importance weight. An engine that samples with the trained model (HF): neither."""
 
@@ -136,8 +136,9 @@ class Engine:
         """A warning when a step's `logp_mismatch_mean` says the rollout was off-policy (None: nothing to say)."""
         return None
 
-    def sync(self, model) -> None:
-        """Take the trained model's weights (after each optimizer step)."""
+    def sync(self, model, version: int) -> None:
+        """Take the trained model's weights, those after step `version` (the number the pipeline owns, the run's
+        step, so that a resumed run labels its weights as the uninterrupted one did: gpg_vl/train/pipeline.py)."""
 
     def sleep(self) -> None:
         """Free the engine's memory while the update runs."""
@@ -155,7 +156,7 @@ class Engine:
         its tools in its own prompt), else None."""
         if not (self.multiturn.multi_turn and self.tools and getattr(task, "describe_tools", True)):
             return None
-        from gpg_vl.rollout.tools import TOOLS, tool_schema
+        from gpg_vl.rollout.multiturn.tools import TOOLS, tool_schema
 
         return [tool_schema(TOOLS.get(name)) for name in self.tools]
 
@@ -235,7 +236,7 @@ def build_engine(rollout, policy, *, accelerator=None, tools: tuple[str, ...] = 
 
 def require_tools(rollout, engine_class: type[Engine], tools: tuple[str, ...]) -> None:
     """rollout.max_turns > 1 needs an engine that rolls out trajectories and a task offering registered tools."""
-    from gpg_vl.rollout.tools import TOOLS
+    from gpg_vl.rollout.multiturn.tools import TOOLS
 
     if not engine_class.multi_turn:
         raise UserError(f"rollout.engine={rollout.engine} cannot roll out trajectories with tools "

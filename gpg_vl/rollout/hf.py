@@ -29,9 +29,9 @@ from gpg_vl.models import scoring
 from gpg_vl.models.batch import PromptBatch, eval_mode, extend_per_token, unwrap
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.sampling import next_tokens, process_logits  # noqa: F401  (process_logits re-exported)
 from gpg_vl.rollout.settings import HFEngineSettings
-from gpg_vl.rollout.trajectory import MultiTurnSettings
 from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
 
 DECODERS = ("loop", "generate")
@@ -52,7 +52,7 @@ class HFEngine(Engine):
     def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
         settings = replace(settings, hf_multiturn=self.settings.multiturn)  # rollout.hf.multiturn
         if settings.multi_turn:
-            from gpg_vl.rollout.multiturn import require_multi_turn
+            from gpg_vl.rollout.multiturn.decoding import require_multi_turn
 
             require_multi_turn(self.policy.family, self.policy.model, settings)
         super().take_tools(settings, tools)
@@ -66,7 +66,7 @@ class HFEngine(Engine):
 
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         if self.multiturn.multi_turn:
-            from gpg_vl.rollout.multiturn import generate_trajectories
+            from gpg_vl.rollout.multiturn.decoding import generate_trajectories
 
             return generate_trajectories(self.policy, prompts, group_size=group_size, sampling=sampling,
                                          settings=self.multiturn, tools=self.tools)

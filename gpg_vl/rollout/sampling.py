@@ -1,5 +1,5 @@
 """Drawing the next token from last-position logits, exactly as transformers' `generate` processes them: shared
-by the HF engine's single-turn decode loop (rollout/hf.py) and its multi-turn decoding (rollout/multiturn.py).
+by the HF engine's single-turn decode loop (rollout/hf.py) and its multi-turn decoding (rollout/multiturn/decoding.py).
 
 Draws come from torch's global generator, unless the calling thread set its own (rollout/engine.py's
 `thread_generator`)."""

@@ -1,7 +1,7 @@
 """The settings of the built-in rollout engines and tools, each declared once: `rollout.hf.*` (the HF engine,
-rollout/hf.py), `rollout.vllm.*` (the vLLM engine, rollout/vllm.py), `rollout.vllm_server.*` (the vLLM server
-engine, rollout/vllm_server.py) and `rollout.tools.zoom_in.*` (the zoom_in
-tool, rollout/tools.py).
+rollout/hf.py), `rollout.vllm.*` (the vLLM engine, rollout/vllm/colocated.py), `rollout.vllm_server.*` (the vLLM server
+engine, rollout/vllm/server.py) and `rollout.tools.zoom_in.*` (the zoom_in
+tool, rollout/multiturn/tools.py).
 
 An engine or a tool owns its settings: it names its dataclass (`Engine.settings`, `register_tool(...,
 settings=)`), and the config takes the section from there: it is typed, range-checked and listed in
@@ -39,7 +39,8 @@ class HFEngineSettings:
 
 @dataclass
 class VLLMEngineSettings:
-    """`rollout.vllm.*`: the vLLM engine (gpg_vl/rollout/vllm.py), colocated: one engine in every training process."""
+    """`rollout.vllm.*`: the vLLM engine (gpg_vl/rollout/vllm/colocated.py), colocated: one engine in every training
+    process."""
 
     gpu_memory_utilization: float = field(default=0.4, metadata=meta(
         "the share of GPU memory vLLM takes for weights and its KV cache", low=0.01, high=1))
@@ -68,7 +69,7 @@ class VLLMEngineSettings:
 
 @dataclass
 class VLLMServerSettings:
-    """`rollout.vllm_server.*`: the vLLM server engine (gpg_vl/rollout/vllm_server.py): stock `vllm serve` endpoints
+    """`rollout.vllm_server.*`: the vLLM server engine (gpg_vl/rollout/vllm/server.py): stock `vllm serve` endpoints
     on other GPUs or nodes, weights pushed through vLLM's weight-transfer API (docs/many-nodes.md)."""
 
     urls: str = field(default="http://localhost:8000", metadata=meta(
@@ -102,7 +103,7 @@ class VLLMServerSettings:
 
 @dataclass
 class ZoomInSettings:
-    """`rollout.tools.zoom_in.*`: DeepEyes' crop tool (gpg_vl/rollout/tools.py)."""
+    """`rollout.tools.zoom_in.*`: DeepEyes' crop tool (gpg_vl/rollout/multiturn/tools.py)."""
 
     min_side: int = field(default=30, metadata=meta(
         "zoom_in refuses a box whose short side, in original pixels, is at most this (DeepEyes: 30)", low=0))

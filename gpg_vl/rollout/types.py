@@ -26,7 +26,7 @@ class Rollout:
     # multi-turn (rollout.max_turns > 1): [B * G, C] float, 1 on generated tokens only (observations 0, and a
     # whole trajectory 0 when a limit cut it under on_limit=mask); None: completion_mask is the loss mask
     loss_mask: Tensor | None = None
-    trajectories: list | None = None  # B * G Trajectory (rollout/trajectory.py), or None for single turns
+    trajectories: list | None = None  # B * G Trajectory (rollout/multiturn/trajectory.py), or None for single turns
     # an engine with its own weights (vLLM server): per row, the oldest weight version (sync number) that sampled
     # any of its tokens; None: the trained model's own weights
     weight_versions: list[int] | None = None

@@ -1,6 +1,6 @@
 """The objects a config names, built from its sections: the task (`task.*`, `data.*`), the judge it may ask
 (`reward.judge.*`) and the policy of a model alias with its memory options (`model.*`). `setup`
-(gpg_vl/train/loop.py) and evaluation (gpg_vl/cli.py) call them; tests replace them through this module
+(gpg_vl/train/setup.py) and evaluation (gpg_vl/cli.py) call them; tests replace them through this module
 (`gpg_vl.train.build.build_policy`)."""
 
 from __future__ import annotations

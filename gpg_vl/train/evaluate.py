@@ -32,7 +32,7 @@ from gpg_vl.models.load import Policy
 from gpg_vl.reward.pool import RewardBudget, score_within
 from gpg_vl.reward.primitives import extract_answer
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
-from gpg_vl.rollout.trajectory import trajectory_metrics
+from gpg_vl.rollout.multiturn.trajectory import trajectory_metrics
 from gpg_vl.rollout.types import in_task_frame
 from gpg_vl.train.at_k import at_k_metrics
 from gpg_vl.train.placeholder import placeholder_prompts

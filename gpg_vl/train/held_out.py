@@ -1,7 +1,7 @@
 """The run's held-out evaluation: the rows (read and checked once, only when something evaluates), and the
 evaluations before training (`trainer.eval_before`), every N steps (`trainer.eval_every`) and after
 (`trainer.eval_after`), each of the learner's current weights (docs/evaluation.md). `run` is
-gpg_vl/train/loop.py's Run."""
+gpg_vl/train/run.py's Run."""
 
 from __future__ import annotations
 

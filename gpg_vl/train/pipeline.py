@@ -22,6 +22,12 @@ generator and counters) and the weights steps s + 1 .. s + k sample with (after 
 the checkpoint's own weights are s's). A resumed run samples those steps again from the same state with the same
 weights: the same batches as the uninterrupted run. The learner keeps the k + 1 newest versions for this.
 
+The pipeline owns staleness and the weight-version number: trainer.max_staleness is read here alone (`k`, and the
+checks of `require_pipeline`), and an engine with its own weights (vLLM) is synced by the pipeline with the
+number of the step its weights are the weights after (`Engine.sync(model, version)`): after each update at k = 0,
+by the schedule at k >= 1, and at the start of a resumed run, so a resumed run numbers its versions, and seeds its
+requests, as the uninterrupted run did.
+
 On CPU the two sides share the cores: each gets half of torch's intra-op threads (at least one), set in both threads.
 
 Under DDP every process runs a sampler for its share of the prompts, and AGE's counts stay global: the sampler's
@@ -40,6 +46,7 @@ import copy
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -48,6 +55,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.models.weights import whole_tensor
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import ENGINES, build_engine, thread_generator
+from gpg_vl.train.checkpoint import load_in_flight
 from gpg_vl.train.sample import (
     Collected,
     attempts_allowed,
@@ -116,6 +124,8 @@ class SyncPipeline:
     """trainer.max_staleness = 0: each step is sampled in the learner's thread, with the learner's weights and
     engine, when the learner asks for it (the synchronous run, bit for bit)."""
 
+    k = 0  # the most steps a rollout is behind the learner
+
     def __init__(self, run) -> None:
         self.run = run
 
@@ -124,7 +134,10 @@ class SyncPipeline:
         return sample_step(run, step, run.learner.policy, run.engine, run.state.counters, step - 1)
 
     def learned(self, step: int) -> None:
-        """The learner finished step `step`'s update."""
+        """The learner finished step `step`'s update: an engine with its own weights takes them, as version `step`
+        (also when the step changed no weight: the number stays the step's)."""
+        if _has_own_weights(self.run.engine):
+            self.run.engine.sync(self.run.learner.model, step)
 
     def released(self, step: int) -> None:
         """Step `step` is logged and saved: its weights may be sampled with."""
@@ -252,7 +265,7 @@ class AsyncPipeline:
         self.thread.join()
         torch.set_num_threads(self.restore_threads)
         if self.own_weights:  # evaluation after training samples with the learner's weights
-            self.engine.sync(self.run.learner.model)
+            self.engine.sync(self.run.learner.model, self.run.state.step)
 
     # ---- the sampler's side ----------------------------------------------------------------
     def _sample_steps(self) -> None:
@@ -300,7 +313,7 @@ class AsyncPipeline:
             for name, value in weights.items():
                 parameters[name].copy_(value)
         if self.own_weights:
-            self.engine.sync(self.policy.model)
+            self.engine.sync(self.policy.model, version)
         self.loaded = version
 
 
@@ -327,11 +340,29 @@ def _has_own_weights(engine) -> bool:
     return bool(getattr(engine, "own_weights", False))
 
 
-def start_pipeline(run, resumed: dict | None = None):
-    """The run's pipeline: synchronous at trainer.max_staleness = 0, else the sampler thread."""
+def start_pipeline(run):
+    """The run's pipeline: synchronous at trainer.max_staleness = 0, else the sampler thread (with the steps in
+    flight a resumed checkpoint holds). A resumed run's engine with its own weights (built with version 0) takes
+    the resumed weights as the version of the step they are after."""
+    if _has_own_weights(run.engine) and run.state.start_step:
+        run.engine.sync(run.learner.model, run.state.start_step)
     if run.trainer.max_staleness == 0:
         return SyncPipeline(run)
-    return AsyncPipeline(run, resumed=resumed)
+    return AsyncPipeline(run, resumed=in_flight(run))
+
+
+def in_flight(run) -> dict | None:
+    """The steps a resumed checkpoint holds in flight (trainer.max_staleness >= 1), checked against this run's k."""
+    if run.settings.resume_from is None or run.trainer.max_staleness == 0:
+        return None
+    state = load_in_flight(Path(run.settings.resume_from))
+    if state is None:
+        run.warn(f"{run.settings.resume_from} holds no steps in flight (saved with trainer.max_staleness=0): the "
+                 "steps up to the next k sample with its weights, so the run differs from an uninterrupted one.")
+    elif state["max_staleness"] != run.trainer.max_staleness:
+        raise UserError(f"{run.settings.resume_from} was saved with trainer.max_staleness={state['max_staleness']}, "
+                        f"and this run has {run.trainer.max_staleness}; resume with the same value.")
+    return state
 
 
 def require_pipeline(trainer, rollout, accelerator) -> None:

@@ -133,7 +133,8 @@ def run_update(out: Path, engine: str, dtype: str, cases: list[str] | None = Non
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.models.load import Policy, load_policy
     from gpg_vl.models.scoring import choose_scoring_path
-    from gpg_vl.train.update import Learner, build_reference, place_reference, update
+    from gpg_vl.train.reference import build_reference, place_reference
+    from gpg_vl.train.update import Learner, update
 
     accelerator = make_accelerator(engine)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -192,7 +193,7 @@ def run_train(out: Path, engine: str, overrides: list[str], *, resume: bool = Tr
     from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
     from gpg_vl.train.build import build_policy, build_task
     from gpg_vl.train.loop import RunSettings, setup_policy, train
-    from gpg_vl.train.update import needs_reference
+    from gpg_vl.train.reference import needs_reference
 
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type), "saves": {}}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gpg_vl.config.keys import meta
 from gpg_vl.rollout.hf import HFEngine
-from gpg_vl.rollout.multiturn import generate_trajectories
+from gpg_vl.rollout.multiturn.decoding import generate_trajectories
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from gpg_vl_tasks.shapes import Shapes
 
 from gpg_vl.config.keys import meta
-from gpg_vl.rollout.tools import register_tool
+from gpg_vl.rollout.multiturn.tools import register_tool
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 from gpg_vl_tasks.shapes import Shapes
 
 from gpg_vl.rollout.hf import HFEngine
-from gpg_vl.rollout.multiturn import generate_trajectories
+from gpg_vl.rollout.multiturn.decoding import generate_trajectories
 
 
 class ShapesWithZoom(Shapes):

@@ -211,3 +211,20 @@ def test_the_readme_main_job_learns_one_step_behind(tmp_path):
                                                "trainer.max_steps=45", "eval.limit=100", "trainer.eval_before=false"]))
     # the same starting weights and rows as test_train.py's short run, which asserts their accuracy: 0.450
     assert round(100 * summary["accuracy_after"]) - 45 >= 25, summary  # rows, not floats: 0.70 - 0.45 < 0.25
+
+
+def test_a_correction_weighs_a_stale_grpo_loss_and_leaves_its_ratio(tmp_path):
+    """The house issue's measurement: algorithm=grpo one step behind (k = 1) for two steps, without a correction and
+    with token_tis: step 2 trains on the same rollouts in both, and its ratio (to pi_prox, the learner's policy
+    before the step: 1 on a rollout's one optimizer step) is the same, while token_tis weighs its tokens (weights
+    that are not all 1). The ratio used to be exp(w log pi - log pi_b): 0.99942 against 0.99837 on the command line."""
+    lines = {}
+    for correction in ("none", "token_tis"):
+        train_run(tmp_path / correction, "algorithm=grpo", *SMALL, "trainer.max_steps=2", "trainer.save_every=0",
+                  f"trainer.correction={correction}")
+        lines[correction] = _metrics(tmp_path / correction)[1]
+    plain, weighed = lines["none"], lines["token_tis"]
+    assert plain["version_lag_max"] == weighed["version_lag_max"] == 1
+    assert plain["reward_mean"] == weighed["reward_mean"] and plain["groups_used"] == weighed["groups_used"]
+    assert plain["ratio_mean"] == weighed["ratio_mean"] == 1.0 and plain["ratio_max"] == weighed["ratio_max"] == 1.0
+    assert plain["is_weight_max"] == 1.0 and weighed["is_weight_max"] != 1.0 and plain["loss"] != weighed["loss"]

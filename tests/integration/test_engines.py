@@ -16,11 +16,10 @@ from helpers.scoring import path_for, token_logps
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.correction import logp_mismatch, truncated_is_weights
+from gpg_vl.objective.corrections import apply_correction, logp_mismatch
 from gpg_vl.rollout.engine import ENGINES, EnginePrompts, Sampling, build_engine, encode_prompts, require_engine
 from gpg_vl.rollout.hf import DECODERS, HFEngine, generate, process_logits
-from gpg_vl.rollout.vllm import (
-    BANNED_BIAS,
+from gpg_vl.rollout.vllm.colocated import (
     VLLMEngine,
     completions_from_outputs,
     engine_options,
@@ -28,6 +27,7 @@ from gpg_vl.rollout.vllm import (
     prompt_requests,
     sampling_kwargs,
 )
+from gpg_vl.rollout.vllm.common import BANNED_BIAS, padded_rollout
 
 needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="vLLM needs a CUDA GPU and the vllm package (pip install -e '.[vllm]')")
@@ -146,7 +146,7 @@ def test_hf_engine_through_the_seam(policy, shapes):
     rollout = engine.generate(picked, 2, Sampling(max_new_tokens=6))
     assert rollout.completion_ids.shape[0] == 4 and rollout.group_size == 2
     assert rollout.sampler_logps.shape == rollout.completion_ids.shape  # the behaviour log-probs (trainer.correction)
-    engine.sync(policy.model)  # nothing to do: the sampler is the trained model
+    engine.sync(policy.model, 1)  # nothing to do: the sampler is the trained model
     engine.sleep()
     engine.wake()
 
@@ -194,11 +194,17 @@ def _outputs(rows: list[list[tuple[int, float]]], group_size: int):
 
 def test_vllm_outputs_become_padded_ids_and_sampled_logps():
     outputs = _outputs([[(5, -0.5), (6, -1.0)], [(7, -2.0)], [(8, -0.1), (9, -0.2), (3, -0.3)], []], group_size=2)
-    ids, logps = completions_from_outputs(outputs, group_size=2, pad_id=0)
-    assert ids.tolist() == [[5, 6, 0], [7, 0, 0], [8, 9, 3], [0, 0, 0]]
-    assert torch.allclose(logps, torch.tensor([[-0.5, -1.0, 0], [-2.0, 0, 0], [-0.1, -0.2, -0.3], [0, 0, 0]]))
+    rows, logps = completions_from_outputs(outputs, group_size=2)
+    assert rows == [[5, 6], [7], [8, 9, 3], []]
+    assert logps == [[-0.5, -1.0], [-2.0], [-0.1, -0.2, -0.3], []]
+    family = SimpleNamespace(pad_id=0, eos_ids=(3,), tokenizer=SimpleNamespace(batch_decode=lambda ids, **k: [
+        " ".join(map(str, row)) for row in ids.tolist()]))
+    rollout = padded_rollout(family, rows, logps, Sampling(max_new_tokens=3), 2, "cpu")
+    assert rollout.completion_ids.tolist() == [[5, 6, 0], [7, 0, 0], [8, 9, 3], [0, 0, 0]]
+    assert torch.allclose(rollout.sampler_logps, torch.tensor([[-0.5, -1.0, 0], [-2.0, 0, 0], [-0.1, -0.2, -0.3],
+                                                               [0, 0, 0]]))
     with pytest.raises(RuntimeError, match="not 3"):
-        completions_from_outputs(outputs, group_size=3, pad_id=0)
+        completions_from_outputs(outputs, group_size=3)
 
 
 class FakeLLM:
@@ -244,7 +250,7 @@ def test_vllm_engine_with_a_fake_llm_samples_syncs_and_sleeps(policy, shapes):
     assert torch.allclose(rollout.sampler_logps[0], torch.tensor([-0.25, -0.5, -0.75, 0.0]))
     with torch.no_grad():
         policy.model.lm_head.weight.add_(1.0)  # tied to the input embedding: the checkpoint holds it once
-    engine.sync(policy.model)
+    engine.sync(policy.model, 1)
     (embedding,) = [name for name in fake.loaded if name.endswith("embed_tokens.weight")]
     assert torch.equal(fake.loaded[embedding], policy.model.lm_head.weight)
     kinds = [call[0] for call in fake.calls]
@@ -294,10 +300,11 @@ def test_logp_mismatch_by_hand():
 
 
 def test_truncated_importance_weights_by_hand_and_without_gradient():
+    """rollout.vllm.tis_cap's weights (token_tis with that cap): min(p / q, cap) per token, 1 off the mask."""
     trainer = torch.tensor([[math.log(0.5), math.log(0.2)], [math.log(0.9), 0.0]], requires_grad=True)
     sampler = torch.tensor([[math.log(0.25), math.log(0.4)], [math.log(0.1), 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
-    weights = truncated_is_weights(trainer, sampler, mask, cap=3.0)
+    weights, _, _ = apply_correction("token_tis", {"cap": 3.0}, trainer, sampler, mask, torch.ones(2))
     assert torch.allclose(weights, torch.tensor([[2.0, 0.5], [3.0, 1.0]]))  # 9 capped at 3; masked out -> 1
     assert not weights.requires_grad
 

@@ -28,8 +28,9 @@ from gpg_vl.models.scoring import ReservedLayer, completion_logps, reserve
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
 from gpg_vl.rollout.types import Rollout
+from gpg_vl.train.micro_batch import micro_batch_cost, update_chunks
 from gpg_vl.train.sample import Attempt
-from gpg_vl.train.update import Learner, micro_batch_cost, update, update_chunks
+from gpg_vl.train.update import Learner, update
 
 FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
             "llava_onevision", "gemma3", "gemma4", "smolvlm", "internvl", "glm4v"]  # generic-family classes

@@ -1,6 +1,6 @@
-"""Multi-turn rollouts on the HF engine (gpg_vl/rollout/multiturn.py), on tiny models steered by scripted segments:
-a trajectory with a crop, incremental == naive re-prefill, and the log-probs recorded while sampling equal those
-of the whole interleaved sequence in one forward (float32)."""
+"""Multi-turn rollouts on the HF engine (gpg_vl/rollout/multiturn/decoding.py), on tiny models steered by scripted
+segments: a trajectory with a crop, incremental == naive re-prefill, and the log-probs recorded while sampling equal
+those of the whole interleaved sequence in one forward (float32)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.batch import trim_left_padding
 from gpg_vl.models.scoring import ScoringPath, token_logps
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.multiturn import generate_trajectories
-from gpg_vl.rollout.trajectory import MultiTurnSettings, sequence_inputs
+from gpg_vl.rollout.multiturn.decoding import generate_trajectories
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings, sequence_inputs
 from gpg_vl.train.sample import Attempt
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]  # generic: GLM-4.1V, InternVL
@@ -169,7 +169,7 @@ def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_traje
     tokens (seq_mean_token_mean: each trajectory's mean over its generated tokens, summed over trajectories and
     divided by their number). With on_limit=mask, a trajectory cut by a limit carries no gradient but still
     counts in the normalizer: the gradient equals the one with its advantage set to zero."""
-    from gpg_vl.rollout.trajectory import pad_trajectories
+    from gpg_vl.rollout.multiturn.trajectory import pad_trajectories
 
     policy = qwen2_5_vl  # the loss's arithmetic: one family shows it
     batch, rollout = sample(policy, "incremental")

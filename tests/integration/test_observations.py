@@ -9,7 +9,7 @@ from helpers.runs import tiny_family_policy
 from PIL import Image
 
 from gpg_vl.models.batch import trim_left_padding
-from gpg_vl.rollout.trajectory import Trajectory, sequence_inputs
+from gpg_vl.rollout.multiturn.trajectory import Trajectory, sequence_inputs
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "gemma3", "gemma4", "smolvlm", "llava_onevision",
             "internvl"]
@@ -77,7 +77,7 @@ def test_every_turns_images_match_their_placeholder_tokens(policy):
 def test_every_prompt_lists_the_tools_it_offers_once(policy):
     """The chat template's own tool list (tools=) where it has one, else a Hermes system message; a system message
     of the task keeps its text, the tool list after it."""
-    from gpg_vl.rollout.tools import TOOLS, tool_schema
+    from gpg_vl.rollout.multiturn.tools import TOOLS, tool_schema
 
     family = policy.family
     tools = [tool_schema(TOOLS.get("zoom_in"))]

@@ -12,7 +12,7 @@ from PIL import Image
 from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.errors import UserError
-from gpg_vl.train import loop
+from gpg_vl.train import loop, step_log
 from gpg_vl.train.outdir import LOCK_FILE, claim_output_dir
 
 
@@ -90,11 +90,11 @@ def fake_run(processes: int, seen: dict | None = None):
 
 def test_a_non_finite_reward_is_named_and_another_process_blamed_only_when_there_is_one():
     nan = [SimpleNamespace(components={"odd": torch.tensor([[float("nan"), 1.0]]), "ok": torch.ones(1, 2)})]
-    assert loop._nonfinite_rewards(fake_run(1), nan) == "reward odd"  # from the completions' components
-    assert loop._nonfinite_rewards(fake_run(1, {"len": 2}), []) == "reward len"  # from the task's count
+    assert step_log._nonfinite_rewards(fake_run(1), nan) == "reward odd"  # from the completions' components
+    assert step_log._nonfinite_rewards(fake_run(1, {"len": 2}), []) == "reward len"  # from the task's count
     fine = [SimpleNamespace(components={"ok": torch.ones(1, 2)})]
-    assert "another process" not in loop._nonfinite_rewards(fake_run(1), fine)
-    assert loop._nonfinite_rewards(fake_run(2), fine) == "on another process"
+    assert "another process" not in step_log._nonfinite_rewards(fake_run(1), fine)
+    assert step_log._nonfinite_rewards(fake_run(2), fine) == "on another process"
 
 
 def test_an_overlong_cache_past_a_trajectorys_limit_is_refused_with_the_config():

@@ -32,7 +32,7 @@ from gpg_vl.config.compose import load_config
 from gpg_vl.errors import BadRow, SkippedRow, UserError
 from gpg_vl.reward.judge import EndpointJudge
 from gpg_vl.rollout.engine import build_engine, encode_prompts
-from gpg_vl.rollout.tools import TOOLS
+from gpg_vl.rollout.multiturn.tools import TOOLS
 from gpg_vl.train.build import build_judge
 
 OK_CROP = '</tool_call>\nuser\n<tool_response>\n\n</tool_response>\nassistant\n'  # a crop, decoded: no text
@@ -472,8 +472,8 @@ def test_a_deepeyes_trajectory_that_crops_with_its_tool_earns_the_bonus(data):
     (absolute pixels of the original, converted by the family), then the right letter; the decoded trajectory
     scores 0.8 + 1.2, and the same answer without the call scores 0.8."""
     from gpg_vl.rollout.engine import Sampling
-    from gpg_vl.rollout.multiturn import generate_trajectories
-    from gpg_vl.rollout.trajectory import MultiTurnSettings
+    from gpg_vl.rollout.multiturn.decoding import generate_trajectories
+    from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 
     task = get_task("deepeyes", data_path=data / "train.parquet")
     row = task.load("train")[0]  # the red square at (400, 300), ground truth "B" (red)

@@ -29,8 +29,8 @@ from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
 from gpg_vl.rollout.types import Rollout
+from gpg_vl.train.micro_batch import update_chunks
 from gpg_vl.train.sample import Attempt
-from gpg_vl.train.update import update_chunks
 
 VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "internvl",
                   "gemma4"]

@@ -22,8 +22,8 @@ from gpg_vl.models.tiny import EMBEDDED_TINY
 from gpg_vl.observe.rollout_log import MAX_CROPS, MAX_THUMB_BYTES, log_rollouts, read_steps, step_bytes_bound
 from gpg_vl.observe.viewer import write_predictions_html, write_rollouts_html
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.multiturn import generate_trajectories
-from gpg_vl.rollout.trajectory import MultiTurnSettings
+from gpg_vl.rollout.multiturn.decoding import generate_trajectories
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.train.evaluate import Decoded, prediction_records
 from gpg_vl.train.sample import Attempt
 

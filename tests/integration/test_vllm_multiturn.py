@@ -1,5 +1,5 @@
-"""The vLLM engine's multi-turn rollouts (gpg_vl/rollout/vllm.py), on CPU against a scripted stand-in for vllm.LLM
-that honours max_tokens, stop token ids and stop strings as vLLM does: what each turn's requests hold (one
+"""The vLLM engine's multi-turn rollouts (gpg_vl/rollout/vllm/colocated.py), on CPU against a scripted stand-in for
+vllm.LLM that honours max_tokens, stop token ids and stop strings as vLLM does: what each turn's requests hold (one
 placeholder per image, never processor-expanded ids; the images of every turn), the trajectories assembled from
 its segments, and the sampler's log-probs aligned with the generated tokens (0 on observations); for Qwen2.5-VL
 (observations as user turns), Qwen3-VL (the template's tool role) and Qwen3.5 (XML tool calls)."""
@@ -18,8 +18,8 @@ from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import trim_left_padding
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.trajectory import MultiTurnSettings
-from gpg_vl.rollout.vllm import VLLMEngine, engine_options
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
+from gpg_vl.rollout.vllm.colocated import VLLMEngine, engine_options
 
 MAX_NEW = 100
 JUNK = " and then more text that a stop string must cut off"
@@ -258,8 +258,8 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
 
 def test_later_turns_keep_the_first_requests_other_media_and_keywords():
     """A prompt's other media (a video) and processor keywords ride along every turn; its images grow."""
-    from gpg_vl.rollout.trajectory import Trajectory
-    from gpg_vl.rollout.vllm import TurnRow, turn_requests
+    from gpg_vl.rollout.multiturn.trajectory import Trajectory
+    from gpg_vl.rollout.vllm.colocated import TurnRow, turn_requests
 
     family = SimpleNamespace(suppressed_ids=[9], eos_ids=[2], tool_stop_strings=("</tool_call>",))
     first = {"prompt_token_ids": [1, 5, 6], "multi_modal_data": {"video": ["frames"]},

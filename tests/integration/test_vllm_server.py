@@ -16,15 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import train_run
+from helpers.runs import train_run, untimed
 from helpers.scoring import token_logps
 from helpers.vllm_loopback import LoopbackServer
+from safetensors.torch import load_file
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-from gpg_vl.rollout.server_client import Rejected, Server, ServerGone, split_urls
-from gpg_vl.rollout.vllm_server import (
+from gpg_vl.rollout.vllm.client import Rejected, Server, ServerGone, split_urls
+from gpg_vl.rollout.vllm.server import (
     FINAL_ONLY,
     choice_logps,
     compare_model,
@@ -36,7 +37,7 @@ from gpg_vl.rollout.vllm_server import (
     video_io_kwargs,
     video_render_body,
 )
-from gpg_vl.rollout.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
+from gpg_vl.rollout.vllm.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -244,7 +245,7 @@ def test_sync_pauses_pushes_every_weight_and_labels_the_version(policy, server, 
         for parameter in policy.model.parameters():
             parameter.add_(0.01)
     before = len(server.calls)
-    engine.sync(policy.model)
+    engine.sync(policy.model, 1)
     assert [route for route, _ in server.calls[before:]] == ["/pause", "/start_weight_update", "/update_weights",
                                                               "/finish_weight_update", "/resume"]
     assert server.version == "1" and server.running.is_set()
@@ -346,6 +347,20 @@ def test_a_server_that_dies_mid_run_ends_it_with_a_checkpoint_and_resume_continu
     finally:
         back.stop()
     assert summary["steps"] == 3 and [m["step"] for m in metrics(out)] == [1, 2, 3]
+    # the resumed run numbers its weights from the run's step (the pipeline's), not from a counter that restarts:
+    # the same versions, request seeds and weights as the uninterrupted run (issue 51: [0, 0, 1] and other weights)
+    whole = LoopbackServer().start()
+    try:
+        train_run(tmp_path / "whole", *overrides(whole.url, tmp_path, "trainer.max_steps=3", "trainer.save_every=0"))
+    finally:
+        whole.stop()
+    resumed, uninterrupted = metrics(out), metrics(tmp_path / "whole")
+    assert [m["rollout_weight_version"] for m in resumed] == [m["rollout_weight_version"] for m in uninterrupted] \
+        == [0, 1, 2]
+    assert [untimed(m) for m in resumed] == [untimed(m) for m in uninterrupted]
+    assert back.version == whole.version == "3"
+    final = [load_file(run / "final" / "model.safetensors") for run in (out, tmp_path / "whole")]
+    assert all(torch.equal(final[0][name], final[1][name]) for name in final[1])
 
 
 def test_a_stalled_sync_ends_the_run_within_sync_timeout_s(tmp_path):
@@ -371,7 +386,7 @@ def test_a_stalled_sync_ends_the_run_within_sync_timeout_s(tmp_path):
 
 def test_a_sync_that_hangs_past_sync_timeout_s_exits_the_rank_in_one_sentence():
     """What no request timeout can end (a collective that never returns): the watchdog exits the process."""
-    code = ("import time\nfrom gpg_vl.rollout.weight_transfer import Watchdog\n"
+    code = ("import time\nfrom gpg_vl.rollout.vllm.weight_transfer import Watchdog\n"
             "with Watchdog(0.5, 'the weight sync did not end.', 1):\n    time.sleep(30)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == SYNC_STALLED_EXIT and done.stderr.strip() == "error: rank 1: the weight sync did not end."
@@ -418,7 +433,7 @@ def test_two_trainer_processes_train_against_one_server(k, tmp_path):
         assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines)
     else:  # steps 1 and 2 sampled by the start's weights, step 3 by step 1's; the learner's pushed at the end
         assert [m["rollout_weight_version"] for m in lines] == [0, 0, 1]
-        assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and version == "2"
+        assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and version == "3"
 
 
 @pytest.mark.slow
@@ -521,8 +536,8 @@ def test_tool_trajectories_go_through_the_server_with_every_images_features_and_
 def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_every_rank(tmp_path):
     """push_weights on rank 1 makes no request but walks every weight (gathering them is collective under FSDP2 and
     ZeRO-3); rank 0's failure is what every rank raises (here the collective is the identity)."""
-    from gpg_vl.rollout.server_client import ServerError
-    from gpg_vl.rollout.weight_transfer import DiskTransport, push_weights
+    from gpg_vl.rollout.vllm.client import ServerError
+    from gpg_vl.rollout.vllm.weight_transfer import DiskTransport, push_weights
 
     class Recording(Server):
         def __init__(self, fail: str | None = None) -> None:
@@ -563,7 +578,7 @@ def test_videos_the_server_engine_cannot_place_are_refused_in_one_sentence():
     from types import SimpleNamespace
 
     from gpg_vl.models.qwen import Qwen3_5Family, Qwen3VLFamily, QwenVLFamily
-    from gpg_vl.rollout.vllm_server import VLLMServerEngine
+    from gpg_vl.rollout.vllm.server import VLLMServerEngine
 
     assert Qwen3VLFamily.video_times_in_text and Qwen3_5Family.video_times_in_text
     assert not QwenVLFamily.video_times_in_text

@@ -17,7 +17,7 @@ from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import ASSETS, load_policy
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-from gpg_vl.rollout.trajectory import pad_trajectories
+from gpg_vl.rollout.multiturn.trajectory import pad_trajectories
 
 ROOT = Path(__file__).resolve().parents[2]
 PATCH = 14  # the tiny Qwen2.5-VL's vision patch, in the pixels it sees

@@ -1,13 +1,13 @@
 """The code's shape: no function in gpg_vl/ over 80 lines or over 10 parameters (self / cls not counted), no module
-over 800 lines, the family protocol (models/family.py) at most 500, `train` at most 40 lines, and no engine name in
-the trainer's stages (engines own their settings and checks)."""
+over 600 lines (one that grows past it is split along its concerns), the family protocol (models/family.py) at most
+500, `train` at most 40 lines, and no engine name in the trainer's stages (engines own their settings and checks)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "gpg_vl"
 MAX_LINES, MAX_PARAMETERS, MAX_TRAIN_LINES = 80, 10, 40
-MAX_MODULE_LINES, MAX_FAMILY_LINES = 800, 500
+MAX_MODULE_LINES, MAX_FAMILY_LINES = 600, 500
 
 def functions():
     """(path relative to gpg_vl/, qualified name, node) of every function and method."""
@@ -46,11 +46,11 @@ def test_no_function_is_over_80_lines_or_10_parameters():
     assert not over, "over the limits (80 lines, 10 parameters):\n" + "\n".join(over)
 
 
-def test_no_module_is_over_800_lines_and_the_family_protocol_stays_small():
+def test_no_module_is_over_600_lines_and_the_family_protocol_stays_small():
     sizes = {path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines())
              for path in sorted(PACKAGE.rglob("*.py"))}
     over = [f"gpg_vl/{path}: {lines} lines" for path, lines in sizes.items() if lines > MAX_MODULE_LINES]
-    assert not over, "modules over 800 lines:\n" + "\n".join(over)
+    assert not over, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(over)
     assert sizes["models/family.py"] <= MAX_FAMILY_LINES, "models/family.py holds the protocol alone"
 
 
@@ -61,7 +61,8 @@ def test_train_reads_in_40_lines():
 
 def test_the_trainer_stages_name_no_engine():
     """Engines own their settings and checks: no rollout.vllm key and no HFEngine in the trainer's stages."""
-    for name in ("loop.py", "sample.py", "update.py", "evaluate.py"):
+    for name in ("loop.py", "setup.py", "step_log.py", "sample.py", "update.py", "micro_batch.py", "loss_call.py",
+                 "reference.py", "evaluate.py"):
         tree = ast.parse((PACKAGE / "train" / name).read_text())
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
@@ -70,5 +71,4 @@ def test_the_trainer_stages_name_no_engine():
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not {"vllm", "HFEngine", "VLLMEngine"} & names, name
         assert not {m for m in modules if m.startswith("gpg_vl.rollout.") and m != "gpg_vl.rollout.engine"
-                    and m not in ("gpg_vl.rollout.types", "gpg_vl.rollout.correction", "gpg_vl.rollout.corrections",
-                                  "gpg_vl.rollout.trajectory")}, name  # engine-neutral: what every engine returns
+                    and m not in ("gpg_vl.rollout.types", "gpg_vl.rollout.multiturn.trajectory")}, name  # neutral

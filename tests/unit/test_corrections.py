@@ -1,4 +1,4 @@
-"""Off-policy corrections (gpg_vl/rollout/corrections.py) against hand-worked cases, AGE's counts with staleness and
+"""Off-policy corrections (gpg_vl/objective/corrections.py) against hand-worked cases, AGE's counts with staleness and
 rejection, the schedule of trainer.max_staleness, and CISPO against TRL 1.16's own `_compute_loss`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from gpg_vl.errors import UserError
 from gpg_vl.objective import get_policy_loss
-from gpg_vl.rollout.corrections import (
+from gpg_vl.objective.corrections import (
     CorrectionSums,
     age_counts,
     apply_correction,
@@ -103,7 +103,7 @@ def test_truncated_fraction_counts_what_each_correction_capped():
     def two_outputs(log_ratio, mask, advantages):  # a correction from before `capped`: w_t = min(rho_t, 1)
         return torch.exp(log_ratio).clamp(max=1.0), torch.zeros(mask.shape[0], dtype=torch.bool)
 
-    from gpg_vl.rollout import corrections
+    from gpg_vl.objective import corrections
 
     corrections.CORRECTIONS.add("two_outputs_probe", two_outputs)
     try:

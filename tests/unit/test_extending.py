@@ -71,7 +71,7 @@ def test_a_built_in_with_a_config_file_per_name_has_it():
 def test_an_engine_and_a_tool_own_the_settings_the_tables_point_at():
     from gpg_vl.registry import load_reference
     from gpg_vl.rollout.engine import ENGINES
-    from gpg_vl.rollout.tools import TOOLS
+    from gpg_vl.rollout.multiturn.tools import TOOLS
 
     for table_name, registry in (("ENGINE_SETTINGS", ENGINES), ("TOOL_SETTINGS", TOOLS)):
         for name, reference in getattr(names, table_name).items():

@@ -50,7 +50,7 @@ def test_a_plugin_loss_declares_its_own_option(tmp_path):
 
 def test_the_trainer_checks_loss_options_against_trainer_loss():
     from gpg_vl.config.schema import TrainerSettings
-    from gpg_vl.train.update import trainer_loss_options
+    from gpg_vl.train.loss_call import trainer_loss_options
 
     assert trainer_loss_options(TrainerSettings(loss="grpo", loss_options={"clip_low": 0.1}), 32)["clip_low"] == 0.1
     with pytest.raises(UserError, match="loss gpg has no option 'clip_low'"):

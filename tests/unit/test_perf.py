@@ -1,7 +1,9 @@
 """The GPU check's pure parts: FLOPs per token from a config, MFU, device peaks; its CPU error; the bench's meter and
 smoke run, and its bound on async / sync; and the experiment workers' threads."""
 
+import importlib
 import importlib.util
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -128,23 +130,25 @@ def test_experiment_workers_take_omp_num_threads_where_set_else_share_the_cores(
         assert worker_threads(2) == 4
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _bench_module(name: str):
+    """scripts/benches/<name>.py (scripts/bench.py's benchmarks), imported as scripts/bench.py imports it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(f"benches.{name}")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
 
 
 def test_the_staleness_bound_takes_each_side_s_least_core_seconds():
     """A hand-worked case: sampling 0.8 s alone at 2 threads (1.6 core-s) but 1.3 s on one thread beside the
     update, so 1.3 core-s; the update 0.9 s at 2 threads (1.8 core-s), 2.0 s beside the sampler, so 1.8. The
     synchronous step is 0.8 + 0.9 = 1.7 s, and no schedule beats (1.3 + 1.8) / 2 = 1.55 s: at most 1.7 / 1.55."""
-    bound = _bench_module().staleness_bound({"sample_2": 0.8, "update_2": 0.9, "sample_beside": 1.3,
+    bound = _bench_module("staleness").staleness_bound({"sample_2": 0.8, "update_2": 0.9, "sample_beside": 1.3,
                                              "update_beside": 2.0, "sample_1": 9.9, "update_1": 9.9})
     assert bound["sync_step"] == pytest.approx(1.7)
     assert bound["bound"] == pytest.approx(1.7 / 1.55)
     # a second thread that doubles a side's speed leaves the bound at 1x: nothing to win by overlapping
-    even = _bench_module().staleness_bound({"sample_2": 0.5, "update_2": 0.5, "sample_beside": 1.0,
+    even = _bench_module("staleness").staleness_bound({"sample_2": 0.5, "update_2": 0.5, "sample_beside": 1.0,
                                             "update_beside": 1.0})
     assert even["bound"] == pytest.approx(1.0)
 
@@ -152,11 +156,11 @@ def test_the_staleness_bound_takes_each_side_s_least_core_seconds():
 def test_side_by_side_times_both_sides_alone_and_together_on_a_tiny_setup():
     """scripts/bench.py --staleness's bound: every stage timed (positive seconds), the sampler's thread joined,
     the learner's thread count restored, on a tiny setup (56 px, G = 2, 2 new tokens)."""
-    bench = _bench_module()
+    bench, common = _bench_module("staleness"), _bench_module("common")
     args = SimpleNamespace(prompts=1, new_tokens=2, family="qwen2_5_vl", lr=1e-6, seed=0, device="cpu",
                            torch_dtype=torch.float32, cache="default", video=0)
-    rows = bench.make_rows(8, 56, 0)
-    learner, sampler = (bench.GpgRunner(args, rows, 2, 56, "default") for _ in range(2))
+    rows = common.make_rows(8, 56, 0)
+    learner, sampler = (common.GpgRunner(args, rows, 2, 56, "default") for _ in range(2))
     threads = torch.get_num_threads()
     seconds = bench.side_by_side(learner, sampler, times=1)
     assert torch.get_num_threads() == threads and not any(t.name == "bench-sampler" for t in threading.enumerate())

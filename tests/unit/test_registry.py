@@ -202,11 +202,11 @@ def test_builtins_are_imported_on_first_use_only():
         import sys
         import gpg_vl.rollout.engine as engine
         import gpg_vl.models.family as family
-        assert "gpg_vl.rollout.vllm" not in sys.modules and "gpg_vl.rollout.hf" not in sys.modules
+        assert "gpg_vl.rollout.vllm.colocated" not in sys.modules and "gpg_vl.rollout.hf" not in sys.modules
         assert "gpg_vl.models.qwen" not in sys.modules and "gpg_vl.models.generic" not in sys.modules
         assert engine.ENGINES.names() == ["hf", "vllm", "vllm_server"] and "vllm" in engine.ENGINES
-        assert "gpg_vl.rollout.vllm" not in sys.modules and "gpg_vl.models.qwen" not in sys.modules
-        assert engine.ENGINES.get("hf").__name__ == "HFEngine" and "gpg_vl.rollout.vllm" not in sys.modules
+        assert "gpg_vl.rollout.vllm.colocated" not in sys.modules and "gpg_vl.models.qwen" not in sys.modules
+        assert engine.ENGINES.get("hf").__name__ == "HFEngine" and "gpg_vl.rollout.vllm.colocated" not in sys.modules
         assert family.FAMILIES.get("generic").__name__ == "GenericFamily" and "gpg_vl.models.qwen" not in sys.modules
         assert family.family_for("qwen3_vl_moe") == "qwen3_vl"
         print("ok")

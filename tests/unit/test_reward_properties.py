@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpg_vl import get_task
-from gpg_vl.reward import primitives as rewards
+from gpg_vl.reward import math_check
 from gpg_vl.reward.pool import score_completions
 from gpg_vl.reward.primitives import (
     box_giou,
@@ -116,13 +116,13 @@ def test_every_task_reward_function_never_raises_and_stays_in_range(task, rows, 
 
 def test_math_equivalence_is_bounded_in_time_by_killing_the_check():
     kills = []
-    kill = rewards._MathProcess.kill
+    kill = math_check._MathProcess.kill
 
     def counted(self):
         kills.append(self)
         kill(self)
 
-    rewards._MathProcess.kill = counted
+    math_check._MathProcess.kill = counted
     try:
         assert math_reward("<answer>1</answer>", "2") == 0.0  # a checking process is up and answering
         assert not kills
@@ -132,7 +132,7 @@ def test_math_equivalence_is_bounded_in_time_by_killing_the_check():
         assert math_reward("<answer>\\frac{1}{2}</answer>", "0.5") == 1.0  # the replacement answers
         assert len(kills) == 1
     finally:
-        rewards._MathProcess.kill = kill
+        math_check._MathProcess.kill = kill
 
 
 def test_a_reward_that_raises_scores_zero_is_counted_and_its_first_traceback_shown_once(capsys):

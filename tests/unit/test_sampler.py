@@ -111,7 +111,7 @@ def test_dapo_overlong_shaping_counts_a_trajectorys_generated_tokens_only_agains
     import torch
 
     from gpg_vl.config.schema import RolloutSettings
-    from gpg_vl.rollout.trajectory import Trajectory
+    from gpg_vl.rollout.multiturn.trajectory import Trajectory
     from gpg_vl.rollout.types import Rollout
     from gpg_vl.train.sample import overlong_lengths
 

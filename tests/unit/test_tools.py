@@ -1,4 +1,4 @@
-"""Tools (gpg_vl/rollout/tools.py): the registry, the schema check, the time budget, and zoom_in's rules."""
+"""Tools (gpg_vl/rollout/multiturn/tools.py): the registry, the schema check, the time budget, and zoom_in's rules."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from PIL import Image
 
 from gpg_vl.errors import UserError
 from gpg_vl.models.family import Family
+from gpg_vl.rollout.multiturn.tools import TOOLS, ToolContext, ToolError, register_tool, run_tool, tool_schema
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.settings import ZoomInSettings
-from gpg_vl.rollout.tools import TOOLS, ToolContext, ToolError, register_tool, run_tool, tool_schema
-from gpg_vl.rollout.trajectory import MultiTurnSettings
 
 
 class StubFamily:
@@ -172,16 +172,16 @@ def test_a_tool_returns_text_images_or_both_and_its_schema_is_a_function_schema(
 def test_out_of_tree_tools_load_from_a_file_or_a_module(tmp_path):
     path = tmp_path / "my_tools.py"
     path.write_text(
-        "from gpg_vl.rollout.tools import register_tool\n"
+        "from gpg_vl.rollout.multiturn.tools import register_tool\n"
         "@register_tool('shout', description='upper case', parameters={'type': 'object', 'properties': "
         "{'text': {'type': 'string'}}})\n"
         "def shout(context, text=''):\n    return text.upper()\n")
     try:
         tool = TOOLS.get(f"{path}:shout")
         assert tool.name == "shout" and run_tool("shout", {"text": "hey"}, context()).text == "HEY"
-        assert TOOLS.get("gpg_vl.rollout.tools:zoom_in") is TOOLS.get("zoom_in")
+        assert TOOLS.get("gpg_vl.rollout.multiturn.tools:zoom_in") is TOOLS.get("zoom_in")
         with pytest.raises(UserError, match="is not a tool"):
-            TOOLS.get("gpg_vl.rollout.tools:run_tool")
+            TOOLS.get("gpg_vl.rollout.multiturn.tools:run_tool")
     finally:
         TOOLS.unregister("shout")
 

@@ -1,4 +1,5 @@
-"""Trajectories (gpg_vl/rollout/trajectory.py): the loss mask over segments and observations, limits, settings."""
+"""Trajectories (gpg_vl/rollout/multiturn/trajectory.py): the loss mask over segments and observations, limits,
+settings."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory, pad_trajectories, sequence_inputs
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings, Trajectory, pad_trajectories, sequence_inputs
 
 
 def two_turns(limit: str = "none") -> Trajectory:
@@ -57,7 +58,7 @@ def test_settings_fail_in_one_sentence():
 
 
 def test_metrics_count_turns_calls_errors_images_limits_and_tokens():
-    from gpg_vl.rollout.trajectory import ToolCallRecord, trajectory_metrics
+    from gpg_vl.rollout.multiturn.trajectory import ToolCallRecord, trajectory_metrics
 
     good, cut, short = two_turns(), two_turns("token"), Trajectory()
     good.calls.append(ToolCallRecord(0, "zoom_in", {"bbox_2d": [0, 0, 9, 9]}, "", images=1))

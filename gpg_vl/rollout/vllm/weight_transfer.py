@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from gpg_vl.rollout.server_client import Server, ServerError, ServerGone
+from gpg_vl.rollout.vllm.client import Server, ServerError, ServerGone
 
 SYNC_STALLED_EXIT = 75  # the exit status of a rank whose sync outlived sync_timeout_s
 CALL_SHARE = 0.8  # a request within a sync gives up after this share of sync_timeout_s: rank 0 then tells every

@@ -14,20 +14,22 @@ weights pushed to them through vLLM's weight-transfer API after each optimizer s
   bias, `logprobs=0`: each sampled token's log-prob comes back (`logprobs.content[*].logprob`; vLLM's
   `--logprobs-mode processed_logprobs` makes it the distribution it drew from) for the sampler check and the
   correction (rollout.vllm_server.tis_cap).
-- Weight versions: every sync labels the servers' weights with the sync's number (`/finish_weight_update`), and
+- Weight versions: every sync labels the servers' weights with the step they are the weights after, the number the
+  pipeline owns (gpg_vl/train/pipeline.py: a resumed run labels them as the uninterrupted one did; the per-request
+  seeds include it), sent with `/finish_weight_update`, and
   each rollout row records the oldest label that sampled any of its tokens (`Rollout.weight_versions`, from the
   choice's `weight_versions` where the server reports them, else the label in force: generation is paused around
   each update).
 - Multi-turn (rollout.max_turns > 1): each later turn sends everything so far (the prompt's ids and the
   trajectory's, observations processor-expanded as the trainer scores them) with the features of every image
-  and of the prompt's videos; the tool calls are run by the HF engine's own code (rollout/multiturn.py).
+  and of the prompt's videos; the tool calls are run by the HF engine's own code (rollout/multiturn/decoding.py).
 - Spread: each trainer process sends its own prompts, request i to server (rank + i) mod n, at most
   rollout.vllm_server.max_concurrency at once.
 
 Faults, each in one sentence: no server at a URL when the settings are built (before the model loads); a server
 whose model differs from the trainer's (architecture and sizes from `/server_info`, name from `/v1/models`); a
 server unreachable for timeout_s mid-run (`ServerGone`: the run checkpoints and stops, gpg_vl/train/loop.py); a
-sync past sync_timeout_s (every rank exits: rollout/weight_transfer.py); a prompt the server refuses as too long
+sync past sync_timeout_s (every rank exits: rollout/vllm/weight_transfer.py); a prompt the server refuses as too long
 (`Rollout.rejected`: the prompt is skipped, as an over-long prompt is).
 """
 
@@ -44,18 +46,15 @@ import torch
 from gpg_vl.data.video import DEFAULT_FPS
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import (
-    Correction,
-    Engine,
     EnginePrompts,
     Sampling,
-    logp_mismatch_warning,
     register_engine,
 )
-from gpg_vl.rollout.server_client import Rejected, Server, ServerError, ServerGone, split_urls
+from gpg_vl.rollout.multiturn.trajectory import Trajectory
 from gpg_vl.rollout.settings import VLLMServerSettings
-from gpg_vl.rollout.trajectory import Trajectory
-from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
-from gpg_vl.rollout.vllm import BANNED_BIAS
+from gpg_vl.rollout.types import Rollout
+from gpg_vl.rollout.vllm.client import Rejected, Server, ServerError, ServerGone, split_urls
+from gpg_vl.rollout.vllm.common import BANNED_BIAS, VLLMEngineBase, banned_tokens, padded_rollout, sampling_fields
 
 FINAL_ONLY = 2  # vLLM's RequestOutputKind.FINAL_ONLY: every one of the n sequences in one answer
 TOO_LONG = re.compile(r"maximum (context|model) length|too long|max_model_len|exceeds", re.IGNORECASE)
@@ -69,18 +68,13 @@ def sampling_params(family, sampling: Sampling, n: int, *, seed: int | None = No
                     max_tokens: int | None = None) -> dict:
     """`sampling_params` of a /inference/v1/generate request (vLLM's SamplingParams fields), sampled as the HF
     engine samples; `stops`: a multi-turn segment also stops at the family's tool-call stop strings."""
-    banned = list(family.suppressed_ids) + (list(family.eos_ids) if sampling.ignore_eos else [])
-    params = {
-        "n": n, "max_tokens": max_tokens or sampling.max_new_tokens, "logprobs": 0,
-        "temperature": 0.0 if sampling.greedy else sampling.temperature,
-        "top_p": 1.0 if sampling.greedy else sampling.top_p, "top_k": 1 if sampling.greedy else -1,
-        "ignore_eos": sampling.ignore_eos, "stop_token_ids": [] if sampling.ignore_eos else list(family.eos_ids),
-        "skip_special_tokens": not stops, "detokenize": stops, "output_kind": FINAL_ONLY,
-    }
+    params = {**sampling_fields(family, sampling, n, max_tokens), "skip_special_tokens": not stops,
+              "detokenize": stops, "output_kind": FINAL_ONLY}
     if stops:
         params.update(stop=list(family.tool_stop_strings), include_stop_str_in_output=True)
+    banned = banned_tokens(family, sampling)
     if banned:
-        params["logit_bias"] = {str(token): BANNED_BIAS for token in sorted(set(banned))}
+        params["logit_bias"] = {str(token): BANNED_BIAS for token in banned}
     if seed is not None:
         params["seed"] = seed
     return params
@@ -262,21 +256,21 @@ class _Row:
 
 
 @register_engine
-class VLLMServerEngine(Engine):
-    """Rollouts on `vllm serve` endpoints; the trainer's weights pushed to them after every optimizer step."""
+class VLLMServerEngine(VLLMEngineBase):
+    """Rollouts on `vllm serve` endpoints; the trainer's weights pushed to them after every optimizer step (under
+    trainer.max_staleness >= 1 the sampler's `sync` pushes the version it samples with)."""
 
     name = "vllm_server"
-    returns_logps = True
-    multi_turn = True
     settings_class = VLLMServerSettings
-    own_weights = True  # under trainer.max_staleness >= 1 the sampler's `sync` pushes the version it samples with
+    section, sampler_label = "rollout.vllm_server", "the servers'"
+    mismatch_checks = "the weight sync, the dtype and --logprobs-mode processed_logprobs"
 
     @classmethod
     def unavailable(cls, rollout) -> str | None:
         if rollout.engine != cls.name:
             return None
         settings = cls.settings_in(rollout)
-        from gpg_vl.rollout.weight_transfer import require_transport
+        from gpg_vl.rollout.vllm.weight_transfer import require_transport
 
         reason = require_transport(settings)  # nccl without CUDA or vllm, disk without a folder
         if reason is not None:
@@ -293,18 +287,19 @@ class VLLMServerEngine(Engine):
         return None
 
     def __init__(self, policy, rollout, *, accelerator=None) -> None:
-        from gpg_vl.rollout.weight_transfer import TRANSPORTS
+        from gpg_vl.rollout.vllm.weight_transfer import TRANSPORTS
 
         self.policy, self.family, self.settings = policy, policy.family, self.settings_in(rollout)
         self.rank = accelerator.process_index if accelerator is not None else 0
         self.servers = [Server(url, timeout_s=self.settings.timeout_s) for url in split_urls(self.settings.urls)]
         self.model_name = self._check_models(rollout)
         self.transport = TRANSPORTS[self.settings.weight_transfer](self.settings, rank=self.rank)
-        self.version = -1
+        self.version = 0  # the weights the servers hold: those after this step (the pipeline's number)
         self.tokens = {"image": self._image_token(), "video": self._video_token()}
         self.requests = 0  # requests sent by this process (spread across the servers)
         self.transport.init(self.servers)
-        self.sync(policy.model)  # version 0: the servers hold the trainer's weights, whatever they loaded
+        self.sync(policy.model, 0)  # the servers hold the trainer's weights, whatever they loaded (a resumed run's
+        # pipeline labels them with its step before the first rollout)
 
     def _check_models(self, rollout) -> str:
         """The served model's name, after checking each server serves the trainer's model (one sentence if not)."""
@@ -350,23 +345,6 @@ class VLLMServerEngine(Engine):
             raise UserError(f"the {self.family.name} family's videos do not go through rollout.engine=vllm_server; "
                             "use rollout.engine=hf for this model's video tasks.")
         return videos
-
-    # ---- the on-policy check ----------------------------------------------------------------------
-    @property
-    def correction(self) -> Correction:
-        return Correction(sampler_check=True, tis_cap=self.settings.tis_cap)
-
-    def mismatch_warning(self, metrics: dict) -> str | None:
-        return logp_mismatch_warning(metrics, self.settings.max_logp_mismatch, sampler="the servers'",
-                                     section="rollout.vllm_server",
-                                     checks="the weight sync, the dtype and --logprobs-mode processed_logprobs")
-
-    def take_tools(self, settings, tools) -> None:
-        reason = self.family.multi_turn_unsupported() if settings.multi_turn else None
-        if reason is not None:
-            raise UserError(f"rollout.max_turns={settings.max_turns} cannot run on this model: {reason}; set "
-                            "rollout.max_turns=1.")
-        super().take_tools(settings, tools)
 
     # ---- requests ---------------------------------------------------------------------------------
     def _features(self, server: Server, media: dict[str, list], cache: dict) -> dict[str, list[dict]]:
@@ -430,7 +408,7 @@ class VLLMServerEngine(Engine):
                 rows.append(list(choice.get("token_ids") or []))
                 logps.append(choice_logps(choice))
                 versions.append(oldest_version(choice, self.version))
-        rollout = self._rollout(rows, logps, sampling, group_size)
+        rollout = padded_rollout(self.family, rows, logps, sampling, group_size, self.policy.model.device)
         rollout.weight_versions, rollout.rejected = versions, rejected
         rollout.rejected_reasons = {b: answers[b].detail for b in rejected}
         return rollout
@@ -443,25 +421,9 @@ class VLLMServerEngine(Engine):
         inputs = prompts.batch.inputs
         return inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist()
 
-    def _rollout(self, rows: list[list[int]], logps: list[list[float]], sampling: Sampling,
-                 group_size: int) -> Rollout:
-        pad = self.family.pad_id
-        width = max([len(row) for row in rows] + [1])
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)  # [B * G, C]
-        sampler = torch.zeros((len(rows), width), dtype=torch.float32)  # [B * G, C]
-        for n, (row, row_logps) in enumerate(zip(rows, logps, strict=True)):
-            ids[n, :len(row)] = torch.tensor(row, dtype=torch.long)
-            sampler[n, :len(row)] = torch.tensor(row_logps, dtype=torch.float32)
-        mask = completion_mask_from_eos(ids, self.family.eos_ids, ignore_eos=sampling.ignore_eos)  # [B * G, C]
-        ids, sampler = ids.masked_fill(~mask, pad), sampler.masked_fill(~mask, 0.0)
-        texts = self.family.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        device = self.policy.model.device
-        return Rollout(completion_ids=ids.to(device), completion_mask=mask.to(device), texts=texts,
-                       group_size=group_size, sampler_logps=sampler.to(device))
-
     def generate_trajectories(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         """B x G trajectories (row b * G + g continues prompt b), turn by turn (the module's docstring)."""
-        from gpg_vl.rollout.multiturn import answer_segments, prompt_context, segment_end, trajectory_rollout
+        from gpg_vl.rollout.multiturn.decoding import answer_segments, prompt_context, segment_end, trajectory_rollout
 
         family, settings = self.family, self.multiturn
         base = [(self._prompt_ids(prompts, b), family.engine_images(messages), self._videos(messages))
@@ -508,13 +470,13 @@ class VLLMServerEngine(Engine):
                        sampler_logps=logps.to(device), weight_versions=[row.version for row in rows])
 
     # ---- weights ----------------------------------------------------------------------------------
-    def sync(self, model) -> None:
+    def sync(self, model, version: int) -> None:
         """Push the trainer's weights to every server, on every rank, within sync_timeout_s
-        (rollout/weight_transfer.py)."""
+        (rollout/vllm/weight_transfer.py)."""
         from gpg_vl.models.weights import engine_weights, merged_lora
-        from gpg_vl.rollout.weight_transfer import Watchdog, broadcast_from_main, push_weights
+        from gpg_vl.rollout.vllm.weight_transfer import Watchdog, broadcast_from_main, push_weights
 
-        self.version += 1
+        self.version = version
         limit = self.settings.sync_timeout_s
         sentence = (f"the weight sync to the vLLM servers ({', '.join(s.url for s in self.servers)}) did not end "
                     f"within rollout.vllm_server.sync_timeout_s={limit:g} s; every rank exits. Check the servers' "

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from gpg_vl.config.names import TOOL_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.registry import Registry
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.settings import ZoomInSettings
-from gpg_vl.rollout.trajectory import MultiTurnSettings
 
 
 class ToolError(Exception):

@@ -1,19 +1,26 @@
-"""Off-policy corrections (`trainer.correction`), registered by name like losses, each a pure tensor function.
+"""Off-policy corrections (`trainer.correction`), registered by name like losses, each a pure tensor function; the
+on-policy check of an engine with its own weights (`logp_mismatch`); which correction an update applies
+(`resolve_correction`, once per update).
 
 A rollout sampled by a behaviour policy pi_b (an older weight version under trainer.max_staleness >= 1, or an
 engine with its own kernels: vLLM) is trained on by the current policy pi_theta. Per token,
 log rho_t = log pi_theta - log pi_b, pi_theta from the forward the update already runs (detached), pi_b the
 engine's own log-probs at its sampling temperature (`Rollout.sampler_logps`). A correction turns rho into a
-weight w [n, C] (no gradient) and may reject whole sequences; GPG's loss becomes
+weight w [n, C] (no gradient) and may reject whole sequences. The weights are resolved once per update, from
+pi_prox (the learner's policy before the update) against pi_b, and passed to the loss (`weights=`), which multiplies
+its per-token term by them and never changes a ratio: GPG's loss becomes
 
     L = -1/N * sum_i 1/|o_i| * sum_t sg(w_i,t) * A_i * log pi_theta(o_i,t)
 
-over the sequences it keeps (N: the AGE normalizer, rejected sequences left out; see `age_counts`).
+and a ratio loss's per-token term is sg(w) times its clipped surrogate, its ratio to pi_prox (AReaL's decoupled
+objective, docs/async.md), over the sequences it keeps (N: the AGE normalizer, rejected sequences left out; see
+`age_counts`).
 
 Built in (ρ_seq = exp(sum_t log rho_t), ρ_geo = exp(mean_t log rho_t)):
 
 - `none`: w = 1;
-- `token_tis` (cap C): w_t = min(rho_t, C) (today's rollout.vllm.tis_cap is this correction with C = tis_cap);
+- `token_tis` (cap C): w_t = min(rho_t, C) (rollout.vllm.tis_cap / rollout.vllm_server.tis_cap is this correction
+  with C = tis_cap);
 - `sequence_tis` (cap C): w = min(ρ_seq, C) for every token of the sequence;
 - `geo_reject` (delta): w = 1, the sequence rejected when ρ_geo leaves [1 - delta, 1 + delta] (verl's geo_rs);
 - `topr`: TOPR's asymmetric rule, w = 1 when A >= 0, w = clip(ρ_seq, 0, 1) when A < 0.
@@ -31,7 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -133,6 +140,48 @@ def topr(log_ratio: Tensor, mask: Tensor, advantages: Tensor) -> tuple[Tensor, T
     weight = torch.where(negative, clipped, torch.ones_like(clipped))  # [n]
     capped = (negative & (log_sequence > 0)).unsqueeze(1) & mask
     return weight.unsqueeze(1).expand_as(log_ratio), _no_rejection(mask), capped
+
+
+def logp_mismatch(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor) -> tuple[float, float, int]:
+    """The on-policy check of an engine that samples with its own kernels (vLLM: its bf16 rounding differs): (sum,
+    max, count) of |sampler - trainer| log-probs over the tokens where `mask` is True (the trainer logs the mean and
+    the max each step). trainer_logps, sampler_logps [N, C] (any float dtype), mask [N, C] bool."""
+    mask = mask.bool()
+    gap = (sampler_logps.double() - trainer_logps.detach().double()).abs()[mask]  # [T]
+    if gap.numel() == 0:
+        return 0.0, 0.0, 0
+    return float(gap.sum()), float(gap.max()), int(gap.numel())
+
+
+@dataclass(frozen=True)
+class ActiveCorrection:
+    """The correction an update applies, worked out once (`resolve_correction`): its name and options, whether it
+    may reject sequences (the update then scores pi_prox before its first step), and whether the update reports
+    the correction's metrics (on every process alike: they depend on the settings only)."""
+
+    name: str = "none"
+    options: dict = field(default_factory=dict)
+    rejects: bool = False
+    reports: bool = False
+
+    @property
+    def weighs(self) -> bool:
+        """Whether the loss gets weights: every correction but `none`."""
+        return self.name != "none"
+
+
+def resolve_correction(name: str, options: dict | None, *, engine_cap: float = 0.0,
+                       stale: bool = False) -> ActiveCorrection:
+    """trainer.correction=`name` with `options` (trainer.correction_options); `none` with an engine's tis_cap > 0
+    (rollout.vllm.tis_cap, the engine's on-policy correction) is token_tis with that cap. `stale`: the rollouts may
+    be older than the learner (trainer.max_staleness >= 1, the pipeline's), which reports the metrics even
+    without a correction."""
+    if name == "none" and engine_cap > 0:
+        name, options = "token_tis", {"cap": engine_cap}
+    else:
+        options = correction_options(name, options)
+    rejects = bool(getattr(get_correction(name), "rejects", False))
+    return ActiveCorrection(name, options, rejects, reports=stale or name != "none")
 
 
 def apply_correction(name: str, options: dict, logps: Tensor, behaviour: Tensor, mask: Tensor,

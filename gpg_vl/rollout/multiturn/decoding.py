@@ -33,9 +33,15 @@ from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
 from gpg_vl.models.batch import eval_mode, extend_per_token, per_token_keys, trim_left_padding, unwrap
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
+from gpg_vl.rollout.multiturn.tools import ToolContext, ToolResult, answer_call
+from gpg_vl.rollout.multiturn.trajectory import (
+    MultiTurnSettings,
+    ToolCallRecord,
+    Trajectory,
+    pad_trajectories,
+    sequence_inputs,
+)
 from gpg_vl.rollout.sampling import next_tokens
-from gpg_vl.rollout.tools import ToolContext, ToolResult, answer_call
-from gpg_vl.rollout.trajectory import MultiTurnSettings, ToolCallRecord, Trajectory, pad_trajectories, sequence_inputs
 from gpg_vl.rollout.types import Rollout
 
 STOP_WINDOW = 32  # tokens of a segment's tail decoded to look for a stop string

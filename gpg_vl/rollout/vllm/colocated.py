@@ -20,7 +20,7 @@
   trajectory still going, n = 1, whose prompt is everything so far (prompt, segments, observations) with ONE
   placeholder per image and the images of every turn in `multi_modal_data`; a segment stops at EOS, at the
   family's stop strings (`</tool_call>`), at max_new_tokens or at the trajectory's token budget. The tool calls
-  are parsed, run and answered by the HF engine's own code (rollout/multiturn.py: `answer_segments`), so the
+  are parsed, run and answered by the HF engine's own code (rollout/multiturn/decoding.py: `answer_segments`), so the
   trajectory holds the processor-expanded observation tokens the update scores, while vLLM gets the same
   observation tokenized before expansion (its processor expands it, once). Each generated token's sampler
   log-prob is kept (`Trajectory.logps`; 0 on observation tokens in `Rollout.sampler_logps`).
@@ -38,22 +38,17 @@ import importlib.util
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import Tensor
 
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import (
-    Correction,
-    Engine,
     EnginePrompts,
     Sampling,
-    logp_mismatch_warning,
     register_engine,
 )
+from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings, Trajectory
 from gpg_vl.rollout.settings import VLLMEngineSettings
-from gpg_vl.rollout.trajectory import MultiTurnSettings, Trajectory
-from gpg_vl.rollout.types import Rollout, completion_mask_from_eos
-
-BANNED_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]: a banned token's probability is exp(-100) of others
+from gpg_vl.rollout.types import Rollout
+from gpg_vl.rollout.vllm.common import BANNED_BIAS, VLLMEngineBase, banned_tokens, padded_rollout, sampling_fields
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,35 +81,22 @@ def video_data(family, messages: list[dict], multi_modal_data: dict) -> dict:
 
 def sampling_kwargs(family, sampling: Sampling, group_size: int) -> dict:
     """`vllm.SamplingParams` keywords for G completions per prompt, sampled as the HF engine samples."""
-    banned = list(family.suppressed_ids) + (list(family.eos_ids) if sampling.ignore_eos else [])
-    kwargs = {
-        "n": group_size, "max_tokens": sampling.max_new_tokens, "logprobs": 0,
-        "temperature": 0.0 if sampling.greedy else sampling.temperature,
-        "top_p": 1.0 if sampling.greedy else sampling.top_p, "top_k": -1 if not sampling.greedy else 1,
-        "ignore_eos": sampling.ignore_eos, "stop_token_ids": [] if sampling.ignore_eos else list(family.eos_ids),
-        "skip_special_tokens": True, "detokenize": False,
-    }
+    kwargs = {**sampling_fields(family, sampling, group_size), "skip_special_tokens": True, "detokenize": False}
+    banned = banned_tokens(family, sampling)
     if banned:
-        kwargs["logit_bias"] = {int(token): BANNED_BIAS for token in sorted(set(banned))}
+        kwargs["logit_bias"] = {int(token): BANNED_BIAS for token in banned}
     return kwargs
 
 
-def completions_from_outputs(outputs, *, group_size: int, pad_id: int) -> tuple[Tensor, Tensor]:
-    """(completion ids [B * G, C], the sampler's log-prob of each sampled token [B * G, C]) from vLLM's
-    RequestOutputs: B of them, G completions each; rows right-padded with pad_id (log-prob 0)."""
+def completions_from_outputs(outputs, *, group_size: int) -> tuple[list[list[int]], list[list[float]]]:
+    """(each completion's token ids, the sampler's log-prob of each sampled token) from vLLM's RequestOutputs:
+    B of them, G completions each, in order (row b * G + g)."""
     rows = []
     for output in outputs:
         if len(output.outputs) != group_size:
             raise RuntimeError(f"vLLM returned {len(output.outputs)} completions for a prompt, not {group_size}")
         rows += list(output.outputs)
-    width = max([len(row.token_ids) for row in rows] + [1])
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    logps = torch.zeros((len(rows), width), dtype=torch.float32)
-    for n, row in enumerate(rows):
-        tokens = list(row.token_ids)
-        ids[n, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        logps[n, :len(tokens)] = torch.tensor(sampled_logps(row), dtype=torch.float32)
-    return ids, logps
+    return [list(row.token_ids) for row in rows], [sampled_logps(row) for row in rows]
 
 
 # ---- multi-turn (rollout.max_turns > 1) -------------------------------------------------------
@@ -131,7 +113,7 @@ class TurnRow:
     engine_images: list
     request: dict = field(default_factory=dict)  # the first turn's request: what else it holds (other media) stays
     segment: list[int] = field(default_factory=list)
-    ended_by: str = ""  # eos, stop, length, total (rollout/multiturn.py's segment_end)
+    ended_by: str = ""  # eos, stop, length, total (rollout/multiturn/decoding.py's segment_end)
 
     def extend_engine_prompt(self, family) -> None:
         """After an observation: its segment, then the observation tokenized BEFORE the processor expands its
@@ -185,7 +167,7 @@ def turn_requests(family, rows: list[TurnRow], n: int, sampling: Sampling, setti
 def take_segments(family, rows: list[TurnRow], outputs, sampling: Sampling, settings: MultiTurnSettings) -> None:
     """Each row's segment from vLLM's outputs (in row order, n per request): its tokens, the sampler's log-prob of
     each (`Trajectory.logps`), and why it ended, decided as the HF engine decides it."""
-    from gpg_vl.rollout.multiturn import segment_end
+    from gpg_vl.rollout.multiturn.decoding import segment_end
 
     completions = [completion for output in outputs for completion in output.outputs]
     if len(completions) != len(rows):
@@ -239,14 +221,11 @@ def missing(cuda: bool, installed: bool) -> str | None:
 # the engine
 # ---------------------------------------------------------------------------------------------
 @register_engine
-class VLLMEngine(Engine):
+class VLLMEngine(VLLMEngineBase):
     """A colocated vLLM engine with its own copy of the weights, synced after every optimizer step."""
 
     name = "vllm"
     settings_class = VLLMEngineSettings
-    returns_logps = True
-    own_weights = True
-    multi_turn = True
 
     @classmethod
     def unavailable(cls, rollout) -> str | None:
@@ -283,23 +262,7 @@ class VLLMEngine(Engine):
                                        dtype=dtype, seed=self.settings.seed + rank // tp))
         self.llm, self.sampling_params = llm, sampling_params
         self.asleep, self.weights_awake = False, False
-        self.sync(policy.model)  # load_format="dummy": the trainer's weights, whatever their source
-
-    # ---- the on-policy check --------------------------------------------------------------------
-    @property
-    def correction(self) -> Correction:
-        return Correction(sampler_check=True, tis_cap=self.settings.tis_cap)
-
-    def mismatch_warning(self, metrics: dict) -> str | None:
-        return logp_mismatch_warning(metrics, self.settings.max_logp_mismatch, sampler="the sampler's",
-                                     section="rollout.vllm", checks="the weight sync and dtype")
-
-    def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
-        reason = self.family.multi_turn_unsupported() if settings.multi_turn else None
-        if reason is not None:
-            raise UserError(f"rollout.max_turns={settings.max_turns} cannot run on this model: {reason}; set "
-                            "rollout.max_turns=1.")
-        super().take_tools(settings, tools)
+        self.sync(policy.model, 0)  # load_format="dummy": the trainer's weights, whatever their source
 
     # ---- rollout -------------------------------------------------------------------------------
     def generate(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
@@ -312,14 +275,8 @@ class VLLMEngine(Engine):
         params = self.sampling_params(**sampling_kwargs(self.family, sampling, group_size))
         outputs = self._generate_shared(requests, params)
         self.sleep()
-        ids, logps = completions_from_outputs(outputs, group_size=group_size, pad_id=self.family.pad_id)
-        mask = completion_mask_from_eos(ids, self.family.eos_ids, ignore_eos=sampling.ignore_eos)  # [B * G, C]
-        ids = ids.masked_fill(~mask, self.family.pad_id)
-        logps = logps.masked_fill(~mask, 0.0)
-        texts = self.family.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        device = self.policy.model.device
-        return Rollout(completion_ids=ids.to(device), completion_mask=mask.to(device), texts=texts,
-                       group_size=group_size, sampler_logps=logps.to(device))
+        rows, logps = completions_from_outputs(outputs, group_size=group_size)
+        return padded_rollout(self.family, rows, logps, sampling, group_size, self.policy.model.device)
 
     def _generate_shared(self, requests: list[dict], params) -> list:
         """`llm.generate` of this process's requests (`params`: one SamplingParams for all, or a list of one per
@@ -340,7 +297,7 @@ class VLLMEngine(Engine):
 
     def generate_trajectories(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         """B x G trajectories (row b * G + g continues prompt b), turn by turn (the module's docstring)."""
-        from gpg_vl.rollout.multiturn import answer_segments, prompt_context, trajectory_rollout
+        from gpg_vl.rollout.multiturn.decoding import answer_segments, prompt_context, trajectory_rollout
 
         family, settings = self.family, self.multiturn
         base = trajectory_prompt_requests(family, prompts)
@@ -372,7 +329,7 @@ class VLLMEngine(Engine):
         return rollout
 
     # ---- weights and memory ----------------------------------------------------------------------
-    def sync(self, model) -> None:
+    def sync(self, model, version: int) -> None:
         """Push the trainer's weights into vLLM's model, then drop every cache computed with the old ones."""
         from gpg_vl.models.weights import engine_weights, merged_lora
 
