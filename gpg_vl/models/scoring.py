@@ -36,6 +36,7 @@ from torch import Tensor
 from transformers import DynamicLayer
 
 import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
+from gpg_vl.distill import logits_entropy
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
 from gpg_vl.models.packing import pack_layout, pack_tokens, packed_segments, unpack_scored
@@ -177,7 +178,9 @@ def _scores(family, model, states: tuple[Tensor | None, Tensor | None], completi
     if not entropy:
         return logps
     with torch.no_grad():
-        return logps, _sampling_entropy(family, logits, temperature) * completion_mask.to(logps.dtype)
+        suppressed = logits.index_fill(-1, torch.tensor(family.suppressed_ids or [], dtype=torch.long,
+                                                        device=logits.device), float("-inf"))
+        return logps, logits_entropy(suppressed / temperature) * completion_mask.to(logps.dtype)
 
 
 def completion_states(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
@@ -216,39 +219,6 @@ def completion_states(family, model, prompts: PromptBatch, prompt_index: list[in
         return bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1], None  # [N, C, H]
     outputs = (model if path.wrapped else bare)(**full, use_cache=False, logits_to_keep=completion_length + 1)
     return None, outputs.logits[:, :-1].float()  # [N, C, V]
-
-
-def token_logits(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
-                 completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
-                 temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """(full-vocabulary logits [T, V'] (float32, divided by `temperature`, softcapped as sampled) of the T positions
-    where `completion_mask` is True, row-major, the suppressed ids left out (V' = V minus them), and the sampled
-    tokens' columns [T] in them): what a loss over the whole distribution (GKD's JSD: gpg_vl/distill.py) reads.
-    One forward on `path`, with gradient."""
-    bare = unwrap(model)
-    hidden, logits = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask,
-                                       path=path, observations=observations)
-    selected = completion_mask.bool()
-    if hidden is not None:
-        logits = _chunk_logits(hidden[selected], bare.get_output_embeddings().weight, None, temperature,
-                               family.logit_softcap(bare))  # [T, V]
-    else:
-        logits = logits[selected] / temperature  # [T, V]
-    targets = completion_ids[selected]  # [T]
-    if family.suppressed_ids:
-        kept = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        kept[torch.tensor(family.suppressed_ids, device=logits.device)] = False
-        logits, targets = logits[:, kept], (kept.long().cumsum(0) - 1)[targets]  # a sampled id is never suppressed
-    return logits, targets
-
-
-def _sampling_entropy(family, logits: Tensor, temperature: float) -> Tensor:
-    """Entropy [N, C] of the sampling distribution of logits [N, C, V] (suppressed ids removed, at temperature)."""
-    from gpg_vl.distill import logits_entropy
-
-    if family.suppressed_ids:
-        logits = logits.index_fill(-1, torch.tensor(family.suppressed_ids, device=logits.device), float("-inf"))
-    return logits_entropy(logits / temperature)
 
 
 def _hidden_logps(family, bare, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
@@ -561,7 +531,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         normalizers = torch.empty_like(logps)  # [T]
         entropies = torch.empty_like(logps) if entropy else logps.new_empty(0)  # [T] when asked
         for start in range(0, hidden.shape[0], chunk):
-            logits = _chunk_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
+            logits = output_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
             normalizers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1)  # [t]
             logps[start:start + chunk] = picked - normalizers[start:start + chunk]
@@ -582,7 +552,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
-            logits = _chunk_logits(hidden[start:end], weight, suppressed, ctx.temperature, ctx.softcap)  # [t, V]
+            logits = output_logits(hidden[start:end], weight, suppressed, ctx.temperature, ctx.softcap)  # [t, V]
             grad = torch.exp(logits - normalizers[start:end, None]).mul_(-grad_logps[start:end, None].float())
             grad.scatter_add_(-1, targets[start:end, None], grad_logps[start:end, None].float())
             grad.div_(ctx.temperature)  # d logp / d capped logits [t, V]
@@ -596,7 +566,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 None)
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, temperature: float,
+def output_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, temperature: float,
                   softcap: float | None = None) -> Tensor:
     logits = (hidden @ weight.T).float()  # [t, V]
     if softcap:

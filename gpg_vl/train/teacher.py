@@ -18,6 +18,7 @@ from gpg_vl.config.schema import TeacherSettings
 from gpg_vl.distill import combined_valid, generalized_jsd, logits_entropy, teacher_advantages, teacher_kl
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
+from gpg_vl.models.batch import unwrap
 from gpg_vl.models.scoring import ScoringPath
 from gpg_vl.objective import loss_alpha
 
@@ -52,12 +53,25 @@ class _Frozen:
 
 def chunk_logits(family, model, chunk, device, *, path: ScoringPath,
                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(full-vocabulary logits [T, V'] of `model` at the counted positions of micro-batch `chunk` (row-major), the
-    suppressed ids left out; the sampled tokens' columns [T]) (gpg_vl/models/scoring.py's `token_logits`)."""
-    counted = chunk.counted.to(device)
-    return scoring.token_logits(family, model, chunk.prompts.to(device), chunk.prompt_index,
-                                chunk.completion_ids.to(device), counted, path=path,
-                                observations=chunk.trajectories, temperature=temperature)
+    """(full-vocabulary logits [T, V'] (float32, divided by `temperature`, softcapped as sampled) of `model` at the
+    T counted positions of micro-batch `chunk`, row-major, the suppressed ids left out (V' = V minus them); the
+    sampled tokens' columns [T] in them): what a loss over the whole distribution (GKD's JSD) reads. One forward
+    on `path` (gpg_vl/models/scoring.py's `completion_states`), with gradient where it is enabled."""
+    counted, ids = chunk.counted.to(device), chunk.completion_ids.to(device)
+    hidden, logits = scoring.completion_states(family, model, chunk.prompts.to(device), chunk.prompt_index, ids,
+                                               counted, path=path, observations=chunk.trajectories)
+    bare = unwrap(model)
+    if hidden is not None:
+        logits = scoring.output_logits(hidden[counted], bare.get_output_embeddings().weight, None, temperature,
+                                       family.logit_softcap(bare))  # [T, V]
+    else:
+        logits = logits[counted] / temperature  # [T, V]
+    targets = ids[counted]  # [T]
+    if family.suppressed_ids:
+        kept = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        kept[torch.tensor(family.suppressed_ids, device=logits.device)] = False
+        logits, targets = logits[:, kept], (kept.long().cumsum(0) - 1)[targets]  # a sampled id is never suppressed
+    return logits, targets
 
 
 def check_teacher(teacher: TeacherSettings, student_name: str, *, lora: bool = False) -> None:
@@ -191,12 +205,12 @@ def require_teacher_settings(teacher: TeacherSettings, trainer) -> None:
 
 
 
-def teach(learner, plan: list[list], attempts: list, score_plan) -> dict:
+def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[list], dict]:
     """The teacher's part before the update's optimizer steps: with teacher.loss=reverse_kl the plan's per-token
     advantages, the groups whose combined advantage is all zero marked rejected (`with_teacher`; the student scored
     by `score_plan(learner, model, plan, attempts, calls)`, train/update.py's); with jsd the plan as it is (every
-    group carries the JSD). Returns {plan, valid groups and sampled groups over all processes, teacher_kl (the
-    token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}. Collective."""
+    group carries the JSD). Returns (plan, {valid groups and sampled groups over all processes, teacher_kl (the
+    token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}). Collective."""
     accelerator = learner.accelerator
     sampled = sum(len(a.valid) for a in attempts)
     if learner.teacher.settings.loss == "jsd":
@@ -207,8 +221,7 @@ def teach(learner, plan: list[list], attempts: list, score_plan) -> dict:
             learner, learner.model, scored, attempts, calls.max(dim=0).values.tolist()))
     totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"]],
                                              device=accelerator.device, dtype=torch.float64), "sum").tolist()
-    return {"plan": plan, "valid": int(totals[0]), "groups": int(totals[1]),
-            "teacher_kl": totals[2] / max(totals[3], 1.0)}
+    return plan, {"valid": int(totals[0]), "groups": int(totals[1]), "teacher_kl": totals[2] / max(totals[3], 1.0)}
 
 
 def taught_metrics(taught: dict | None, settings) -> dict[str, float]:

@@ -113,14 +113,11 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
     `_optimizer_step`). The off-policy correction (`Learner.off_policy`; `stale`: the rollouts may be older than the
     learner, trainer.max_staleness >= 1) is resolved once: its weights come from pi_prox, the policy before this
     update, against the behaviour log-probs, and go to the loss as `weights` (`_resolve_corrections`).
-    `learner.teacher` (teacher.model: on-policy distillation, gpg_vl/train/teacher.py) forwards every sampled group
-    too, each token's advantage its group's plus the teacher's term (or the JSD in the loss); a group counts as
-    valid when that combined advantage is not all zero, and the metrics say teacher_kl.
+    `learner.teacher`: every group forwarded, valid if its combined advantage is not all zero (train/teacher.py).
     """
     settings, accelerator = learner.settings, learner.accelerator
     kl_everywhere = kl_on_every_group(settings)
-    teacher = learner.teacher
-    if kl_everywhere or teacher is not None:  # the KL (as in TRL's and R1-V's GRPO) or the teacher acts on every
+    if kl_everywhere or learner.teacher is not None:  # the KL (TRL's, R1-V's GRPO) or the teacher acts on every
         attempts, kl_only = _every_group(attempts, accelerator)  # sampled sequence: invalid groups too
     loss_fn = get_policy_loss(settings.loss)
     aggregation = loss_aggregation(loss_fn, settings.aggregation)
@@ -135,9 +132,7 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
             for part in mini_batches(attempts, parts)]
     correction, steps, sums = learner.off_policy(stale), settings.ppo_epochs * parts, CorrectionSums()
     plan, groups_rejected, prox = _correct_up_front(learner, correction, loss_fn, plan, attempts, sums, steps=steps)
-    taught = teach(learner, plan, attempts, _score_plan) if teacher is not None else None  # AGE: combined advantage
-    if taught is not None:
-        plan = taught.pop("plan")
+    plan, taught = teach(learner, plan, attempts, _score_plan) if learner.teacher is not None else (plan, None)
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
@@ -170,13 +165,12 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
                 break
         if results[-1].get("nonfinite"):
             break
-    metrics = _combine_results(results)
+    metrics = {**_combine_results(results), **taught_metrics(taught, settings)}
     if correction.reports:  # collective, on every process alike (the settings are the same everywhere)
         rows = accelerator.gather(torch.tensor([sums.as_list()], device=accelerator.device, dtype=torch.float64))
         metrics.update(correction_metrics(rows.cpu()))
     if groups_rejected is not None:
         metrics["groups_rejected"] = groups_rejected
-    metrics.update(taught_metrics(taught, settings))
     if kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
         metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
                         "groups_kl_only": kl_only, "alpha": 1.0})
