@@ -12,56 +12,37 @@ so a hang fails a test.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import procs
+from helpers.launch import (
+    CONFIGS,
+    LAUNCH,
+    WORKER,
+    free_port,
+    launch,
+    launch_env,
+    launch_environment,
+    require_deepspeed,
+)
 from helpers.once import once
 from helpers.runs import untimed
 from helpers.scoring import token_logps
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "distributed" / "distributed_worker.py"
-CONFIGS = ROOT / "configs" / "accelerate"
 CASES = ("even", "uneven", "one_without_valid", "one_without_prompts")
 TINY_RUN = ["trainer.batch_size=4", "trainer.group_size=4", "trainer.micro_batch_size=6", "rollout.max_new_tokens=16",
             "trainer.lr=1e-3", "task.options.train_size=64", "task.options.test_size=8", "trainer.save_every=1",
             "trainer.keep_checkpoints=3"]
 
 
-def _environment() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:  # other test runs on this machine may hold accelerate's default 29500
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-LAUNCH = ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-
-
-def launch(*arguments: str, config: str | None = None) -> str:
-    """2 processes as `accelerate launch <LAUNCH> [--config_file configs/accelerate/<config> | --multi_gpu]
-    <arguments>` starts them (`--multi_gpu` starts them on a CPU machine too), forked (helpers/procs.py); returns
-    their output."""
-    environment = launch_environment(CONFIGS / config if config else None, LAUNCH)
-    done = procs.launch(list(arguments), env={**_environment(), **environment}, port=_free_port())
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return done.stdout + done.stderr
-
-
 def one_process(*arguments: str) -> None:
-    done = procs.run(list(arguments), env=_environment(), timeout=900)
+    done = procs.run(list(arguments), env=launch_env(), timeout=900)
     assert done.returncode == 0, done.stderr[-6000:]
 
 
@@ -78,29 +59,6 @@ def assert_same_weights(first: Path, second: Path) -> None:
     assert set(a) == set(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
-
-
-# ---------------------------------------------------------------------------------------------
-# the shipped accelerate configs
-# ---------------------------------------------------------------------------------------------
-def launch_environment(config: Path | None, options: Sequence[str] = ("--num_processes", "2")) -> dict[str, str]:
-    """What `accelerate launch <options> --config_file config` (`--multi_gpu` without one) puts in the processes'
-    environment, computed by accelerate's own launcher code (which rejects unknown top-level keys)."""
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
-
-    parser = launch_command_parser()
-    engine = ["--config_file", str(config)] if config else ["--multi_gpu"]
-    arguments = parser.parse_args([*engine, *options, "scripts/train.py"])
-    arguments, defaults, _ = _validate_launch_command(arguments)
-    # accelerate copies nested keys onto the launch arguments without checking them: check them here
-    launch_options = {action.dest for action in parser._actions}
-    nested = {**(defaults.fsdp_config if defaults else {}), **(defaults.deepspeed_config if defaults else {})}
-    assert not set(nested) - launch_options, f"{config}: unknown keys {sorted(set(nested) - launch_options)}"
-    if arguments.use_deepspeed:
-        arguments.deepspeed_fields_from_accelerate_config = ",".join([*defaults.deepspeed_config, "mixed_precision"])
-        return prepare_deepspeed_cmd_env(arguments)[1]
-    return prepare_multi_gpu_env(arguments)
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_offload", "zero2", "zero3", "zero3_offload"])
@@ -383,10 +341,6 @@ DEEPSPEED_CASES = ("uneven", "one_without_prompts")  # uneven valid groups, an e
 DEEPSPEED_TRAIN = ["trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false", *TINY_RUN]
 
 
-def require_deepspeed() -> None:
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[dev]' installs it)")
-
-
 def deepspeed_launch(out: Path, config: str, *, update: bool, algorithm: str | None) -> Path:
     """Under configs/accelerate/<config>.yaml, in one launch of 2 processes: the update cases (when `update`), and
     a run of `algorithm` and its resume from step 1 (when one is named)."""
@@ -517,7 +471,7 @@ def test_a_launch_with_zero_stage_7_ends_in_one_sentence_before_the_model_loads(
     config.write_text((CONFIGS / "zero2.yaml").read_text().replace("zero_stage: 2", "zero_stage: 7"))
     environment = launch_environment(config, LAUNCH)  # accelerate's launcher accepts the stage
     done = procs.launch(["scripts/train.py", f"output_dir={tmp_path / 'run'}", *TINY_RUN],
-                        env={**_environment(), **environment}, port=_free_port())
+                        env={**launch_env(), **environment}, port=free_port())
     said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
     assert "zero_optimization.stage=7 (zero_stage in the accelerate config file)" in said[0]
@@ -532,10 +486,10 @@ def test_a_failed_save_on_the_main_process_ends_every_process_at_once_with_its_s
     run = tmp_path / "run"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(_free_port()), str(WORKER), "fail_save", str(tmp_path / "views"), "--", "scripts/train.py",
+               str(free_port()), str(WORKER), "fail_save", str(tmp_path / "views"), "--", "scripts/train.py",
                f"output_dir={run}", "trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false",
                *TINY_RUN]
-    done = subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
     assert "could not save checkpoint-1" in said[0] and "the disk is full (No space left on device)" in said[0]

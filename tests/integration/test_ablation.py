@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import procs
-from helpers.scoring import path_for
+from helpers.learners import learner_for
 
 from gpg_vl.config.compose import load_config
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
@@ -20,7 +20,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train.loop import RunSettings, setup_policy, train
 from gpg_vl.train.sample import sample_attempt
-from gpg_vl.train.update import Learner, update
+from gpg_vl.train.update import update
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,6 @@ def test_without_age_only_the_normalizer_changes_to_every_sampled_sequence_acros
     """Two attempts (a resampled step) of 3 groups x G 2, 3 of the 6 groups valid: the gradient the optimizer
     steps on without AGE is exactly (valid sequences / sampled sequences) = 1/2 of the AGE gradient."""
     from accelerate import Accelerator
-    from transformers import get_scheduler
 
     from gpg_vl.data.stream import PromptStream
 
@@ -102,10 +101,9 @@ def test_without_age_only_the_normalizer_changes_to_every_sampled_sequence_acros
     for age in (True, False):
         model = copy.deepcopy(policy.model)
         optimizer = RecordingSGD(model.parameters(), lr=1.0)
-        scheduler = get_scheduler("constant", optimizer)
         settings = TrainerSettings(age=age, micro_batch_size=4, max_grad_norm=1e9)
-        result = update(Learner(dataclasses.replace(policy, model=model), model, optimizer, scheduler, accelerator,
-                                settings, temperature=1.0, path=path_for(policy.family, model, settings)), attempts)
+        result = update(learner_for(policy, settings, model=model, optimizer=optimizer, accelerator=accelerator),
+                        attempts)
         losses[age], grads[age] = result["loss"], optimizer.grad
     assert grads[True].abs().max() > 0
     assert losses[False] == pytest.approx(0.5 * losses[True], rel=1e-5)

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.learners import learner_for
 from helpers.runs import train_run, untimed
 from safetensors.torch import load_file
 
@@ -102,11 +103,9 @@ def test_rejected_sequences_leave_the_normalizer_and_all_rejected_groups_count_i
     """Three valid groups of two; the behaviour log-probs of group 0's first sequence and of both of group 1's are
     moved far off (geometric-mean rejection rejects them). By hand: normalizer = 3 kept sequences (group 0's second,
     group 2's two), M = 1 (group 1), and the loss is -1/3 sum over the kept of A_i x their token-mean log-prob."""
-    from accelerate import Accelerator
-    from transformers import get_scheduler
 
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.update import update
 
     rollout = RolloutSettings(max_new_tokens=6)
     settings = TrainerSettings(batch_size=3, group_size=2, reward_workers=1, correction="geo_reject",
@@ -127,10 +126,7 @@ def test_rejected_sequences_leave_the_normalizer_and_all_rejected_groups_count_i
     token_means = (logps * mask).sum(1) / mask.sum(1)
     kept = [1, 4, 5]
     expected = -sum(float(advantages.flatten()[i] * token_means[i]) for i in kept) / 3
-    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
-    learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), Accelerator(cpu=True),
-                      settings, temperature=1.0, path=path)
-    result = update(learner, [attempt])
+    result = update(learner_for(policy, settings, path=path), [attempt])
     assert result["groups_rejected"] == 1 and result["rejected_fraction"] == pytest.approx(3 / 6)
     assert result["loss"] == pytest.approx(expected, abs=1e-6)
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.scoring import path_for, token_logps
+from helpers.learners import learner_for
+from helpers.scoring import token_logps
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
@@ -312,14 +313,12 @@ def test_truncated_importance_weights_by_hand_and_without_gradient():
 def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, shapes):
     """The update with sampler log-probs: equal ones give mismatch 0 and (with TIS) the plain gradient;
     a sampler twice as likely on every token (w = 1/2) halves it; AGE's normalizer is unchanged."""
-    from accelerate import Accelerator
-    from transformers import get_scheduler
 
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.rollout.engine import Correction, build_engine
     from gpg_vl.train.sample import sample_attempt
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.update import update
 
     stream = PromptStream(shapes.load("train")[:8], seed=0)
     rollout = RolloutSettings(max_new_tokens=6)
@@ -334,11 +333,8 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
 
     def gradient(sampler, tis_cap):
         attempt.rollout.sampler_logps = sampler
-        accelerator = Accelerator(cpu=True)
-        optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
-        learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), accelerator, settings,
-                          temperature=1.0, path=path_for(policy.family, policy.model, settings),
-                          correction=Correction(sampler_check=sampler is not None, tis_cap=tis_cap))
+        learner = learner_for(policy, settings,
+                              correction=Correction(sampler_check=sampler is not None, tis_cap=tis_cap))
         result = update(learner, [attempt])
         return result, policy.model.lm_head.weight.grad
 

@@ -15,6 +15,14 @@ import pytest
 import torch
 from accelerate import Accelerator
 from helpers import procs
+from helpers.gradients import (
+    FAMILIES,
+    assert_fast_paths_give_the_plain_gradient,
+    lora_policy,
+    mixed_attempt,
+    mixed_prompts,
+    one_update_gradient,
+)
 from helpers.once import once
 from helpers.runs import tiny_family_policy
 from helpers.scoring import path_for
@@ -32,9 +40,6 @@ from gpg_vl.train.micro_batch import micro_batch_cost, update_chunks
 from gpg_vl.train.sample import Attempt
 from gpg_vl.train.update import Learner, update
 
-FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",  # the Qwen families
-            "llava_onevision", "gemma3", "gemma4", "smolvlm", "internvl", "glm4v"]  # generic-family classes
-
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_policy(request, tmp_path_factory):
@@ -42,88 +47,8 @@ def family_policy(request, tmp_path_factory):
     return tiny_family_policy(request.param, tmp_path_factory)
 
 
-def mixed_prompts(policy, shapes) -> PromptBatch:
-    """Three prompts of different lengths (so left padding differs), the last one with two images."""
-    rows = shapes.load("train")[:3]
-    longer = shapes.messages(rows[1])
-    longer[0]["content"][-1]["text"] += " Think step by step, then answer with one word."
-    two_images = [{"role": "user", "content": [
-        {"type": "image", "image": rows[0]["image"]}, {"type": "image", "image": rows[2]["image"]},
-        {"type": "text", "text": "Which image has more shapes?"}]}]
-    prompts = policy.family.encode([shapes.messages(rows[0]), longer, two_images])
-    assert len(set(prompts.inputs["attention_mask"].sum(dim=1).tolist())) == 3
-    assert prompts.images_per_prompt == [1, 1, 2]
-    return prompts
-
-
-class RecordingSGD(torch.optim.SGD):
-    """Keeps a copy of the gradient each step() sees (update() zeroes it afterwards)."""
-
-    def step(self, closure=None):
-        self.seen = torch.cat([p.grad.flatten().clone() for g in self.param_groups for p in g["params"]
-                               if p.grad is not None])
-        return super().step(closure)
-
-
-def one_update_gradient(policy, attempt: Attempt, settings: TrainerSettings) -> torch.Tensor:
-    model = policy.model
-    model.train()
-    optimizer = RecordingSGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    scheduler = get_scheduler("constant", optimizer)
-    result = update(Learner(policy, model, optimizer, scheduler, Accelerator(cpu=True), settings, temperature=0.7,
-                            path=path_for(policy.family, model, settings)), [attempt])
-    assert result["skipped"] == 0.0
-    return optimizer.seen
-
-
-def mixed_attempt(policy, shapes) -> Attempt:
-    """Three groups of G=3 (prompts of different lengths, one with two images), completions of different
-    lengths; the last group is invalid."""
-    prompts = mixed_prompts(policy, shapes)
-    group_size, width = 3, 7
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(20, 300, (3 * group_size, width), generator=generator)  # [B * G, C]
-    lengths = torch.tensor([7, 3, 5, 1, 7, 6, 2, 7, 4])
-    mask = torch.arange(width)[None, :] < lengths[:, None]  # [B * G, C]
-    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.9, 0.4], [1.0, 1.0, 1.0]])
-    advantages = rewards - rewards.mean(dim=1, keepdim=True)
-    return Attempt(rows=[{}] * 3, prompts=prompts,
-                   rollout=Rollout(ids.masked_fill(~mask, policy.family.pad_id), mask, [""] * 9, group_size),
-                   rewards=rewards, components={}, advantages=advantages, valid=torch.tensor([True, True, False]))
-
-
-def assert_fast_paths_give_the_plain_gradient(policy, attempt: Attempt) -> None:
-    common = {"max_grad_norm": 1e9, "group_size": attempt.rollout.group_size}
-    plain = TrainerSettings(**common, share_vision=False, share_prompt=False, logits_chunk_tokens=0,
-                            micro_batch_tokens=0, micro_batch_size=100)
-    lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1)[attempt.valid]  # the valid groups' prompts
-    budget = int(lengths.max()) + 14  # a prompt and two completions
-    fast = TrainerSettings(**common, share_vision=True, share_prompt=True, logits_chunk_tokens=3,
-                           micro_batch_tokens=budget)  # several micro-batches, some splitting a group
-    assert len(list(update_chunks([attempt], 0, budget, share_prompt=True))) > 2
-    reference = one_update_gradient(policy, attempt, plain)
-    scale = float(reference.abs().max())
-    assert scale > 0
-    for settings_ in (fast, TrainerSettings(**common, share_prompt=False, logits_chunk_tokens=5)):
-        gradient = one_update_gradient(policy, attempt, settings_)
-        # float32 summation order: an embedding row summed over many positions (Gemma 4's newline row) can
-        # differ by ~1.4e-5 of the largest gradient; in float64 Gemma 3 and 4 agree to 3e-7 of it
-        torch.testing.assert_close(gradient, reference, rtol=1e-4, atol=2e-5 * scale)
-
-
 def test_one_update_gradient_with_every_fast_path_equals_the_plain_update(family_policy, shapes):
     assert_fast_paths_give_the_plain_gradient(family_policy, mixed_attempt(family_policy, shapes))
-
-
-def lora_policy(policy):
-    from gpg_vl.models.load import Policy
-    from gpg_vl.models.lora import apply_lora
-
-    lora = apply_lora(policy.model, r=4, alpha=8.0, vision_modules=policy.family.vision_modules(policy.model))
-    for name, parameter in lora.named_parameters():
-        if "lora_B" in name:  # B starts at zero, which would make the base path's gradient the only one
-            torch.nn.init.normal_(parameter, std=0.05, generator=torch.Generator().manual_seed(len(name)))
-    return Policy(lora, policy.processor, policy.family, policy.name_or_path)
 
 
 def test_fast_paths_run_the_lora_adapters_and_give_their_plain_gradient(policy, shapes):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.learners import learner_for
 from helpers.scoring import on_every_scoring, token_logps
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
@@ -21,7 +22,7 @@ from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train.reference import Reference, kl_on_every_group
 from gpg_vl.train.sample import sample_attempt
-from gpg_vl.train.update import Learner, update
+from gpg_vl.train.update import update
 
 BETA = 0.04
 
@@ -88,8 +89,6 @@ def _reference(model):
                          ids=["two-valid", "one-valid", "none-valid"])
 def test_grpo_update_equals_trl_compute_loss_with_invalid_groups(policy, drawn, valid):
     pytest.importorskip("trl")
-    from accelerate import Accelerator
-    from transformers import get_scheduler
 
     attempt = _attempt(drawn, valid, seed=1)
     reference = _reference(policy.model)
@@ -101,8 +100,8 @@ def test_grpo_update_equals_trl_compute_loss_with_invalid_groups(policy, drawn, 
     optimizer = RecordingSGD(model.parameters(), lr=1.0)
     path = choose_scoring_path(policy.family, model, share_prompt=settings.share_prompt,
                                share_vision=settings.share_vision)
-    learner = Learner(dataclasses.replace(policy, model=model), model, optimizer, get_scheduler("constant", optimizer),
-                      Accelerator(cpu=True), settings, temperature=1.0, path=path, reference=Reference(reference))
+    learner = learner_for(policy, settings, model=model, optimizer=optimizer, path=path,
+                          reference=Reference(reference))
     # TRL on every sampled sequence, from the same weights (before the update's step)
     expected_model = copy.deepcopy(policy.model)
     rollout = attempt.rollout
@@ -131,8 +130,6 @@ def test_grpo_update_equals_trl_compute_loss_with_invalid_groups(policy, drawn, 
 
 
 def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn, monkeypatch):
-    from accelerate import Accelerator
-    from transformers import get_scheduler
 
     attempt = _attempt(drawn, [True, False, False], seed=2)
     for settings in (TrainerSettings(loss="grpo", kl_coef=0.0, age=False, batch_size=3, group_size=2),
@@ -145,13 +142,10 @@ def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn, m
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         path = scoring.choose_scoring_path(policy.family, model, share_prompt=settings.share_prompt,
                                            share_vision=settings.share_vision)
-        result = update(Learner(dataclasses.replace(policy, model=model), model, optimizer,
-                                get_scheduler("constant", optimizer), Accelerator(cpu=True), settings,
-                                temperature=1.0, path=path), [attempt])
+        result = update(learner_for(policy, settings, model=model, optimizer=optimizer, path=path), [attempt])
         assert sum(forwarded) == 2 and "groups_kl_only" not in result  # the one valid group's 2 sequences
-        empty = update(Learner(dataclasses.replace(policy, model=model), model, optimizer,
-                               get_scheduler("constant", optimizer), Accelerator(cpu=True), settings,
-                               temperature=1.0, path=path), [_attempt(drawn, [False] * 3, seed=3)])
+        empty = update(learner_for(policy, settings, model=model, optimizer=optimizer, path=path),
+                       [_attempt(drawn, [False] * 3, seed=3)])
         assert empty["skipped"] == 1.0
 
 

@@ -8,63 +8,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.gradients import assert_fast_paths_give_the_plain_gradient, one_update_gradient
 from helpers.runs import tiny_family_policy
-from helpers.tool_engine import call_text
-from PIL import Image
-from test_fast_paths import assert_fast_paths_give_the_plain_gradient, one_update_gradient
+from helpers.scripted_turns import sample, trajectory_attempt
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.batch import trim_left_padding
 from gpg_vl.models.scoring import ScoringPath, token_logps
-from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.multiturn.decoding import generate_trajectories
-from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings, sequence_inputs
-from gpg_vl.train.sample import Attempt
+from gpg_vl.rollout.multiturn.trajectory import sequence_inputs
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]  # generic: GLM-4.1V, InternVL
-MAX_NEW = 100  # per segment: a scripted call is about 85 tokens of the tiny byte-level BPE
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def policy(request, tmp_path_factory):
     return tiny_family_policy(request.param, tmp_path_factory)
-
-
-def prompts(policy) -> EnginePrompts:
-    """Two prompts of different lengths, one image each (different sizes)."""
-    messages = [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", size, color)},
-                                              {"type": "text", "text": text}]}]
-                for size, color, text in (((200, 150), (0, 90, 0), "What is it?"),
-                                          ((160, 240), (90, 0, 0), "Which shape is red? Look closely."))]
-    return EnginePrompts(policy.family.encode(messages), messages)
-
-
-def call_tokens(policy, box) -> list[int]:
-    family = policy.family
-    ids = family.tokenizer(call_text(family, box), add_special_tokens=False)["input_ids"]
-    assert len(ids) < MAX_NEW
-    return ids
-
-
-def script(policy, batch):
-    """Row 0: a good crop then free text; row 1: free text; row 2: a box too small (an error); row 3: a crop."""
-    family = policy.family
-
-    def box(prompt, region):
-        return "[" + ", ".join(str(round(v)) for v in family.to_model_frame(region, batch.image_sizes[prompt][0])) + "]"
-
-    segments = {(0, 0): call_tokens(policy, box(0, (10, 10, 150, 120))),
-                (2, 0): call_tokens(policy, box(1, (0, 0, 20, 20))),
-                (3, 0): call_tokens(policy, box(1, (20, 40, 140, 200)))}
-    return lambda row, turn: segments.get((row, turn))
-
-
-def sample(policy, mode: str, **settings):
-    batch = prompts(policy)
-    settings = MultiTurnSettings(**{"max_turns": 2, "hf_multiturn": mode, **settings})
-    sampling = Sampling(max_new_tokens=MAX_NEW, greedy=True)
-    return batch, generate_trajectories(policy, batch, group_size=2, sampling=sampling, settings=settings,
-                                        tools=("zoom_in",), scripted=script(policy, batch.batch))
 
 
 def test_a_two_turn_trajectory_with_a_crop_and_its_masks(policy):
@@ -141,13 +99,6 @@ def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
         assert torch.allclose(results[name][0][loss_mask], results["plain"][0][loss_mask], atol=1e-5)
         assert torch.allclose(results[name][1], results["plain"][1], atol=1e-4, rtol=1e-4), name
     model.zero_grad()
-
-
-def trajectory_attempt(batch, rollout, rewards=((1.0, 0.0), (0.2, 0.9))) -> Attempt:
-    """The scripted rollout (2 prompts x G=2: a crop, free text, a refused call, a crop) as a scored attempt."""
-    rewards = torch.tensor(rewards)  # [B, G]
-    return Attempt(rows=[{}, {}], prompts=batch.batch, rollout=rollout, rewards=rewards, components={},
-                   advantages=rewards - rewards.mean(dim=1, keepdim=True), valid=torch.tensor([True, True]))
 
 
 def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_trajectories(policy):

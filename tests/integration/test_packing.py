@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers.gradients import FAMILIES, lora_policy, mixed_attempt, one_update_gradient
 from helpers.runs import tiny_family_policy
-from test_fast_paths import FAMILIES, lora_policy, mixed_attempt, one_update_gradient
-from test_multiturn import sample, trajectory_attempt
-from test_video import video_attempt
+from helpers.scripted_turns import sample, trajectory_attempt
+from helpers.video_attempts import video_attempt
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.errors import UserError

@@ -19,7 +19,7 @@ def policy(request, tmp_path_factory):
 
 
 def test_crops_counted_from_the_decoded_text_match_the_trajectories(policy):
-    from test_multiturn import sample  # the scripted rollouts of the multi-turn tests
+    from helpers.scripted_turns import sample  # the scripted rollouts of the multi-turn tests
 
     _, rollout = sample(policy, "incremental")
     for text, trajectory in zip(rollout.texts, rollout.trajectories, strict=True):
@@ -35,7 +35,7 @@ def test_crops_counted_from_the_decoded_text_match_the_trajectories(policy):
 @pytest.mark.parametrize("workers", [1, 3])
 def test_rewards_receive_the_trajectory_and_the_tool_bonus_reads_its_calls(policy, workers):
     """The texts are stripped of their observations, so only the trajectories can tell which received a crop."""
-    from test_multiturn import sample
+    from helpers.scripted_turns import sample
 
     from gpg_vl.data.task import Task
     from gpg_vl.reward.pool import score_completions

@@ -19,18 +19,17 @@ import re
 
 import pytest
 import torch
+from helpers.gradients import one_update_gradient
 from helpers.runs import tiny_family_policy, untimed
+from helpers.video_attempts import two_video_prompts, video_attempt, video_messages
 from helpers.video_clips import clip_frames, write_clip
-from test_fast_paths import one_update_gradient
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
-from gpg_vl.rollout.types import Rollout
 from gpg_vl.train.micro_batch import update_chunks
-from gpg_vl.train.sample import Attempt
 
 VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "internvl",
                   "gemma4"]
@@ -41,34 +40,6 @@ def video_policy(request, tmp_path_factory):
     policy = tiny_family_policy(request.param, tmp_path_factory)
     policy.family.video_pixels = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}  # a few tokens per frame pair
     return policy
-
-
-def video_messages(video, question: str, **sampling) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "video", "video": video, **sampling},
-                                         {"type": "text", "text": question}]}]
-
-
-def two_video_prompts(policy):
-    """Two prompts of different lengths: an 8-frame clip and a 4-frame clip with a longer question."""
-    prompts = policy.family.encode([
-        video_messages(clip_frames(8), "Where does the dot go?"),
-        video_messages(clip_frames(4, (48, 64)), "Where does the dot go? Think, then answer with one word.")])
-    assert prompts.videos_per_prompt == [1, 1] and not prompts.has_images
-    assert len(set(prompts.inputs["attention_mask"].sum(dim=1).tolist())) == 2
-    return prompts
-
-
-def video_attempt(policy) -> Attempt:
-    prompts = two_video_prompts(policy)
-    group_size, width = 2, 6
-    ids = torch.randint(20, 300, (2 * group_size, width), generator=torch.Generator().manual_seed(0))
-    lengths = torch.tensor([6, 2, 4, 5])  # ragged completions
-    mask = torch.arange(width)[None, :] < lengths[:, None]  # [B * G, C]
-    rewards = torch.tensor([[1.0, 0.0], [0.2, 0.9]])
-    return Attempt(rows=[{}] * 2, prompts=prompts,
-                   rollout=Rollout(ids.masked_fill(~mask, policy.family.pad_id), mask, [""] * 4, group_size),
-                   rewards=rewards, components={}, advantages=rewards - rewards.mean(dim=1, keepdim=True),
-                   valid=torch.tensor([True, True]))
 
 
 def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_video(video_policy):

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.browser import CHROMIUM, image_tiles, open_in_chromium, root_tag
 from PIL import Image
-from test_viewer import CHROMIUM, image_tiles, open_in_chromium, root_tag
 
 from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import EMBEDDED_TINY

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.learners import learner_for
 from helpers.runs import tiny_family_policy
-from helpers.scoring import path_for
 from PIL import Image
 
 from gpg_vl.config.schema import RolloutSettings
@@ -214,14 +214,12 @@ def test_engine_options_plan_for_whole_trajectories():
 def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_tokens(policy):
     """vLLM reporting the trainer's own log-probs for each segment: the update's logp_mismatch is 0, so every
     sampler log-prob sits at the position of the token it belongs to, and observation tokens are not compared."""
-    from accelerate import Accelerator
-    from transformers import get_scheduler
 
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.models.scoring import ScoringPath, token_logps
     from gpg_vl.rollout.engine import Correction
     from gpg_vl.train.sample import Attempt
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.update import update
 
     _, batch, rollout, _ = rollout_through(policy)
     family = policy.family
@@ -239,11 +237,8 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
     rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     attempt = Attempt(rows=[{"id": 0}, {"id": 1}], prompts=batch.batch, rollout=rollout, rewards=rewards,
                       components={"r": rewards}, advantages=rewards - 0.5, valid=torch.tensor([True, True]))
-    optimizer = torch.optim.SGD(policy.model.parameters(), lr=0.0)
     settings = TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0)
-    learner = Learner(policy, policy.model, optimizer, get_scheduler("constant", optimizer), Accelerator(cpu=True),
-                      settings, temperature=1.0, path=path_for(policy.family, policy.model, settings),
-                      correction=Correction(sampler_check=True))
+    learner = learner_for(policy, settings, correction=Correction(sampler_check=True))
     assert update(learner, [attempt])["logp_mismatch_mean"] < 1e-5
     policy.model.zero_grad()
     shifted = rollout.sampler_logps.clone()

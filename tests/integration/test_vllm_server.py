@@ -409,8 +409,7 @@ def test_two_trainer_processes_train_against_one_server(k, tmp_path):
     weights after step 1), on the samplers' own process group beside the learners' gradient all-reduce."""
     import urllib.request
 
-    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
-    from test_distributed import launch
+    from helpers.launch import launch
 
     steps = 2 + k
     server = LoopbackServer().start()  # in this process, beside the two trainer processes
@@ -442,8 +441,7 @@ def test_sharded_trainers_gather_their_weights_for_every_sync(engine, tmp_path):
     """FSDP2 and DeepSpeed ZeRO-3 on 2 trainer processes against one server: every sync gathers the sharded weights
     (collective: both ranks walk them, rank 0 sends), so the server samples each step with exactly the trainer's
     weights (its log-probs are the trainer's)."""
-    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
-    from test_distributed import WORKER, launch, require_deepspeed
+    from helpers.launch import WORKER, launch, require_deepspeed
 
     if engine == "zero3":
         require_deepspeed()

@@ -67,3 +67,15 @@ def test_readme_states_the_zoom_result_of_its_page():
     for claim in ("0.25", "0.70–0.72"):
         assert claim in page and readme.count(claim) >= 2  # the feature line and the Results line
     assert "negative" not in readme
+
+
+def test_layout_names_every_module_of_the_package_and_no_other():
+    """docs/layout.md has one line per module of gpg_vl/ (`- `gpg_vl/...py`: ...`; a package's __init__.py when
+    it holds code): a module added without its line, or a line left for a module that is gone, fails here."""
+    package = ROOT / "gpg_vl"
+    modules = {path.relative_to(ROOT).as_posix() for path in package.rglob("*.py")
+               if path.name != "__init__.py" or path.read_text().strip()}
+    lines = re.findall(r"^- `(gpg_vl/[^`]+\.py)`:", (DOCS / "layout.md").read_text(), re.MULTILINE)
+    assert len(lines) == len(set(lines)), "docs/layout.md names a module twice"
+    assert not modules - set(lines), f"docs/layout.md has no line for {sorted(modules - set(lines))}"
+    assert not set(lines) - modules, f"docs/layout.md names modules that do not exist: {sorted(set(lines) - modules)}"

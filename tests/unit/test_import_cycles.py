@@ -160,3 +160,16 @@ def test_observe_reads_what_train_writes_without_importing_train():
                        if target == "gpg_vl.train" or target.startswith("gpg_vl.train."))
     assert not importers, importers
 
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers/ (or a fixture): a test module never imports another test module."""
+    tests = PACKAGE.parent / "tests"
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(tests)}: {name}" for name in names
+                      if name.split(".")[-1].startswith("test_")]
+    assert not found, "test modules importing test modules:\n" + "\n".join(found)

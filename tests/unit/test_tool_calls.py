@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers.tool_context import context
 
 from gpg_vl.models.family import FAMILIES
 from gpg_vl.models.tool_calls import ToolCall, parse_hermes_call, parse_xml_call
 from gpg_vl.rollout.multiturn.tools import answer_call
-from tests.unit.test_tools import context
 
 HERMES = ('<think>the sign is small</think>\n<tool_call>\n{"name": "zoom_in", "arguments": '
           '{"bbox_2d": [10, 20, 300, 400]}}\n</tool_call>')

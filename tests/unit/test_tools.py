@@ -5,39 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from helpers.tool_context import StubFamily, context, gradient
 from PIL import Image
 
 from gpg_vl.errors import UserError
-from gpg_vl.models.family import Family
 from gpg_vl.rollout.multiturn.tools import TOOLS, ToolContext, ToolError, register_tool, run_tool, tool_schema
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.settings import ZoomInSettings
-
-
-class StubFamily:
-    """The family protocol's box conversions on a chosen frame; `fit_image` halves each side (a visible resize)."""
-
-    name = "stub"
-    box_scale, to_original_frame = Family.box_scale, Family.to_original_frame
-
-    def __init__(self, frame: str) -> None:
-        self.box_frame = frame
-
-    def fit_image(self, image):
-        return image.resize((max(1, image.width // 2), max(1, image.height // 2)))
-
-
-def gradient(width: int, height: int) -> Image.Image:
-    """An image whose pixel (x, y) is (x % 256, y % 256, 0): a crop says where it was cut from."""
-    image = Image.new("RGB", (width, height))
-    image.putdata([(x % 256, y % 256, 0) for y in range(height) for x in range(width)])
-    return image
-
-
-def context(frame="relative-1000", size=(1000, 500), resized=None, **settings) -> ToolContext:
-    image = gradient(*size)
-    resized = resized or size
-    return ToolContext.for_prompt([image], [(*size, *resized)], StubFamily(frame), MultiTurnSettings(**settings))
 
 
 def test_zoom_in_reads_the_model_frame_through_the_family_and_crops_the_original():
