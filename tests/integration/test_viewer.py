@@ -61,9 +61,9 @@ def run(tmp_path_factory):
         collected.append(original_collect(*args, **kwargs))
         return collected[-1]
 
-    def update(learner, attempts):
+    def update(learner, attempts, **kwargs):
         updated.append((len(collected), list(attempts)))
-        return original_update(learner, attempts)
+        return original_update(learner, attempts, **kwargs)
 
     trackers = ["tensorboard"] + (["wandb"] if wandb is not None else [])
     tables = []  # (step, wandb.Table) as the wandb run got them
