@@ -47,6 +47,8 @@ SECTIONS = [  # (heading, key prefix, what it is)
     ("reward", "reward.", "Reward settings of the run, whatever the task (`RewardSettings`, `JudgeSettings`): the "
                           "LLM judge a task asks where no rule scores an answer ([Tasks: the LLM judge]"
                           "(tasks.md#the-llm-judge)); training and evaluation alike."),
+    ("teacher", "teacher.", "On-policy distillation from a frozen teacher on the student's own samples "
+                            "(`TeacherSettings`; [Distillation](distillation.md)); training only."),
     ("top-level", "", "The run's own keys (`TrainSchema`, `EvalSchema`)."),
 ]
 

@@ -164,6 +164,9 @@ class TrainerSettings:
         references=True))
     correction_options: dict = field(default_factory=dict, metadata=meta(
         "options of trainer.correction by name (token_tis / sequence_tis: cap; geo_reject: delta)"))
+    top_entropy_quantile: float = field(default=1.0, metadata=meta(
+        "rho: only the tokens in the top rho of entropy in each micro-batch give gradient (TRL's; 0.2 = the 80/20 "
+        "result; 1 = every token)", above=0, high=1, note="docs/distillation.md#entropy"))
     eval_before: bool = field(default=True, metadata=meta("evaluate the held-out split before training"))
     eval_after: bool = field(default=True, metadata=meta("evaluate the held-out split after training"))
     eval_every: int = field(default=0, metadata=meta(
@@ -484,6 +487,29 @@ class RewardSettings:
 
 
 @dataclass
+class TeacherSettings:
+    """`teacher.*`: on-policy distillation from a frozen teacher on the student's own samples
+    (gpg_vl/distill.py, gpg_vl/train/teacher.py, docs/distillation.md)."""
+
+    model: str | None = field(default=None, metadata=meta(
+        "the teacher: a model folder or hub id with the student's tokenizer and processor (null = no teacher)"))
+    coef: float = field(default=1.0, metadata=meta(
+        "beta: reverse_kl adds coef * (log teacher - log student) to each token's advantage; jsd adds coef x the "
+        "JSD to the loss", above=0))
+    only: bool = field(default=False, metadata=meta(
+        "true = pure distillation: the task reward gives no advantage (it is still scored and logged)"))
+    loss: str = field(default="reverse_kl", metadata=meta(
+        "reverse_kl: the teacher's log-prob gap as a per-token advantage (policy-gradient form); jsd: GKD's "
+        "generalized JSD over the full vocabulary (supervised form)", choices=("reverse_kl", "jsd")))
+    beta: float = field(default=0.5, metadata=meta(
+        "jsd: the interpolation (0 = KL(teacher || student), 1 = KL(student || teacher), TRL's GKD convention)",
+        low=0, high=1))
+    dtype: str = field(default="auto", metadata=meta(
+        "the teacher's weights' dtype (auto = model.dtype's rule); frozen, no optimizer state",
+        choices=("auto", "float32", "bfloat16", "float16")))
+
+
+@dataclass
 class TrainSchema:
     """configs/train.yaml as a whole: the top-level keys and the typed sections."""
 
@@ -502,6 +528,7 @@ class TrainSchema:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)
 
 
 @dataclass

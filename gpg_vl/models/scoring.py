@@ -15,7 +15,8 @@ the prompt G times in both phases. Here:
   layer a chunk of tokens at a time, and the backward pass recomputes each chunk's logits, so fp32
   full-vocabulary logits are never held for all tokens at once.
 
-The update scores through one function, `token_logps(family, model, ..., path=...)`, whose `ScoringPath` is
+The update scores through one function, `token_logps(family, model, ..., path=...)` (`token_logps_and_entropy`: the
+same, with each position's entropy from the same logits), whose `ScoringPath` is
 chosen once per run at setup (`choose_scoring_path`: packed, prompt-once, shared vision, or plain) and is required
 afterwards; everything that depends on that choice (the forward, the micro-batch cost) reads the same path.
 Calls go one way: the update calls scoring, and scoring asks the family's small protocol methods (`position_ids`,
@@ -35,6 +36,7 @@ from torch import Tensor
 from transformers import DynamicLayer
 
 import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
+from gpg_vl.distill import logits_entropy
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
 from gpg_vl.models.packing import pack_layout, pack_tokens, packed_segments, unpack_scored
@@ -164,20 +166,55 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     and backward. Suppressed tokens get -inf before the softmax, exactly as in sampling. The fast paths call the
     bare model's parts (the trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs
     whole sequences (images still encoded once per group, inside its forward) and full completion logits are
-    computed.
+    computed. `token_logps_and_entropy` gives each position's entropy too, from the same logits.
     """
+    states = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask, path=path,
+                               observations=observations, chunked=logits_chunk_tokens > 0)
+    return _scores(family, model, states, completion_ids, completion_mask, temperature=temperature,
+                   logits_chunk_tokens=logits_chunk_tokens, entropy=False)
+
+
+def token_logps_and_entropy(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                            completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
+                            temperature: float = 1.0, logits_chunk_tokens: int = 0) -> tuple[Tensor, Tensor]:
+    """`token_logps`, and each position's entropy [N, C] (0 off `completion_mask`, no gradient) of the same sampling
+    distribution, from the logits it computes anyway (chunk by chunk with `logits_chunk_tokens`): no extra forward."""
+    states = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask, path=path,
+                               observations=observations, chunked=logits_chunk_tokens > 0)
+    return _scores(family, model, states, completion_ids, completion_mask, temperature=temperature,
+                   logits_chunk_tokens=logits_chunk_tokens, entropy=True)
+
+
+def _scores(family, model, states: tuple[Tensor | None, Tensor | None], completion_ids: Tensor,
+            completion_mask: Tensor, *, temperature: float, logits_chunk_tokens: int, entropy: bool):
+    """Log-probs [N, C] (with `entropy`, and entropies [N, C]) from `completion_states`' hidden states or logits."""
+    hidden, logits = states
+    if hidden is not None:
+        return _hidden_logps(family, unwrap(model), hidden, completion_ids, completion_mask, temperature=temperature,
+                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1], entropy=entropy)
+    logps = family.logps_from_logits(logits, completion_ids, temperature=temperature)
+    if not entropy:
+        return logps
+    with torch.no_grad():
+        suppressed = logits.index_fill(-1, torch.tensor(family.suppressed_ids or [], dtype=torch.long,
+                                                        device=logits.device), float("-inf"))
+        return logps, logits_entropy(suppressed / temperature) * completion_mask.to(logps.dtype)
+
+
+def completion_states(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+                      completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
+                      chunked: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """(final hidden states [N, C, H], None), or where the path computes them whole (wrapped, or not `chunked` on
+    the plain path) (None, logits [N, C, V] in float32): the states that predict each completion token, from one
+    forward on `path` (see `token_logps`)."""
     bare = unwrap(model)
-    chunked = logits_chunk_tokens > 0 and not path.wrapped
+    chunked = chunked and not path.wrapped
     if path.packed:
-        hidden = packed_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask, observations,
-                               prompt_once=path.prompt_once, shared_vision=path.shared_vision)  # [N, C, H]
-        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
-                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
+        return packed_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask, observations,
+                             prompt_once=path.prompt_once, shared_vision=path.shared_vision), None  # [N, C, H]
     if path.prompt_once:
-        hidden = prompt_once_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask,
-                                    observations)  # [N, C, H]
-        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
-                             chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1])
+        return prompt_once_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask,
+                                  observations), None  # [N, C, H]
     shared = path.shared_vision and (prompts.has_images or prompts.has_videos) and observations is None
     sequences = trim_left_padding(prompts.select(prompt_index, drop=family.pixel_keys if shared else ()).inputs)
     if observations is None:
@@ -197,20 +234,18 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     mask = full["attention_mask"]
     weigh_router_tokens(bare, lambda: torch.cat([mask[:, :-1], mask[:, -1:] * 0], dim=1))
     if chunked:  # hidden states only; the output layer runs chunk by chunk
-        hidden = bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1]  # [N, C, H]
-        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
-                             chunk_tokens=logits_chunk_tokens)
+        return bare.model(**full, use_cache=False).last_hidden_state[:, -completion_length - 1:-1], None  # [N, C, H]
     outputs = (model if path.wrapped else bare)(**full, use_cache=False, logits_to_keep=completion_length + 1)
-    logits = outputs.logits[:, :-1].float()  # [N, C, V]
-    return family.logps_from_logits(logits, completion_ids, temperature=temperature)
+    return None, outputs.logits[:, :-1].float()  # [N, C, V]
 
 
 def _hidden_logps(family, bare, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor, *,
-                  temperature: float, chunk_tokens: int) -> Tensor:
-    """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks."""
+                  temperature: float, chunk_tokens: int, entropy: bool = False):
+    """Log-probs [N, C] from the final hidden states [N, C, H] through the output layer, in token chunks (with
+    `entropy`, and the entropies [N, C])."""
     return completion_logps(hidden, bare.get_output_embeddings().weight, completion_ids, completion_mask.bool(),
                             suppressed_ids=family.suppressed_ids, temperature=temperature, chunk_tokens=chunk_tokens,
-                            softcap=family.logit_softcap(bare))
+                            softcap=family.logit_softcap(bare), entropy=entropy)
 
 
 def encode_shared_vision_in_forward(model: torch.nn.Module, family) -> None:
@@ -509,27 +544,33 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, suppressed: Tensor | None,
-                temperature: float, chunk: int, softcap: float | None) -> Tensor:
+                temperature: float, chunk: int, softcap: float | None, entropy: bool = False):
         logps = hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # [T]
         normalizers = torch.empty_like(logps)  # [T]
+        entropies = torch.empty_like(logps) if entropy else logps.new_empty(0)  # [T] when asked
         for start in range(0, hidden.shape[0], chunk):
-            logits = _chunk_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
+            logits = output_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
             normalizers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1)  # [t]
             logps[start:start + chunk] = picked - normalizers[start:start + chunk]
+            if entropy:  # from the chunk's logits already in memory, one [t, V] buffer more: no extra forward
+                weighted = torch.exp(logits - normalizers[start:start + chunk, None]).mul_(logits)  # p * z [t, V]
+                # a suppressed id gives 0 * -inf = NaN: it counts 0 (distill.logits_entropy)
+                entropies[start:start + chunk] = normalizers[start:start + chunk] - torch.nansum(weighted, dim=-1)
         ctx.save_for_backward(hidden, weight, targets, normalizers, suppressed)
         ctx.temperature, ctx.chunk, ctx.softcap = temperature, chunk, softcap
-        return logps
+        ctx.mark_non_differentiable(entropies)
+        return logps, entropies
 
     @staticmethod
-    def backward(ctx, grad_logps: Tensor):
+    def backward(ctx, grad_logps: Tensor, _grad_entropies: Tensor | None = None):
         hidden, weight, targets, normalizers, suppressed = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
-            logits = _chunk_logits(hidden[start:end], weight, suppressed, ctx.temperature, ctx.softcap)  # [t, V]
+            logits = output_logits(hidden[start:end], weight, suppressed, ctx.temperature, ctx.softcap)  # [t, V]
             grad = torch.exp(logits - normalizers[start:end, None]).mul_(-grad_logps[start:end, None].float())
             grad.scatter_add_(-1, targets[start:end, None], grad_logps[start:end, None].float())
             grad.div_(ctx.temperature)  # d logp / d capped logits [t, V]
@@ -539,10 +580,11 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_weight:
                 grad_weight += grad.T @ hidden[start:end].float()
-        return grad_hidden, (grad_weight.to(weight.dtype) if want_weight else None), None, None, None, None, None
+        return (grad_hidden, (grad_weight.to(weight.dtype) if want_weight else None), None, None, None, None, None,
+                None)
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, temperature: float,
+def output_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, temperature: float,
                   softcap: float | None = None) -> Tensor:
     logits = (hidden @ weight.T).float()  # [t, V]
     if softcap:
@@ -555,16 +597,20 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, tem
 
 
 def completion_logps(hidden: Tensor, weight: Tensor, token_ids: Tensor, mask: Tensor, *, suppressed_ids: list[int],
-                     temperature: float, chunk_tokens: int, softcap: float | None = None) -> Tensor:
+                     temperature: float, chunk_tokens: int, softcap: float | None = None, entropy: bool = False):
     """Log-probs [N, C] of token_ids under softmax(hidden @ weight.T / temperature), suppressed ids removed
     (with `softcap`, the logits are first capped as cap * tanh(logits / cap), as Gemma's output layer does).
 
     Only tokens where `mask` is True are scored (others are 0); they go through the output layer
-    `chunk_tokens` at a time, forward and backward.
+    `chunk_tokens` at a time, forward and backward. With `entropy`, (log-probs, entropies [N, C] of the same
+    distributions, without gradient, 0 off the mask).
     """
     selected = mask.nonzero(as_tuple=True)
     suppressed = torch.tensor(suppressed_ids, device=hidden.device) if suppressed_ids else None
-    values = _ChunkedTokenLogps.apply(hidden[selected], weight, token_ids[selected], suppressed, temperature,
-                                      max(int(chunk_tokens), 1), softcap)  # [T]
+    values, entropies = _ChunkedTokenLogps.apply(hidden[selected], weight, token_ids[selected], suppressed,
+                                                 temperature, max(int(chunk_tokens), 1), softcap, entropy)  # [T]
     logps = torch.zeros(token_ids.shape, dtype=values.dtype, device=values.device)
-    return logps.index_put(selected, values)  # [N, C]
+    logps = logps.index_put(selected, values)  # [N, C]
+    if not entropy:
+        return logps
+    return logps, torch.zeros_like(logps).index_put(selected, entropies)  # [N, C], [N, C]

@@ -26,7 +26,8 @@ def policy_loss(
     weights: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N].
+    """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N] (or per token [N, L]:
+    a teacher's, gpg_vl/distill.py).
 
     No ratio, no clipping, no KL: `old_logps`, `ref_logps` and other options are not used. `weights` [N, L]: the
     off-policy correction's, per token -sg(w) * A * log pi (None: w = 1).
@@ -34,8 +35,8 @@ def policy_loss(
     give neither NaN loss nor NaN gradient).  Returns (scalar loss, float metrics).
     """
     mask = completion_mask.bool()  # [N, L]
-    adv = advantages.detach().to(token_logps.dtype)  # [N]
-    per_token = -weigh(token_logps, weights) * adv.unsqueeze(1)  # [N, L] (w log pi first: as the trainer had it)
+    adv = advantages.detach().to(token_logps.dtype)  # [N] or [N, L]
+    per_token = -weigh(token_logps, weights) * per_token_advantages(adv)  # [N, L] (w log pi first: as the trainer had)
     per_token = torch.where(mask, per_token, torch.zeros_like(per_token))  # [N, L]
     loss = _aggregate(per_token, mask, aggregation, normalizer, max_tokens)  # []
     with torch.no_grad():
@@ -55,7 +56,13 @@ def ratio_inputs(token_logps: Tensor, completion_mask: Tensor, advantages: Tenso
     zeros = torch.zeros_like(token_logps)
     logps = torch.where(mask, token_logps, zeros)  # [N, L]
     old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
-    return mask, logps, old, advantages.detach().to(logps.dtype).unsqueeze(1)
+    return mask, logps, old, per_token_advantages(advantages.detach().to(logps.dtype))
+
+
+def per_token_advantages(advantages: Tensor) -> Tensor:
+    """advantages [N] -> [N, 1] (one per sequence, broadcast over its tokens); per-token ones [N, L] as they are
+    (a teacher's: A_t = A_group + coef * sg(log teacher - log student), gpg_vl/distill.py)."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
 
 
 def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:

@@ -15,6 +15,7 @@ from gpg_vl.objective.losses import (
     _ratio_metrics,
     clipped_surrogate,
     off_policy_mask,
+    per_token_advantages,
     ratio_inputs,
     sequence_mean,
 )
@@ -150,7 +151,7 @@ def cispo_loss(token_logps: Tensor, completion_mask: Tensor, advantages: Tensor,
     old = logps.detach() if old_logps is None else torch.where(mask, old_logps.to(logps.dtype), zeros).detach()
     ratio = torch.exp(logps.detach() - old)  # [N, L]
     weight = ratio.clamp(max=cap)  # [N, L] detached
-    per_token = torch.where(mask, weigh(-weight * advantages.detach().to(logps.dtype).unsqueeze(1) * logps,
+    per_token = torch.where(mask, weigh(-weight * per_token_advantages(advantages.detach().to(logps.dtype)) * logps,
                                         inputs.get("weights")), zeros)  # [N, L]
     loss = _aggregate(per_token, mask, inputs.get("aggregation", "token_mean"), inputs.get("normalizer"), None)
     with torch.no_grad():

@@ -47,6 +47,7 @@ MAX_IMAGES = 4  # thumbnails kept per prompt
 MAX_CROPS = 8  # thumbnails of the images tools returned, kept per group (multi-turn)
 MAX_TEXT_CHARS = 2000  # a prompt's or a completion's text, before a step file is squeezed further
 MAX_STEP_BYTES = 1 << 20  # one step file's JSON
+TOKEN_CHARS = 16  # with a teacher: one scored token shown per this many characters of a completion's text budget
 GROUND_TRUTH, PREDICTED = (40, 200, 60), (230, 40, 200)  # box colours on tracker images
 
 
@@ -189,10 +190,25 @@ def completion_records(attempt, b: int, texts: list[str], *, policy, task, text_
             "advantage": _number(attempt.advantages[b, g]),
             "tokens": tokens, "end": "eos" if ended else "cut",
             **({"box": answer_box(text)} if task.uses_boxes else {}),
+            **scored_tokens(attempt.rollout, sequence, policy.family, text_chars // TOKEN_CHARS),
             **(trajectory_record(trajectories[sequence], policy.family.tokenizer, text_chars=text_chars,
                                  store=store) if trajectories else {}),
         })
     return completions
+
+
+def scored_tokens(rollout, sequence: int, family, limit: int) -> dict:
+    """With a teacher (`Rollout.token_logps`): {"scored": {"tokens", "student", "teacher"}}, the first `limit` of
+    the completion's counted tokens (their text, and the student's and the teacher's log-probs); else {}."""
+    if getattr(rollout, "token_logps", None) is None or limit <= 0:
+        return {}
+    tokenizer = family.tokenizer
+    counted = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask.bool()
+    columns = counted[sequence].nonzero().flatten()[:limit].tolist()
+    ids = rollout.completion_ids[sequence, columns].tolist()
+    return {"scored": {"tokens": [tokenizer.decode([token]) for token in ids],
+                       **{key: [round(float(values[sequence, c]), 3) for c in columns]
+                          for key, values in rollout.token_logps.items()}}}
 
 
 def step_record(step: int, attempts: Sequence, *, policy, task, groups: int, image_folder: Path,

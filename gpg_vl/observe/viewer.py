@@ -168,6 +168,7 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
         colour = advantage_colour(c["advantage"], scale)
         body = turns_html(c, f"{key}c{g}", lambda crop: _stored_crop(images, crop)) if "turns" in c else \
             f"<pre>{esc(c['text'])}</pre>"
+        body += scored_tokens_html(c["scored"]) if "scored" in c else ""
         cards.append(
             f"<div class='completion' data-box='{key}c{g}' style='background:{colour}'>"
             f"<div class='scores'><b>#{g}</b> reward <b>{_fmt(c['reward'])}</b> = {scores}<br>"
@@ -225,6 +226,20 @@ def turns_html(record: dict, key: str, thumbnail: Callable[[dict], bytes | None]
 def _stored_crop(images: Path, crop: dict) -> bytes | None:
     """A rollout log's crop thumbnail (under rollouts/images/), or None when the log did not keep it."""
     return (images / crop["image"]).read_bytes() if crop.get("image") else None
+
+
+def scored_tokens_html(scored: dict) -> str:
+    """With a teacher: the completion's tokens, each coloured by log teacher - log student (green where the teacher
+    likes the token more than the student, red where less, stronger up to a gap of 2 nats), both log-probs in its
+    tooltip: where the two disagree."""
+    spans = []
+    for token, student, teacher in zip(scored["tokens"], scored["student"], scored["teacher"], strict=True):
+        gap = teacher - student
+        strength = min(abs(gap) / 2.0, 1.0)
+        colour = f"hsl({130 if gap > 0 else 0}, 65%, {97 - 35 * strength:.0f}%)"
+        spans.append(f"<span class='tok' style='background:{colour}' title='student {student:.3f}, teacher "
+                     f"{teacher:.3f}'>{esc(token)}</span>")
+    return f"<div class='scored'><b>teacher - student log-prob per token</b><br>{''.join(spans)}</div>"
 
 
 def advantage_colour(advantage: float | str, scale: float) -> str:

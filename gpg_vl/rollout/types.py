@@ -31,6 +31,9 @@ class Rollout:
     # any of its tokens; None: the trained model's own weights
     weight_versions: list[int] | None = None
     rejected: list[int] = field(default_factory=list)  # prompts the engine refused (too long for it): skip them
+    # with a teacher (teacher.model): {"student": [B * G, C], "teacher": [B * G, C]} log-probs of the sampled tokens
+    # as the update scored them (gpg_vl/train/teacher.py), for the rollout log's per-token colours; else None
+    token_logps: dict | None = None
     rejected_reasons: dict[int, str] = field(default_factory=dict)  # prompt -> the engine's own message
 
     def keep_prompts(self, prompts: list[int]) -> Rollout:

@@ -91,6 +91,7 @@ class Decoded:
     timed_out: bool = False  # not scored within the batch's reward budget
     trajectory: object = None  # multi-turn (rollout.max_turns > 1): its Trajectory (turns, tool calls, crops)
     sample: int = 0  # which of the row's completions (0 .. eval.samples - 1)
+    entropy: tuple[float, int] | None = None  # (summed entropy of its generated tokens, their count), or None
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ def _decode_chunk(policy: Policy, task, chunk: list[tuple[int, dict]], engine, s
     messages = [task.messages(row) for _, row in chunk]
     prompts = encode_prompts(policy, messages, tools=engine.prompt_tools(task))
     rollout = engine.generate(prompts, k, sampling)
+    entropies = answer_entropy(policy, prompts.batch, rollout, k)
     trajectories = rollout.trajectories or [None] * (len(chunk) * k)
     texts = in_task_frame(policy, task, rollout.texts, prompts.batch, k)
     scored = _scoring_rows(task, [row for _, row in chunk for _ in range(k)], texts)
@@ -144,8 +146,29 @@ def _decode_chunk(policy: Policy, task, chunk: list[tuple[int, dict]], engine, s
     zero = dict.fromkeys(task.reward_functions, 0.0)
     prompts_text = [prompt_text(message) for message in messages]
     return [Decoded(chunk[n // k][0], text, prompts_text[n // k], row, dict(zero) if score is None else score,
-                    score is None, trajectory, sample=n % k)
+                    score is None, trajectory, sample=n % k, entropy=entropies[n])
             for n, (text, row, score, trajectory) in enumerate(zip(texts, scored, rewards, trajectories, strict=True))]
+
+
+@torch.no_grad()
+def answer_entropy(policy: Policy, batch, rollout, k: int) -> list[tuple[float, int] | None]:
+    """Per completion of `rollout` (k per prompt of `batch`): (the summed entropy of the policy's next-token
+    distribution, at temperature 1, over its generated tokens, their count), from one forward without gradient
+    through the update's scoring path (gpg_vl/models/scoring.py). None for every completion where that forward
+    would be collective (FSDP / ZeRO-3) or the engine refused prompts."""
+    from gpg_vl.models import scoring
+
+    count = len(rollout.texts)
+    if forward_is_collective(policy.model) or rollout.rejected or not count:
+        return [None] * count
+    path = scoring.choose_scoring_path(policy.family, policy.model, share_prompt=True, share_vision=True)
+    device = rollout.completion_ids.device
+    counted = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask.bool()  # [n, C]
+    _, entropy = scoring.token_logps_and_entropy(
+        policy.family, policy.model, batch.to(device), [n // k for n in range(count)], rollout.completion_ids,
+        rollout.completion_mask, path=path, observations=rollout.trajectories, logits_chunk_tokens=1024)
+    sums = torch.where(counted.to(entropy.device), entropy, torch.zeros_like(entropy)).sum(dim=1)  # [n]
+    return [(float(total), int(tokens)) for total, tokens in zip(sums, counted.sum(dim=1), strict=True)]
 
 
 def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict[str, float], list[Decoded]]:
@@ -157,6 +180,8 @@ def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict
                              [d.rewards for d in decoded], samples)
     if any(d.trajectory is not None for d in decoded):  # multi-turn: turns, tool calls, errors, images, limits
         metrics.update(trajectory_metrics([d.trajectory for d in decoded if d.trajectory is not None]))
+    if decoded and all(d.entropy is not None for d in decoded):  # per generated token, greedy or sampled answers
+        metrics["entropy_mean"] = sum(d.entropy[0] for d in decoded) / max(sum(d.entropy[1] for d in decoded), 1)
     timeouts = sum(d.timed_out for d in decoded)
     if timeouts:
         metrics["reward_timeouts"] = float(timeouts)

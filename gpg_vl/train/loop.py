@@ -95,7 +95,7 @@ def step(run: Run) -> dict:
     state.attempts = collected.attempts
     count_sampled(state.counters, sampled, trainer.group_size)  # resampling included; generated tokens only
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
-    if collected.groups_valid > 0 or kl_on_every_group(trainer):
+    if collected.groups_valid > 0 or kl_on_every_group(trainer) or run.learner.teacher is not None:
         result = update(run.learner, collected.attempts, stale=pipeline.k > 0)
         state.updated = not result.get("skipped")
         warning = None if pipeline.k else run.engine.mismatch_warning(result)  # its own weights off-policy?

@@ -48,7 +48,8 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
                              rollout.completion_ids[chosen, :width], mask[:, :width],
                              attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width],
                              None if loss_mask is None else loss_mask[chosen, :width].bool(),
-                             None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen])
+                             None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen],
+                             rows=chosen)
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
@@ -108,6 +109,7 @@ class MicroBatch(NamedTuple):
     loss_mask: torch.Tensor | None = None
     trajectories: list | None = None  # n Trajectory: their observations' token types and images go in the forward
     rejected: torch.Tensor | None = None  # [n] bool: sequences the off-policy correction rejected (trainer.correction)
+    rows: list[int] | None = None  # each sequence's row in its attempt's rollout (b * G + g)
     weights: torch.Tensor | None = None  # [n, C]: the correction's weights, where resolved before the update's steps
 
     @property
@@ -122,18 +124,18 @@ class MicroBatch(NamedTuple):
         return len(self.advantages) - (0 if self.rejected is None else int(self.rejected.sum()))
 
     def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
-              logits_chunk_tokens: int) -> torch.Tensor:
+              logits_chunk_tokens: int, entropy: bool = False):
         """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward),
-        packed where `forward_cost` says so."""
+        packed where `forward_cost` says so; with `entropy`, (log-probs, entropies [n, C])."""
         if path.packed:
             prompt_lengths = self.prompts.inputs["attention_mask"].sum(dim=1).tolist()
             _, packed = forward_cost(path, [prompt_lengths[p] for p in self.prompt_index], self.prompt_index,
                                      self.completion_mask.sum(dim=1).tolist())
             path = path if packed else replace(path, packed=False)
-        return scoring.token_logps(policy.family, model, self.prompts.to(device), self.prompt_index,
-                                   self.completion_ids.to(device), self.completion_mask.to(device), path=path,
-                                   observations=self.trajectories, temperature=temperature,
-                                   logits_chunk_tokens=logits_chunk_tokens)
+        score = scoring.token_logps_and_entropy if entropy else scoring.token_logps
+        return score(policy.family, model, self.prompts.to(device), self.prompt_index, self.completion_ids.to(device),
+                     self.completion_mask.to(device), path=path, observations=self.trajectories,
+                     temperature=temperature, logits_chunk_tokens=logits_chunk_tokens)
 
 
 def mini_batches(attempts: list[Attempt], parts: int) -> list[list[Attempt]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+from gpg_vl.config.schema import EvalSettings, RolloutSettings, TeacherSettings, TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
@@ -35,6 +35,7 @@ class RunSettings:
     sampler: str = "uniform"  # data.sampler (gpg_vl/data/samplers.py)
     difficulty_keep: float = 0.25  # data.difficulty_keep
     difficulty_window: int = 2  # data.difficulty_window
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)  # teacher.*: on-policy distillation
 
 
 @dataclass

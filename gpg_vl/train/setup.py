@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
+from gpg_vl.config.schema import EvalSettings, RolloutSettings, TeacherSettings, TrainerSettings
 from gpg_vl.data.mixture import Mixture, MixtureStream, require_inputs, require_shared_run
 from gpg_vl.data.samplers import build_sampler
 from gpg_vl.data.stream import PromptStream
@@ -48,6 +48,7 @@ from gpg_vl.train.pipeline import require_pipeline, staleness_note, whole_copy
 from gpg_vl.train.reference import build_reference, needs_reference, place_reference
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
 from gpg_vl.train.sample import reward_names
+from gpg_vl.train.teacher import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
 from gpg_vl.train.update import Learner, build_optimizer
 
 
@@ -62,6 +63,9 @@ def setup(cfg) -> Run:
 
     trainer = TrainerSettings(**OmegaConf.to_container(cfg.trainer, resolve=True))
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
+    teacher = TeacherSettings(**OmegaConf.to_container(cfg.teacher, resolve=True)) if cfg.get("teacher") else \
+        TeacherSettings()
+    require_teacher_settings(teacher, trainer)
     task = build.build_task(cfg.task, cfg.data)
     require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
@@ -77,7 +81,9 @@ def setup(cfg) -> Run:
         if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
         check_model_folder(model_cfg)  # before the weights load
+        check_teacher(teacher, cfg.model.name_or_path)  # another tokenizer: one sentence, before any model loads
         policy = build.build_policy(model_cfg, accelerator.device, seed=int(cfg.seed))
+        frozen = load_teacher(teacher, cfg.model, accelerator.device, trainer=trainer)
         # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
         # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
         reference = None
@@ -86,25 +92,31 @@ def setup(cfg) -> Run:
         settings = RunSettings(trainer, OmegaConf.to_object(cfg.rollout), EvalSettings(**container["eval"]),
                                output_dir=cfg.output_dir, seed=cfg.seed, resume_from=resume, config=container,
                                max_bad_fraction=cfg.data.max_bad_fraction, sampler=cfg.data.sampler,
-                               difficulty_keep=cfg.data.difficulty_keep, difficulty_window=cfg.data.difficulty_window)
-        return _build_run(policy, task, settings, accelerator, reference, held)
+                               difficulty_keep=cfg.data.difficulty_keep, difficulty_window=cfg.data.difficulty_window,
+                               teacher=teacher)
+        return _build_run(policy, task, settings, accelerator, reference, held, teacher=frozen)
     except BaseException:
         held.close()
         raise
 
 
 def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Accelerator | None = None,
-                 reference: torch.nn.Module | None = None) -> Run:
+                 reference: torch.nn.Module | None = None, teacher: torch.nn.Module | None = None) -> Run:
     """Build a run around a policy the caller built (programmatic use: `train(setup_policy(policy, task,
     RunSettings(trainer=..., rollout=..., output_dir=...)))`). The main process claims settings.output_dir for
     the run (gpg_vl/train/outdir.py: one run per folder); `accelerator`: one the caller made (else one is made
-    here); `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken).
+    here); `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken);
+    `teacher`: the teacher model of settings.teacher (on-policy distillation; frozen here).
 
     settings.resume_from is a complete checkpoint (see gpg_vl/train/checkpoint.py): training continues from its
     step with its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past
     that step. Bad rows are skipped and counted; more than settings.max_bad_fraction of the rows seen stops
     the run."""
     trainer_loss_options(settings.trainer, settings.rollout.max_new_tokens)
+    require_teacher_settings(settings.teacher, settings.trainer)
+    if (teacher is None) != (settings.teacher.model is None):
+        raise UserError("settings.teacher.model and the teacher= model go together: pass both (the teacher model "
+                        "and its teacher.* settings) or neither.")
     accelerator = accelerator or Accelerator(
         log_with=None if settings.trainer.report_to == "none" else settings.trainer.report_to,
         project_dir=str(settings.output_dir))
@@ -113,14 +125,16 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
     try:
         if accelerator.is_main_process:
             held.enter_context(claim_output_dir(settings.output_dir, resume=settings.resume_from))
-        return _build_run(policy, task, settings, accelerator, reference, held)
+        frozen = None if teacher is None else frozen_teacher(teacher.to(accelerator.device), policy.family,
+                                                             settings.teacher, settings.trainer)
+        return _build_run(policy, task, settings, accelerator, reference, held, teacher=frozen)
     except BaseException:
         held.close()
         raise
 
 
 def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Accelerator,
-               reference: torch.nn.Module | None, held: contextlib.ExitStack) -> Run:
+               reference: torch.nn.Module | None, held: contextlib.ExitStack, *, teacher: Teacher | None = None) -> Run:
     """Build a run once: seeds, data, optimizer and schedule (counting optimizer steps), the prepared model,
     the reference model when the loss needs one, the scoring path, the resumed state, the held-out rows.
 
@@ -151,7 +165,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     rollouts, engines = mixture_engines(task, settings.rollout, learner.policy, accelerator) if mixed else ({}, {})
     engine = next(iter(engines.values())) if mixed else \
         build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
-    learner = replace(learner, correction=engine.correction)
+    learner = replace(learner, correction=engine.correction, teacher=teacher)
     if getattr(task, "temporal", False) and forward_is_collective(learner.model):
         raise UserError("T-GRPO's shuffled-frame rollouts (task.options.temporal=true) run only on the prompts with "
                         "video of each process, which FSDP / ZeRO-3's collective generation cannot follow; turn "

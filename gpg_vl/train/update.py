@@ -17,12 +17,20 @@ import torch
 from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
+from gpg_vl.distill import high_entropy_mask
 from gpg_vl.distributed import forward_is_collective, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.models import router
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import ScoringPath
-from gpg_vl.objective import LOSS_NORMALIZERS, TOKEN_NORMALIZED, get_policy_loss, loss_aggregation, loss_needs
+from gpg_vl.objective import (
+    AGGREGATIONS,
+    LOSS_NORMALIZERS,
+    TOKEN_NORMALIZED,
+    get_policy_loss,
+    loss_aggregation,
+    loss_needs,
+)
 from gpg_vl.objective.corrections import (
     ActiveCorrection,
     CorrectionSums,
@@ -38,6 +46,7 @@ from gpg_vl.train.micro_batch import MicroBatch, mini_batches, update_chunks
 from gpg_vl.train.placeholder import placeholder_chunk
 from gpg_vl.train.reference import Reference, kl_on_every_group, needs_reference
 from gpg_vl.train.sample import Attempt
+from gpg_vl.train.teacher import scored_chunk, taught_metrics, teach
 
 
 @dataclass
@@ -61,6 +70,7 @@ class Learner:
     max_new_tokens: int | None = None
     correction: Correction = field(default_factory=Correction)
     whole_copy: torch.nn.Module | None = None  # FSDP2 at trainer.max_staleness >= 1: the sampler's, taken unsharded
+    teacher: object = None  # teacher.model's frozen Teacher (gpg_vl/train/teacher.py), or None
 
     def off_policy(self, stale: bool) -> ActiveCorrection:
         """The correction this update applies (trainer.correction; rollout.vllm.tis_cap > 0, the engine's, is
@@ -103,11 +113,12 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
     `_optimizer_step`). The off-policy correction (`Learner.off_policy`; `stale`: the rollouts may be older than the
     learner, trainer.max_staleness >= 1) is resolved once: its weights come from pi_prox, the policy before this
     update, against the behaviour log-probs, and go to the loss as `weights` (`_resolve_corrections`).
+    `learner.teacher`: every group forwarded, valid if its combined advantage is not all zero (train/teacher.py).
     """
     settings, accelerator = learner.settings, learner.accelerator
     kl_everywhere = kl_on_every_group(settings)
-    if kl_everywhere:  # the KL acts on every sampled sequence, as in TRL's and R1-V's GRPO: invalid groups too
-        attempts, kl_only = _every_group(attempts, accelerator)
+    if kl_everywhere or learner.teacher is not None:  # the KL (TRL's, R1-V's GRPO) or the teacher acts on every
+        attempts, kl_only = _every_group(attempts, accelerator)  # sampled sequence: invalid groups too
     loss_fn = get_policy_loss(settings.loss)
     aggregation = loss_aggregation(loss_fn, settings.aggregation)
     parts = 1
@@ -121,11 +132,12 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
             for part in mini_batches(attempts, parts)]
     correction, steps, sums = learner.off_policy(stale), settings.ppo_epochs * parts, CorrectionSums()
     plan, groups_rejected, prox = _correct_up_front(learner, correction, loss_fn, plan, attempts, sums, steps=steps)
+    plan, taught = teach(learner, plan, attempts, _score_plan) if learner.teacher is not None else (plan, None)
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if int(per_part[..., 0].sum()) == 0:
-        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0}
+        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0, **taught_metrics(taught, settings)}
     column = 1 if aggregation in TOKEN_NORMALIZED else 0  # the normalizer counts tokens, or sequences
     counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
     needs = loss_needs(loss_fn)
@@ -153,7 +165,7 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
                 break
         if results[-1].get("nonfinite"):
             break
-    metrics = _combine_results(results)
+    metrics = {**_combine_results(results), **taught_metrics(taught, settings)}
     if correction.reports:  # collective, on every process alike (the settings are the same everywhere)
         rows = accelerator.gather(torch.tensor([sums.as_list()], device=accelerator.device, dtype=torch.float64))
         metrics.update(correction_metrics(rows.cpu()))
@@ -228,7 +240,7 @@ def _combine_results(results: list[dict]) -> dict[str, float]:
         "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
         "skipped": float(all(r["skipped"] for r in results)),
         **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
-        **({"logp_mean": results[0]["logp_mean"]} if "logp_mean" in results[0] else {}),
+        **{k: results[0][k] for k in ("logp_mean", "entropy_mean", "teacher_jsd") if k in results[0]},
         **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max")
            if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
@@ -268,6 +280,8 @@ class _Sums:
     gap: float = 0.0  # the on-policy check: summed |logp - sampler logp|, its largest, its token count
     gap_max: float = 0.0
     gap_count: int = 0
+    entropy: float = 0.0  # summed entropy of the counted tokens (entropy_mean = entropy / tokens)
+    jsd: float = 0.0  # teacher.loss=jsd: the JSD term of the loss, summed over micro-batches
     report: dict = field(default_factory=dict)
 
 
@@ -369,8 +383,8 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     norm = accelerator.clip_grad_norm_(model.parameters(), learner.settings.max_grad_norm)
     grad_norm = 0.0 if norm is None else float(norm)
     # Collective, before any branch: every process reaches it exactly once per update.
-    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens], device=device,
-                                             dtype=torch.float64), "sum")
+    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens, sums.entropy, sums.jsd],
+                                             device=device, dtype=torch.float64), "sum")
     if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}, sums.report
@@ -378,7 +392,10 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     learner.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
-              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0))}
+              "logp_mean": float(totals[1] / max(float(totals[2]), 1.0)),
+              "entropy_mean": float(totals[3] / max(float(totals[2]), 1.0))}
+    if learner.teacher is not None and learner.teacher.settings.loss == "jsd":
+        result["teacher_jsd"] = float(totals[4])
     if learner.correction.sampler_check:  # collective, on every process alike (the engine is the same everywhere)
         gaps = accelerator.gather(torch.tensor([[sums.gap, sums.gap_max, sums.gap_count]], device=device,
                                                dtype=torch.float64))  # [processes, 3]
@@ -408,8 +425,12 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 mask, adv, sampler = chunk.counted.to(device), chunk.advantages, chunk.sampler_logps
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
-                logps = chunk.logps(policy, model, device, temperature=learner.temperature, path=learner.path,
-                                    logits_chunk_tokens=learner.settings.logits_chunk_tokens)  # [n, C]
+                logps, entropy, distill = scored_chunk(learner, chunk, device)  # [n, C], [n, C] (no grad), or None
+                if index < real:
+                    sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).sum())
+                if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient
+                    keep = high_entropy_mask(entropy, mask, learner.settings.top_entropy_quantile)  # [n, C]
+                    logps = torch.where(keep, logps, logps.detach())
                 weights = None if chunk.weights is None else chunk.weights.to(device)  # resolved up front
                 if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
                     sampler = sampler.to(device)
@@ -429,6 +450,10 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                                               **({"weights": weights} if correction.weighs else {}), **step.options)
                     if router_loss is not None:  # averaged over the micro-batches, weighted by their sequences
                         loss = loss + router_loss * (len(adv) / step.sequences)
+                    if distill is not None:  # teacher.loss=jsd: coef x the JSD, aggregated as the policy loss
+                        jsd = AGGREGATIONS[step.aggregation](distill, mask, step.normalizer, learner.max_new_tokens)
+                        loss = loss + learner.teacher.settings.coef * jsd
+                        sums.jsd += float(jsd.detach())
                     sums.loss += float(loss.detach())
                     sums.logp += info["logp_mean"] * info["num_tokens"]
                     sums.tokens += int(info["num_tokens"])

@@ -21,3 +21,19 @@ def path_for(family, model, settings):
     packing)."""
     return scoring.choose_scoring_path(family, model, share_prompt=settings.share_prompt,
                                        share_vision=settings.share_vision, packing=settings.packing)
+
+
+SCORERS = ("token_logps", "token_logps_and_entropy")  # the update's own forward is the second (it logs entropy)
+
+
+def on_every_scoring(monkeypatch, record) -> None:
+    """Call `record(family, model, prompts, prompt_index, ...)` (the scoring call's arguments) before every scoring
+    forward, through either function of `SCORERS`."""
+    for name in SCORERS:
+        original = getattr(scoring, name)
+
+        def recorded(*args, _original=original, **kwargs):
+            record(*args, **kwargs)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(scoring, name, recorded)

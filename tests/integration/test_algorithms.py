@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 from helpers.runs import untimed
+from helpers.scoring import on_every_scoring
 from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.models import scoring
 from gpg_vl.train.loop import RunSettings, setup_policy, train
 
 TINY = ["task=shapes", "model=tiny", "trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4",
@@ -66,13 +66,7 @@ def test_each_2026_loss_trains_through_the_cli_with_ratios_that_move(tmp_path, a
 def test_grpo_takes_mu_times_mini_batches_steps_and_scores_old_and_reference_once_per_rollout(tmp_path, policy,
                                                                                                shapes, monkeypatch):
     calls = []
-    original = scoring.token_logps
-
-    def counting(family, model, *args, **kwargs):
-        calls.append((torch.is_grad_enabled(), model))
-        return original(family, model, *args, **kwargs)
-
-    monkeypatch.setattr(scoring, "token_logps", counting)
+    on_every_scoring(monkeypatch, lambda family, model, *a, **k: calls.append((torch.is_grad_enabled(), model)))
     settings = TrainerSettings(max_steps=2, group_size=4, batch_size=4, micro_batch_size=16, micro_batch_tokens=0,
                                lr=1e-3, eval_before=False, eval_after=False, beta_th=0.0,
                                advantage="std_normalized", loss="grpo", kl_coef=0.04, ppo_epochs=2,
@@ -99,13 +93,7 @@ def test_grpo_takes_mu_times_mini_batches_steps_and_scores_old_and_reference_onc
 
 def test_gpg_keeps_one_forward_per_micro_batch_and_no_loss_report(tmp_path, policy, shapes, monkeypatch):
     calls = []
-    original = scoring.token_logps
-
-    def counting(*args, **kwargs):
-        calls.append(torch.is_grad_enabled())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(scoring, "token_logps", counting)
+    on_every_scoring(monkeypatch, lambda *a, **k: calls.append(torch.is_grad_enabled()))
     trainer = TrainerSettings(max_steps=2, group_size=4, batch_size=4, micro_batch_tokens=0, micro_batch_size=4,
                               eval_before=False, eval_after=False, beta_th=0)
     train(setup_policy(policy, shapes, RunSettings(trainer, RolloutSettings(max_new_tokens=12), output_dir=tmp_path)))

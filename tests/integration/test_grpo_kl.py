@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.learners import learner_for
-from helpers.scoring import token_logps
+from helpers.scoring import on_every_scoring, token_logps
 
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.models import scoring
@@ -137,14 +137,9 @@ def test_grpo_with_the_kl_off_and_gpg_still_skip_invalid_groups(policy, drawn, m
         assert not kl_on_every_group(settings)
         forwarded = []
         model = copy.deepcopy(policy.model)
-        original = scoring.token_logps
-
-        def counting(family, scorer, prompts, prompt_index, *args, _original=original, _seen=forwarded, **kwargs):
-            _seen.append(len(prompt_index))
-            return _original(family, scorer, prompts, prompt_index, *args, **kwargs)
-
+        on_every_scoring(monkeypatch, lambda family, scorer, prompts, prompt_index, *a, _seen=forwarded, **k:
+                         _seen.append(len(prompt_index)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        monkeypatch.setattr(scoring, "token_logps", counting)
         path = scoring.choose_scoring_path(policy.family, model, share_prompt=settings.share_prompt,
                                            share_vision=settings.share_vision)
         result = update(learner_for(policy, settings, model=model, optimizer=optimizer, path=path), [attempt])

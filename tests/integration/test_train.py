@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers.scoring import on_every_scoring
 from transformers import AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
 
 from gpg_vl.cli import train_main
@@ -70,17 +71,11 @@ def test_short_run_raises_held_out_accuracy(tmp_path):
 
 def test_only_valid_groups_are_forwarded_and_alpha_is_logged(tmp_path, policy, shapes, monkeypatch):
     from gpg_vl.config.schema import RolloutSettings, TrainerSettings
-    from gpg_vl.models import scoring
     from gpg_vl.train.loop import RunSettings, setup_policy, train
 
     forwarded = []
-    original = scoring.token_logps
-
-    def counting(family, model, prompts, prompt_index, *args, **kwargs):
-        forwarded.append(len(prompt_index))
-        return original(family, model, prompts, prompt_index, *args, **kwargs)
-
-    monkeypatch.setattr(scoring, "token_logps", counting)
+    on_every_scoring(monkeypatch, lambda family, model, prompts, prompt_index, *a, **k: forwarded.append(
+        len(prompt_index)))
     trainer = TrainerSettings(max_steps=3, group_size=4, batch_size=4, micro_batch_size=6, micro_batch_tokens=0,
                               lr=1e-4, eval_before=False, eval_after=False, beta_th=0.5)
     train(setup_policy(policy, shapes, RunSettings(trainer, RolloutSettings(max_new_tokens=16), output_dir=tmp_path)))

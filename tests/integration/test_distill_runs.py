@@ -1,0 +1,115 @@
+"""On-policy distillation end to end (gpg_vl/train/teacher.py): a teacher equal to the student gives no signal (every
+group's combined advantage is zero: no step), a perturbed teacher makes every group valid and logs teacher_kl, the
+supervised form (teacher.loss=jsd) and the top-entropy mask train, and a teacher with another vocabulary is refused
+in one sentence before any model loads. Every step logs entropy_mean."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.runs import train_run
+
+from gpg_vl.errors import UserError
+from gpg_vl.models.tiny import EMBEDDED_TINY
+
+QUICK = ["trainer.max_steps=1", "trainer.save_every=0", "seed=0"]
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def perturbed_teacher(tmp_path_factory):
+    """The embedded tiny model with every weight moved by noise: the same tokenizer, other log-probs."""
+    from gpg_vl.models.load import load_policy
+
+    folder = tmp_path_factory.mktemp("teacher")
+    policy = load_policy(str(EMBEDDED_TINY), dtype="float32")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in policy.model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    policy.model.save_pretrained(folder)
+    policy.processor.save_pretrained(folder)
+    return folder
+
+
+def test_teacher_equal_to_the_student_gives_no_signal(tmp_path):
+    """teacher.only with the student's own weights: log teacher = log student on every token, so every group's
+    combined advantage is zero, AGE finds no valid group, and no weight changes."""
+    train_run(tmp_path, *QUICK, f"teacher.model={EMBEDDED_TINY}", "teacher.only=true")
+    step = metrics(tmp_path)[0]
+    assert step["teacher_kl"] == 0.0
+    assert step["groups_used"] == 0 and step["alpha"] == 0.0
+    assert step["skipped"] == 1.0
+
+
+def test_reward_and_teacher(tmp_path, perturbed_teacher):
+    train_run(tmp_path, *QUICK, f"teacher.model={perturbed_teacher}")
+    step = metrics(tmp_path)[0]
+    assert step["teacher_kl"] > 0.01  # sampled KL(student || teacher) per token
+    assert step["groups_used"] == step["groups_sampled"] == 4 and step["alpha"] == 1.0  # every group carries signal
+    assert step["skipped"] == 0.0 and step["entropy_mean"] > 0
+    # the rollout log keeps each token's student and teacher log-probs; the viewer colours tokens by their gap
+    from gpg_vl.observe.viewer import write_rollouts_html
+
+    completion = json.loads((tmp_path / "rollouts" / "step-1.json").read_text())["groups"][0]["completions"][0]
+    scored = completion["scored"]
+    assert len(scored["tokens"]) == len(scored["student"]) == len(scored["teacher"]) == completion["tokens"]
+    assert all(s <= 0 and t <= 0 for s, t in zip(scored["student"], scored["teacher"], strict=True))
+    assert scored["student"] != scored["teacher"]
+    page = write_rollouts_html(tmp_path).read_text()
+    assert "teacher - student log-prob per token" in page and f"teacher {scored['teacher'][0]:.3f}" in page
+
+
+def test_jsd_and_top_entropy(tmp_path, perturbed_teacher):
+    train_run(tmp_path / "jsd", *QUICK, f"teacher.model={perturbed_teacher}", "teacher.loss=jsd", "teacher.only=true",
+              "teacher.beta=0.5")
+    step = metrics(tmp_path / "jsd")[0]
+    assert step["teacher_jsd"] > 0 and step["skipped"] == 0.0 and step["grad_norm"] > 0
+    train_run(tmp_path / "plain", *QUICK, "trainer.beta_th=0.4")  # resampled until some group has signal
+    train_run(tmp_path / "top", *QUICK, "trainer.beta_th=0.4", "trainer.top_entropy_quantile=0.2")
+    plain, top = metrics(tmp_path / "plain")[0], metrics(tmp_path / "top")[0]
+    assert plain["reward_mean"] == top["reward_mean"]  # the same samples
+    assert plain["entropy_mean"] == top["entropy_mean"]  # the mask takes gradient away, not the metric
+    # 80% of the tokens give no gradient; they are the near-certain ones, whose gradient is small anyway (the 80/20
+    # result), so the norm moves little
+    assert top["grad_norm"] != plain["grad_norm"]
+
+
+def test_teacher_with_another_vocabulary_is_refused(tmp_path):
+    """A tokenizer with one more token: refused in one sentence before any model loads (the folder holds no
+    weights at all)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_TINY)
+    tokenizer.add_tokens(["<not-in-the-student>"])
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    AutoConfig.from_pretrained(EMBEDDED_TINY).save_pretrained(tmp_path / "teacher")
+    with pytest.raises(UserError, match="another tokenizer or vocabulary"):
+        train_run(tmp_path / "run", *QUICK, f"teacher.model={tmp_path / 'teacher'}")
+
+
+def test_evaluation_reports_answer_entropy():
+    """Greedy and sampled held-out answers: entropy_mean, per generated token, from one forward of the policy; a
+    greedy answer of the tiny model is more certain than the same model's sampled answers at temperature 1."""
+    from gpg_vl.config.schema import RolloutSettings
+    from gpg_vl.data.task import get_task
+    from gpg_vl.models.load import load_policy
+    from gpg_vl.rollout.engine import build_engine
+    from gpg_vl.train.evaluate import Decoding, evaluate
+
+    policy = load_policy(str(EMBEDDED_TINY), dtype="float32")
+    task = get_task("shapes")
+    rows = list(task.load(task.eval_split))[:6]
+    engine = build_engine(RolloutSettings(max_new_tokens=24), policy)
+    greedy, decoded = evaluate(policy, task, rows, engine=engine, batch_size=6, max_new_tokens=24)
+    sampled, _ = evaluate(policy, task, rows, engine=engine, batch_size=6, max_new_tokens=24,
+                          decoding=Decoding(samples=4, temperature=1.0))
+    assert 0 < greedy["entropy_mean"] < sampled["entropy_mean"]
+    tokens = [d.entropy[1] for d in decoded]
+    assert all(0 < t <= 24 for t in tokens)
+    assert greedy["entropy_mean"] == pytest.approx(sum(d.entropy[0] for d in decoded) / sum(tokens))

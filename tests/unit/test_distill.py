@@ -1,0 +1,186 @@
+"""On-policy distillation and entropy (gpg_vl/distill.py): hand-worked per-token advantages, validity on the combined
+advantage, GPG's and GRPO's losses fed per-token advantages against slow loops, GKD's generalized JSD equal to TRL
+1.16's `GKDTrainer.generalized_jsd_loss`, the top-entropy mask equal to TRL's `GRPOTrainer.get_high_entropy_mask`,
+and the chunked scorer's entropy equal to the entropy of the full logits."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpg_vl.distill import (
+    combined_valid,
+    generalized_jsd,
+    high_entropy_mask,
+    logits_entropy,
+    teacher_advantages,
+    teacher_kl,
+)
+from gpg_vl.models.scoring import completion_logps
+from gpg_vl.objective import get_policy_loss
+
+
+def test_teacher_advantages_by_hand():
+    # two sequences of 3 tokens, the second has 2; A_group = (0.5, -0.5), coef 0.5
+    nu = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -9.0]])
+    pi = torch.tensor([[-1.5, -1.0, -0.5], [-0.4, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv = teacher_advantages(torch.tensor([0.5, -0.5]), nu, pi, mask, coef=0.5)
+    # 0.5 + 0.5 * (-1 + 1.5), 0.5 + 0.5 * (-2 + 1), 0.5 + 0; -0.5 + 0.5 * 0.3, -0.5 + 0.5 * (-2), masked 0
+    expected = torch.tensor([[0.75, 0.0, 0.5], [-0.35, -1.5, 0.0]])
+    assert torch.allclose(adv, expected, atol=1e-6)
+    only = teacher_advantages(torch.tensor([0.5, -0.5]), nu, pi, mask, coef=0.5, only=True)
+    assert torch.allclose(only, torch.tensor([[0.25, -0.5, 0.0], [0.15, -1.0, 0.0]]), atol=1e-6)
+    total, count = teacher_kl(nu, pi, mask)  # sum of pi - nu over the 5 counted tokens
+    assert count == 5 and total == pytest.approx(-0.5 + 1.0 + 0.0 - 0.3 + 2.0)
+
+
+def test_teacher_advantages_take_no_gradient():
+    pi = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    adv = teacher_advantages(torch.tensor([0.0]), torch.tensor([[-0.5, -0.5]]), pi, torch.ones(1, 2, dtype=torch.bool),
+                             coef=1.0)
+    assert not adv.requires_grad
+
+
+def test_combined_validity():
+    # 3 groups of 2 sequences, 2 tokens: group 0 all zero; group 1 one nonzero token; group 2 nonzero only where
+    # the mask is off (a padded or observation token): invalid
+    adv = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.3], [0.0, 0.0], [0.0, 0.0], [0.0, 2.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 0], [1, 1], [1, 0]], dtype=torch.bool)
+    assert combined_valid(adv, mask, 2).tolist() == [False, True, False]
+    adv[0, 0] = float("nan")
+    assert combined_valid(adv, mask, 2).tolist() == [False, True, False]
+
+
+def slow_gpg(logps, mask, adv):
+    """-1/N sum_i 1/|o_i| sum_t A_it logp_it, a loop."""
+    total = 0.0
+    for i in range(logps.shape[0]):
+        tokens = [t for t in range(logps.shape[1]) if mask[i, t]]
+        total += sum(-float(adv[i, t]) * float(logps[i, t]) for t in tokens) / max(len(tokens), 1)
+    return total / logps.shape[0]
+
+
+def test_gpg_loss_takes_per_token_advantages():
+    generator = torch.Generator().manual_seed(0)
+    logps = (-torch.rand(4, 5, generator=generator, dtype=torch.float64) * 2).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    adv = torch.randn(4, 5, generator=generator, dtype=torch.float64)
+    loss, _ = get_policy_loss("gpg")(logps, mask, adv)
+    assert float(loss.detach()) == pytest.approx(slow_gpg(logps.detach(), mask, adv), rel=1e-12)
+    # per-token advantages equal along each row are the per-sequence loss
+    row = adv[:, 0]
+    same, _ = get_policy_loss("gpg")(logps, mask, row.unsqueeze(1).expand(4, 5))
+    plain, _ = get_policy_loss("gpg")(logps, mask, row)
+    assert float(same) == float(plain)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "cispo"])
+def test_grpo_family_takes_per_token_advantages(name):
+    """On-policy (ratio 1) a ratio loss's gradient is the policy gradient -A_t / norm per token; with advantages
+    equal along each row it is the per-sequence loss, bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    logps = (-torch.rand(3, 4, generator=generator, dtype=torch.float64) * 2).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    row = torch.tensor([0.7, -0.2, 0.4], dtype=torch.float64)
+    loss = get_policy_loss(name)
+    same, _ = loss(logps, mask, row.unsqueeze(1).expand(3, 4))
+    plain, _ = loss(logps, mask, row)
+    assert float(same) == float(plain)
+    adv = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    value, _ = loss(logps, mask, adv)
+    (grad,) = torch.autograd.grad(value, logps)
+    tokens = mask.sum()
+    expected = torch.where(mask, -adv / tokens if name in ("dapo", "cispo") else
+                           -adv / (3 * mask.sum(1, keepdim=True)), torch.zeros_like(adv))
+    assert torch.allclose(grad, expected, atol=1e-12)
+
+
+def trl_jsd(student, teacher, beta, temperature=1.0):
+    from trl.experimental.gkd import GKDTrainer
+
+    return GKDTrainer.generalized_jsd_loss(student, teacher, beta=beta, temperature=temperature, reduction="none")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_generalized_jsd_equals_trl(beta):
+    generator = torch.Generator().manual_seed(2)
+    student = (torch.randn(7, 11, generator=generator) * 3).requires_grad_()
+    teacher = torch.randn(7, 11, generator=generator) * 3
+    ours = generalized_jsd(student, teacher, beta=beta, temperature=0.7)  # [7]
+    theirs = trl_jsd(student, teacher, beta, temperature=0.7).sum(-1)  # [7, 11] -> [7]
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    (grad,) = torch.autograd.grad(ours.sum(), student)
+    (trl_grad,) = torch.autograd.grad(theirs.sum(), student)
+    assert torch.allclose(grad, trl_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_jsd_ends_are_the_two_kls_by_hand():
+    student, teacher = torch.log(torch.tensor([[0.5, 0.5]])), torch.log(torch.tensor([[0.9, 0.1]]))
+    reverse = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)  # KL(student || teacher)
+    forward = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)  # KL(teacher || student)
+    assert float(generalized_jsd(student, teacher, beta=0.0)) == pytest.approx(forward, rel=1e-6)  # TRL's ends
+    assert float(generalized_jsd(student, teacher, beta=1.0)) == pytest.approx(reverse, rel=1e-6)
+    assert float(generalized_jsd(teacher, teacher, beta=0.5)) == pytest.approx(0.0, abs=1e-7)
+
+
+def trl_entropy_mask(entropies, mask, threshold):
+    from accelerate import Accelerator
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    stand_in = SimpleNamespace(accelerator=Accelerator(cpu=True))
+    return GRPOTrainer.get_high_entropy_mask(stand_in, entropies, mask, threshold)
+
+
+@pytest.mark.parametrize("rho", [0.2, 0.5, 0.8, 1.0])
+def test_high_entropy_mask_equals_trl(rho):
+    generator = torch.Generator().manual_seed(3)
+    entropies = torch.rand(5, 6, generator=generator) * 2
+    entropies[1, 2] = entropies[0, 0]  # a tie at the threshold is kept by both
+    mask = torch.rand(5, 6, generator=generator) > 0.3
+    ours = high_entropy_mask(entropies, mask, rho)
+    assert torch.equal(ours, trl_entropy_mask(entropies, mask, 1 - rho))
+    assert not (ours & ~mask).any()
+    if rho == 1.0:
+        assert torch.equal(ours, mask)
+
+
+def test_high_entropy_mask_by_hand():
+    entropies = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)  # 7.0 is padding: never kept
+    kept = high_entropy_mask(entropies, mask, 0.25)  # the 75% quantile of the 7 counted values: 0.6
+    assert kept.tolist() == [[False, True, False, False], [False, True, False, False]]
+    assert not high_entropy_mask(entropies, torch.zeros_like(mask), 0.5).any()
+
+
+def test_entropy_by_hand_and_suppressed_ids():
+    logits = torch.log(torch.tensor([[0.25, 0.25, 0.5, 1e-30]]))
+    assert float(logits_entropy(logits)) == pytest.approx(1.5 * math.log(2), rel=1e-5)
+    logits[0, 3] = float("-inf")  # a suppressed id counts 0, no NaN
+    assert float(logits_entropy(logits)) == pytest.approx(1.5 * math.log(2), rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_entropy_equals_full_logits(chunk):
+    """The scorer's entropies come from the chunk logits it already computes; they equal the entropy of the full
+    logits' sampling distribution (suppressed ids at -inf, temperature), and the log-probs are unchanged."""
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 5, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(13, 8, generator=generator)
+    ids = torch.randint(0, 11, (2, 5), generator=generator)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    kwargs = {"suppressed_ids": [11, 12], "temperature": 0.8, "chunk_tokens": chunk}
+    logps, entropy = completion_logps(hidden, weight, ids, mask, entropy=True, **kwargs)
+    plain = completion_logps(hidden, weight, ids, mask, **kwargs)
+    assert torch.equal(logps, plain)
+    full = (hidden @ weight.T).detach()
+    full[..., 11:] = float("-inf")
+    expected = torch.where(mask, logits_entropy(full / 0.8), torch.zeros(2, 5))
+    assert torch.allclose(entropy, expected, atol=1e-5)
+    assert not entropy.requires_grad
+    (grad,) = torch.autograd.grad(logps.sum(), hidden)  # the backward ignores the entropy output
+    (plain_grad,) = torch.autograd.grad(plain.sum(), hidden)
+    assert torch.equal(grad, plain_grad)
