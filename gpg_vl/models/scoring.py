@@ -39,6 +39,7 @@ import gpg_vl.distributed as distributed  # module access: tests replace forward
 from gpg_vl.distill import logits_entropy
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
+from gpg_vl.models.logits import completion_logps
 from gpg_vl.models.packing import pack_layout, pack_tokens, packed_segments, unpack_scored
 from gpg_vl.models.router import weigh_router_tokens
 
@@ -530,87 +531,3 @@ def row_images(prompts, groups: tuple, full: dict[str, Tensor], token_keys: list
         if key in images:
             images[key] = images[key].sum(dim=0, keepdim=True)
     return images
-
-
-# ---------------------------------------------------------------------------------------------
-# scoring: log-softmax over the vocabulary, a chunk of tokens at a time
-# ---------------------------------------------------------------------------------------------
-class _ChunkedTokenLogps(torch.autograd.Function):
-    """log softmax(hidden @ weight.T / temperature)[target], suppressed ids at -inf, chunk by chunk.
-
-    Forward keeps only each token's log-normalizer; backward recomputes a chunk's logits and uses
-    d logp / d logits = (onehot(target) - softmax) / temperature.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, suppressed: Tensor | None,
-                temperature: float, chunk: int, softcap: float | None, entropy: bool = False):
-        logps = hidden.new_empty(hidden.shape[0], dtype=torch.float32)  # [T]
-        normalizers = torch.empty_like(logps)  # [T]
-        entropies = torch.empty_like(logps) if entropy else logps.new_empty(0)  # [T] when asked
-        for start in range(0, hidden.shape[0], chunk):
-            logits = output_logits(hidden[start:start + chunk], weight, suppressed, temperature, softcap)  # [t, V]
-            normalizers[start:start + chunk] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(-1, targets[start:start + chunk].unsqueeze(-1)).squeeze(-1)  # [t]
-            logps[start:start + chunk] = picked - normalizers[start:start + chunk]
-            if entropy:  # from the chunk's logits already in memory, one [t, V] buffer more: no extra forward
-                weighted = torch.exp(logits - normalizers[start:start + chunk, None]).mul_(logits)  # p * z [t, V]
-                # a suppressed id gives 0 * -inf = NaN: it counts 0 (distill.logits_entropy)
-                entropies[start:start + chunk] = normalizers[start:start + chunk] - torch.nansum(weighted, dim=-1)
-        ctx.save_for_backward(hidden, weight, targets, normalizers, suppressed)
-        ctx.temperature, ctx.chunk, ctx.softcap = temperature, chunk, softcap
-        ctx.mark_non_differentiable(entropies)
-        return logps, entropies
-
-    @staticmethod
-    def backward(ctx, grad_logps: Tensor, _grad_entropies: Tensor | None = None):
-        hidden, weight, targets, normalizers, suppressed = ctx.saved_tensors
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            end = start + ctx.chunk
-            logits = output_logits(hidden[start:end], weight, suppressed, ctx.temperature, ctx.softcap)  # [t, V]
-            grad = torch.exp(logits - normalizers[start:end, None]).mul_(-grad_logps[start:end, None].float())
-            grad.scatter_add_(-1, targets[start:end, None], grad_logps[start:end, None].float())
-            grad.div_(ctx.temperature)  # d logp / d capped logits [t, V]
-            if ctx.softcap:  # d cap * tanh(x / cap) / dx = 1 - tanh(x / cap)^2
-                grad.mul_(1 - torch.tanh((hidden[start:end] @ weight.T).float() / ctx.softcap) ** 2)
-            if want_hidden:
-                grad_hidden[start:end] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
-            if want_weight:
-                grad_weight += grad.T @ hidden[start:end].float()
-        return (grad_hidden, (grad_weight.to(weight.dtype) if want_weight else None), None, None, None, None, None,
-                None)
-
-
-def output_logits(hidden: Tensor, weight: Tensor, suppressed: Tensor | None, temperature: float,
-                  softcap: float | None = None) -> Tensor:
-    logits = (hidden @ weight.T).float()  # [t, V]
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    if suppressed is not None:
-        logits.index_fill_(-1, suppressed, float("-inf"))
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
-
-
-def completion_logps(hidden: Tensor, weight: Tensor, token_ids: Tensor, mask: Tensor, *, suppressed_ids: list[int],
-                     temperature: float, chunk_tokens: int, softcap: float | None = None, entropy: bool = False):
-    """Log-probs [N, C] of token_ids under softmax(hidden @ weight.T / temperature), suppressed ids removed
-    (with `softcap`, the logits are first capped as cap * tanh(logits / cap), as Gemma's output layer does).
-
-    Only tokens where `mask` is True are scored (others are 0); they go through the output layer
-    `chunk_tokens` at a time, forward and backward. With `entropy`, (log-probs, entropies [N, C] of the same
-    distributions, without gradient, 0 off the mask).
-    """
-    selected = mask.nonzero(as_tuple=True)
-    suppressed = torch.tensor(suppressed_ids, device=hidden.device) if suppressed_ids else None
-    values, entropies = _ChunkedTokenLogps.apply(hidden[selected], weight, token_ids[selected], suppressed,
-                                                 temperature, max(int(chunk_tokens), 1), softcap, entropy)  # [T]
-    logps = torch.zeros(token_ids.shape, dtype=values.dtype, device=values.device)
-    logps = logps.index_put(selected, values)  # [N, C]
-    if not entropy:
-        return logps
-    return logps, torch.zeros_like(logps).index_put(selected, entropies)  # [N, C], [N, C]

@@ -181,7 +181,7 @@ def evaluate(policy: Policy, task, rows: Sequence[dict], **kwargs) -> tuple[dict
     if any(d.trajectory is not None for d in decoded):  # multi-turn: turns, tool calls, errors, images, limits
         metrics.update(trajectory_metrics([d.trajectory for d in decoded if d.trajectory is not None]))
     if decoded and all(d.entropy is not None for d in decoded):  # per generated token, greedy or sampled answers
-        metrics["entropy_mean"] = sum(d.entropy[0] for d in decoded) / max(sum(d.entropy[1] for d in decoded), 1)
+        metrics["entropy_mean"] = entropy_mean([d.entropy for d in decoded])
     timeouts = sum(d.timed_out for d in decoded)
     if timeouts:
         metrics["reward_timeouts"] = float(timeouts)
@@ -232,6 +232,12 @@ def task_metrics(task, rows: Sequence[dict], completions: Sequence[str], scores:
     return task.metrics(rows, completions)
 
 
+def entropy_mean(entropies: Sequence[Sequence[float]]) -> float:
+    """The mean entropy per generated token over completions given as (summed entropy, token count); exactly
+    rounded (math.fsum), so that re-scoring a predictions file in its own order gives evaluation's number."""
+    return math.fsum(e[0] for e in entropies) / max(sum(int(e[1]) for e in entropies), 1)
+
+
 def prediction_records(task, decoded: Sequence[Decoded], split: str, tokenizer=None) -> list[dict]:
     """One JSON-ready record per completion: where it came from, what the model said, and each reward's score
     (with several samples per row, every sample, numbered `sample`); a multi-turn row (with the policy's
@@ -245,6 +251,7 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str, tokenizer=N
                                                                                  else {}),
         "prompt": d.prompt, "completion": d.completion, "answer": extract_answer(d.completion),
         "target": task.target(d.row), "rewards": d.rewards, **_saved_fields(d.row),
+        **({"entropy": list(d.entropy)} if d.entropy is not None else {}),  # (summed over its tokens, their count)
         **(trajectory_record(d.trajectory, tokenizer) if d.trajectory is not None and tokenizer is not None else {}),
     } for d in decoded]
 
@@ -318,7 +325,10 @@ def rescore(task, records: Sequence[dict], rows: Sequence[dict], *,
     refreshed = [{**{key: value for key, value in record.items() if key != "pred_mask"},  # the segmenter's anew
                   "answer": extract_answer(record["completion"]), "rewards": score, **_saved_fields(row)}
                  for record, row, score in zip(records, matched, scores, strict=True)]
-    return sample_metrics(task, matched, completions, scores, samples), refreshed
+    metrics = sample_metrics(task, matched, completions, scores, samples)
+    if all("entropy" in record for record in records):  # the answers' entropy, as evaluation saved it
+        metrics["entropy_mean"] = entropy_mean([record["entropy"] for record in records])
+    return metrics, refreshed
 
 
 def _by_row_and_sample(records: Sequence[dict]) -> tuple[list[dict], int]:

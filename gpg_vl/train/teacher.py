@@ -19,6 +19,7 @@ from gpg_vl.distill import combined_valid, generalized_jsd, logits_entropy, teac
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
 from gpg_vl.models.batch import unwrap
+from gpg_vl.models.logits import output_logits
 from gpg_vl.models.scoring import ScoringPath
 from gpg_vl.objective import loss_alpha
 
@@ -62,7 +63,7 @@ def chunk_logits(family, model, chunk, device, *, path: ScoringPath,
                                                counted, path=path, observations=chunk.trajectories)
     bare = unwrap(model)
     if hidden is not None:
-        logits = scoring.output_logits(hidden[counted], bare.get_output_embeddings().weight, None, temperature,
+        logits = output_logits(hidden[counted], bare.get_output_embeddings().weight, None, temperature,
                                        family.logit_softcap(bare))  # [T, V]
     else:
         logits = logits[counted] / temperature  # [T, V]

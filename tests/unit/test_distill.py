@@ -19,7 +19,7 @@ from gpg_vl.distill import (
     teacher_advantages,
     teacher_kl,
 )
-from gpg_vl.models.scoring import completion_logps
+from gpg_vl.models.logits import completion_logps
 from gpg_vl.objective import get_policy_loss
 
 
