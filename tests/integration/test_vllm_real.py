@@ -117,6 +117,19 @@ def test_a_run_trains_through_a_real_server(k, served, tmp_path):
         assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and lines[0]["logp_mismatch_mean"] < 1e-4
 
 
+@pytest.mark.slow
+def test_a_short_run_learns_through_a_real_server(served, tmp_path):
+    """The main job, shortened, sampled by the real server (disk sync every step): held-out accuracy rises as the HF
+    engine's does in test_train.py's short run (the whole 150-step job: docs/results/vllm.md)."""
+    from gpg_vl.cli import train_main
+    from gpg_vl.config.compose import load_config
+
+    job = overrides(served, tmp_path, f"output_dir={tmp_path / 'out'}", "trainer.max_steps=15", "eval.limit=100")
+    summary = train_main(load_config("train", job))  # the main job's settings, not the quick runs'
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.15, summary
+    assert all(m["logp_mismatch_mean"] < 1e-4 for m in metrics(tmp_path / "out"))  # every sync reached it
+
+
 def test_a_server_killed_mid_run_stops_the_run_and_resume_continues_as_the_uninterrupted_run(served, tmp_path):
     """A second server of the same model, killed (its whole process group) once step 1 is logged: the run stops
     in one sentence with checkpoint-1; resume=auto against the shared server continues, and steps 2-3 equal an
