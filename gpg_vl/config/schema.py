@@ -23,6 +23,7 @@ from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X 
 
 from gpg_vl.config.keys import as_sections, meta, with_sections
 from gpg_vl.config.names import ENGINE_SETTINGS, JUDGE_NEEDS, TOOL_SETTINGS
+from gpg_vl.config.teacher import TeacherSettings  # noqa: F401 (its section, `teacher.*`, is declared there)
 from gpg_vl.errors import UserError
 from gpg_vl.registry import load_reference
 
@@ -484,29 +485,6 @@ class RewardSettings:
     def __post_init__(self) -> None:
         if isinstance(self.judge, dict):  # RewardSettings(**container): the section arrives as a plain dict
             self.judge = JudgeSettings(**self.judge)
-
-
-@dataclass
-class TeacherSettings:
-    """`teacher.*`: on-policy distillation from a frozen teacher on the student's own samples
-    (gpg_vl/distill.py, gpg_vl/train/teacher.py, docs/distillation.md)."""
-
-    model: str | None = field(default=None, metadata=meta(
-        "the teacher: a model folder or hub id with the student's tokenizer and processor (null = no teacher)"))
-    coef: float = field(default=1.0, metadata=meta(
-        "beta: reverse_kl adds coef * (log teacher - log student) to each token's advantage; jsd adds coef x the "
-        "JSD to the loss", above=0))
-    only: bool = field(default=False, metadata=meta(
-        "true = pure distillation: the task reward gives no advantage (it is still scored and logged)"))
-    loss: str = field(default="reverse_kl", metadata=meta(
-        "reverse_kl: the teacher's log-prob gap as a per-token advantage (policy-gradient form); jsd: GKD's "
-        "generalized JSD over the full vocabulary (supervised form)", choices=("reverse_kl", "jsd")))
-    beta: float = field(default=0.5, metadata=meta(
-        "jsd: the interpolation (0 = KL(teacher || student), 1 = KL(student || teacher), TRL's GKD convention)",
-        low=0, high=1))
-    dtype: str = field(default="auto", metadata=meta(
-        "the teacher's weights' dtype (auto = model.dtype's rule); frozen, no optimizer state",
-        choices=("auto", "float32", "bfloat16", "float16")))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from gpg_vl.files import write_atomic
 from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
 from gpg_vl.rollout.engine import EngineUnreachable
-from gpg_vl.train.checkpoint import latest_checkpoint, save_checkpoint, writing
+from gpg_vl.train.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state, writing
 from gpg_vl.train.held_out import evaluate_during, evaluate_held_out
 from gpg_vl.train.mixed import task_step_metrics
 from gpg_vl.train.pipeline import SyncPipeline, count_sampled, start_pipeline
@@ -58,7 +58,8 @@ def train(run: Run) -> dict:
                     run.accelerator.print(f"The run ended after step {run.state.step} of trainer.max_steps="
                                           f"{run.trainer.max_steps}: {spent}.")
                     break
-                before = run.data.stream.state_dict()  # a step the engine fails in draws its prompts again
+                before = {"stream": run.data.stream.state_dict(), "rng": rng_state()}  # a step the engine fails
+                # in draws its prompts again, with the random state it began with
                 metrics = None
                 try:
                     metrics = step(run)
@@ -161,10 +162,11 @@ def stop_on_bad_steps(run: Run) -> None:
                  "rewards and data, then continue with resume=auto.")
 
 
-def stop_on_lost_engine(run: Run, error: EngineUnreachable, stream_state: dict) -> None:
-    """The rollout engine was lost mid-step (a vLLM server unreachable for rollout.vllm_server.timeout_s): on every
-    process, checkpoint what is done (this step's update if it ran, else the step before, its prompts to be drawn
-    again) and stop in one sentence. With trainer.max_staleness >= 1 the checkpoint after the last logged step holds
+def stop_on_lost_engine(run: Run, error: EngineUnreachable, begun: dict) -> None:
+    """The rollout engine or the teacher's server was lost mid-step (a vLLM server unreachable for
+    rollout.vllm_server.timeout_s or teacher.timeout_s): on every process, checkpoint what is done (this step's
+    update if it ran, else the step before, with the prompts and the random state the step began with, `begun`, so
+    a resumed run draws and samples it again as the uninterrupted run does) and stop in one sentence. With trainer.max_staleness >= 1 the checkpoint after the last logged step holds
     the sampler's state as it began the next one (as save_step writes it); when the sampler never began it, the last
     checkpoint of trainer.save_every is the one to continue from."""
     state = run.state
@@ -176,16 +178,17 @@ def stop_on_lost_engine(run: Run, error: EngineUnreachable, stream_state: dict) 
         if in_flight is None:
             last = latest_checkpoint(run.output_dir) if run.main else None
             run.stop(f"{str(error).rstrip('.')}; the run stopped at step {done + 1}: continue from its last "
-                     f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once the rollout "
-                     "engine is back.")
-    elif not state.updated:
-        run.data.stream.load_state_dict(stream_state)
+                     f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once that "
+                     "server is back.")
+    elif not state.updated:  # the step's prompts and its sampling as they began (its rollout consumed randomness)
+        run.data.stream.load_state_dict(begun["stream"])
+        set_rng_state(begun["rng"])
     state.step = done
     path = run.output_dir / f"checkpoint-{done}"
     save_checkpoint(path, run.learner, run.data.stream, done, keep=run.trainer.keep_checkpoints,
                     counters=state.counters, config=run.settings.config, record=state.record, in_flight=in_flight)
     run.stop(f"{str(error).rstrip('.')}; the run stopped after step {done} and wrote {path.name}: continue with "
-             "resume=auto once the rollout engine is back.")
+             "resume=auto once that server is back.")
 
 
 def save_step(run: Run) -> None:

@@ -104,6 +104,7 @@ class Attempt:
     lost: str | None = None  # the engine could not be reached (its sentence): every process stops at the count
     indices: list[int] = field(default_factory=list)  # each group's row in its task's train split
     task: str | None = None  # its task in a mixture (gpg_vl/data/mixture.py), else None
+    messages: list[list[dict]] | None = None  # each prompt's messages (its images and videos), as the engine got them
 
 
 def empty_attempt(names: list[str], group_size: int, lost: str | None = None) -> Attempt:
@@ -181,7 +182,7 @@ def rollout_prompts(policy: Policy, task, drawn: list, *, engine, trainer: Train
         rows, prompts, keep, result = skip_rejected(result, rows, prompts, keep, warn)
         if not rows:
             return empty_attempt(names, group_size)
-    prompts = prompts.batch
+    messages, prompts = prompts.messages, prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
     scores, timeouts, errors = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
                                                  workers=trainer.reward_workers, budget=reward_budget,
@@ -205,7 +206,8 @@ def rollout_prompts(policy: Policy, task, drawn: list, *, engine, trainer: Train
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, reward_timeouts=timeouts,
-                   tokens_sampled=tokens, reward_errors=errors, indices=[drawn[i].index for i in keep])
+                   tokens_sampled=tokens, reward_errors=errors, indices=[drawn[i].index for i in keep],
+                   messages=messages)
 
 
 def skip_rejected(result: Rollout, rows: list[dict], prompts: EnginePrompts, keep: list[int], warn):

@@ -49,6 +49,7 @@ from gpg_vl.train.reference import build_reference, needs_reference, place_refer
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
 from gpg_vl.train.sample import reward_names
 from gpg_vl.train.teacher import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
+from gpg_vl.train.teacher_server import ServerTeacher, connect_student_teacher, connect_teacher
 from gpg_vl.train.update import Learner, build_optimizer
 
 
@@ -82,8 +83,9 @@ def setup(cfg) -> Run:
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
         check_model_folder(model_cfg)  # before the weights load
         check_teacher(teacher, cfg.model.name_or_path)  # another tokenizer: one sentence, before any model loads
+        served = connect_student_teacher(teacher, cfg.model.name_or_path, cfg.rollout, accelerator.process_index)
         policy = build.build_policy(model_cfg, accelerator.device, seed=int(cfg.seed))
-        frozen = load_teacher(teacher, cfg.model, accelerator.device, trainer=trainer)
+        frozen = load_teacher(teacher, cfg.model, accelerator.device, trainer=trainer) or served
         # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
         # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
         reference = None
@@ -127,6 +129,11 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
             held.enter_context(claim_output_dir(settings.output_dir, resume=settings.resume_from))
         frozen = None if teacher is None else frozen_teacher(teacher.to(accelerator.device), policy.family,
                                                              settings.teacher, settings.trainer)
+        if settings.teacher.urls is not None:  # the teacher on vLLM servers
+            text = getattr(policy.model.config, "text_config", None) or policy.model.config
+            frozen = connect_teacher(settings.teacher, tokenizer=policy.family.tokenizer,
+                                     vocab_size=getattr(text, "vocab_size", None), rollout=settings.rollout,
+                                     rank=accelerator.process_index)
         return _build_run(policy, task, settings, accelerator, reference, held, teacher=frozen)
     except BaseException:
         held.close()
@@ -134,7 +141,8 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
 
 
 def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Accelerator,
-               reference: torch.nn.Module | None, held: contextlib.ExitStack, *, teacher: Teacher | None = None) -> Run:
+               reference: torch.nn.Module | None, held: contextlib.ExitStack, *,
+               teacher: Teacher | ServerTeacher | None = None) -> Run:
     """Build a run once: seeds, data, optimizer and schedule (counting optimizer steps), the prepared model,
     the reference model when the loss needs one, the scoring path, the resumed state, the held-out rows.
 
@@ -165,6 +173,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     rollouts, engines = mixture_engines(task, settings.rollout, learner.policy, accelerator) if mixed else ({}, {})
     engine = next(iter(engines.values())) if mixed else \
         build_engine(settings.rollout, learner.policy, accelerator=accelerator, tools=task.tools)
+    teacher = None if teacher is None else teacher.bind(learner.policy)  # a server teacher reads the family's media
     learner = replace(learner, correction=engine.correction, teacher=teacher)
     if getattr(task, "temporal", False) and forward_is_collective(learner.model):
         raise UserError("T-GRPO's shuffled-frame rollouts (task.options.temporal=true) run only on the prompts with "

@@ -22,6 +22,7 @@ from gpg_vl.models.batch import unwrap
 from gpg_vl.models.logits import output_logits
 from gpg_vl.models.scoring import ScoringPath
 from gpg_vl.objective import loss_alpha
+from gpg_vl.rollout.engine import EngineUnreachable
 
 
 @dataclass
@@ -32,11 +33,19 @@ class Teacher:
     path: ScoringPath
     settings: TeacherSettings
 
-    def logps(self, family, chunk, device, *, temperature: float, logits_chunk_tokens: int) -> torch.Tensor:
-        """The teacher's log-probs [n, C] of a micro-batch's completions (no gradient)."""
+    def logps(self, family, chunk, device, *, temperature: float, logits_chunk_tokens: int, messages=None,
+              cache=None) -> torch.Tensor:
+        """The teacher's log-probs [n, C] of a micro-batch's completions (no gradient). `messages`, `cache`: what the
+        teacher on vLLM servers reads (gpg_vl/train/teacher_server.py); the model here has the prompts' pixels."""
+        del messages, cache
         with torch.no_grad():
             return chunk.logps(_Frozen(family), self.model, device, path=self.path, temperature=temperature,
                                logits_chunk_tokens=logits_chunk_tokens)
+
+    def bind(self, policy) -> Teacher:
+        """Nothing to learn from the student's policy (the teacher on vLLM servers reads its family here)."""
+        del policy
+        return self
 
     def logits(self, family, chunk, device, *, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's full-vocabulary logits [T, V'] at the micro-batch's counted positions, and the sampled
@@ -140,12 +149,14 @@ def with_teacher(learner, plan: list[list], attempts: list, score_student) -> tu
     device = learner.accelerator.device
     students = score_student(plan)
     rollouts = {id(a.prompts): a.rollout for a in attempts if a.rollout is not None}
+    messages, cache = {id(a.prompts): a.messages for a in attempts if a.rollout is not None}, {}
     scored, kl_sum, tokens, groups = [], 0.0, 0, {}
     for chunks, logps in zip(plan, students, strict=True):
         scored.append([])
         for chunk, student in zip(chunks, logps, strict=True):
             nu = teacher.logps(learner.policy.family, chunk, device, temperature=learner.temperature,
-                               logits_chunk_tokens=settings.logits_chunk_tokens).to(student.device)
+                               logits_chunk_tokens=settings.logits_chunk_tokens, messages=messages[id(chunk.prompts)],
+                               cache=cache).to(student.device)
             counted = chunk.counted.to(student.device)
             advantages = teacher_advantages(chunk.advantages.to(student.device), nu, student, counted,
                                             coef=teacher.settings.coef, only=teacher.settings.only)  # [n, C]
@@ -197,10 +208,18 @@ def jsd_teacher_valid(plan: list[list]) -> int:
 
 def require_teacher_settings(teacher: TeacherSettings, trainer) -> None:
     """Contradictions between teacher.* and the trainer, in one sentence, before anything loads."""
-    if teacher.model is None:
+    if not teacher.enabled:
         return
+    key = "teacher.model" if teacher.model is not None else "teacher.urls"
+    if teacher.model is not None and teacher.urls is not None:
+        raise UserError("teacher.model and teacher.urls both name a teacher; set one: teacher.model loads it beside "
+                        "the student, teacher.urls asks vLLM servers that serve it.")
+    if teacher.urls is not None and teacher.loss == "jsd":
+        raise UserError("teacher.loss=jsd reads the teacher's whole distribution at every position, which "
+                        "teacher.urls (the sampled tokens' log-probs from vLLM) does not give; use teacher.model for "
+                        "jsd, or teacher.loss=reverse_kl with teacher.urls.")
     if getattr(trainer, "max_staleness", 0) > 0:
-        raise UserError("teacher.model with trainer.max_staleness >= 1 is not supported: the teacher's advantages "
+        raise UserError(f"{key} with trainer.max_staleness >= 1 is not supported: the teacher's advantages "
                         "are computed in the update from the current weights; set trainer.max_staleness=0.")
 
 
@@ -211,17 +230,26 @@ def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[l
     advantages, the groups whose combined advantage is all zero marked rejected (`with_teacher`; the student scored
     by `score_plan(learner, model, plan, attempts, calls)`, train/update.py's); with jsd the plan as it is (every
     group carries the JSD). Returns (plan, {valid groups and sampled groups over all processes, teacher_kl (the
-    token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}). Collective."""
+    token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}). Collective: a teacher server
+    unreachable from any process raises EngineUnreachable on every one."""
     accelerator = learner.accelerator
     sampled = sum(len(a.valid) for a in attempts)
+    lost = None  # the teacher's server could not be reached from this process (teacher.urls): its sentence
     if learner.teacher.settings.loss == "jsd":
         valid, report = jsd_teacher_valid(plan), {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}
     else:
         calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
-        plan, report, valid = with_teacher(learner, plan, attempts, lambda scored: score_plan(
-            learner, learner.model, scored, attempts, calls.max(dim=0).values.tolist()))
-    totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"]],
-                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
+        try:  # the student's collective scoring comes first; the teacher's requests are this process's own
+            plan, report, valid = with_teacher(learner, plan, attempts, lambda scored: score_plan(
+                learner, learner.model, scored, attempts, calls.max(dim=0).values.tolist()))
+        except EngineUnreachable as error:
+            report, valid, lost = {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}, 0, str(error)
+    totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"],
+                                              float(lost is not None)], device=accelerator.device,
+                                             dtype=torch.float64), "sum").tolist()
+    if totals[4]:  # every process stops at this step (gpg_vl/train/loop.py checkpoints the step before)
+        raise EngineUnreachable(lost or "another training process could not reach the teacher's vLLM server (its "
+                                "log names the server); check the servers, then continue with resume=auto.")
     return plan, {"valid": int(totals[0]), "groups": int(totals[1]), "teacher_kl": totals[2] / max(totals[3], 1.0)}
 
 

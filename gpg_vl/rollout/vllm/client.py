@@ -51,8 +51,9 @@ class Rejected(Exception):
         self.status, self.detail = status, detail
 
 
-def split_urls(urls: str) -> list[str]:
-    """`rollout.vllm_server.urls` -> base URLs without a trailing slash; one sentence for a malformed one."""
+def split_urls(urls: str, key: str = "rollout.vllm_server.urls") -> list[str]:
+    """`urls` (the setting `key`: rollout.vllm_server.urls, teacher.urls) -> base URLs without a trailing slash; one
+    sentence for a malformed one."""
     found = [url.strip().rstrip("/") for url in str(urls).split(",") if url.strip()]
     for url in found:
         parsed = urllib.parse.urlparse(url)
@@ -61,13 +62,13 @@ def split_urls(urls: str) -> list[str]:
         except ValueError:
             port = 0
         if port == 0:  # (None: no port given, the scheme's own)
-            raise UserError(f"rollout.vllm_server.urls holds {url!r}, whose port {parsed.netloc.rsplit(':', 1)[1]} "
+            raise UserError(f"{key} holds {url!r}, whose port {parsed.netloc.rsplit(':', 1)[1]} "
                             "is not a port (1-65535); give the port `vllm serve --port` listens on.")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise UserError(f"rollout.vllm_server.urls holds {url!r}, which is not an http(s)://host:port address; "
+            raise UserError(f"{key} holds {url!r}, which is not an http(s)://host:port address; "
                             "write each `vllm serve` endpoint as http://host:port, separated by commas.")
     if not found:
-        raise UserError("rollout.vllm_server.urls is empty; give the `vllm serve` endpoints as http://host:port,...")
+        raise UserError(f"{key} is empty; give the `vllm serve` endpoints as http://host:port,...")
     return found
 
 

@@ -214,6 +214,49 @@ def video_render_body(model: str, video: tuple) -> dict:
 RENDER_BODIES = {"image": image_render_body, "video": video_render_body}
 
 
+def media_tokens(family, config) -> dict[str, int | None]:
+    """The token the family's processor repeats for an image's patches (Qwen: `<|image_pad|>`) and for a video's
+    frames (`<|video_pad|>`): {"image": id, "video": id or None}."""
+    image = getattr(family.processor, "image_token_id", None)
+    if image is None:
+        image = family.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    video = getattr(family.processor, "video_token_id", None)
+    if video is None:
+        video = getattr(config, "video_token_id", None)
+    return {"image": image, "video": video}
+
+
+def prompt_videos(family, messages: list[dict], tokens: dict[str, int | None]) -> list:
+    """A prompt's videos as the trainer's processor gets them, (frames, metadata) each: one sentence where the family
+    hands a server no videos, or writes frame timestamps between a video's tokens (not placed yet)."""
+    videos = family.engine_videos(messages)
+    if videos and family.video_times_in_text:
+        raise UserError(f"the {family.name} family writes frame timestamps between a video's tokens, which "
+                        "a vLLM server (rollout.engine=vllm_server, teacher.urls) does not take yet; use "
+                        "rollout.engine=vllm or hf (teacher.model) for this model's video tasks.")
+    if videos and (not family.engine_takes_video or tokens["video"] is None):
+        raise UserError(f"the {family.name} family's videos do not go through a vLLM server (rollout.engine="
+                        "vllm_server, teacher.urls); use rollout.engine=hf (teacher.model) for this model's video "
+                        "tasks.")
+    return videos
+
+
+def render_features(server: Server, model: str, media: dict[str, list], cache: dict, *,
+                    limit: str = "rollout.vllm_server.timeout_s") -> dict[str, list[dict]]:
+    """The rendered features of each image and video of `media` ({"image": [...], "video": [...]}), each rendered
+    once per `cache` (id(item) -> its features, which hold the processed pixels themselves: any server takes
+    them) by `POST /v1/chat/completions/render`; `limit`: the setting its deadline comes from."""
+    out = {}
+    for modality, items in media.items():
+        out[modality] = []
+        for item in items:
+            if id(item) not in cache:
+                cache[id(item)] = server.post("/v1/chat/completions/render", RENDER_BODIES[modality](model, item),
+                                              limit=limit)["features"]
+            out[modality].append(cache[id(item)])
+    return out
+
+
 def rejected_for_length(error: Rejected) -> bool:
     return error.status == 400 and bool(TOO_LONG.search(error.detail))
 
@@ -317,7 +360,7 @@ class VLLMServerEngine(VLLMEngineBase):
         self.model_name = self._check_models(rollout)
         self.transport = TRANSPORTS[self.settings.weight_transfer](self.settings, rank=self.rank)
         self.version = 0  # the weights the servers hold: those after this step (the pipeline's number)
-        self.tokens = {"image": self._image_token(), "video": self._video_token()}
+        self.tokens = media_tokens(self.family, policy.model.config)
         self.requests = 0  # requests sent by this process (spread across the servers)
         self.transport.init(self.servers)
         self.sync(policy.model, 0)  # the servers hold the trainer's weights, whatever they loaded (a resumed run's
@@ -343,46 +386,11 @@ class VLLMServerEngine(VLLMEngineBase):
             name = name or (models.get("data") or [{}])[0].get("id")
         return name
 
-    def _image_token(self) -> int | None:
-        token = getattr(self.family.processor, "image_token_id", None)
-        if token is None:
-            token = self.family.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        return token
-
-    def _video_token(self) -> int | None:
-        """The token the family's processor repeats for a video's frames (Qwen: `<|video_pad|>`)."""
-        token = getattr(self.family.processor, "video_token_id", None)
-        if token is None:
-            token = getattr(self.policy.model.config, "video_token_id", None)
-        return token
-
     def _videos(self, messages: list[dict]) -> list:
-        """A prompt's videos as the trainer's processor gets them, (frames, metadata) each: the family refuses in one
-        sentence where it hands no engine its videos."""
-        videos = self.family.engine_videos(messages)
-        if videos and self.family.video_times_in_text:
-            raise UserError(f"the {self.family.name} family writes frame timestamps between a video's tokens, which "
-                            "rollout.engine=vllm_server does not place yet; use rollout.engine=vllm or hf for this "
-                            "model's video tasks.")
-        if videos and (not self.family.engine_takes_video or self.tokens["video"] is None):
-            raise UserError(f"the {self.family.name} family's videos do not go through rollout.engine=vllm_server; "
-                            "use rollout.engine=hf for this model's video tasks.")
-        return videos
+        return prompt_videos(self.family, messages, self.tokens)
 
-    # ---- requests ---------------------------------------------------------------------------------
     def _features(self, server: Server, media: dict[str, list], cache: dict) -> dict[str, list[dict]]:
-        """Each image and video rendered once per rollout (`cache`: id(item) -> its features, which hold the
-        processed pixels themselves: any server takes them)."""
-        out = {}
-        for modality, items in media.items():
-            out[modality] = []
-            for item in items:
-                if id(item) not in cache:
-                    answer = server.post("/v1/chat/completions/render",
-                                         RENDER_BODIES[modality](self.model_name, item))
-                    cache[id(item)] = answer["features"]
-                out[modality].append(cache[id(item)])
-        return out
+        return render_features(server, self.model_name, media, cache)
 
     def _generate_one(self, server: Server, token_ids: list[int], media: dict[str, list], params: dict,
                       cache: dict) -> list[dict] | Rejected:
