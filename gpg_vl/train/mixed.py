@@ -27,8 +27,8 @@ def mixture_engines(mixture: Mixture, rollout, policy, accelerator) -> tuple[dic
 
 def task_step_metrics(run, collected) -> dict[str, float]:
     """task=mix: each task's step figures under `<task>/`: its reward components and total, accuracy, valid-group
-    fraction, completion length, groups (`step_metrics`, the totals' own), and its multi-turn figures (tool calls,
-    turns) when it rolls out trajectories. Collective (every process, each task in the mixture's order); {} for a
+    fraction, completion length, groups (`step_metrics`, the totals' own), its multi-turn figures (tool calls,
+    turns) when it rolls out trajectories, and with a teacher its teacher_kl (`task_teacher_kl`). Collective (every process, each task in the mixture's order); {} for a
     single task."""
     task, accelerator = run.data.task, run.accelerator
     if not isinstance(task, Mixture):
@@ -46,5 +46,25 @@ def task_step_metrics(run, collected) -> dict[str, float]:
             figures["accuracy"] = figures["reward/accuracy"]
         if run.data.engines[name].multiturn.multi_turn:
             figures.update(trajectory_step_metrics(mine, accelerator))
+        if run.learner.teacher is not None and run.learner.teacher.settings.loss != "jsd":
+            figures["teacher_kl"] = task_teacher_kl(mine.attempts, accelerator)
         found.update({f"{name}/{key}": value for key, value in figures.items()})
     return found
+
+
+def task_teacher_kl(attempts: list, accelerator) -> float:
+    """One task's teacher_kl: the token mean of log student - log teacher over its attempts' counted completion
+    tokens, over all processes (the log-probs the update kept on each rollout, `Rollout.token_logps`: the same
+    numbers as the step's teacher_kl, grouped by task; a sequence the off-policy correction rejected counts here,
+    not there). Collective."""
+    total, count = 0.0, 0
+    for attempt in attempts:
+        rollout = attempt.rollout
+        if rollout is None or rollout.token_logps is None:
+            continue
+        counted = (rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask).bool().cpu()  # [n, C]
+        gap = rollout.token_logps["student"].double() - rollout.token_logps["teacher"].double()  # [n, C]
+        total, count = total + float(gap[counted].sum()), count + int(counted.sum())
+    total, count = accelerator.reduce(torch.tensor([total, float(count)], dtype=torch.float64,
+                                                   device=accelerator.device), "sum").tolist()
+    return total / max(count, 1.0)

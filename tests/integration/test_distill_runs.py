@@ -113,3 +113,16 @@ def test_evaluation_reports_answer_entropy():
     tokens = [d.entropy[1] for d in decoded]
     assert all(0 < t <= 24 for t in tokens)
     assert greedy["entropy_mean"] == pytest.approx(sum(d.entropy[0] for d in decoded) / sum(tokens))
+
+
+def test_a_mixture_logs_each_tasks_teacher_kl(tmp_path, perturbed_teacher):
+    """task=mix with a teacher: each task's teacher_kl, the same token sums as the step's, grouped by task (one task:
+    the step's own; two: the step's lies between theirs, a token-weighted mean)."""
+    train_run(tmp_path / "one", *QUICK, f"teacher.model={perturbed_teacher}", "task=mix", "task.mixture={shapes: 1}")
+    step = metrics(tmp_path / "one")[0]
+    assert step["shapes/teacher_kl"] == pytest.approx(step["teacher_kl"], rel=1e-6) and step["teacher_kl"] > 0.01
+    train_run(tmp_path / "two", *QUICK, f"teacher.model={perturbed_teacher}", "task=mix",
+              "task.mixture={shapes: 1, zoom: 1}", "task.options.zoom.image_size=224", "task.options.zoom.train_size=8")
+    step = metrics(tmp_path / "two")[0]
+    parts = sorted([step["shapes/teacher_kl"], step["zoom/teacher_kl"]])
+    assert parts[0] < parts[1] and parts[0] - 1e-9 <= step["teacher_kl"] <= parts[1] + 1e-9

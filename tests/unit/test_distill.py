@@ -184,3 +184,27 @@ def test_chunked_entropy_equals_full_logits(chunk):
     (grad,) = torch.autograd.grad(logps.sum(), hidden)  # the backward ignores the entropy output
     (plain_grad,) = torch.autograd.grad(plain.sum(), hidden)
     assert torch.equal(grad, plain_grad)
+
+
+def test_a_tasks_teacher_kl_by_hand():
+    """task=mix's per-task teacher_kl (gpg_vl/train/mixed.py): the mean of log student - log teacher over the counted
+    tokens of the task's rollouts: the completion mask, or a trajectory's loss mask (its generated tokens)."""
+    from gpg_vl.train.mixed import task_teacher_kl
+
+    class Alone:  # one process: reduce is the identity
+        device = "cpu"
+
+        def reduce(self, tensor, op):
+            return tensor
+
+    def attempt(student, teacher, mask, loss_mask=None):
+        rollout = SimpleNamespace(completion_mask=torch.tensor(mask), loss_mask=None if loss_mask is None else
+                                  torch.tensor(loss_mask), token_logps={"student": torch.tensor(student),
+                                                                        "teacher": torch.tensor(teacher)})
+        return SimpleNamespace(rollout=rollout)
+
+    single = attempt([[-1.0, -2.0, 0.0]], [[-1.5, -1.0, -9.0]], [[1, 1, 0]])  # gaps 0.5, -1.0 (the pad ignored)
+    turns = attempt([[-0.5, -3.0, -1.0]], [[-1.0, -0.0, -2.0]], [[1, 1, 1]], loss_mask=[[1, 0, 1]])  # 0.5, 1.0
+    assert task_teacher_kl([single], Alone()) == pytest.approx(-0.25)
+    assert task_teacher_kl([turns], Alone()) == pytest.approx(0.75)
+    assert task_teacher_kl([single, turns, SimpleNamespace(rollout=None)], Alone()) == pytest.approx(1.0 / 4)
