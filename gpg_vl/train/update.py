@@ -428,8 +428,10 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 logps, entropy, distill = scored_chunk(learner, chunk, device)  # [n, C], [n, C] (no grad), or None
                 if index < real:
                     sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).sum())
-                if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient
-                    keep = high_entropy_mask(entropy, mask, learner.settings.top_entropy_quantile)  # [n, C]
+                if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient,
+                    # the threshold over this micro-batch index of every process (TRL gathers them); collective
+                    pool = entropy_pool(accelerator, entropy, mask if index < real else None)
+                    keep = high_entropy_mask(entropy, mask, learner.settings.top_entropy_quantile, pool)  # [n, C]
                     logps = torch.where(keep, logps, logps.detach())
                 weights = None if chunk.weights is None else chunk.weights.to(device)  # resolved up front
                 if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
@@ -461,9 +463,22 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 # Collective on the last micro-batch (ZeRO all-reduce) or on each (FSDP reduce-scatter):
                 # a backward after a forward, the same count on every process. Local under DDP (no_sync).
                 accelerator.backward(loss * accelerator.num_processes)
+        if learner.settings.top_entropy_quantile < 1.0:  # DDP: the micro-batch indices other processes still have
+            for _ in range(len(chunks), step.steps_needed):
+                entropy_pool(accelerator, None, None)
     finally:
         accelerator.sync_gradients = True
     return sums
+
+
+def entropy_pool(accelerator: Accelerator, entropy: torch.Tensor | None, mask: torch.Tensor | None):
+    """Every process's counted entropies [sum of T] of one micro-batch index (this process's: entropy [n, C] on mask
+    [n, C], or none), as TRL's get_high_entropy_mask pads and gathers them; None with one process. Collective."""
+    if accelerator.num_processes == 1:
+        return None
+    local = entropy[mask].float() if mask is not None else torch.zeros(0, device=accelerator.device)  # [T]
+    gathered = accelerator.gather(accelerator.pad_across_processes(local, dim=0, pad_index=-1.0))  # [P * max T]
+    return gathered[gathered >= 0]  # the padding (an entropy is never negative) dropped
 
 
 def _average_gradients(model, accelerator: Accelerator, bucket_elements: int = 1 << 25) -> None:

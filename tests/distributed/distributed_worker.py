@@ -48,8 +48,12 @@ CASES = {
     # GRPO over 2 epochs with a KL to the frozen reference: old and reference log-probs are scored too, and
     # process 1 holds fewer micro-batches (placeholders keep FSDP's collective forwards in step)
     "grpo_uneven": [[[0, 1, 2], [3]], [[4, 5, 6, 7], []]],
+    # the top 20% of entropy only, one micro-batch per attempt: its threshold over both processes' tokens (TRL
+    # gathers them) is one process's; process 1 has one micro-batch fewer (its last gather alone)
+    "entropy_uneven": [[[0, 1, 2], [3]], [[4, 5, 6, 7], []]],
 }
-LOSSES = {"grpo_uneven": {"loss": "grpo", "ppo_epochs": 2, "kl_coef": 0.04, "clip_low": 0.2, "age": False}}
+LOSSES = {"grpo_uneven": {"loss": "grpo", "ppo_epochs": 2, "kl_coef": 0.04, "clip_low": 0.2, "age": False},
+          "entropy_uneven": {"top_entropy_quantile": 0.2, "micro_batch_size": 64}}
 
 
 def make_accelerator(engine: str):

@@ -35,7 +35,7 @@ from helpers.scoring import token_logps
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = ("even", "uneven", "one_without_valid", "one_without_prompts")
+CASES = ("even", "uneven", "one_without_valid", "one_without_prompts", "entropy_uneven")
 TINY_RUN = ["trainer.batch_size=4", "trainer.group_size=4", "trainer.micro_batch_size=6", "rollout.max_new_tokens=16",
             "trainer.lr=1e-3", "task.options.train_size=64", "task.options.test_size=8", "trainer.save_every=1",
             "trainer.keep_checkpoints=3"]
