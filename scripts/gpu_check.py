@@ -23,7 +23,9 @@ reloaded through /collective_rpc, each sync's version read back from /weight_inf
 second GPU checks vLLM's NCCL backend instead) and trains
 the same steps through `rollout.engine=vllm_server` (docs/many-nodes.md): synchronously, and one step behind
 (k = 1) where the trainer has the asynchronous pipeline (`trainer.max_staleness`); it prints the server's
-generated tokens per second, the seconds of each weight sync and the log-prob gap (logp_mismatch):
+generated tokens per second, the seconds of each weight sync and the log-prob gap (logp_mismatch); then the same
+server as a distillation teacher (`teacher.urls`): which answer it gives (token ids on vLLM's V2 model runner,
+else prompt_logprobs), its log-probs' gap to the trainer's scoring of sampled tokens, and the scoring's seconds:
 
     python scripts/gpu_check.py --models qwen2.5-vl-3b --engines hf --server
 
@@ -342,10 +344,59 @@ def server_runs(policy, folder: Path, args) -> list[tuple[str, dict]]:
                 continue
             args.staleness = staleness
             results.append((f"vllm_server k={staleness}", run_engine(policy, "vllm_server", args)))
+        from gpg_vl.config.schema import RolloutSettings
+        from gpg_vl.rollout.engine import build_engine
+
+        build_engine(RolloutSettings(engine="vllm_server", max_prompt_tokens=2048, max_new_tokens=args.new_tokens,
+                                     vllm_server=args.server_settings), policy)  # the server holds the trainer's
+        check = teacher_check(policy, args.server_settings["urls"], rows(args.prompts, 224), args.group_size,
+                              args.new_tokens)
+        print(f"  teacher.urls: asked by {'token ids (V2 runner)' if check['by_ids'] else 'prompt_logprobs'}; "
+              f"log-prob gap to the trainer's scoring mean {check['gap_mean']:.2e}, max {check['gap_max']:.2e} "
+              f"over {check['tokens']} tokens; {check['sequences']} sequences scored in {check['seconds']:.2f} s",
+              flush=True)
     finally:
         server.kill()
         server.wait()
     return results
+
+
+def teacher_check(policy, url: str, data: list[dict], group_size: int, new_tokens: int) -> dict:
+    """The teacher on the server (`teacher.urls`, gpg_vl/train/teacher_server.py), the server holding `policy`'s
+    weights: which answer the server gives (by token ids, vLLM's V2 model runner, renormalized without the vision
+    placeholders, or by prompt_logprobs), the gap between its log-probs of sampled tokens and the trainer's own
+    scoring of them (placeholders left out of the normalizer), and the seconds the scoring took."""
+    from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettings
+    from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
+    from gpg_vl.train.micro_batch import MicroBatch
+    from gpg_vl.train.teacher import frozen_teacher
+    from gpg_vl.train.teacher_server import connect_teacher
+
+    task = hash_task(data)
+    messages = [task.messages(row) for row in data]
+    settings = RolloutSettings(max_prompt_tokens=2048, max_new_tokens=new_tokens)
+    text = getattr(policy.model.config, "text_config", None) or policy.model.config
+    served = connect_teacher(TeacherSettings(urls=url, timeout_s=600), tokenizer=policy.family.tokenizer,
+                             vocab_size=text.vocab_size, rollout=settings).bind(policy)
+    prompts = encode_prompts(policy, messages)
+    rollout = build_engine(settings, policy).generate(prompts, group_size, Sampling(max_new_tokens=new_tokens))
+    index = [b for b in range(len(messages)) for _ in range(group_size)]
+    chunk = MicroBatch(prompts.batch, index, rollout.completion_ids, rollout.completion_mask,
+                       torch.zeros(len(index)))
+    device = policy.model.device
+    began = time.perf_counter()
+    found = served.logps(policy.family, chunk, device, temperature=1.0, logits_chunk_tokens=0, messages=messages)
+    seconds = time.perf_counter() - began
+    was_training, trained = policy.model.training, [p.requires_grad for p in policy.model.parameters()]
+    teacher = frozen_teacher(policy.model, policy.family, TeacherSettings(model="in process"), TrainerSettings())
+    expected = teacher.logps(policy.family, chunk, device, temperature=1.0, logits_chunk_tokens=0)
+    for parameter, flag in zip(policy.model.parameters(), trained, strict=True):  # the policy as it was
+        parameter.requires_grad_(flag)
+    policy.model.train(was_training)
+    mask = rollout.completion_mask.to(device).bool()
+    gap = (found.float() - expected.float()).abs()[mask]
+    return {"by_ids": served.by_ids, "gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
+            "seconds": seconds, "sequences": len(index), "tokens": int(mask.sum())}
 
 
 def main() -> None:

@@ -168,6 +168,12 @@ class TrainerSettings:
     top_entropy_quantile: float = field(default=1.0, metadata=meta(
         "rho: only the tokens in the top rho of entropy in each micro-batch give gradient (TRL's; 0.2 = the 80/20 "
         "result; 1 = every token)", above=0, high=1, note="docs/distillation.md#entropy"))
+    clip_cov_ratio: float = field(default=0.0, metadata=meta(
+        "verl's Clip-Cov: the share of counted tokens per micro-batch, drawn among those whose covariance term "
+        "(A - mean A)(log pi - mean log pi) lies within clip_cov_bounds, that give no gradient (0 = off; verl: 2e-4)",
+        low=0, high=1, note="docs/distillation.md#entropy"))
+    clip_cov_bounds: list = field(default_factory=lambda: [1.0, 5.0], metadata=meta(
+        "Clip-Cov's [lower, upper] covariance band (verl's clip_cov_lb, clip_cov_ub)"))
     eval_before: bool = field(default=True, metadata=meta("evaluate the held-out split before training"))
     eval_after: bool = field(default=True, metadata=meta("evaluate the held-out split after training"))
     eval_every: int = field(default=0, metadata=meta(

@@ -64,6 +64,10 @@ def _cross_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"trainer.overlong_cache={cache} above rollout.max_total_tokens={total} with rollout."
                         f"max_turns={turns}, allowed: overlong_cache <= max_total_tokens (a trajectory's generated "
                         "tokens are held to its own limit)")
+    bounds = trainer.get("clip_cov_bounds")
+    if bounds is not None and not (len(bounds) == 2 and all(isinstance(b, int | float) for b in bounds)
+                                   and bounds[0] < bounds[1]):
+        problems.append(f"trainer.clip_cov_bounds={list(bounds)}, allowed: [lower, upper] numbers with lower < upper")
     model = cfg.get("model") or {}
     low, high = model.get("min_pixels"), model.get("max_pixels")
     if isinstance(low, int) and isinstance(high, int) and low > high:

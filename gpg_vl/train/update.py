@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
-from gpg_vl.distill import high_entropy_mask
+from gpg_vl.distill import covariance_cut, high_entropy_mask
 from gpg_vl.distributed import forward_is_collective, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.models import router
@@ -240,7 +240,8 @@ def _combine_results(results: list[dict]) -> dict[str, float]:
         "grad_norm": sum(r["grad_norm"] for r in results) / len(results),
         "skipped": float(all(r["skipped"] for r in results)),
         **({"nonfinite": 1.0} if results[-1].get("nonfinite") else {}),
-        **{k: results[0][k] for k in ("logp_mean", "entropy_mean", "teacher_jsd") if k in results[0]},
+        **{k: results[0][k] for k in ("logp_mean", "entropy_mean", "teacher_jsd", "clip_cov_fraction")
+           if k in results[0]},
         **{k: results[0][k] for k in ("logp_mismatch_mean", "logp_mismatch_max")
            if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
@@ -282,6 +283,7 @@ class _Sums:
     gap_count: int = 0
     entropy: float = 0.0  # summed entropy of the counted tokens (entropy_mean = entropy / tokens)
     jsd: float = 0.0  # teacher.loss=jsd: the JSD term of the loss, summed over micro-batches
+    clip_cov: int = 0  # trainer.clip_cov_ratio: the tokens Clip-Cov took the gradient from
     report: dict = field(default_factory=dict)
 
 
@@ -383,8 +385,8 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     norm = accelerator.clip_grad_norm_(model.parameters(), learner.settings.max_grad_norm)
     grad_norm = 0.0 if norm is None else float(norm)
     # Collective, before any branch: every process reaches it exactly once per update.
-    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens, sums.entropy, sums.jsd],
-                                             device=device, dtype=torch.float64), "sum")
+    totals = accelerator.reduce(torch.tensor([sums.loss, sums.logp, sums.tokens, sums.entropy, sums.jsd,
+                                              sums.clip_cov], device=device, dtype=torch.float64), "sum")
     if not (math.isfinite(grad_norm) and math.isfinite(float(totals[0]))):  # global: every process agrees
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 1.0, "nonfinite": 1.0}, sums.report
@@ -396,6 +398,8 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
               "entropy_mean": float(totals[3] / max(float(totals[2]), 1.0))}
     if learner.teacher is not None and learner.teacher.settings.loss == "jsd":
         result["teacher_jsd"] = float(totals[4])
+    if learner.settings.clip_cov_ratio > 0:
+        result["clip_cov_fraction"] = float(totals[5] / max(float(totals[2]), 1.0))
     if learner.correction.sampler_check:  # collective, on every process alike (the engine is the same everywhere)
         gaps = accelerator.gather(torch.tensor([[sums.gap, sums.gap_max, sums.gap_count]], device=device,
                                                dtype=torch.float64))  # [processes, 3]
@@ -433,6 +437,13 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                     pool = entropy_pool(accelerator, entropy, mask if index < real else None)
                     keep = high_entropy_mask(entropy, mask, learner.settings.top_entropy_quantile, pool)  # [n, C]
                     logps = torch.where(keep, logps, logps.detach())
+                if learner.settings.clip_cov_ratio > 0 and index < real:  # verl's Clip-Cov: a few tokens of
+                    # high covariance between advantage and log-prob give no gradient
+                    low, high = learner.settings.clip_cov_bounds
+                    cut = covariance_cut(logps, adv.to(device), mask, ratio=learner.settings.clip_cov_ratio,
+                                         low=low, high=high)  # [n, C]
+                    logps = torch.where(cut, logps.detach(), logps)
+                    sums.clip_cov += int(cut.sum())
                 weights = None if chunk.weights is None else chunk.weights.to(device)  # resolved up front
                 if sampler is not None and index < real:  # the engine's own log-probs (vLLM)
                     sampler = sampler.to(device)

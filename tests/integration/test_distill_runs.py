@@ -78,6 +78,13 @@ def test_jsd_and_top_entropy(tmp_path, perturbed_teacher):
     # 80% of the tokens give no gradient; they are the near-certain ones, whose gradient is small anyway (the 80/20
     # result), so the norm moves little
     assert top["grad_norm"] != plain["grad_norm"]
+    # verl's Clip-Cov with a band every counted token lies in: the share asked for gives no gradient
+    train_run(tmp_path / "cov", *QUICK, "trainer.beta_th=0.4", "trainer.clip_cov_ratio=0.25",
+              "trainer.clip_cov_bounds=[-100,100]")
+    cov = metrics(tmp_path / "cov")[0]
+    assert cov["reward_mean"] == plain["reward_mean"] and cov["grad_norm"] != plain["grad_norm"]
+    assert 0.2 <= cov["clip_cov_fraction"] <= 0.25  # int(0.25 x counted) per micro-batch
+    assert "clip_cov_fraction" not in plain
 
 
 def test_teacher_with_another_vocabulary_is_refused(tmp_path):

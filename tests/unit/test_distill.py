@@ -13,6 +13,7 @@ import torch
 
 from gpg_vl.distill import (
     combined_valid,
+    covariance_cut,
     generalized_jsd,
     high_entropy_mask,
     logits_entropy,
@@ -208,3 +209,44 @@ def test_a_tasks_teacher_kl_by_hand():
     assert task_teacher_kl([single], Alone()) == pytest.approx(-0.25)
     assert task_teacher_kl([turns], Alone()) == pytest.approx(0.75)
     assert task_teacher_kl([single, turns, SimpleNamespace(rollout=None)], Alone()) == pytest.approx(1.0 / 4)
+
+
+def clip_cov_loop(logps, advantages, mask, ratio, low, high, seed):
+    """verl's Clip-Cov selection written out token by token (the slow reference): the means over counted tokens, the
+    covariance band, then one randperm over the eligible tokens in row-major order."""
+    rows, cols = len(logps), len(logps[0])
+    counted = [(i, j) for i in range(rows) for j in range(cols) if mask[i][j]]
+    adv = [[advantages[i] if not isinstance(advantages[i], list) else advantages[i][j] for j in range(cols)]
+           for i in range(rows)]
+    mean_a = math.fsum(adv[i][j] for i, j in counted) / len(counted)
+    mean_l = math.fsum(logps[i][j] for i, j in counted) / len(counted)
+    eligible = [(i, j) for i, j in counted if low < (adv[i][j] - mean_a) * (logps[i][j] - mean_l) < high]
+    take = max(1, int(ratio * len(counted)))
+    order = torch.randperm(len(eligible), generator=torch.Generator().manual_seed(seed))[:take].tolist()
+    return {eligible[k] for k in order}
+
+
+def test_clip_cov_by_hand():
+    # A = [1, -1] per sequence; log-probs [[-1, -3], [-2, -2]], all counted: mean A 0, mean log pi -2;
+    # terms (1)(1) = 1, (1)(-1) = -1, (-1)(0) = 0, (-1)(0) = 0: only token (0, 0) lies in (0.5, 5)
+    logps, adv, mask = torch.tensor([[-1.0, -3.0], [-2.0, -2.0]]), torch.tensor([1.0, -1.0]), torch.ones(2, 2)
+    cut = covariance_cut(logps, adv, mask, ratio=0.0, low=0.5, high=5.0, generator=torch.Generator().manual_seed(0))
+    assert cut.tolist() == [[True, False], [False, False]]  # max(1, int(0 x 4)) = 1 token
+    assert not covariance_cut(logps, adv, mask, ratio=1.0, low=1.5, high=5.0).any()  # none eligible
+    padded = covariance_cut(logps, adv, torch.tensor([[1, 0], [1, 1]]), ratio=1.0, low=-10, high=10)
+    assert padded.tolist() == [[True, False], [True, True]]  # every counted token eligible, the pad never
+    assert not covariance_cut(logps, adv, torch.zeros(2, 2), ratio=1.0, low=-10, high=10).any()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clip_cov_equals_the_token_loop(seed):
+    generator = torch.Generator().manual_seed(100 + seed)
+    logps = -torch.rand(5, 7, generator=generator, dtype=torch.float64) * 4  # [N, C]
+    mask = torch.rand(5, 7, generator=generator) < 0.8
+    for advantages in (torch.randn(5, generator=generator, dtype=torch.float64),  # per sequence, per token
+                       torch.randn(5, 7, generator=generator, dtype=torch.float64)):
+        for ratio, low, high in ((0.2, 0.0, 2.0), (0.05, -0.5, 0.5), (1.0, -9.0, 9.0)):
+            cut = covariance_cut(logps, advantages, mask, ratio=ratio, low=low, high=high,
+                                 generator=torch.Generator().manual_seed(seed))
+            expected = clip_cov_loop(logps.tolist(), advantages.tolist(), mask.tolist(), ratio, low, high, seed)
+            assert {tuple(t) for t in cut.nonzero().tolist()} == expected
