@@ -130,3 +130,34 @@ def test_no_server_at_the_url_is_one_sentence():
                                         r"teacher.timeout_s=0.5 s\); start `vllm serve TEACHER --enable-scale-out`"):
         connect_teacher(TeacherSettings(urls=f"http://127.0.0.1:{port}", timeout_s=0.5),
                         tokenizer=lambda text, **_: {"input_ids": [1]}, vocab_size=None, rollout=RolloutSettings())
+
+
+def test_video_tasks_are_refused_with_a_server_teacher():
+    """vLLM places the text after a Qwen2.5-VL video elsewhere than the trainer's transformers (measured: up to 9.4
+    nats between the same tokens' log-probs), so a task with video, alone or in a mixture, is refused."""
+    from types import SimpleNamespace
+
+    from gpg_vl.train.teacher_server import refuse_video
+
+    video, image = SimpleNamespace(name="motion", inputs=("image", "video")), SimpleNamespace(name="shapes",
+                                                                                               inputs=("image",))
+    refuse_video(TeacherSettings(urls="http://t:1"), image)
+    refuse_video(TeacherSettings(model="folder"), video)  # the teacher beside the student scores as the student
+    with pytest.raises(UserError, match=r"^teacher.urls with task 'motion', whose prompts hold video, is not "
+                                        r"supported: .* with teacher.model for video tasks\.$"):
+        refuse_video(TeacherSettings(urls="http://t:1"), video)
+
+
+def test_a_server_that_refuses_to_process_a_video_is_one_sentence():
+    import torch
+
+    from gpg_vl.rollout.vllm.server import render_features
+
+    refusing = Answers(Rejected("u", 400, "Per-request mm_processor_kwargs are disabled by default because they can "
+                                "change multimodal preprocessing resource usage. Start the server with "
+                                "--trust-request-mm-kwargs only when clients are trusted."))
+    video = (torch.zeros(2, 3, 28, 28), {"fps": 2.0, "frames_indices": [0, 1], "total_num_frames": 2})
+    with pytest.raises(ServerError, match=r"^the vLLM server at http://teacher:8000 refused to process a video "
+                                          r"because it takes no per-request processor settings.*restart it with "
+                                          r"--trust-request-mm-kwargs"):
+        render_features(refusing, "m", {"video": [video]}, {})

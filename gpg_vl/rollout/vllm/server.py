@@ -251,10 +251,22 @@ def render_features(server: Server, model: str, media: dict[str, list], cache: d
         out[modality] = []
         for item in items:
             if id(item) not in cache:
-                cache[id(item)] = server.post("/v1/chat/completions/render", RENDER_BODIES[modality](model, item),
-                                              limit=limit)["features"]
+                try:
+                    cache[id(item)] = server.post("/v1/chat/completions/render",
+                                                  RENDER_BODIES[modality](model, item), limit=limit)["features"]
+                except Rejected as error:
+                    raise ServerError(render_refusal(server.url, modality, error.detail)) from None
             out[modality].append(cache[id(item)])
     return out
+
+
+def render_refusal(url: str, modality: str, detail: str) -> str:
+    """The sentence for a server that refused to process an image or a video (`detail`: its own message)."""
+    if "trust-request-mm-kwargs" in detail:  # vLLM 0.32 refuses per-request mm_processor_kwargs by default
+        return (f"the vLLM server at {url} refused to process a {modality} because it takes no per-request processor "
+                "settings, which the trainer sends with each video so that the server samples no frames itself; "
+                "restart it with --trust-request-mm-kwargs (docs/many-nodes.md#video-prompts).")
+    return f"the vLLM server at {url} refused to process a {modality} ({detail}); check its --limit-mm-per-prompt."
 
 
 def rejected_for_length(error: Rejected) -> bool:
