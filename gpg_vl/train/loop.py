@@ -166,9 +166,10 @@ def stop_on_lost_engine(run: Run, error: EngineUnreachable, begun: dict) -> None
     """The rollout engine or the teacher's server was lost mid-step (a vLLM server unreachable for
     rollout.vllm_server.timeout_s or teacher.timeout_s): on every process, checkpoint what is done (this step's
     update if it ran, else the step before, with the prompts and the random state the step began with, `begun`, so
-    a resumed run draws and samples it again as the uninterrupted run does) and stop in one sentence. With trainer.max_staleness >= 1 the checkpoint after the last logged step holds
-    the sampler's state as it began the next one (as save_step writes it); when the sampler never began it, the last
-    checkpoint of trainer.save_every is the one to continue from."""
+    a resumed run draws and samples it again as the uninterrupted run does) and stop in one sentence. With
+    trainer.max_staleness >= 1 the checkpoint after the last logged step holds the sampler's state as it began the
+    next one (as save_step writes it); when the sampler never began it, the last checkpoint of trainer.save_every is
+    the one to continue from."""
     state = run.state
     done = state.step if state.updated else state.step - 1
     in_flight = None

@@ -28,8 +28,8 @@ def mixture_engines(mixture: Mixture, rollout, policy, accelerator) -> tuple[dic
 def task_step_metrics(run, collected) -> dict[str, float]:
     """task=mix: each task's step figures under `<task>/`: its reward components and total, accuracy, valid-group
     fraction, completion length, groups (`step_metrics`, the totals' own), its multi-turn figures (tool calls,
-    turns) when it rolls out trajectories, and with a teacher its teacher_kl (`task_teacher_kl`). Collective (every process, each task in the mixture's order); {} for a
-    single task."""
+    turns) when it rolls out trajectories, and with a teacher its teacher_kl (`task_teacher_kl`). Collective (every
+    process, each task in the mixture's order); {} for a single task."""
     task, accelerator = run.data.task, run.accelerator
     if not isinstance(task, Mixture):
         return {}

@@ -159,7 +159,8 @@ def test_a_teacher_server_killed_mid_run_stops_the_run_and_resume_continues_as_t
     finally:
         dying.kill()
     sentence = str(raised.value)
-    assert sentence.startswith(f"the vLLM server at {dying.url} did not answer ") and "raise teacher.timeout_s" in sentence
+    assert sentence.startswith(f"the vLLM server at {dying.url} did not answer ")
+    assert "raise teacher.timeout_s" in sentence
     assert "the run stopped after step 1 and wrote checkpoint-1: continue with resume=auto" in sentence
     train_run(out, *run, f"teacher.urls={url}", "resume=auto")
     train_run(tmp_path / "whole", *run, f"teacher.urls={url}")

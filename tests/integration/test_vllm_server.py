@@ -581,7 +581,8 @@ def test_videos_the_server_engine_cannot_place_are_refused_in_one_sentence():
     engine.family = SimpleNamespace(name="qwen3_vl", engine_videos=lambda messages: [video], video_times_in_text=True,
                                     engine_takes_video=True)
     with pytest.raises(UserError, match=r"^the qwen3_vl family writes frame timestamps between a video's tokens, "
-                                        r"which a vLLM server \(rollout.engine=vllm_server, teacher.urls\) does not take yet; use"):
+                                        r"which a vLLM server \(rollout.engine=vllm_server, teacher.urls\) does not "
+                                        r"take yet; use"):
         engine._videos([])
     engine.family = SimpleNamespace(name="glm4v", engine_videos=lambda messages: [video], video_times_in_text=False,
                                     engine_takes_video=False)

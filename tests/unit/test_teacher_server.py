@@ -40,7 +40,8 @@ def test_the_request_scores_the_completions_positions():
     assert params["prompt_logprob_token_ids"] == [[8, 40, 41], [9, 40, 41]] and params["prompt_logprob_start"] == 2
     assert params["max_tokens"] == 1 and "features" not in body and body["token_ids"] == [5, 6, 7, 8, 9]
     plain = score_body("m", [5, 6, 7, 8, 9], 2, {"mm_hashes": {}}, by_ids=False)
-    assert plain["sampling_params"]["prompt_logprobs"] == 0 and "prompt_logprob_token_ids" not in plain["sampling_params"]
+    assert plain["sampling_params"]["prompt_logprobs"] == 0
+    assert "prompt_logprob_token_ids" not in plain["sampling_params"]
     assert plain["features"] == {"mm_hashes": {}}
 
 
@@ -84,14 +85,16 @@ class Answers:
 def test_a_server_is_asked_by_token_ids_where_it_takes_them_else_by_prompt_logprobs():
     rows = {"prompt_token_id_logprobs": npy([[-0.5], [-0.7], [-0.1]])}
     assert _takes_token_ids(Answers(rows), "m", [1, 2, 3, 4]) is True
-    v1 = Answers(Rejected("u", 400, "prompt_logprob_token_ids requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)."),
-                 {"prompt_logprobs": [None, {"2": {"logprob": -1.0}}, {"3": {"logprob": -1.0}}, {"4": {"logprob": -1.0}}]})
+    refusal = "prompt_logprob_token_ids requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)."
+    own = {"prompt_logprobs": [None, *({str(t): {"logprob": -1.0}} for t in (2, 3, 4))]}
+    v1 = Answers(Rejected("u", 400, refusal), own)
     assert _takes_token_ids(v1, "m", [1, 2, 3, 4]) is False
     assert "prompt_logprobs" in v1.bodies[1]["sampling_params"]
     with pytest.raises(UserError, match=r"^the teacher server at http://teacher:8000 has no /inference/v1/generate "
                                         r"route; restart it with --enable-scale-out"):
         _takes_token_ids(Answers(Rejected("u", 404, "Not Found")), "m", [1, 2, 3, 4])
-    with pytest.raises(UserError, match=r"^the teacher server at http://teacher:8000 refused a scoring request \(bad\)"):
+    with pytest.raises(UserError, match=r"^the teacher server at http://teacher:8000 refused a scoring request "
+                                        r"\(bad\)"):
         _takes_token_ids(Answers(Rejected("u", 400, "bad")), "m", [1, 2, 3, 4])
 
 
