@@ -155,11 +155,10 @@ class ServerTeacher:
 
     def _job(self, chunk, row: int, length: int, messages: list[list[dict]]) -> tuple[list[int], int, dict]:
         """(token ids: the prompt's then the completion's, the last prompt position, the media)."""
-        from gpg_vl.rollout.vllm.server import prompt_videos
+        from gpg_vl.rollout.vllm.server import prompt_token_ids, prompt_videos
 
         b = chunk.prompt_index[row]
-        inputs = chunk.prompts.inputs
-        prompt = inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist()
+        prompt = prompt_token_ids(chunk.prompts, b)
         completion = chunk.completion_ids[row, :length].tolist()
         images = list(self.family.engine_images(messages[b]))
         if chunk.trajectories is not None:  # a trajectory's observations hold the images its tools returned

@@ -82,6 +82,12 @@ def sampling_params(family, sampling: Sampling, n: int, *, seed: int | None = No
     return params
 
 
+def prompt_token_ids(batch, b: int) -> list[int]:
+    """Prompt b of a PromptBatch as token ids, as the trainer scores it (left padding dropped)."""
+    inputs = batch.inputs
+    return inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist()
+
+
 def token_runs(token_ids: list[int], token: int) -> list[dict]:
     """The runs of one token in a prompt (an image's or a video's tokens), one per image or video:
     [{"offset", "length"}] (vLLM's PlaceholderRange)."""
@@ -435,7 +441,7 @@ class VLLMServerEngine(VLLMEngineBase):
             raise ValueError("the vLLM server engine sends each prompt's images; EnginePrompts.messages is None")
         if self.multiturn.multi_turn:
             return self.generate_trajectories(prompts, group_size, sampling)
-        jobs = [(self._prompt_ids(prompts, b), {"image": self.family.engine_images(messages),
+        jobs = [(prompt_token_ids(prompts.batch, b), {"image": self.family.engine_images(messages),
                                                 "video": self._videos(messages)},
                  sampling_params(self.family, sampling, group_size, seed=self._seed(b)))
                 for b, messages in enumerate(prompts.messages)]
@@ -459,17 +465,12 @@ class VLLMServerEngine(VLLMEngineBase):
     def _seed(self, index: int) -> int | None:
         return None if not self.settings.seed else self.settings.seed + 7919 * self.rank + index + 104729 * self.version
 
-    def _prompt_ids(self, prompts: EnginePrompts, b: int) -> list[int]:
-        """Prompt b's token ids as the trainer scores them (left padding dropped)."""
-        inputs = prompts.batch.inputs
-        return inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist()
-
     def generate_trajectories(self, prompts: EnginePrompts, group_size: int, sampling: Sampling) -> Rollout:
         """B x G trajectories (row b * G + g continues prompt b), turn by turn (the module's docstring)."""
         from gpg_vl.rollout.multiturn.decoding import answer_segments, prompt_context, segment_end, trajectory_rollout
 
         family, settings = self.family, self.multiturn
-        base = [(self._prompt_ids(prompts, b), family.engine_images(messages), self._videos(messages))
+        base = [(prompt_token_ids(prompts.batch, b), family.engine_images(messages), self._videos(messages))
                 for b, messages in enumerate(prompts.messages)]
         rows = [_Row(b, Trajectory(), prompt_context(family, prompts, b, settings))
                 for b in range(len(base)) for _ in range(group_size)]
