@@ -6,7 +6,7 @@ must call the same modules, in the same order, the same number of times (a proce
 vision tower while another runs it deadlocks both). The trainer keeps to that rule by
 
 * giving every process the same number of forward/backward calls in an update (`placeholder_chunk` in
-  gpg_vl/train/placeholder.py fills the ones a process has no data for, with a real sequence holding an
+  gpg_vl/train/step/placeholder.py fills the ones a process has no data for, with a real sequence holding an
   image, weighted zero);
 * requiring an image in every prompt batch and micro-batch when there are several processes
   (`require_images`), so that every forward runs the vision tower;
@@ -16,7 +16,7 @@ vision tower while another runs it deadlocks both). The trainer keeps to that ru
   parameters gathered during generation (`gathered_for_generation`), since transformers encodes a
   prompt's images before its first forward.
 
-With trainer.max_staleness >= 1 the sampling stage runs on a thread beside the learner (train/pipeline.py), and its
+With trainer.max_staleness >= 1 the sampling stage runs on a thread beside the learner (train/step/pipeline.py), and its
 collectives (AGE's counts, the server engine's sync outcome) would interleave with the learner's gradient
 all-reduce on the default process group. The sampler thread runs them on a process group of its own
 (`collectives_on`; gloo, so that two NCCL communicators never run at once on one GPU): the code that issues them

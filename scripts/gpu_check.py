@@ -149,8 +149,8 @@ def run_engine(policy, engine_name: str, args) -> dict:
     from gpg_vl.models.scoring import choose_scoring_path
     from gpg_vl.observe import perf
     from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-    from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.step.sample import collect_valid_groups, local_counts, sample_attempt
+    from gpg_vl.train.step.update import Learner, update
 
     data = rows(args.prompts * (args.steps + 2), 224)
     task = hash_task(data)
@@ -253,8 +253,8 @@ def packing_check(policy, args) -> dict:
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.models.scoring import choose_scoring_path
     from gpg_vl.rollout.engine import build_engine
-    from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.step.sample import collect_valid_groups, local_counts, sample_attempt
+    from gpg_vl.train.step.update import Learner, update
 
     cuda = next(policy.model.parameters()).is_cuda
     data = rows(args.prompts, 224)
@@ -368,7 +368,7 @@ def teacher_check(policy, url: str, data: list[dict], group_size: int, new_token
     scoring of them (placeholders left out of the normalizer), and the seconds the scoring took."""
     from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettings
     from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-    from gpg_vl.train.micro_batch import MicroBatch
+    from gpg_vl.train.step.micro_batch import MicroBatch
     from gpg_vl.train.teacher import frozen_teacher
     from gpg_vl.train.teacher_server import connect_teacher
 

@@ -63,7 +63,7 @@ def batch_gradients(policy, task, rows, *, group_size: int, rollout, age: bool) 
     from gpg_vl.models import scoring
     from gpg_vl.objective import ADVANTAGE_ESTIMATORS, LOSS_NORMALIZERS, policy_loss
     from gpg_vl.rollout.engine import build_engine
-    from gpg_vl.train.sample import sample_attempt
+    from gpg_vl.train.step.sample import sample_attempt
 
     stream = PromptStream(rows, seed=0)
     trainer = TrainerSettings(batch_size=len(rows), group_size=group_size, reward_workers=1)

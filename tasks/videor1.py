@@ -20,7 +20,7 @@ the format reward, matched on the completion as it is (no stripping: a leading n
 
 T-GRPO (task.options.temporal=true, off by default): `VideoR1.shuffled_messages` and `temporal_bonus` (see their
 docs) are what the task contributes; the trainer rolls out the shuffled copies and adds the bonus as the reward
-component "temporal" (gpg_vl/train/sample.py, `temporal_component`).
+component "temporal" (gpg_vl/train/step/sample.py, `temporal_component`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ its tools, its rewards and judge, its images or video, its held-out split, and t
 
 Each prompt of a step is drawn from one task, chosen by weight from the mixture's own generator (seeded by the run's
 seed); each task has its own prompt stream over its own train split. A prompt is one group, so a group never mixes
-tasks; the trainer rolls each task's prompts out with that task's engine and settings (gpg_vl/train/sample.py), and
+tasks; the trainer rolls each task's prompts out with that task's engine and settings (gpg_vl/train/step/sample.py), and
 AGE and threshold resampling count the valid groups of the whole mixed batch. The checkpoint holds every task's
 stream position and the mixture's generator, so a resumed run draws what the uninterrupted one draws.
 """

@@ -113,7 +113,8 @@ def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, s
     Packing (`packing` auto or on: models/packing.py) needs the bare model's parts, no gradient checkpointing
     (its recomputation would run outside the packed attention) and a family whose layers are all full
     attention (`Family.packing_unsupported`); `on` fails in one sentence where it cannot pack, `auto` steps aside,
-    and packs only the micro-batches with padding to remove (`AUTO_MIN_PADDING`: train/micro_batch.py's `forward_cost`).
+    and packs only the micro-batches with padding to remove (`AUTO_MIN_PADDING`: train/step/micro_batch.py's
+    `forward_cost`).
     """
     wrapped = distributed.forward_is_collective(model)
     bare = unwrap(model)

@@ -62,7 +62,7 @@ _LOCAL = threading.local()
 
 def sampling_generator():
     """The calling thread's own torch.Generator (`thread_generator`), else None: torch's global one. The asynchronous
-    sampler (gpg_vl/train/pipeline.py) samples beside the learner, whose gradient checkpointing forks and restores
+    sampler (gpg_vl/train/step/pipeline.py) samples beside the learner, whose gradient checkpointing forks and restores
     the global generator, so it draws from a generator of its own, which its checkpoints hold."""
     return getattr(_LOCAL, "generator", None)
 
@@ -138,7 +138,7 @@ class Engine:
 
     def sync(self, model, version: int) -> None:
         """Take the trained model's weights, those after step `version` (the number the pipeline owns, the run's
-        step, so that a resumed run labels its weights as the uninterrupted one did: gpg_vl/train/pipeline.py)."""
+        step, so that a resumed run labels its weights as the uninterrupted one did: gpg_vl/train/step/pipeline.py)."""
 
     def sleep(self) -> None:
         """Free the engine's memory while the update runs."""

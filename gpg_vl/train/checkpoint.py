@@ -81,16 +81,16 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, learner, stream, step: int, *, keep: int = 0, counters: dict | None = None,
                     config: dict | None = None, record: dict | None = None, in_flight: dict | None = None) -> None:
-    """Write a complete checkpoint of `learner` (gpg_vl/train/update.py: the policy, its prepared model,
+    """Write a complete checkpoint of `learner` (gpg_vl/train/step/update.py: the policy, its prepared model,
     optimizer and schedule) and `stream` at `step` to `path` atomically (see the module doc); every process
     calls it.
 
     The main process writes the files; the RNG states of every process are gathered into the trainer state.
     `counters` (numbers) and `record` (the run's summary so far: its pre-training evaluation, its training
     time) go into the trainer state, `config` into checkpoint.json. `in_flight` (trainer.max_staleness >= 1,
-    gpg_vl/train/pipeline.py's `state_dict`) regenerates the steps sampled ahead of the learner: the sampler's state
-    goes into the trainer state (its data position replaces the stream's), the older weights it samples with into
-    sampler.safetensors.
+    gpg_vl/train/step/pipeline.py's `state_dict`) regenerates the steps sampled ahead of the learner: the sampler's
+    state goes into the trainer state (its data position replaces the stream's), the older weights it samples with
+    into sampler.safetensors.
     `keep > 0` deletes all but the newest `keep` `checkpoint-<step>/` folders next to `path`. Every process
     calls it at the same step (save_every and the final save depend on the step only), so each reaches every
     collective below.

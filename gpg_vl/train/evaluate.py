@@ -35,7 +35,7 @@ from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
 from gpg_vl.rollout.multiturn.trajectory import trajectory_metrics
 from gpg_vl.rollout.types import in_task_frame
 from gpg_vl.train.at_k import at_k_metrics
-from gpg_vl.train.placeholder import placeholder_prompts
+from gpg_vl.train.step.placeholder import placeholder_prompts
 
 _RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
 

@@ -1,7 +1,8 @@
 """The training loop, on accelerate. Read `train` top to bottom: (sample -> score -> advantage -> loss ->
 optimizer steps -> log -> save) per step -> finish, on a `Run` that `setup` built once. GPG by default; the
-GRPO family by trainer.loss. Sampling and threshold resampling are in sample.py, the update (micro-batches,
-optimizer steps) in update.py, building a run in setup.py, a step's record (metrics, rollouts) in step_log.py.
+GRPO family by trainer.loss. The step's parts are in step/ (sampling and threshold resampling in step/sample.py,
+the update: micro-batches, optimizer steps, in step/update.py), building a run in setup.py, a step's record
+(metrics, rollouts) in step_log.py.
 
 Two ways in: `setup(cfg)` builds a run from a composed config (the command line: task, accelerator, the
 output folder's claim, the policy with LoRA and a frozen vision tower, the reference, then all of
@@ -28,13 +29,13 @@ from gpg_vl.rollout.engine import EngineUnreachable
 from gpg_vl.train.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state, writing
 from gpg_vl.train.held_out import evaluate_during, evaluate_held_out
 from gpg_vl.train.mixed import task_step_metrics
-from gpg_vl.train.pipeline import SyncPipeline, count_sampled, start_pipeline
-from gpg_vl.train.reference import kl_on_every_group
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
-from gpg_vl.train.sample import budget_spent
 from gpg_vl.train.setup import bar_label, setup, setup_policy
+from gpg_vl.train.step.pipeline import SyncPipeline, count_sampled, start_pipeline
+from gpg_vl.train.step.reference import kl_on_every_group
+from gpg_vl.train.step.sample import budget_spent
+from gpg_vl.train.step.update import update
 from gpg_vl.train.step_log import WALL_CLOCK_METRICS, log_step, pipeline_metrics, step_metrics, trajectory_step_metrics
-from gpg_vl.train.update import update
 
 # the way in (`setup` / `setup_policy`, then `train`) and what a run is made of, importable from here
 __all__ = ["WALL_CLOCK_METRICS", "Run", "RunData", "RunSettings", "RunState", "bar_label", "finish", "setup",

@@ -9,7 +9,7 @@ import torch
 
 from gpg_vl.data.mixture import Mixture
 from gpg_vl.rollout.engine import build_engine
-from gpg_vl.train.sample import reward_names
+from gpg_vl.train.step.sample import reward_names
 from gpg_vl.train.step_log import step_metrics, trajectory_step_metrics
 
 

@@ -15,7 +15,7 @@ from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
 from gpg_vl.train.checkpoint import writing
-from gpg_vl.train.update import Learner
+from gpg_vl.train.step.update import Learner
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Run:
     bar: object
     held: contextlib.ExitStack  # the output folder's claim (gpg_vl/train/outdir.py), released when the run ends
     warned: set[str] = field(default_factory=set)
-    pipeline: object = None  # samples each step (gpg_vl/train/pipeline.py): in this thread, or beside the learner
+    pipeline: object = None  # samples each step (gpg_vl/train/step/pipeline.py): in this thread, or beside the learner
 
     @property
     def trainer(self) -> TrainerSettings:

@@ -41,16 +41,16 @@ from gpg_vl.train.checkpoint import (
     writing,
 )
 from gpg_vl.train.held_out import prepare_held_out
-from gpg_vl.train.loss_call import trainer_loss_options
 from gpg_vl.train.mixed import mixture_engines
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
-from gpg_vl.train.pipeline import require_pipeline, staleness_note, whole_copy
-from gpg_vl.train.reference import build_reference, needs_reference, place_reference
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
-from gpg_vl.train.sample import reward_names
+from gpg_vl.train.step.loss_call import trainer_loss_options
+from gpg_vl.train.step.pipeline import require_pipeline, staleness_note, whole_copy
+from gpg_vl.train.step.reference import build_reference, needs_reference, place_reference
+from gpg_vl.train.step.sample import reward_names
+from gpg_vl.train.step.update import Learner, build_optimizer
 from gpg_vl.train.teacher import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
 from gpg_vl.train.teacher_server import ServerTeacher, connect_student_teacher, connect_teacher, refuse_video
-from gpg_vl.train.update import Learner, build_optimizer
 
 
 def setup(cfg) -> Run:

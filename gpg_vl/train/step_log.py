@@ -13,7 +13,7 @@ from gpg_vl.observe.rollout_log import log_rollouts
 from gpg_vl.rollout.multiturn.trajectory import trajectory_metrics
 from gpg_vl.train.checkpoint import writing
 from gpg_vl.train.run import Run
-from gpg_vl.train.sample import Attempt
+from gpg_vl.train.step.sample import Attempt
 
 # The step metrics read off the wall clock (seconds, and tokens per second): two runs of one seed, a resumed one
 # and the uninterrupted one, agree on every other metric exactly (scripts/check_resume.py, the resume tests).

@@ -228,7 +228,7 @@ def require_teacher_settings(teacher: TeacherSettings, trainer) -> None:
 def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[list], dict]:
     """The teacher's part before the update's optimizer steps: with teacher.loss=reverse_kl the plan's per-token
     advantages, the groups whose combined advantage is all zero marked rejected (`with_teacher`; the student scored
-    by `score_plan(learner, model, plan, attempts, calls)`, train/update.py's); with jsd the plan as it is (every
+    by `score_plan(learner, model, plan, attempts, calls)`, train/step/update.py's); with jsd the plan as it is (every
     group carries the JSD). Returns (plan, {valid groups and sampled groups over all processes, teacher_kl (the
     token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}). Collective: a teacher server
     unreachable from any process raises EngineUnreachable on every one."""

@@ -22,8 +22,8 @@ from gpg_vl.models.load import Policy, resolve_path
 from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.rollout.settings import HFEngineSettings
-from gpg_vl.train.sample import collect_valid_groups, local_counts, sample_attempt
-from gpg_vl.train.update import Learner, build_optimizer, update
+from gpg_vl.train.step.sample import collect_valid_groups, local_counts, sample_attempt
+from gpg_vl.train.step.update import Learner, build_optimizer, update
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
             num_key_value_heads=2, layer_types=["full_attention"] * 6)

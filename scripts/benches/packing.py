@@ -13,7 +13,7 @@ import torch
 from benches.common import GpgRunner, make_rows
 from gpg_vl.experiments import Meter
 from gpg_vl.models.scoring import choose_scoring_path
-from gpg_vl.train.update import update
+from gpg_vl.train.step.update import update
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ import psutil
 import torch
 
 from benches.common import GpgRunner, make_rows, trl_trainer
-from gpg_vl.train.update import update
+from gpg_vl.train.step.update import update
 
 
 def _bench_run(runner: GpgRunner, k: int, start: int):
-    """What gpg_vl/train/pipeline.py reads of a run, around a GpgRunner's policy, engine, learner and data."""
+    """What gpg_vl/train/step/pipeline.py reads of a run, around a GpgRunner's policy, engine, learner and data."""
     from types import SimpleNamespace
 
     trainer = replace(runner.settings, max_staleness=k, reward_workers=1, max_steps=10**9)
@@ -30,7 +30,7 @@ def _bench_run(runner: GpgRunner, k: int, start: int):
 def staleness_block(args, runner: GpgRunner, k: int, start: int) -> dict[str, float]:
     """--warmup + --steps steps of `runner` at trainer.max_staleness=k (0: synchronous) from step `start`: steps/s
     and the learner's idle fraction over the measured steps."""
-    from gpg_vl.train.pipeline import start_pipeline
+    from gpg_vl.train.step.pipeline import start_pipeline
 
     run = _bench_run(runner, k, start)
     pipeline = start_pipeline(run)

@@ -104,7 +104,7 @@ def fixed_rollouts(policy, task):
 
 def attempt_for(groups, rows, prompts, ids, mask, rewards, advantages, valid):
     from gpg_vl.rollout.types import Rollout
-    from gpg_vl.train.sample import Attempt
+    from gpg_vl.train.step.sample import Attempt
 
     if not groups:
         empty = torch.zeros(0, GROUP_SIZE)
@@ -137,8 +137,8 @@ def run_update(out: Path, engine: str, dtype: str, cases: list[str] | None = Non
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.models.load import Policy, load_policy
     from gpg_vl.models.scoring import choose_scoring_path
-    from gpg_vl.train.reference import build_reference, place_reference
-    from gpg_vl.train.update import Learner, update
+    from gpg_vl.train.step.reference import build_reference, place_reference
+    from gpg_vl.train.step.update import Learner, update
 
     accelerator = make_accelerator(engine)
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -197,7 +197,7 @@ def run_train(out: Path, engine: str, overrides: list[str], *, resume: bool = Tr
     from gpg_vl.config.schema import EvalSettings, RolloutSettings, TrainerSettings
     from gpg_vl.train.build import build_policy, build_task
     from gpg_vl.train.loop import RunSettings, setup_policy, train
-    from gpg_vl.train.reference import needs_reference
+    from gpg_vl.train.step.reference import needs_reference
 
     accelerator = make_accelerator(engine)
     result = {"engine": str(accelerator.distributed_type), "saves": {}}
@@ -273,7 +273,7 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
     import os
 
     import gpg_vl.train.loop as trainer
-    import gpg_vl.train.pipeline as pipeline
+    import gpg_vl.train.step.pipeline as pipeline
 
     seen = {"collected": [], "sampled": [], "step_metrics": [], "update": []}
 
@@ -289,7 +289,7 @@ def run_recorded(out: Path, script: str, arguments: list[str]) -> None:
 
     wrap("collect_valid_groups", "collected", lambda c: {
         "groups_sampled": c.groups_sampled, "groups_valid": c.groups_valid, "valid_fractions": c.valid_fractions,
-        "attempts": len(c.attempts)}, pipeline)  # the sampling stage (gpg_vl/train/pipeline.py) collects
+        "attempts": len(c.attempts)}, pipeline)  # the sampling stage (gpg_vl/train/step/pipeline.py) collects
     wrap("collect_valid_groups", "sampled", lambda c: [  # this process's own completions, per attempt
         a.rollout.completion_ids.tolist() if a.rollout is not None else [] for a in c.attempts], pipeline)
     wrap("step_metrics", "step_metrics", dict)

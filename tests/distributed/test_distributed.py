@@ -109,7 +109,7 @@ def test_deepspeed_parses_the_zero_configs(name, monkeypatch):
 def test_placeholder_micro_batch_reaches_every_parameter_with_a_zero_gradient(policy):
     """A process without data runs a blank-image sequence: every parameter, the vision tower's included,
     takes part in the backward (DDP reduces them all; FSDP / ZeRO-3 gather them all), and none moves."""
-    from gpg_vl.train.placeholder import placeholder_chunk
+    from gpg_vl.train.step.placeholder import placeholder_chunk
 
     prompts, prompt_index, ids, mask, _ = placeholder_chunk(policy, [], torch.device("cpu"))
     assert "pixel_values" in prompts.inputs

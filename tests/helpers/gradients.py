@@ -9,9 +9,9 @@ import torch
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.rollout.types import Rollout
-from gpg_vl.train.micro_batch import update_chunks
-from gpg_vl.train.sample import Attempt
-from gpg_vl.train.update import update
+from gpg_vl.train.step.micro_batch import update_chunks
+from gpg_vl.train.step.sample import Attempt
+from gpg_vl.train.step.update import update
 from helpers.learners import learner_for
 
 # the families whose tiny models the fast-path tests run: the Qwen families, then the generic family's classes

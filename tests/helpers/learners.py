@@ -1,4 +1,4 @@
-"""A `Learner` (gpg_vl/train/update.py) built the way the update tests need one: the policy's model (or another),
+"""A `Learner` (gpg_vl/train/step/update.py) built the way the update tests need one: the policy's model (or another),
 plain SGD at lr 0 unless given an optimizer, a constant schedule, a CPU accelerator, and the scoring path a run with
 these settings chooses at setup; any other field (reference, correction, temperature, ...) by keyword."""
 
@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
-from gpg_vl.train.update import Learner
+from gpg_vl.train.step.update import Learner
 from helpers.scoring import path_for
 
 

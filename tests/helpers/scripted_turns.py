@@ -9,7 +9,7 @@ from PIL import Image
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn.decoding import generate_trajectories
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
-from gpg_vl.train.sample import Attempt
+from gpg_vl.train.step.sample import Attempt
 from helpers.tool_engine import call_text
 
 MAX_NEW = 100  # per segment: a scripted call is about 85 tokens of the tiny byte-level BPE

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from gpg_vl.rollout.types import Rollout
-from gpg_vl.train.sample import Attempt
+from gpg_vl.train.step.sample import Attempt
 from helpers.video_clips import clip_frames
 
 

@@ -19,8 +19,8 @@ from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train.loop import RunSettings, setup_policy, train
-from gpg_vl.train.sample import sample_attempt
-from gpg_vl.train.update import update
+from gpg_vl.train.step.sample import sample_attempt
+from gpg_vl.train.step.update import update
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
-"""trainer.max_staleness: the sampler beside the learner (gpg_vl/train/pipeline.py). At k = 1 the same seed gives the
-same weights and metrics; a run stopped after a checkpoint, with a step in flight, resumes to the uninterrupted run;
-the HF engine's behaviour log-probs are the update's own; the update's normalizer and alpha leave rejected
-sequences out as a hand computation says; impossible settings are refused before the model loads."""
+"""trainer.max_staleness: the sampler beside the learner (gpg_vl/train/step/pipeline.py). At k = 1 the same seed gives
+the same weights and metrics; a run stopped after a checkpoint, with a step in flight, resumes to the uninterrupted run;
+the HF engine's behaviour log-probs are the update's own; the update's normalizer and alpha leave rejected sequences out
+as a hand computation says; impossible settings are refused before the model loads."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
 from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-from gpg_vl.train.sample import sample_attempt
+from gpg_vl.train.step.sample import sample_attempt
 
 SMALL = ["trainer.max_staleness=1", "seed=0"]  # on tests/helpers/runs.py's QUICK_RUN: B = 4, G = 4, 16 tokens
 
@@ -105,7 +105,7 @@ def test_rejected_sequences_leave_the_normalizer_and_all_rejected_groups_count_i
     group 2's two), M = 1 (group 1), and the loss is -1/3 sum over the kept of A_i x their token-mean log-prob."""
 
     from gpg_vl.data.stream import PromptStream
-    from gpg_vl.train.update import update
+    from gpg_vl.train.step.update import update
 
     rollout = RolloutSettings(max_new_tokens=6)
     settings = TrainerSettings(batch_size=3, group_size=2, reward_workers=1, correction="geo_reject",
@@ -137,7 +137,7 @@ def test_settings_k1_cannot_run_with_are_refused_before_the_model_loads(tmp_path
     from accelerate.utils import DistributedType
 
     from gpg_vl.config.compose import load_config
-    from gpg_vl.train.pipeline import require_pipeline
+    from gpg_vl.train.step.pipeline import require_pipeline
 
     def launch(kind, stage=None):
         plugin = None if stage is None else SimpleNamespace(zero_stage=stage)

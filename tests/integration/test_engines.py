@@ -325,8 +325,8 @@ def test_update_logs_the_mismatch_and_tis_scales_each_tokens_gradient(policy, sh
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.rollout.engine import Correction, build_engine
-    from gpg_vl.train.sample import sample_attempt
-    from gpg_vl.train.update import update
+    from gpg_vl.train.step.sample import sample_attempt
+    from gpg_vl.train.step.update import update
 
     stream = PromptStream(shapes.load("train")[:8], seed=0)
     rollout = RolloutSettings(max_new_tokens=6)

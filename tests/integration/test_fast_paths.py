@@ -37,9 +37,9 @@ from gpg_vl.models.scoring import ReservedLayer, reserve
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
 from gpg_vl.rollout.types import Rollout
-from gpg_vl.train.micro_batch import micro_batch_cost, update_chunks
-from gpg_vl.train.sample import Attempt
-from gpg_vl.train.update import Learner, update
+from gpg_vl.train.step.micro_batch import micro_batch_cost, update_chunks
+from gpg_vl.train.step.sample import Attempt
+from gpg_vl.train.step.update import Learner, update
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

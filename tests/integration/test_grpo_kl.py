@@ -20,9 +20,9 @@ from gpg_vl.config.schema import RolloutSettings, TrainerSettings
 from gpg_vl.models import scoring
 from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
-from gpg_vl.train.reference import Reference, kl_on_every_group
-from gpg_vl.train.sample import sample_attempt
-from gpg_vl.train.update import update
+from gpg_vl.train.step.reference import Reference, kl_on_every_group
+from gpg_vl.train.step.sample import sample_attempt
+from gpg_vl.train.step.update import update
 
 BETA = 0.04
 

@@ -22,7 +22,7 @@ from helpers.video_attempts import video_attempt
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.errors import UserError
 from gpg_vl.models.scoring import AUTO_MIN_PADDING, ScoringPath, choose_scoring_path, token_logps
-from gpg_vl.train.micro_batch import micro_batch_cost, update_chunks
+from gpg_vl.train.step.micro_batch import micro_batch_cost, update_chunks
 
 # what the docs (docs/packing.md) say about each tiny family: packs, or the padded path and why
 CANNOT_PACK = {"qwen3_5": "linear_attention", "qwen3_5_moe": "linear_attention", "gemma3": "sliding_attention",
@@ -106,7 +106,7 @@ def test_token_budget_counts_real_tokens_when_packing():
 
 
 def test_auto_packs_the_micro_batches_that_have_padding_to_remove():
-    from gpg_vl.train.micro_batch import forward_cost
+    from gpg_vl.train.step.micro_batch import forward_cost
 
     auto = ScoringPath(prompt_once=True, packed=True, min_padding=AUTO_MIN_PADDING)
     on = ScoringPath(prompt_once=True, packed=True)

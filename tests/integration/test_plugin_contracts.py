@@ -1,6 +1,6 @@
 """The contracts of user plugins, checked where they are called: an advantage (`trainer.advantage=path.py:fn`,
-in sample.py) and a policy loss (`trainer.loss=path.py:fn`, in loss_call.py) that raise or return the wrong thing
-fail in one sentence naming the setting and what came back, at step 1 of a run through the command line."""
+in step/sample.py) and a policy loss (`trainer.loss=path.py:fn`, in step/loss_call.py) that raise or return the wrong
+thing fail in one sentence naming the setting and what came back, at step 1 of a run through the command line."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from gpg_vl.data.stream import PromptStream
 from gpg_vl.rollout.engine import Sampling, build_engine
 from gpg_vl.rollout.hf import generate
 from gpg_vl.rollout.types import completion_mask_from_eos
-from gpg_vl.train.sample import sample_attempt
+from gpg_vl.train.step.sample import sample_attempt
 
 
 def encode(policy, task, rows):

@@ -28,7 +28,7 @@ from helpers.vllm_real import TINY, RealServer, needs_vllm_env, server_lock, sha
 from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettings
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
-from gpg_vl.train.micro_batch import MicroBatch
+from gpg_vl.train.step.micro_batch import MicroBatch
 from gpg_vl.train.teacher import frozen_teacher
 from gpg_vl.train.teacher_server import connect_teacher
 

@@ -29,7 +29,7 @@ from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
-from gpg_vl.train.micro_batch import update_chunks
+from gpg_vl.train.step.micro_batch import update_chunks
 
 VIDEO_FAMILIES = ["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "internvl",
                   "gemma4"]

@@ -16,7 +16,7 @@ from helpers.browser import CHROMIUM, image_tiles, open_in_chromium, root_tag
 from PIL import Image
 
 import gpg_vl.train.loop
-import gpg_vl.train.pipeline
+import gpg_vl.train.step.pipeline
 from gpg_vl import get_task
 from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config, run_cli
@@ -33,7 +33,7 @@ from gpg_vl.observe.rollout_log import (
 from gpg_vl.observe.viewer import write_rollouts_html
 from gpg_vl.rollout.types import Rollout
 from gpg_vl.train.loop import RunSettings, setup_policy, train
-from gpg_vl.train.sample import Attempt
+from gpg_vl.train.step.sample import Attempt
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "<script>alert('x')</script>"
@@ -55,7 +55,7 @@ def run(tmp_path_factory):
 
     output = tmp_path_factory.mktemp("run")
     collected, updated = [], []
-    original_collect, original_update = gpg_vl.train.pipeline.collect_valid_groups, gpg_vl.train.loop.update
+    original_collect, original_update = gpg_vl.train.step.pipeline.collect_valid_groups, gpg_vl.train.loop.update
 
     def collect(*args, **kwargs):
         collected.append(original_collect(*args, **kwargs))
@@ -77,7 +77,7 @@ def run(tmp_path_factory):
                 return original_log(self, data, *args, **kwargs)
 
             patch.setattr(wandb.Run, "log", log)
-        patch.setattr(gpg_vl.train.pipeline, "collect_valid_groups", collect)  # the sampling stage
+        patch.setattr(gpg_vl.train.step.pipeline, "collect_valid_groups", collect)  # the sampling stage
         patch.setattr(gpg_vl.train.loop, "update", update)
         patch.setenv("WANDB_MODE", "offline")
         patch.setenv("WANDB_DIR", str(output))

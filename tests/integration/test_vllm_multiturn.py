@@ -218,8 +218,8 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.models.scoring import ScoringPath, token_logps
     from gpg_vl.rollout.engine import Correction
-    from gpg_vl.train.sample import Attempt
-    from gpg_vl.train.update import update
+    from gpg_vl.train.step.sample import Attempt
+    from gpg_vl.train.step.update import update
 
     _, batch, rollout, _ = rollout_through(policy)
     family = policy.family

@@ -284,7 +284,7 @@ def test_a_refused_prompt_is_skipped_with_one_warning_naming_it(policy, shapes):
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.rollout.hf import HFEngine
-    from gpg_vl.train.sample import sample_attempt
+    from gpg_vl.train.step.sample import sample_attempt
 
     class Refusing(HFEngine):
         def generate(self, prompts, group_size, sampling):

@@ -20,7 +20,7 @@ from gpg_vl.objective.corrections import (
     correction_options,
     get_correction,
 )
-from gpg_vl.train.pipeline import sampling_version, staleness_note
+from gpg_vl.train.step.pipeline import sampling_version, staleness_note
 
 LN = math.log
 # two sequences of three tokens; the second has two counted tokens

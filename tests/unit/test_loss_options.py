@@ -89,7 +89,7 @@ def test_a_plugin_losss_options_are_checked_only_as_far_as_it_declares_them(tmp_
 
 def test_the_trainer_checks_loss_options_against_trainer_loss():
     from gpg_vl.config.schema import TrainerSettings
-    from gpg_vl.train.loss_call import trainer_loss_options
+    from gpg_vl.train.step.loss_call import trainer_loss_options
 
     assert trainer_loss_options(TrainerSettings(loss="grpo", loss_options={"clip_low": 0.1}), 32)["clip_low"] == 0.1
     with pytest.raises(UserError, match="loss gpg has no option 'clip_low'"):  # as the settings are read

@@ -198,7 +198,7 @@ def test_a_registered_loss_called_directly_equals_the_trainers_use_of_it(name):
     """Through the public names: called with its options only, a loss computes what the trainer computes with
     it (the registered aggregation, the batch's own count as normalizer): the same loss and gradient."""
     from gpg_vl.config.schema import TrainerSettings
-    from gpg_vl.train.loss_call import trainer_loss_options
+    from gpg_vl.train.step.loss_call import trainer_loss_options
 
     torch.manual_seed(3)
     logps = -torch.rand(4, 6, dtype=F64) * 2

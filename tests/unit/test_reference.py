@@ -1,11 +1,11 @@
-"""The frozen reference of a loss with a KL term (gpg_vl/train/reference.py's build_reference)."""
+"""The frozen reference of a loss with a KL term (gpg_vl/train/step/reference.py's build_reference)."""
 
 import pytest
 import torch
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.train.reference import build_reference
+from gpg_vl.train.step.reference import build_reference
 
 KL = TrainerSettings(loss="grpo", kl_coef=0.04)
 

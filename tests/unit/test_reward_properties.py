@@ -174,7 +174,7 @@ def test_nan_and_infinite_rewards_make_their_group_invalid_and_are_reported(poli
     from gpg_vl.data.stream import PromptStream
     from gpg_vl.rollout.engine import build_engine
     from gpg_vl.train.loop import step_metrics
-    from gpg_vl.train.sample import Collected, sample_attempt
+    from gpg_vl.train.step.sample import Collected, sample_attempt
 
     task = get_task("shapes", train_size=50, test_size=1)
     stream = PromptStream(task.load("train"), seed=0)

@@ -6,7 +6,7 @@ from gpg_vl.config.compose import load_config
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
-from gpg_vl.train.sample import budget_spent, collect_valid_groups, tokens_left
+from gpg_vl.train.step.sample import budget_spent, collect_valid_groups, tokens_left
 
 
 def scripted(valid_counts, batch_size=10, tokens=0):
@@ -113,7 +113,7 @@ def test_dapo_overlong_shaping_counts_a_trajectorys_generated_tokens_only_agains
     from gpg_vl.config.schema import RolloutSettings
     from gpg_vl.rollout.multiturn.trajectory import Trajectory
     from gpg_vl.rollout.types import Rollout
-    from gpg_vl.train.sample import overlong_lengths
+    from gpg_vl.train.step.sample import overlong_lengths
 
     rollout = RolloutSettings(max_new_tokens=6, max_total_tokens=40)
     long_tool = Trajectory()

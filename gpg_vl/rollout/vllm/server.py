@@ -15,7 +15,7 @@ weights pushed to them through vLLM's weight-transfer API after each optimizer s
   `--logprobs-mode processed_logprobs` makes it the distribution it drew from) for the sampler check and the
   correction (rollout.vllm_server.tis_cap).
 - Weight versions: every sync labels the servers' weights with the step they are the weights after, the number the
-  pipeline owns (gpg_vl/train/pipeline.py: a resumed run labels them as the uninterrupted one did; the per-request
+  pipeline owns (gpg_vl/train/step/pipeline.py: a resumed run labels them as the uninterrupted one did; the per-request
   seeds include it), sent with `/finish_weight_update`, and
   each rollout row records the oldest label that sampled any of its tokens (`Rollout.weight_versions`, from the
   choice's `weight_versions` where the server reports them, else the label in force: generation is paused around

@@ -36,7 +36,7 @@ from gpg_vl.objective import get_advantage, overlong_penalty
 from gpg_vl.reward.pool import RewardBudget, score_completions
 from gpg_vl.rollout.engine import EnginePrompts, EngineUnreachable, Sampling, encode_prompts, sampling_generator
 from gpg_vl.rollout.types import Rollout, in_task_frame
-from gpg_vl.train.placeholder import placeholder_prompts
+from gpg_vl.train.step.placeholder import placeholder_prompts
 
 A = TypeVar("A")
 

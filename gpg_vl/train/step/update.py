@@ -41,11 +41,11 @@ from gpg_vl.objective.corrections import (
 )
 from gpg_vl.objective.options import takes_weights
 from gpg_vl.rollout.engine import Correction
-from gpg_vl.train.loss_call import _add_report, _loss_reports, checked_loss, trainer_loss_options
-from gpg_vl.train.micro_batch import MicroBatch, mini_batches, update_chunks
-from gpg_vl.train.placeholder import placeholder_chunk
-from gpg_vl.train.reference import Reference, kl_on_every_group, needs_reference
-from gpg_vl.train.sample import Attempt
+from gpg_vl.train.step.loss_call import _add_report, _loss_reports, checked_loss, trainer_loss_options
+from gpg_vl.train.step.micro_batch import MicroBatch, mini_batches, update_chunks
+from gpg_vl.train.step.placeholder import placeholder_chunk
+from gpg_vl.train.step.reference import Reference, kl_on_every_group, needs_reference
+from gpg_vl.train.step.sample import Attempt
 from gpg_vl.train.teacher import scored_chunk, taught_metrics, teach
 
 
@@ -56,7 +56,7 @@ class Learner:
     the run's scoring `path` (chosen once at setup: `scoring.choose_scoring_path`); the frozen `reference` of a
     KL loss; the completion limit `max_new_tokens` (a loss's max_tokens); the engine's `correction` (its on-policy
     check); under FSDP2 with trainer.max_staleness >= 1, `whole_copy`, a copy of the model taken before it was
-    sharded, for the sampler (gpg_vl/train/pipeline.py)."""
+    sharded, for the sampler (gpg_vl/train/step/pipeline.py)."""
 
     policy: Policy
     model: torch.nn.Module

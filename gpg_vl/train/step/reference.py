@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.errors import UserError
 from gpg_vl.objective import get_policy_loss, loss_needs
-from gpg_vl.train.loss_call import trainer_loss_options
+from gpg_vl.train.step.loss_call import trainer_loss_options
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from gpg_vl.models import scoring
 from gpg_vl.models.batch import PromptBatch
 from gpg_vl.models.scoring import ScoringPath
-from gpg_vl.train.sample import Attempt
+from gpg_vl.train.step.sample import Attempt
 
 
 def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_tokens: int = 0, *,
