@@ -83,7 +83,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     from gpg_vl.observe.viewer import write_predictions_html
     from gpg_vl.train import build
     from gpg_vl.train.checkpoint import write_failure
-    from gpg_vl.train.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
+    from gpg_vl.train.eval.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
     from gpg_vl.train.outdir import check_output_dir
 
     task = build.build_task(cfg.task, cfg.data)

@@ -96,7 +96,7 @@ def evaluate_start(args: argparse.Namespace) -> float:
     from gpg_vl.config.compose import load_config
     from gpg_vl.config.schema import RolloutSettings
     from gpg_vl.rollout.engine import build_engine
-    from gpg_vl.train.evaluate import evaluate
+    from gpg_vl.train.eval.evaluate import evaluate
 
     cfg = load_config("train", ["task=shapes", "model=tiny"])
     task = build_task(cfg.task, cfg.data)

@@ -321,7 +321,7 @@ RolloutSettings = with_sections(RolloutSettings, _sections(ENGINE_SETTINGS))
 @dataclass
 class EvalSettings:
     """`eval.*`: evaluation of the held-out split (during training, and by scripts/eval.py): greedy by default,
-    or `samples` completions per row at `temperature` (mean@k, pass@k, maj@k: gpg_vl/train/at_k.py)."""
+    or `samples` completions per row at `temperature` (mean@k, pass@k, maj@k: gpg_vl/train/eval/at_k.py)."""
 
     split: str | None = field(default=None, metadata=meta(
         "held-out split (null = the task's eval split)", nonempty=True))

@@ -227,7 +227,7 @@ class Task:
                 scores: Sequence[dict[str, float]] | None = None) -> dict[str, float]:
         """Evaluation metrics over paired rows and completions. `scores`: each completion's
         `reward_components`, when already computed (evaluation scores each completion once, on several
-        threads: gpg_vl/train/evaluate.py); an override passes them on and reads them, see `scored`."""
+        threads: gpg_vl/train/eval/evaluate.py); an override passes them on and reads them, see `scored`."""
         count = max(len(completions), 1)
         sums: dict[str, float] = {}
         for components in self.scored(rows, completions, scores):

@@ -40,7 +40,7 @@ from gpg_vl.train.checkpoint import (
     truncate_metrics,
     writing,
 )
-from gpg_vl.train.held_out import prepare_held_out
+from gpg_vl.train.eval.held_out import prepare_held_out
 from gpg_vl.train.mixed import mixture_engines
 from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState

@@ -48,7 +48,7 @@ def _tensor_sums(tensors) -> list[float]:
 def test_k1_is_deterministic_one_step_behind_and_resumes_a_step_in_flight_exactly(tmp_path, monkeypatch):
     """The second run also evaluates every 2 steps (trainer.eval_every): the same run, its evaluations in the lines
     of steps 2 and 4, each of the learner's weights after its step (the sampler's copy is older)."""
-    from gpg_vl.train import held_out
+    from gpg_vl.train.eval import held_out
 
     evaluated_weights, original = [], held_out.evaluate
 

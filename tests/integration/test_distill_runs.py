@@ -107,7 +107,7 @@ def test_evaluation_reports_answer_entropy():
     from gpg_vl.data.task import get_task
     from gpg_vl.models.load import load_policy
     from gpg_vl.rollout.engine import build_engine
-    from gpg_vl.train.evaluate import Decoding, evaluate
+    from gpg_vl.train.eval.evaluate import Decoding, evaluate
 
     policy = load_policy(str(EMBEDDED_TINY), dtype="float32")
     task = get_task("shapes")

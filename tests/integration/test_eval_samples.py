@@ -7,7 +7,7 @@ import pytest
 
 from gpg_vl.cli import eval_main, train_main
 from gpg_vl.config.compose import load_config, run_cli
-from gpg_vl.train.at_k import pass_at_k
+from gpg_vl.train.eval.at_k import pass_at_k
 
 SAMPLED = ["eval.limit=6", "eval.samples=4", "eval.temperature=1.0", "eval.max_new_tokens=16"]
 

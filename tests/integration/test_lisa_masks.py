@@ -29,7 +29,7 @@ from gpg_vl.reward.segment import (
     load_segmenter,
     mask_metrics,
 )
-from gpg_vl.train.evaluate import rescore
+from gpg_vl.train.eval.evaluate import rescore
 
 WIDTH, HEIGHT = 64, 48
 THINK = "<think> looking </think>"

@@ -24,7 +24,7 @@ from gpg_vl.observe.viewer import write_predictions_html, write_rollouts_html
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn.decoding import generate_trajectories
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
-from gpg_vl.train.evaluate import Decoded, prediction_records
+from gpg_vl.train.eval.evaluate import Decoded, prediction_records
 from gpg_vl.train.step.sample import Attempt
 
 CROPS = {0: (10, 20, 150, 120), 3: (60, 100, 150, 230)}  # trajectory -> the region (original pixels) it zooms into

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gpg_vl.train.at_k import at_k_metrics, majority, pass_at_k, pass_ks, stderr
+from gpg_vl.train.eval.at_k import at_k_metrics, majority, pass_at_k, pass_ks, stderr
 
 
 @pytest.mark.parametrize(("n", "c", "k", "expected"), [

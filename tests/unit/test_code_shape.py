@@ -62,7 +62,7 @@ def test_train_reads_in_40_lines():
 def test_the_trainer_stages_name_no_engine():
     """Engines own their settings and checks: no rollout.vllm key and no HFEngine in the trainer's stages."""
     for name in ("loop.py", "setup.py", "step_log.py", "step/sample.py", "step/update.py", "step/micro_batch.py",
-                 "step/loss_call.py", "step/reference.py", "evaluate.py"):
+                 "step/loss_call.py", "step/reference.py", "eval/evaluate.py"):
         tree = ast.parse((PACKAGE / "train" / name).read_text())
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}

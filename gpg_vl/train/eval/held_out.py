@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from gpg_vl.data.mixture import Mixture
 from gpg_vl.data.stream import Subset, scan_rows
 from gpg_vl.errors import UserError
-from gpg_vl.train.evaluate import Share, decoding, evaluate
+from gpg_vl.train.eval.evaluate import Share, decoding, evaluate
 
 
 def prepare_held_out(run) -> None:

@@ -1,6 +1,6 @@
 """Batched decoding on held-out rows, scored by the task's metrics: one greedy completion per row by default, or
 `eval.samples` = k sampled completions per row at `eval.temperature` (`Decoding`), reported as mean@k, pass@k,
-maj@k and their standard errors, per benchmark and per category (gpg_vl/train/at_k.py), beside the task's own
+maj@k and their standard errors, per benchmark and per category (gpg_vl/train/eval/at_k.py), beside the task's own
 metrics averaged over the k sample sets.
 
 Each row is read once (reading a row can decode its image): the decoding pass keeps what scoring and
@@ -34,7 +34,7 @@ from gpg_vl.reward.primitives import extract_answer
 from gpg_vl.rollout.engine import EnginePrompts, Sampling, encode_prompts
 from gpg_vl.rollout.multiturn.trajectory import trajectory_metrics
 from gpg_vl.rollout.types import in_task_frame
-from gpg_vl.train.at_k import at_k_metrics
+from gpg_vl.train.eval.at_k import at_k_metrics
 from gpg_vl.train.step.placeholder import placeholder_prompts
 
 _RESCORE_CHUNK = 32  # rows (with their images) held at once while re-scoring
