@@ -362,15 +362,15 @@ def server_runs(policy, folder: Path, args) -> list[tuple[str, dict]]:
 
 
 def teacher_check(policy, url: str, data: list[dict], group_size: int, new_tokens: int) -> dict:
-    """The teacher on the server (`teacher.urls`, gpg_vl/train/teacher_server.py), the server holding `policy`'s
+    """The teacher on the server (`teacher.urls`, gpg_vl/train/teacher/server.py), the server holding `policy`'s
     weights: which answer the server gives (by token ids, vLLM's V2 model runner, renormalized without the vision
     placeholders, or by prompt_logprobs), the gap between its log-probs of sampled tokens and the trainer's own
     scoring of them (placeholders left out of the normalizer), and the seconds the scoring took."""
     from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettings
     from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
     from gpg_vl.train.step.micro_batch import MicroBatch
-    from gpg_vl.train.teacher import frozen_teacher
-    from gpg_vl.train.teacher_server import connect_teacher
+    from gpg_vl.train.teacher.local import frozen_teacher
+    from gpg_vl.train.teacher.server import connect_teacher
 
     task = hash_task(data)
     messages = [task.messages(row) for row in data]

@@ -9,7 +9,7 @@ from gpg_vl.config.keys import meta
 @dataclass
 class TeacherSettings:
     """`teacher.*`: on-policy distillation from a frozen teacher on the student's own samples
-    (gpg_vl/distill.py, gpg_vl/train/teacher.py, docs/distillation.md)."""
+    (gpg_vl/distill.py, gpg_vl/train/teacher/local.py, docs/distillation.md)."""
 
     model: str | None = field(default=None, metadata=meta(
         "the teacher: a model folder or hub id with the student's tokenizer and processor (null = no teacher, or "

@@ -49,8 +49,8 @@ from gpg_vl.train.step.pipeline import require_pipeline, staleness_note, whole_c
 from gpg_vl.train.step.reference import build_reference, needs_reference, place_reference
 from gpg_vl.train.step.sample import reward_names
 from gpg_vl.train.step.update import Learner, build_optimizer
-from gpg_vl.train.teacher import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
-from gpg_vl.train.teacher_server import ServerTeacher, connect_student_teacher, connect_teacher, refuse_video
+from gpg_vl.train.teacher.local import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
+from gpg_vl.train.teacher.server import ServerTeacher, connect_student_teacher, connect_teacher, refuse_video
 
 
 def setup(cfg) -> Run:

@@ -1,6 +1,6 @@
-"""On-policy distillation end to end (gpg_vl/train/teacher.py): a teacher equal to the student gives no signal (every
-group's combined advantage is zero: no step), a perturbed teacher makes every group valid and logs teacher_kl, the
-supervised form (teacher.loss=jsd) and the top-entropy mask train, and a teacher with another vocabulary is refused
+"""On-policy distillation end to end (gpg_vl/train/teacher/local.py): a teacher equal to the student gives no signal
+(every group's combined advantage is zero: no step), a perturbed teacher makes every group valid and logs teacher_kl,
+the supervised form (teacher.loss=jsd) and the top-entropy mask train, and a teacher with another vocabulary is refused
 in one sentence before any model loads. Every step logs entropy_mean."""
 
 from __future__ import annotations

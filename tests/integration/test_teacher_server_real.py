@@ -1,4 +1,4 @@
-"""The teacher on a real vLLM server (teacher.urls, gpg_vl/train/teacher_server.py) against vLLM's CPU build: the
+"""The teacher on a real vLLM server (teacher.urls, gpg_vl/train/teacher/server.py) against vLLM's CPU build: the
 test run's shared `vllm serve` of the tiny model (helpers/vllm_real.py), holding a teacher pushed to it by the disk
 sync (the tiny model with every weight moved).
 
@@ -29,8 +29,8 @@ from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettin
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
 from gpg_vl.train.step.micro_batch import MicroBatch
-from gpg_vl.train.teacher import frozen_teacher
-from gpg_vl.train.teacher_server import connect_teacher
+from gpg_vl.train.teacher.local import frozen_teacher
+from gpg_vl.train.teacher.server import connect_teacher
 
 pytestmark = needs_vllm_env
 BUDGET = ["rollout.max_prompt_tokens=1024", "rollout.max_new_tokens=24"]  # within the server's --max-model-len 2048

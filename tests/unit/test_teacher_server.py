@@ -1,4 +1,4 @@
-"""The teacher on vLLM servers' pure parts (gpg_vl/train/teacher_server.py): the scoring request, both answer formats
+"""The teacher on vLLM servers' pure parts (gpg_vl/train/teacher/server.py): the scoring request, both answer formats
 (vLLM's V2 runner's token-id rows, renormalized without the vision placeholders, and prompt_logprobs), which format
 a server takes, and every setting refused in one sentence before a server is asked. The real server:
 tests/integration/test_teacher_server_real.py."""
@@ -16,8 +16,8 @@ import pytest
 from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettings
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.vllm.client import Rejected, ServerError
-from gpg_vl.train.teacher import require_teacher_settings
-from gpg_vl.train.teacher_server import (
+from gpg_vl.train.teacher.local import require_teacher_settings
+from gpg_vl.train.teacher.server import (
     _takes_token_ids,
     answer_logps,
     connect_teacher,
@@ -140,7 +140,7 @@ def test_video_tasks_are_refused_with_a_server_teacher():
     nats between the same tokens' log-probs), so a task with video, alone or in a mixture, is refused."""
     from types import SimpleNamespace
 
-    from gpg_vl.train.teacher_server import refuse_video
+    from gpg_vl.train.teacher.server import refuse_video
 
     video, image = SimpleNamespace(name="motion", inputs=("image", "video")), SimpleNamespace(name="shapes",
                                                                                                inputs=("image",))

@@ -46,7 +46,7 @@ from gpg_vl.train.step.micro_batch import MicroBatch, mini_batches, update_chunk
 from gpg_vl.train.step.placeholder import placeholder_chunk
 from gpg_vl.train.step.reference import Reference, kl_on_every_group, needs_reference
 from gpg_vl.train.step.sample import Attempt
-from gpg_vl.train.teacher import scored_chunk, taught_metrics, teach
+from gpg_vl.train.teacher.local import scored_chunk, taught_metrics, teach
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Learner:
     max_new_tokens: int | None = None
     correction: Correction = field(default_factory=Correction)
     whole_copy: torch.nn.Module | None = None  # FSDP2 at trainer.max_staleness >= 1: the sampler's, taken unsharded
-    teacher: object = None  # teacher.model's frozen Teacher (gpg_vl/train/teacher.py), or None
+    teacher: object = None  # teacher.model's frozen Teacher (gpg_vl/train/teacher/local.py), or None
 
     def off_policy(self, stale: bool) -> ActiveCorrection:
         """The correction this update applies (trainer.correction; rollout.vllm.tis_cap > 0, the engine's, is
@@ -113,7 +113,7 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
     `_optimizer_step`). The off-policy correction (`Learner.off_policy`; `stale`: the rollouts may be older than the
     learner, trainer.max_staleness >= 1) is resolved once: its weights come from pi_prox, the policy before this
     update, against the behaviour log-probs, and go to the loss as `weights` (`_resolve_corrections`).
-    `learner.teacher`: every group forwarded, valid if its combined advantage is not all zero (train/teacher.py).
+    `learner.teacher`: every group forwarded, valid if its combined advantage is not all zero (train/teacher/).
     """
     settings, accelerator = learner.settings, learner.accelerator
     kl_everywhere = kl_on_every_group(settings)

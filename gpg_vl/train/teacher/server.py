@@ -1,5 +1,5 @@
 """The teacher on vLLM servers (`teacher.urls`, docs/distillation.md): instead of loading the teacher beside the
-student (`teacher.model`, gpg_vl/train/teacher.py), a `vllm serve TEACHER --enable-scale-out` scores the student's
+student (`teacher.model`, gpg_vl/train/teacher/local.py), a `vllm serve TEACHER --enable-scale-out` scores the student's
 sampled tokens and the update reads their log-probs, exactly where the in-process teacher's would be.
 
 - A sequence is scored by one `POST /inference/v1/generate` of its prompt's token ids (as the trainer scores them:

@@ -36,7 +36,7 @@ class Teacher:
     def logps(self, family, chunk, device, *, temperature: float, logits_chunk_tokens: int, messages=None,
               cache=None) -> torch.Tensor:
         """The teacher's log-probs [n, C] of a micro-batch's completions (no gradient). `messages`, `cache`: what the
-        teacher on vLLM servers reads (gpg_vl/train/teacher_server.py); the model here has the prompts' pixels."""
+        teacher on vLLM servers reads (gpg_vl/train/teacher/server.py); the model here has the prompts' pixels."""
         del messages, cache
         with torch.no_grad():
             return chunk.logps(_Frozen(family), self.model, device, path=self.path, temperature=temperature,
