@@ -53,7 +53,7 @@ def train_main(cfg: DictConfig) -> dict:
 
 def _interrupted(run) -> str:
     """Where an interrupted run stopped: its step, its folder, the newest intact checkpoint it can continue from."""
-    from gpg_vl.train.checkpoint import latest_checkpoint
+    from gpg_vl.train.checkpoint.folder import latest_checkpoint
 
     newest = latest_checkpoint(run.output_dir)
     kept = f"the newest intact checkpoint is {newest}" if newest else "no checkpoint was written yet (step 0)"
@@ -82,9 +82,9 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     from gpg_vl.config.validate import check_model_folder
     from gpg_vl.observe.viewer import write_predictions_html
     from gpg_vl.train import build
-    from gpg_vl.train.checkpoint import write_failure
+    from gpg_vl.train.checkpoint.folder import write_failure
+    from gpg_vl.train.checkpoint.outdir import check_output_dir
     from gpg_vl.train.eval.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
-    from gpg_vl.train.outdir import check_output_dir
 
     task = build.build_task(cfg.task, cfg.data)
     build.build_judge(cfg.get("reward"), task, "cuda" if _cuda() else "cpu")  # before the rows and the policy

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's gpg_vl, as for the runs below
 
-from gpg_vl.train.checkpoint import latest_checkpoint  # noqa: E402
+from gpg_vl.train.checkpoint.folder import latest_checkpoint  # noqa: E402
 from gpg_vl.train.loop import WALL_CLOCK_METRICS  # noqa: E402
 
 TIMING = tuple(sorted(WALL_CLOCK_METRICS))
@@ -41,7 +41,7 @@ TINY = ["task=shapes", "model=tiny", "trainer.save_every=1", "trainer.eval_befor
 # before its trainer state (a test hook that lives here, not in the trainer).
 KILL_IN_SAVE = """
 import os, runpy, signal, sys
-import gpg_vl.train.checkpoint as checkpoint
+import gpg_vl.train.checkpoint.save as checkpoint
 kill_step, write = int(sys.argv[1]), checkpoint._write_trainer_state
 def write_or_die(folder, state):
     if state["step"] == kill_step:

@@ -26,7 +26,9 @@ from gpg_vl.files import write_atomic
 from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
 from gpg_vl.rollout.engine import EngineUnreachable
-from gpg_vl.train.checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state, writing
+from gpg_vl.train.checkpoint.folder import latest_checkpoint, writing
+from gpg_vl.train.checkpoint.resume import set_rng_state
+from gpg_vl.train.checkpoint.save import rng_state, save_checkpoint
 from gpg_vl.train.eval.held_out import evaluate_during, evaluate_held_out
 from gpg_vl.train.mixed import task_step_metrics
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState

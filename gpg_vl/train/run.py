@@ -14,7 +14,7 @@ from gpg_vl.config.schema import EvalSettings, RolloutSettings, TeacherSettings,
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
-from gpg_vl.train.checkpoint import writing
+from gpg_vl.train.checkpoint.folder import writing
 from gpg_vl.train.step.update import Learner
 
 
@@ -79,7 +79,7 @@ class Run:
     data: RunData
     state: RunState
     bar: object
-    held: contextlib.ExitStack  # the output folder's claim (gpg_vl/train/outdir.py), released when the run ends
+    held: contextlib.ExitStack  # the output folder's claim (train/checkpoint/outdir.py), released when the run ends
     warned: set[str] = field(default_factory=set)
     pipeline: object = None  # samples each step (gpg_vl/train/step/pipeline.py): in this thread, or beside the learner
 

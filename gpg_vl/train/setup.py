@@ -30,19 +30,17 @@ from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
 from gpg_vl.train import build
-from gpg_vl.train.checkpoint import (
-    compare_settings,
+from gpg_vl.train.checkpoint.folder import (
     later_checkpoints,
-    load_trainer_state,
     remove_checkpoint,
     remove_partials,
     resolve_resume,
-    truncate_metrics,
     writing,
 )
+from gpg_vl.train.checkpoint.outdir import claim_output_dir, set_aside_previous_run
+from gpg_vl.train.checkpoint.resume import compare_settings, load_trainer_state, truncate_metrics
 from gpg_vl.train.eval.held_out import prepare_held_out
 from gpg_vl.train.mixed import mixture_engines
-from gpg_vl.train.outdir import claim_output_dir, set_aside_previous_run
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
 from gpg_vl.train.step.loss_call import trainer_loss_options
 from gpg_vl.train.step.pipeline import require_pipeline, staleness_note, whole_copy
@@ -106,12 +104,12 @@ def setup(cfg) -> Run:
 def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Accelerator | None = None,
                  reference: torch.nn.Module | None = None, teacher: torch.nn.Module | None = None) -> Run:
     """Build a run around a policy the caller built (programmatic use: `train(setup_policy(policy, task,
-    RunSettings(trainer=..., rollout=..., output_dir=...)))`). The main process claims settings.output_dir for
-    the run (gpg_vl/train/outdir.py: one run per folder); `accelerator`: one the caller made (else one is made
-    here); `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken);
-    `teacher`: the teacher model of settings.teacher (on-policy distillation; frozen here).
+    RunSettings(trainer=..., rollout=..., output_dir=...)))`). The main process claims settings.output_dir for the run
+    (gpg_vl/train/checkpoint/outdir.py: one run per folder); `accelerator`: one the caller made (else one is made here);
+    `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken); `teacher`: the
+    teacher model of settings.teacher (on-policy distillation; frozen here).
 
-    settings.resume_from is a complete checkpoint (see gpg_vl/train/checkpoint.py): training continues from its
+    settings.resume_from is a complete checkpoint (see gpg_vl/train/checkpoint/): training continues from its
     step with its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past
     that step. Bad rows are skipped and counted; more than settings.max_bad_fraction of the rows seen stops
     the run."""

@@ -11,7 +11,7 @@ from accelerate import Accelerator
 
 from gpg_vl.observe.rollout_log import log_rollouts
 from gpg_vl.rollout.multiturn.trajectory import trajectory_metrics
-from gpg_vl.train.checkpoint import writing
+from gpg_vl.train.checkpoint.folder import writing
 from gpg_vl.train.run import Run
 from gpg_vl.train.step.sample import Attempt
 

@@ -312,7 +312,7 @@ def run_failing_save(script: str, arguments: list[str]) -> None:
     import errno
     import os
 
-    from gpg_vl.train import checkpoint
+    from gpg_vl.train.checkpoint import save as checkpoint
 
     if os.environ.get("RANK", "0") == "0":
         def full(folder, state):

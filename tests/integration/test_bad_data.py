@@ -21,7 +21,7 @@ from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.data.stream import PromptStream, prepare_prompt
 from gpg_vl.errors import BadRow, UserError
-from gpg_vl.train.checkpoint import latest_checkpoint
+from gpg_vl.train.checkpoint.folder import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -17,16 +17,10 @@ from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
-from gpg_vl.train import checkpoint
-from gpg_vl.train.checkpoint import (
-    latest_checkpoint,
-    load_trainer_state,
-    remove_partials,
-    resolve_resume,
-    rng_state,
-    set_rng_state,
-    truncate_metrics,
-)
+from gpg_vl.train.checkpoint import save
+from gpg_vl.train.checkpoint.folder import MARKER_FILE, STATE_FILE, latest_checkpoint, remove_partials, resolve_resume
+from gpg_vl.train.checkpoint.resume import load_trainer_state, set_rng_state, truncate_metrics
+from gpg_vl.train.checkpoint.save import rng_state
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["trainer.eval_before=false", "trainer.eval_after=false", "trainer.batch_size=4", "trainer.group_size=4",
@@ -63,10 +57,10 @@ def test_optimizer_and_scheduler_states_load_with_weights_only(tmp_path, schedul
     scheduler.step()
     stream = PromptStream(list(range(7)), seed=0)
     stream.next_indices(3)
-    checkpoint._write_trainer_state(tmp_path, {
+    save._write_trainer_state(tmp_path, {
         "step": 1, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "data": stream.state_dict(), "rng": [rng_state()], "counters": {"reward_errors": 2}})
-    (tmp_path / checkpoint.MARKER_FILE).write_text(json.dumps({"step": 1}))
+    (tmp_path / MARKER_FILE).write_text(json.dumps({"step": 1}))
 
     fresh_optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     fresh_scheduler = get_scheduler(schedule, fresh_optimizer, num_warmup_steps=2, num_training_steps=10)
@@ -84,7 +78,7 @@ class Payload:
 
 
 def test_a_trainer_state_holding_pickled_objects_is_refused(tmp_path, capsys):
-    with (tmp_path / checkpoint.STATE_FILE).open("wb") as handle:
+    with (tmp_path / STATE_FILE).open("wb") as handle:
         pickle.dump({"step": 1, "optimizer": Payload()}, handle, protocol=2)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
     with pytest.raises(UserError, match=r"cannot read the trainer state .*trainer_state.pt"):
@@ -95,9 +89,9 @@ def test_a_trainer_state_holding_pickled_objects_is_refused(tmp_path, capsys):
 def make_checkpoint(folder: Path, step: int | None, state: bool = True) -> Path:
     folder.mkdir(parents=True)
     if state:
-        (folder / checkpoint.STATE_FILE).write_bytes(b"state")
+        (folder / STATE_FILE).write_bytes(b"state")
     if step is not None:
-        (folder / checkpoint.MARKER_FILE).write_text(json.dumps({"step": step}))
+        (folder / MARKER_FILE).write_text(json.dumps({"step": step}))
     return folder
 
 
@@ -116,7 +110,7 @@ def test_resume_auto_takes_the_newest_complete_checkpoint_and_never_a_partial_on
     assert sorted(p.name for p in remove_partials(tmp_path)) == ["checkpoint-4.partial", "final.old"]
     final = make_checkpoint(tmp_path / "final", 3)
     assert latest_checkpoint(tmp_path) == three  # same step: the numbered one
-    (final / checkpoint.MARKER_FILE).write_text(json.dumps({"step": 7}))
+    (final / MARKER_FILE).write_text(json.dumps({"step": 7}))
     assert latest_checkpoint(tmp_path) == final
 
 
@@ -150,7 +144,7 @@ def test_a_crash_inside_a_save_keeps_the_last_checkpoint_and_resume_auto_continu
     run(tmp_path / "full", "trainer.max_steps=4")
     assert sorted(p.name for p in (tmp_path / "full").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
 
-    write = checkpoint._write_trainer_state
+    write = save._write_trainer_state
 
     class Killed(BaseException):  # like a kill, nothing catches it
         pass
@@ -160,7 +154,7 @@ def test_a_crash_inside_a_save_keeps_the_last_checkpoint_and_resume_auto_continu
             raise Killed("killed while saving")  # the model is written, its trainer state is not
         write(folder, state)
 
-    monkeypatch.setattr(checkpoint, "_write_trainer_state", crash_at_step_3)
+    monkeypatch.setattr(save, "_write_trainer_state", crash_at_step_3)
     with pytest.raises(Killed):
         run(tmp_path / "cut", "trainer.max_steps=4")
     cut = tmp_path / "cut"
@@ -168,7 +162,7 @@ def test_a_crash_inside_a_save_keeps_the_last_checkpoint_and_resume_auto_continu
     assert latest_checkpoint(cut) == cut / "checkpoint-2"
     assert [json.loads(x)["step"] for x in (cut / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
-    monkeypatch.setattr(checkpoint, "_write_trainer_state", write)
+    monkeypatch.setattr(save, "_write_trainer_state", write)
     run(cut, "trainer.max_steps=4", "resume=auto")
     assert not list(cut.glob("*.partial"))
     lines = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
@@ -189,16 +183,16 @@ def test_resuming_from_an_earlier_checkpoint_removes_the_later_ones_of_that_run(
     one = load(tmp_path / "checkpoint-1").state_dict()
     run(tmp_path, "trainer.max_steps=2", f"resume={tmp_path / 'checkpoint-1'}", "trainer.beta_th=0")
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    assert json.loads((tmp_path / "final" / checkpoint.MARKER_FILE).read_text())["step"] == 2
+    assert json.loads((tmp_path / "final" / MARKER_FILE).read_text())["step"] == 2
     assert all(torch.equal(one[k], v) for k, v in load(tmp_path / "checkpoint-1").state_dict().items())
 
 
 def test_checkpoints_hold_safetensors_weights_and_no_pickle(tmp_path):
     run(tmp_path, "trainer.max_steps=1", "trainer.beta_th=0")
     files = {p.name for p in (tmp_path / "checkpoint-1").iterdir()}
-    assert "model.safetensors" in files and checkpoint.STATE_FILE in files and checkpoint.MARKER_FILE in files
+    assert "model.safetensors" in files and STATE_FILE in files and MARKER_FILE in files
     assert not [name for name in files if name.endswith((".bin", ".pkl", ".pth"))]
-    state = torch.load(tmp_path / "checkpoint-1" / checkpoint.STATE_FILE, weights_only=True)
+    state = torch.load(tmp_path / "checkpoint-1" / STATE_FILE, weights_only=True)
     assert set(state) == {"step", "optimizer", "scheduler", "data", "rng", "counters", "record"}
     assert set(state["rng"][0]) >= {"python", "numpy", "torch"} and state["data"]["position"] > 0
 

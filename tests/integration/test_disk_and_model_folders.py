@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gpg_vl.errors import UserError
-from gpg_vl.train import checkpoint
+from gpg_vl.train.checkpoint.folder import MARKER_FILE, STATE_FILE, checkpoint_step, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the writers say when the disk fills (issue 28's probes): torch.save's zip writer finds its file shorter
@@ -39,7 +39,7 @@ def test_torch_save_cut_short_by_a_full_disk_ends_the_run_in_one_sentence(tmp_pa
     save = torch.save
 
     def full_at_step_2(obj, file, *args, **kwargs):
-        if Path(file).name == checkpoint.STATE_FILE and obj.get("step") == 2:
+        if Path(file).name == STATE_FILE and obj.get("step") == 2:
             Path(file).write_bytes(b"PK\x03\x04 cut")  # what it wrote before the disk filled
             raise RuntimeError(TORCH_FULL)
         return save(obj, file, *args, **kwargs)
@@ -52,7 +52,7 @@ def test_torch_save_cut_short_by_a_full_disk_ends_the_run_in_one_sentence(tmp_pa
     assert "unexpected pos" in message
     assert f"the newest intact checkpoint is {tmp_path / 'checkpoint-1'}" in message
     assert not list(tmp_path.glob("*.partial"))  # the failed save's files are gone: they took the space
-    assert checkpoint.verify_checkpoint(tmp_path / "checkpoint-1") is None
+    assert verify_checkpoint(tmp_path / "checkpoint-1") is None
 
 
 def test_safetensors_on_a_full_disk_ends_the_run_in_one_sentence(tmp_path, monkeypatch):
@@ -101,7 +101,7 @@ def test_resume_auto_on_a_full_disk_says_so_in_one_sentence(tmp_path, monkeypatc
 def test_resume_auto_without_any_intact_checkpoint_keeps_the_old_final_aside(tmp_path, capsys):
     run(tmp_path, "trainer.max_steps=1", "seed=5")
     old_weights = load_file(tmp_path / "final" / "model.safetensors")
-    for marker in tmp_path.glob(f"*/{checkpoint.MARKER_FILE}"):
+    for marker in tmp_path.glob(f"*/{MARKER_FILE}"):
         marker.unlink()  # every checkpoint.json gone: nothing is complete
     run(tmp_path, "trainer.max_steps=1", "resume=auto")
     out = capsys.readouterr().out
@@ -110,7 +110,7 @@ def test_resume_auto_without_any_intact_checkpoint_keeps_the_old_final_aside(tmp
     kept = load_file(aside / "final" / "model.safetensors")  # the old final/, moved, not replaced
     assert kept.keys() == old_weights.keys() and all(torch.equal(kept[k], old_weights[k]) for k in kept)
     assert (aside / "metrics.jsonl").is_file() and (aside / "checkpoint-1").is_dir()
-    assert checkpoint.checkpoint_step(tmp_path / "final") == 1  # the new run's own
+    assert checkpoint_step(tmp_path / "final") == 1  # the new run's own
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
 
 

@@ -20,9 +20,10 @@ from gpg_vl.cli import eval_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.errors import UserError
 from gpg_vl.reward.pool import RewardBudget, score_completions
-from gpg_vl.train import checkpoint, outdir
-from gpg_vl.train.checkpoint import load_trainer_state, resolve_resume, verify_checkpoint
-from gpg_vl.train.outdir import LOCK_FILE, claim_output_dir
+from gpg_vl.train.checkpoint import outdir, save
+from gpg_vl.train.checkpoint.folder import MARKER_FILE, STATE_FILE, resolve_resume, verify_checkpoint
+from gpg_vl.train.checkpoint.outdir import LOCK_FILE, claim_output_dir
+from gpg_vl.train.checkpoint.resume import load_trainer_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +43,7 @@ def final_weights(folder: Path) -> dict:
 # ---------------------------------------------------------------------------------------------
 HOLD = """
 import sys
-from gpg_vl.train.outdir import claim_output_dir
+from gpg_vl.train.checkpoint.outdir import claim_output_dir
 
 
 with claim_output_dir(sys.argv[1]):
@@ -73,7 +74,7 @@ def test_a_second_run_on_a_held_folder_fails_naming_the_holder_and_a_killed_hold
 
 
 def test_the_lock_is_held_for_the_whole_run_and_released_at_its_end(tmp_path, monkeypatch):
-    write, refusals = checkpoint._write_trainer_state, []
+    write, refusals = save._write_trainer_state, []
 
     def try_to_take_the_lock(folder, state):  # mid-run, during the save of checkpoint-1
         with pytest.raises(UserError) as error:
@@ -81,7 +82,7 @@ def test_the_lock_is_held_for_the_whole_run_and_released_at_its_end(tmp_path, mo
         refusals.append(str(error.value))
         write(folder, state)
 
-    monkeypatch.setattr(checkpoint, "_write_trainer_state", try_to_take_the_lock)
+    monkeypatch.setattr(save, "_write_trainer_state", try_to_take_the_lock)
     run(tmp_path, "trainer.max_steps=1")
     assert refusals and all(f"in use by another run (pid {os.getpid()} on host" in r for r in refusals)
     assert not (tmp_path / LOCK_FILE).exists()  # a clean release removes the lock file
@@ -204,9 +205,9 @@ def test_resume_accepts_legitimate_changes_and_says_what_changed(two_steps, tmp_
 # 2. damaged checkpoints
 # ---------------------------------------------------------------------------------------------
 def test_checkpoint_json_records_each_files_size_and_sha256(two_steps):
-    marker = json.loads((two_steps / "checkpoint-2" / checkpoint.MARKER_FILE).read_text())
-    files = {p.name for p in (two_steps / "checkpoint-2").iterdir()} - {checkpoint.MARKER_FILE}
-    assert set(marker["files"]) == files and {"model.safetensors", checkpoint.STATE_FILE} <= files
+    marker = json.loads((two_steps / "checkpoint-2" / MARKER_FILE).read_text())
+    files = {p.name for p in (two_steps / "checkpoint-2").iterdir()} - {MARKER_FILE}
+    assert set(marker["files"]) == files and {"model.safetensors", STATE_FILE} <= files
     entry = marker["files"]["model.safetensors"]
     assert entry["size"] == (two_steps / "checkpoint-2" / "model.safetensors").stat().st_size
     assert len(entry["sha256"]) == 64 and marker["config"]["trainer"]["group_size"] == 4
@@ -219,7 +220,7 @@ def test_resume_auto_falls_back_past_damaged_checkpoints_and_continues_exactly(t
     weights = out / "checkpoint-2" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
     (out / "final" / "model.safetensors").write_bytes(b"")  # empty
-    state = out / "checkpoint-1" / checkpoint.STATE_FILE
+    state = out / "checkpoint-1" / STATE_FILE
     warnings = []
     assert resolve_resume("auto", out, warn=warnings.append) == out / "checkpoint-1"
     assert "checkpoint-2, which is damaged (model.safetensors has" in warnings[0]
@@ -238,16 +239,16 @@ def test_resume_auto_falls_back_past_damaged_checkpoints_and_continues_exactly(t
     flipped = bytearray(state.read_bytes())
     flipped[len(flipped) // 2] ^= 0xFF  # same size, other bytes
     state.write_bytes(bytes(flipped))
-    assert verify_checkpoint(out / "checkpoint-1") == f"{checkpoint.STATE_FILE} does not match the sha256 it was " \
+    assert verify_checkpoint(out / "checkpoint-1") == f"{STATE_FILE} does not match the sha256 it was " \
                                                        "written with"
 
 
 def test_a_trainer_state_lacking_keys_fails_in_one_sentence(tmp_path):
-    checkpoint._write_trainer_state(tmp_path, {"step": 1, "optimizer": None, "scheduler": {}})
+    save._write_trainer_state(tmp_path, {"step": 1, "optimizer": None, "scheduler": {}})
     with pytest.raises(UserError) as error:
         load_trainer_state(tmp_path, None, None, None)
     assert "lacks data, rng" in one_sentence(error)
-    checkpoint._write_trainer_state(tmp_path, {"step": 1, "optimizer": None, "scheduler": {}, "data": {},
+    save._write_trainer_state(tmp_path, {"step": 1, "optimizer": None, "scheduler": {}, "data": {},
                                                "rng": []})
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -354,14 +355,14 @@ def test_an_output_dir_that_is_a_file_or_read_only_fails_before_the_model_loads(
 
 
 def test_a_full_disk_during_a_save_fails_in_one_sentence_naming_the_intact_checkpoint(tmp_path, monkeypatch):
-    write = checkpoint._write_trainer_state
+    write = save._write_trainer_state
 
     def disk_full_at_step_2(folder, state):
         if state["step"] == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         write(folder, state)
 
-    monkeypatch.setattr(checkpoint, "_write_trainer_state", disk_full_at_step_2)
+    monkeypatch.setattr(save, "_write_trainer_state", disk_full_at_step_2)
     with pytest.raises(UserError) as error:
         run(tmp_path, "trainer.max_steps=3")
     message = one_sentence(error)

@@ -13,7 +13,7 @@ from gpg_vl.cli import train_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.errors import UserError
 from gpg_vl.train import loop, step_log
-from gpg_vl.train.outdir import LOCK_FILE, claim_output_dir
+from gpg_vl.train.checkpoint.outdir import LOCK_FILE, claim_output_dir
 
 
 def test_ctrl_c_ends_the_run_in_one_line_naming_the_step_and_the_checkpoint_and_frees_the_folder(tmp_path,

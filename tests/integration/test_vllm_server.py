@@ -38,7 +38,7 @@ from gpg_vl.rollout.vllm.server import (
     video_render_body,
 )
 from gpg_vl.rollout.vllm.weight_transfer import SYNC_STALLED_EXIT, transport_unavailable
-from gpg_vl.train.checkpoint import latest_checkpoint
+from gpg_vl.train.checkpoint.folder import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLING_ROUTES = ("/v1/chat/completions/render", "/inference/v1/generate")

@@ -57,7 +57,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.models.weights import whole_tensor
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import ENGINES, build_engine, thread_generator
-from gpg_vl.train.checkpoint import load_in_flight
+from gpg_vl.train.checkpoint.resume import load_in_flight
 from gpg_vl.train.step.sample import (
     Collected,
     attempts_allowed,

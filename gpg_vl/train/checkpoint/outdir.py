@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gpg_vl.errors import UserError
+from gpg_vl.train.checkpoint.folder import latest_checkpoint, write_failure
 
 try:
     import fcntl
@@ -82,8 +83,6 @@ def _remove_if_empty(output_dir: Path, created: bool) -> None:
 
 def _unusable(output_dir: Path, what: str, error: OSError) -> UserError:
     """One sentence for an output folder the run cannot write in (most often: the disk is full)."""
-    from gpg_vl.train.checkpoint import latest_checkpoint, write_failure
-
     intact = latest_checkpoint(output_dir)
     kept = f"; its newest intact checkpoint, {intact}, is untouched" if intact else ""
     return UserError(f"could not {what} in output_dir {str(output_dir)!r}: {write_failure(error)}{kept}: free "
