@@ -49,9 +49,10 @@ def _valid_keys(node: DictConfig, prefix: str = "") -> list[str]:
 
 
 # the option maps: the schema's keys of a dict (or any value) named *options, whose keys a plugin declares
-# task=mix's maps too: task.mixture ({task: weight}), task.rollout and task.data (each entry's own settings)
+# task=mix's maps too: task.mixture ({task: weight}), task.rollout, task.data and task.teacher (each entry's own)
 OPTION_MAPS = tuple(name for name, item in declared(TrainSchema)
-                    if (name.endswith("options") or name in ("task.mixture", "task.rollout", "task.data"))
+                    if (name.endswith("options") or name in ("task.mixture", "task.rollout", "task.data",
+                                                             "task.teacher"))
                     and value_type(item)[0] in (dict, typing.Any))
 
 

@@ -67,6 +67,9 @@ _CORRECTIONS = "gpg_vl.objective.corrections"
 CORRECTION_BUILTINS = {"geo_reject": f"{_CORRECTIONS}:geo_reject", "none": f"{_CORRECTIONS}:no_correction",
                        "sequence_tis": f"{_CORRECTIONS}:sequence_tis", "token_tis": f"{_CORRECTIONS}:token_tis",
                        "topr": f"{_CORRECTIONS}:topr"}
+# The built-in teacher losses (teacher.loss): gpg_vl/objective/teacher_losses.py's TEACHER_LOSSES.
+_TEACHER = "gpg_vl.objective.teacher_losses"
+TEACHER_LOSS_BUILTINS = {"jsd": f"{_TEACHER}:generalized_jsd", "reverse_kl": f"{_TEACHER}:teacher_advantages"}
 # The built-in tool-use reward sets (task.options.rewards of the thinking-with-images tasks).
 TOOL_REWARD_BUILTINS = {"accuracy": "gpg_vl.reward.tooluse:accuracy_rewards",
                         "deepeyes": "gpg_vl.reward.tooluse:deepeyes_rewards"}
@@ -87,6 +90,7 @@ REGISTRIES = {
     "advantages": ("gpg_vl.objective", "ADVANTAGE_ESTIMATORS", tuple(ADVANTAGE_BUILTINS)),
     "losses": ("gpg_vl.objective", "POLICY_LOSSES", tuple(LOSS_BUILTINS)),
     "corrections": ("gpg_vl.objective.corrections", "CORRECTIONS", tuple(CORRECTION_BUILTINS)),
+    "teacher_losses": ("gpg_vl.objective.teacher_losses", "TEACHER_LOSSES", tuple(TEACHER_LOSS_BUILTINS)),
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),

@@ -36,6 +36,7 @@ CHOICE_SOURCES = {
     "baselines": "group_mean or none",
     "losses": "a registered policy loss (`gpg_vl/objective/`)",
     "corrections": "a registered off-policy correction (`gpg_vl/objective/corrections.py`)",
+    "teacher_losses": "a registered teacher loss (`gpg_vl/objective/teacher_losses.py`): reverse_kl, jsd",
     "aggregations": "a loss aggregation (`gpg_vl/objective/aggregation.py`)",
     "engines": "a registered rollout engine (`gpg_vl/rollout/engine.py`)",
     "decoders": "loop or generate (`gpg_vl/rollout/hf.py`)",
@@ -454,6 +455,9 @@ class TaskSettings:
         "max_total_tokens, max_images, ...; default: its task config's)"))
     data: Any = field(default=None, metadata=meta(
         "task=mix: each task's data.path / data.image_root, task.data.<entry>.path="))
+    teacher: Any = field(default=None, metadata=meta(
+        "task=mix: each task's own teacher, task.teacher.<entry>.<key>= (the keys of teacher.*: model or urls, "
+        "coef, loss, ...; over the run's teacher.*, which every task has otherwise)"))
 
 
 @dataclass

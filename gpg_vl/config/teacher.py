@@ -9,7 +9,8 @@ from gpg_vl.config.keys import meta
 @dataclass
 class TeacherSettings:
     """`teacher.*`: on-policy distillation from a frozen teacher on the student's own samples
-    (gpg_vl/distill.py, gpg_vl/train/teacher/local.py, docs/distillation.md)."""
+    (gpg_vl/objective/teacher_losses.py, gpg_vl/train/teacher/, docs/distillation.md); in a mixture a task's own
+    teacher is task.teacher.<entry>.* over these."""
 
     model: str | None = field(default=None, metadata=meta(
         "the teacher: a model folder or hub id with the student's tokenizer and processor (null = no teacher, or "
@@ -21,7 +22,7 @@ class TeacherSettings:
         "true = pure distillation: the task reward gives no advantage (it is still scored and logged)"))
     loss: str = field(default="reverse_kl", metadata=meta(
         "reverse_kl: the teacher's log-prob gap as a per-token advantage (policy-gradient form); jsd: GKD's "
-        "generalized JSD over the full vocabulary (supervised form)", choices=("reverse_kl", "jsd")))
+        "generalized JSD over the full vocabulary (supervised form)", choices="teacher_losses", references=True))
     beta: float = field(default=0.5, metadata=meta(
         "jsd: the interpolation (0 = KL(teacher || student), 1 = KL(student || teacher), TRL's GKD convention)",
         low=0, high=1))

@@ -4,8 +4,9 @@
 
 A mixture entry is a task (a registered name, `module:Class` or `file.py:Class`) with its weight. Each task keeps
 what makes it a task: its options (its config's `task.options`, then `task.options.<entry>.*`), its prompt format,
-its tools, its rewards and judge, its images or video, its held-out split, and the rollout settings it owns
-(`TASK_ROLLOUT_KEYS`: its config's, then `task.rollout.<entry>.*`). Trainer settings are the run's.
+its tools, its rewards and judge, its images or video, its held-out split, the rollout settings it owns
+(`TASK_ROLLOUT_KEYS`: its config's, then `task.rollout.<entry>.*`) and its teacher (`task.teacher.<entry>.*` over the
+run's `teacher.*`: gpg_vl/train/teacher/build.py). Trainer settings are the run's.
 
 Each prompt of a step is drawn from one task, chosen by weight from the mixture's own generator (seeded by the run's
 seed); each task has its own prompt stream over its own train split. A prompt is one group, so a group never mixes
@@ -79,10 +80,11 @@ class Mixture(Task):
     name = "mix"
 
     def __init__(self, tasks: dict[str, Task], weights: dict[str, float], rollouts: dict[str, dict],
-                 evals: dict[str, dict] | None = None) -> None:
+                 evals: dict[str, dict] | None = None, teachers: dict[str, dict] | None = None) -> None:
         super().__init__()
         self.tasks, self.weights, self.rollouts = tasks, weights, rollouts
         self.evals = evals or {name: {} for name in tasks}  # name -> its own eval settings (TASK_EVAL_KEYS)
+        self.teachers = teachers or {}  # name -> its own teacher settings over the run's teacher.* (task.teacher)
         self.tools = tuple(dict.fromkeys(tool for task in tasks.values() for tool in task.tools))
         self.uses_boxes = any(task.uses_boxes for task in tasks.values())
         self.uses_judge = any(task.uses_judge for task in tasks.values())
@@ -109,15 +111,18 @@ class Mixture(Task):
 
 
 def build_mixture(mixture, options: dict | None, rollouts: dict | None, *, data: dict | None = None,
-                  task_data: dict | None = None) -> Mixture:
+                  task_data: dict | None = None, teachers: dict | None = None) -> Mixture:
     """The Mixture of `task.mixture` (entry -> weight), each task built with its config's options updated by
     `options[entry]`, its owned rollout settings from its config updated by `rollouts[entry]`, its data.path and
-    data.image_root from `task_data[entry]`; `data`: the run's data.* (path and image root are one task's: refused
-    in a mixture). Unknown tasks, bad weights, settings of no task in the mixture: one sentence each."""
+    data.image_root from `task_data[entry]`, its own teacher settings `teachers[entry]` (checked where the teachers
+    are built); `data`: the run's data.* (path and image root are one task's: refused in a mixture). Unknown tasks,
+    bad weights, settings of no task in the mixture: one sentence each."""
     weights = mixture_weights(mixture)
     options, rollouts, data, task_data = dict(options or {}), dict(rollouts or {}), dict(data or {}), \
         dict(task_data or {})
-    for key, given in (("task.options", options), ("task.rollout", rollouts), ("task.data", task_data)):
+    teachers = dict(teachers or {})
+    for key, given in (("task.options", options), ("task.rollout", rollouts), ("task.data", task_data),
+                       ("task.teacher", teachers)):
         stray = sorted(set(given) - set(weights))
         if stray:
             raise UserError(f"{key}.{stray[0]} names no task of task.mixture ({', '.join(weights)}); put each task's "
@@ -126,7 +131,7 @@ def build_mixture(mixture, options: dict | None, rollouts: dict | None, *, data:
         if data.get(key) is not None:
             raise UserError(f"data.{key} points one task at its data, and task=mix trains several; set it per task "
                             f"as task.data.<entry>.{key}=....")
-    tasks, owned, evals = {}, {}, {}
+    tasks, owned, evals, taught = {}, {}, {}, {}
     for entry in weights:
         defaults, rollout, evaluation = config_defaults(entry)
         chosen = {**defaults, **dict(options.get(entry) or {})}
@@ -156,8 +161,10 @@ def build_mixture(mixture, options: dict | None, rollouts: dict | None, *, data:
         tasks[name] = task
         owned[name] = {**rollout, **dict(rollouts.get(entry) or {})}
         evals[name] = evaluation
+        if teachers.get(entry):
+            taught[name] = dict(teachers[entry])
     return Mixture(tasks, {task_name: weights[entry] for task_name, entry in zip(tasks, weights, strict=True)}, owned,
-                   evals)
+                   evals, taught)
 
 
 def require_shared_run(mixture: Mixture, rollout, trainer) -> None:

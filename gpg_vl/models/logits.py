@@ -1,6 +1,7 @@
 """The output layer, a chunk of tokens at a time: each completion token's log-prob under
 softmax(hidden @ weight.T / temperature) (and, when asked, the entropy of that distribution) without ever holding
-the [tokens, vocabulary] logits of a whole sequence; the backward recomputes each chunk's logits."""
+the [tokens, vocabulary] logits of a whole sequence; the backward recomputes each chunk's logits. And the entropy of
+logits held whole (`logits_entropy`: ``H_t = logsumexp(z) - sum_v softmax(z)_v z_v``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             logps[start:start + chunk] = picked - normalizers[start:start + chunk]
             if entropy:  # from the chunk's logits already in memory, one [t, V] buffer more: no extra forward
                 weighted = torch.exp(logits - normalizers[start:start + chunk, None]).mul_(logits)  # p * z [t, V]
-                # a suppressed id gives 0 * -inf = NaN: it counts 0 (distill.logits_entropy)
+                # a suppressed id gives 0 * -inf = NaN: it counts 0 (logits_entropy)
                 entropies[start:start + chunk] = normalizers[start:start + chunk] - torch.nansum(weighted, dim=-1)
         ctx.save_for_backward(hidden, weight, targets, normalizers, suppressed)
         ctx.temperature, ctx.chunk, ctx.softcap = temperature, chunk, softcap
@@ -87,3 +88,12 @@ def completion_logps(hidden: Tensor, weight: Tensor, token_ids: Tensor, mask: Te
     if not entropy:
         return logps
     return logps, torch.zeros_like(logps).index_put(selected, entropies)  # [N, C], [N, C]
+
+
+def logits_entropy(logits: Tensor) -> Tensor:
+    """Entropy [...] of softmax(logits [..., V]) in nats; -inf logits (suppressed ids) count 0."""
+    logits = logits.float()
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # [..., 1]
+    probs = torch.exp(logits - normalizer)  # [..., V]
+    weighted = torch.where(probs > 0, probs * logits, torch.zeros_like(probs)).sum(dim=-1)
+    return normalizer.squeeze(-1) - weighted

@@ -36,10 +36,9 @@ from torch import Tensor
 from transformers import DynamicLayer
 
 import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
-from gpg_vl.distill import logits_entropy
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
-from gpg_vl.models.logits import completion_logps
+from gpg_vl.models.logits import completion_logps, logits_entropy
 from gpg_vl.models.packing import pack_layout, pack_tokens, packed_segments, unpack_scored
 from gpg_vl.models.router import weigh_router_tokens
 

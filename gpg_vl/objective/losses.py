@@ -27,7 +27,7 @@ def policy_loss(
     **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """GPG loss. token_logps [N, L], completion_mask [N, L] (bool or 0/1), advantages [N] (or per token [N, L]:
-    a teacher's, gpg_vl/distill.py).
+    a teacher's, gpg_vl/objective/teacher_losses.py).
 
     No ratio, no clipping, no KL: `old_logps`, `ref_logps` and other options are not used. `weights` [N, L]: the
     off-policy correction's, per token -sg(w) * A * log pi (None: w = 1).
@@ -61,7 +61,7 @@ def ratio_inputs(token_logps: Tensor, completion_mask: Tensor, advantages: Tenso
 
 def per_token_advantages(advantages: Tensor) -> Tensor:
     """advantages [N] -> [N, 1] (one per sequence, broadcast over its tokens); per-token ones [N, L] as they are
-    (a teacher's: A_t = A_group + coef * sg(log teacher - log student), gpg_vl/distill.py)."""
+    (a teacher's: A_t = A_group + coef * sg(log teacher - log student), gpg_vl/objective/teacher_losses.py)."""
     return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
 
 

@@ -32,7 +32,7 @@ class Rollout:
     weight_versions: list[int] | None = None
     rejected: list[int] = field(default_factory=list)  # prompts the engine refused (too long for it): skip them
     # with a teacher (teacher.model): {"student": [B * G, C], "teacher": [B * G, C]} log-probs of the sampled tokens
-    # as the update scored them (gpg_vl/train/teacher/local.py), for the rollout log's per-token colours; else None
+    # as the update scored them (gpg_vl/train/teacher/signal.py), for the rollout log's per-token colours; else None
     token_logps: dict | None = None
     rejected_reasons: dict[int, str] = field(default_factory=dict)  # prompt -> the engine's own message
 

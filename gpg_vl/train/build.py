@@ -70,7 +70,8 @@ def build_task(task_cfg: DictConfig, data_cfg: DictConfig | None = None):
             return OmegaConf.to_container(found, resolve=True) if isinstance(found, DictConfig) else found
 
         data = OmegaConf.to_container(data_cfg, resolve=True) if isinstance(data_cfg, DictConfig) else dict(data_cfg)
-        return build_mixture(plain("mixture"), options, plain("rollout"), data=data, task_data=plain("data"))
+        return build_mixture(plain("mixture"), options, plain("rollout"), data=data, task_data=plain("data"),
+                             teachers=plain("teacher"))
     return get_task(task_cfg.name, data_path=data_cfg.get("path"), image_root=data_cfg.get("image_root"),
                     allow_outside_paths=bool(data_cfg.get("allow_outside_paths", False)),
                     max_video_frames=data_cfg.get("max_video_frames"), **options)

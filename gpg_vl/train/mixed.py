@@ -46,7 +46,7 @@ def task_step_metrics(run, collected) -> dict[str, float]:
             figures["accuracy"] = figures["reward/accuracy"]
         if run.data.engines[name].multiturn.multi_turn:
             figures.update(trajectory_step_metrics(mine, accelerator))
-        if run.learner.teacher is not None and run.learner.teacher.settings.loss != "jsd":
+        if run.learner.teacher is not None and run.learner.teacher.needs(name) == "logps":
             figures["teacher_kl"] = task_teacher_kl(mine.attempts, accelerator)
         found.update({f"{name}/{key}": value for key, value in figures.items()})
     return found

@@ -47,8 +47,7 @@ from gpg_vl.train.step.pipeline import require_pipeline, staleness_note, whole_c
 from gpg_vl.train.step.reference import build_reference, needs_reference, place_reference
 from gpg_vl.train.step.sample import reward_names
 from gpg_vl.train.step.update import Learner, build_optimizer
-from gpg_vl.train.teacher.local import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
-from gpg_vl.train.teacher.server import ServerTeacher, connect_student_teacher, connect_teacher, refuse_video
+from gpg_vl.train.teacher.build import Student, Teachers, build_teachers, require_teachers, task_teachers
 
 
 def setup(cfg) -> Run:
@@ -64,10 +63,10 @@ def setup(cfg) -> Run:
     trainer_loss_options(trainer, cfg.rollout.max_new_tokens)  # an unknown loss option fails before anything loads
     teacher = TeacherSettings(**OmegaConf.to_container(cfg.teacher, resolve=True)) if cfg.get("teacher") else \
         TeacherSettings()
-    require_teacher_settings(teacher, trainer)
     task = build.build_task(cfg.task, cfg.data)
     require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
-    refuse_video(teacher, task)  # video with the teacher on vLLM servers
+    teachers = _task_teachers(teacher, task)
+    require_teachers(teachers, trainer, task)  # contradictions, video with the teacher on vLLM servers
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
         require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
     accelerator = _command_line_accelerator(cfg)
@@ -81,10 +80,12 @@ def setup(cfg) -> Run:
         if resume is not None:  # the weights come from the checkpoint; the optimizer, data position and RNG follow
             model_cfg = OmegaConf.merge(cfg.model, {"name_or_path": str(resume)})
         check_model_folder(model_cfg)  # before the weights load
-        check_teacher(teacher, cfg.model.name_or_path)  # another tokenizer: one sentence, before any model loads
-        served = connect_student_teacher(teacher, cfg.model.name_or_path, cfg.rollout, accelerator.process_index)
+        # each task's teacher: its tokenizer checked (one sentence, before any model loads), loaded or connected
+        frozen = build_teachers(teachers, Student(cfg.model.name_or_path, load=_teacher_loader(cfg.model,
+                                                                                              accelerator.device)),
+                                trainer=trainer, rollout=cfg.rollout, device=accelerator.device,
+                                rank=accelerator.process_index)
         policy = build.build_policy(model_cfg, accelerator.device, seed=int(cfg.seed))
-        frozen = load_teacher(teacher, cfg.model, accelerator.device, trainer=trainer) or served
         # A loss with a KL term scores the initial weights: with LoRA the base model (adapters disabled); else a
         # copy rebuilt from the model source, so that a resumed run gets the same reference as an uninterrupted one.
         reference = None
@@ -102,22 +103,26 @@ def setup(cfg) -> Run:
 
 
 def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Accelerator | None = None,
-                 reference: torch.nn.Module | None = None, teacher: torch.nn.Module | None = None) -> Run:
+                 reference: torch.nn.Module | None = None, teacher: torch.nn.Module | dict | None = None) -> Run:
     """Build a run around a policy the caller built (programmatic use: `train(setup_policy(policy, task,
     RunSettings(trainer=..., rollout=..., output_dir=...)))`). The main process claims settings.output_dir for the run
     (gpg_vl/train/checkpoint/outdir.py: one run per folder); `accelerator`: one the caller made (else one is made here);
     `reference`: the initial weights, for a loss with a KL term (else a copy of the policy's is taken); `teacher`: the
-    teacher model of settings.teacher (on-policy distillation; frozen here).
+    teacher model of settings.teacher (on-policy distillation; frozen here), or in a mixture {task name: model} for
+    the tasks whose teacher is a model (the task's settings: settings.teacher and the mixture's own, task.teacher).
 
     settings.resume_from is a complete checkpoint (see gpg_vl/train/checkpoint/): training continues from its
     step with its optimizer, scheduler, RNG states and data position, and metrics.jsonl loses any lines past
     that step. Bad rows are skipped and counted; more than settings.max_bad_fraction of the rows seen stops
     the run."""
     trainer_loss_options(settings.trainer, settings.rollout.max_new_tokens)
-    require_teacher_settings(settings.teacher, settings.trainer)
-    if (teacher is None) != (settings.teacher.model is None):
-        raise UserError("settings.teacher.model and the teacher= model go together: pass both (the teacher model "
-                        "and its teacher.* settings) or neither.")
+    teachers = _task_teachers(settings.teacher, task)
+    require_teachers(teachers, settings.trainer, task)
+    models = teacher if isinstance(teacher, dict) else {name: teacher for name, one in teachers.items()
+                                                        if teacher is not None and one.model is not None}
+    if teacher is not None and not models:
+        raise UserError("a teacher= model was given without settings.teacher.model; pass both (the teacher model and "
+                        "its teacher.* settings) or neither.")
     accelerator = accelerator or Accelerator(
         log_with=None if settings.trainer.report_to == "none" else settings.trainer.report_to,
         project_dir=str(settings.output_dir))
@@ -126,14 +131,11 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
     try:
         if accelerator.is_main_process:
             held.enter_context(claim_output_dir(settings.output_dir, resume=settings.resume_from))
-        frozen = None if teacher is None else frozen_teacher(teacher.to(accelerator.device), policy.family,
-                                                             settings.teacher, settings.trainer)
-        if settings.teacher.urls is not None:  # the teacher on vLLM servers
-            refuse_video(settings.teacher, task)
-            text = getattr(policy.model.config, "text_config", None) or policy.model.config
-            frozen = connect_teacher(settings.teacher, tokenizer=policy.family.tokenizer,
-                                     vocab_size=getattr(text, "vocab_size", None), rollout=settings.rollout,
-                                     rank=accelerator.process_index)
+        text = getattr(policy.model.config, "text_config", None) or policy.model.config
+        frozen = build_teachers(teachers, Student(tokenizer=policy.family.tokenizer,
+                                                  vocab_size=getattr(text, "vocab_size", None)),
+                                trainer=settings.trainer, rollout=settings.rollout, device=accelerator.device,
+                                rank=accelerator.process_index, models=models, family=policy.family)
         return _build_run(policy, task, settings, accelerator, reference, held, teacher=frozen)
     except BaseException:
         held.close()
@@ -142,7 +144,7 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
 
 def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Accelerator,
                reference: torch.nn.Module | None, held: contextlib.ExitStack, *,
-               teacher: Teacher | ServerTeacher | None = None) -> Run:
+               teacher: Teachers | None = None) -> Run:
     """Build a run once: seeds, data, optimizer and schedule (counting optimizer steps), the prepared model,
     the reference model when the loss needs one, the scoring path, the resumed state, the held-out rows.
 
@@ -206,6 +208,26 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     run.bar = tqdm(total=trainer.max_steps, initial=state.start_step, disable=not run.main,
                    desc=bar_label(trainer.loss), dynamic_ncols=True)
     return run
+
+
+def _task_teachers(teacher: TeacherSettings, task) -> dict:
+    """Each task's teacher settings: the run's teacher.*, and in a mixture each task's task.teacher.<entry>.* over
+    them (gpg_vl/train/teacher/build.py's `task_teachers`)."""
+    mixed = isinstance(task, Mixture)
+    return task_teachers(teacher, list(task.tasks) if mixed else None, task.teachers if mixed else None)
+
+
+def _teacher_loader(model_cfg, device):
+    """Load a teacher model (a folder or hub id, in its dtype) as the student's `model.*` load it (its processor
+    settings), without LoRA (`frozen_teacher` then freezes every parameter)."""
+    from omegaconf import OmegaConf
+
+    def load(name_or_path: str, dtype: str) -> Policy:
+        settings = OmegaConf.merge(model_cfg, {"name_or_path": name_or_path, "freeze_vision": False, "lora": {"r": 0},
+                                              **({} if dtype == "auto" else {"dtype": dtype})})
+        return build.build_policy(settings, device)
+
+    return load
 
 
 def bar_label(loss: str) -> str:

@@ -122,14 +122,38 @@ def test_evaluation_reports_answer_entropy():
     assert greedy["entropy_mean"] == pytest.approx(sum(d.entropy[0] for d in decoded) / sum(tokens))
 
 
-def test_a_mixture_logs_each_tasks_teacher_kl(tmp_path, perturbed_teacher):
+TWO_TASKS = ["task=mix", "task.mixture={shapes: 1, zoom: 1}", "task.options.zoom.image_size=224",
+             "task.options.zoom.train_size=8"]
+
+
+@pytest.fixture(scope="module")
+def mixture_with_one_teacher(tmp_path_factory, perturbed_teacher) -> dict:
+    """Step 1 of a two-task mixture (shapes, and zoom: two turns) whose tasks share the run's teacher."""
+    folder = tmp_path_factory.mktemp("two")
+    train_run(folder, *QUICK, f"teacher.model={perturbed_teacher}", *TWO_TASKS)
+    return metrics(folder)[0]
+
+
+def test_a_mixture_logs_each_tasks_teacher_kl(tmp_path, perturbed_teacher, mixture_with_one_teacher):
     """task=mix with a teacher: each task's teacher_kl, the same token sums as the step's, grouped by task (one task:
     the step's own; two: the step's lies between theirs, a token-weighted mean)."""
     train_run(tmp_path / "one", *QUICK, f"teacher.model={perturbed_teacher}", "task=mix", "task.mixture={shapes: 1}")
     step = metrics(tmp_path / "one")[0]
     assert step["shapes/teacher_kl"] == pytest.approx(step["teacher_kl"], rel=1e-6) and step["teacher_kl"] > 0.01
-    train_run(tmp_path / "two", *QUICK, f"teacher.model={perturbed_teacher}", "task=mix",
-              "task.mixture={shapes: 1, zoom: 1}", "task.options.zoom.image_size=224", "task.options.zoom.train_size=8")
-    step = metrics(tmp_path / "two")[0]
+    step = mixture_with_one_teacher
     parts = sorted([step["shapes/teacher_kl"], step["zoom/teacher_kl"]])
     assert parts[0] < parts[1] and parts[0] - 1e-9 <= step["teacher_kl"] <= parts[1] + 1e-9
+
+
+def test_each_task_of_a_mixture_learns_from_its_own_teacher(tmp_path, perturbed_teacher, mixture_with_one_teacher):
+    """task.teacher.<entry>.model: shapes' teacher is the student's own weights, zoom's the perturbed model. Step 1
+    samples what the run with one teacher for both samples; shapes' sequences are scored by its own teacher (log
+    teacher = log student on every token: its teacher_kl is 0, where the perturbed teacher gives it more than 0.01),
+    zoom's by the perturbed one (its teacher_kl equal, to the bit, to that teacher's scoring of the same tokens)."""
+    train_run(tmp_path, *QUICK, *TWO_TASKS, f"task.teacher.shapes.model={EMBEDDED_TINY}",
+              f"task.teacher.zoom.model={perturbed_teacher}")
+    own, one = metrics(tmp_path)[0], mixture_with_one_teacher
+    assert own["reward_mean"] == one["reward_mean"] and own["groups_sampled"] == one["groups_sampled"]
+    assert own["shapes/teacher_kl"] == 0.0 and one["shapes/teacher_kl"] > 0.01
+    assert own["zoom/teacher_kl"] == one["zoom/teacher_kl"] > 0.01
+    assert 0.0 < own["teacher_kl"] < own["zoom/teacher_kl"]  # the token mean over both tasks

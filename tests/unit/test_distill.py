@@ -1,7 +1,8 @@
-"""On-policy distillation and entropy (gpg_vl/distill.py): hand-worked per-token advantages, validity on the combined
-advantage, GPG's and GRPO's losses fed per-token advantages against slow loops, GKD's generalized JSD equal to TRL
-1.16's `GKDTrainer.generalized_jsd_loss`, the top-entropy mask equal to TRL's `GRPOTrainer.get_high_entropy_mask`,
-and the chunked scorer's entropy equal to the entropy of the full logits."""
+"""On-policy distillation and entropy (gpg_vl/objective/teacher_losses.py, token_masks.py, models/logits.py):
+hand-worked per-token advantages, validity on the combined advantage, GPG's and GRPO's losses fed per-token advantages
+against slow loops, GKD's generalized JSD equal to TRL 1.16's `GKDTrainer.generalized_jsd_loss`, the top-entropy mask
+equal to TRL's `GRPOTrainer.get_high_entropy_mask`, and the chunked scorer's entropy equal to the entropy of the full
+logits."""
 
 from __future__ import annotations
 
@@ -11,17 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpg_vl.distill import (
-    combined_valid,
-    covariance_cut,
-    generalized_jsd,
-    high_entropy_mask,
-    logits_entropy,
-    teacher_advantages,
-    teacher_kl,
-)
-from gpg_vl.models.logits import completion_logps
+from gpg_vl.models.logits import completion_logps, logits_entropy
 from gpg_vl.objective import get_policy_loss
+from gpg_vl.objective.teacher_losses import combined_valid, generalized_jsd, teacher_advantages, teacher_kl
+from gpg_vl.objective.token_masks import covariance_cut, high_entropy_mask
 
 
 def test_teacher_advantages_by_hand():

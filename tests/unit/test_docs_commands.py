@@ -101,13 +101,14 @@ def test_each_documented_command_composes(page, script, words, tmp_path, monkeyp
     (["algorithm=grpo", "trainer.loss_options={clip_low: 0.1}"], "trainer.loss_options", {"clip_low": 0.1}),
     (["algorithm=grpo", "trainer.loss_options.clip_low=0.1"], "trainer.loss_options", {"clip_low": 0.1}),
     (["task=shapes", "task.options={train_size: 8}"], "task.options.train_size", 8),
-    (["task=shapes", "task.options.train_size=8"], "task.options.train_size", 8)])
+    (["task=shapes", "task.options.train_size=8"], "task.options.train_size", 8),
+    (["task=mix", "task.mixture={shapes: 1}", "task.teacher.shapes.coef=0.5"], "task.teacher.shapes.coef", 0.5)])
 def test_every_option_map_takes_a_whole_map_or_one_key_without_plus_signs(overrides, key, expected):
     from omegaconf import OmegaConf
 
     from gpg_vl.config.compose import OPTION_MAPS, load_config
 
     assert set(OPTION_MAPS) == {"trainer.loss_options", "trainer.correction_options", "task.options", "task.mixture",
-                                "task.rollout", "task.data"}
+                                "task.rollout", "task.data", "task.teacher"}
     value = OmegaConf.select(load_config("train", overrides), key)
     assert (OmegaConf.to_container(value) if hasattr(value, "items") else value) == expected

@@ -11,11 +11,14 @@ from pathlib import Path
 from gpg_vl.config import names
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("task", "tool", "judge", "family", "loss", "advantage", "engine")
+KINDS = ("task", "tool", "judge", "family", "loss", "advantage", "engine", "correction", "sampler", "tool rewards",
+         "teacher loss")
 # kind -> the names.py tables of its built-ins (code first, settings second)
 TABLES = {"task": ("TASK_BUILTINS",), "tool": ("TOOL_BUILTINS", "TOOL_SETTINGS"), "judge": ("JUDGE_BUILTINS",),
           "family": ("FAMILY_BUILTINS",), "loss": ("LOSS_BUILTINS",), "advantage": ("ADVANTAGE_BUILTINS",),
-          "engine": ("ENGINE_BUILTINS", "ENGINE_SETTINGS")}
+          "engine": ("ENGINE_BUILTINS", "ENGINE_SETTINGS"), "correction": ("CORRECTION_BUILTINS",),
+          "sampler": ("SAMPLER_BUILTINS",), "tool rewards": ("TOOL_REWARD_BUILTINS",),
+          "teacher loss": ("TEACHER_LOSS_BUILTINS",)}
 
 
 def table() -> dict[str, tuple[str, str]]:
@@ -42,6 +45,14 @@ def module_file(reference: str) -> str:
 
 def test_every_kind_has_its_row():
     assert set(table()) == set(KINDS)
+
+
+def test_every_registry_is_a_kind_of_the_table():
+    """Each registry of gpg_vl/config/names.py (REGISTRIES) has its row: the table of its built-ins is a kind's."""
+    tables = {name for kind in KINDS for name in TABLES[kind]}
+    for key, (_, _, builtins) in names.REGISTRIES.items():
+        found = [name for name in dir(names) if name.endswith("_BUILTINS") and tuple(getattr(names, name)) == builtins]
+        assert found and set(found) & tables, f"registry {key} has no row in docs/extending.md's table"
 
 
 def test_every_built_in_lives_in_the_files_its_row_names():

@@ -16,7 +16,7 @@ import pytest
 from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettings
 from gpg_vl.errors import UserError
 from gpg_vl.rollout.vllm.client import Rejected, ServerError
-from gpg_vl.train.teacher.local import require_teacher_settings
+from gpg_vl.train.teacher.build import require_teacher_settings
 from gpg_vl.train.teacher.server import (
     _takes_token_ids,
     answer_logps,

@@ -49,7 +49,7 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
                              attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width],
                              None if loss_mask is None else loss_mask[chosen, :width].bool(),
                              None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen],
-                             rows=chosen)
+                             rows=chosen, task=attempt.task)
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
@@ -111,6 +111,7 @@ class MicroBatch(NamedTuple):
     rejected: torch.Tensor | None = None  # [n] bool: sequences the off-policy correction rejected (trainer.correction)
     rows: list[int] | None = None  # each sequence's row in its attempt's rollout (b * G + g)
     weights: torch.Tensor | None = None  # [n, C]: the correction's weights, where resolved before the update's steps
+    task: str | None = None  # its task in a mixture (every sequence of a micro-batch is of one task), else None
 
     @property
     def counted(self) -> torch.Tensor:

@@ -114,7 +114,7 @@ def sample_step(run, step: int, policy, engine, counters: dict, version: int) ->
                                   warn=run.warn, reward_budget=budget)
     collected = collect_valid_groups(
         attempt, lambda attempt: global_counts(attempt, run.accelerator),
-        # a teacher gives every group signal (gpg_vl/train/teacher/local.py): no resampling for differing rewards
+        # a teacher gives every group signal (gpg_vl/train/teacher/signal.py): no resampling for differing rewards
         beta_th=0.0 if getattr(run.learner, "teacher", None) is not None else trainer.beta_th,
         batch_size=trainer.batch_size,
         max_attempts=attempts_allowed(trainer, counters["completions_sampled"]),

@@ -17,7 +17,6 @@ import torch
 from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
-from gpg_vl.distill import covariance_cut, high_entropy_mask
 from gpg_vl.distributed import forward_is_collective, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.models import router
@@ -40,13 +39,14 @@ from gpg_vl.objective.corrections import (
     resolve_correction,
 )
 from gpg_vl.objective.options import takes_weights
+from gpg_vl.objective.token_masks import covariance_cut, high_entropy_mask
 from gpg_vl.rollout.engine import Correction
 from gpg_vl.train.step.loss_call import _add_report, _loss_reports, checked_loss, trainer_loss_options
 from gpg_vl.train.step.micro_batch import MicroBatch, mini_batches, update_chunks
 from gpg_vl.train.step.placeholder import placeholder_chunk
 from gpg_vl.train.step.reference import Reference, kl_on_every_group, needs_reference
 from gpg_vl.train.step.sample import Attempt
-from gpg_vl.train.teacher.local import scored_chunk, taught_metrics, teach
+from gpg_vl.train.teacher.signal import distilled_scores, taught_metrics, teach
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Learner:
     max_new_tokens: int | None = None
     correction: Correction = field(default_factory=Correction)
     whole_copy: torch.nn.Module | None = None  # FSDP2 at trainer.max_staleness >= 1: the sampler's, taken unsharded
-    teacher: object = None  # teacher.model's frozen Teacher (gpg_vl/train/teacher/local.py), or None
+    teacher: object = None  # each task's teacher (gpg_vl/train/teacher/build.py's Teachers), or None
 
     def off_policy(self, stale: bool) -> ActiveCorrection:
         """The correction this update applies (trainer.correction; rollout.vllm.tis_cap > 0, the engine's, is
@@ -113,12 +113,12 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
     `_optimizer_step`). The off-policy correction (`Learner.off_policy`; `stale`: the rollouts may be older than the
     learner, trainer.max_staleness >= 1) is resolved once: its weights come from pi_prox, the policy before this
     update, against the behaviour log-probs, and go to the loss as `weights` (`_resolve_corrections`).
-    `learner.teacher`: every group forwarded, valid if its combined advantage is not all zero (train/teacher/).
+    `learner.teacher`: every group of a task with a teacher forwarded, valid unless its combined advantage is all 0.
     """
     settings, accelerator = learner.settings, learner.accelerator
     kl_everywhere = kl_on_every_group(settings)
-    if kl_everywhere or learner.teacher is not None:  # the KL (TRL's, R1-V's GRPO) or the teacher acts on every
-        attempts, kl_only = _every_group(attempts, accelerator)  # sampled sequence: invalid groups too
+    if kl_everywhere or learner.teacher is not None:  # the KL (TRL's, R1-V's GRPO) or a task's teacher acts on
+        attempts, kl_only = _every_group(attempts, accelerator, kl_everywhere or learner.teacher)  # every sequence
     loss_fn = get_policy_loss(settings.loss)
     aggregation = loss_aggregation(loss_fn, settings.aggregation)
     parts = 1
@@ -179,12 +179,14 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
     return metrics
 
 
-def _every_group(attempts: list[Attempt], accelerator: Accelerator) -> tuple[list[Attempt], int]:
-    """The attempts with every group marked for the update, the invalid ones with zero advantages, and the
-    number of those (over all processes). Collective: update() calls it on every process or on none."""
+def _every_group(attempts: list[Attempt], accelerator: Accelerator, widen) -> tuple[list[Attempt], int]:
+    """The attempts with every group marked for the update, the invalid ones with zero advantages, and the number
+    of those (over all processes): every attempt (`widen` True: a KL acts on every sequence), or those of a task with
+    a teacher (`widen` the Teachers). Collective: update() calls it on every process or on none."""
     widened, invalid = [], 0
     for attempt in attempts:
-        if attempt.rollout is None:  # a process without prompts in this attempt
+        if attempt.rollout is None or (widen is not True and widen.of(attempt.task) is None):  # no prompts here, or
+            # a task without a teacher
             widened.append(attempt)
             continue
         keep = attempt.valid.unsqueeze(1)  # [b, 1]
@@ -282,7 +284,7 @@ class _Sums:
     gap_max: float = 0.0
     gap_count: int = 0
     entropy: float = 0.0  # summed entropy of the counted tokens (entropy_mean = entropy / tokens)
-    jsd: float = 0.0  # teacher.loss=jsd: the JSD term of the loss, summed over micro-batches
+    jsd: float = 0.0  # a teacher loss that reads logits (jsd): its term of the loss, summed over micro-batches
     clip_cov: int = 0  # trainer.clip_cov_ratio: the tokens Clip-Cov took the gradient from
     report: dict = field(default_factory=dict)
 
@@ -396,7 +398,7 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     result = {"loss": float(totals[0]), "grad_norm": grad_norm, "skipped": 0.0,
               "logp_mean": float(totals[1] / max(float(totals[2]), 1.0)),
               "entropy_mean": float(totals[3] / max(float(totals[2]), 1.0))}
-    if learner.teacher is not None and learner.teacher.settings.loss == "jsd":
+    if learner.teacher is not None and learner.teacher.any_needs("logits"):
         result["teacher_jsd"] = float(totals[4])
     if learner.settings.clip_cov_ratio > 0:
         result["clip_cov_fraction"] = float(totals[5] / max(float(totals[2]), 1.0))
@@ -429,7 +431,8 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 mask, adv, sampler = chunk.counted.to(device), chunk.advantages, chunk.sampler_logps
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
-                logps, entropy, distill = scored_chunk(learner, chunk, device)  # [n, C], [n, C] (no grad), or None
+                teacher = learner.teacher.of(chunk.task) if learner.teacher is not None else None
+                logps, entropy, distill = _scored(learner, chunk, teacher, device)  # [n, C], [n, C], [n, C] / None
                 if index < real:
                     sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).sum())
                 if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient,
@@ -463,9 +466,10 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                                               **({"weights": weights} if correction.weighs else {}), **step.options)
                     if router_loss is not None:  # averaged over the micro-batches, weighted by their sequences
                         loss = loss + router_loss * (len(adv) / step.sequences)
-                    if distill is not None:  # teacher.loss=jsd: coef x the JSD, aggregated as the policy loss
+                    if distill is not None:  # a teacher loss that reads logits (jsd): coef x it, aggregated as
+                        # the policy loss
                         jsd = AGGREGATIONS[step.aggregation](distill, mask, step.normalizer, learner.max_new_tokens)
-                        loss = loss + learner.teacher.settings.coef * jsd
+                        loss = loss + teacher.settings.coef * jsd
                         sums.jsd += float(jsd.detach())
                     sums.loss += float(loss.detach())
                     sums.logp += info["logp_mean"] * info["num_tokens"]
@@ -480,6 +484,19 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
     finally:
         accelerator.sync_gradients = True
     return sums
+
+
+def _scored(learner: Learner, chunk: MicroBatch, teacher, device) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor | None]:
+    """A micro-batch in the update: (log-probs [n, C] with gradient, entropies [n, C] without, from the same
+    logits: no extra forward; with a teacher whose loss reads logits, its per-token loss [n, C] on the counted
+    tokens (train/teacher/signal.py), else None)."""
+    if teacher is not None and learner.teacher.needs(chunk.task) == "logits":
+        return distilled_scores(learner, teacher, chunk, device)
+    logps, entropy = chunk.logps(learner.policy, learner.model, device, temperature=learner.temperature,
+                                 path=learner.path, logits_chunk_tokens=learner.settings.logits_chunk_tokens,
+                                 entropy=True)
+    return logps, entropy, None
 
 
 def entropy_pool(accelerator: Accelerator, entropy: torch.Tensor | None, mask: torch.Tensor | None):

@@ -1,12 +1,8 @@
-"""The teacher of on-policy distillation (`teacher.*`, docs/distillation.md): loaded frozen beside the student,
-it scores the student's own samples through the update's one scoring path (each prompt once per group, images and
-video included, a multi-turn trajectory's observations in its forward, its generated tokens only counted).
-
-The policy-gradient form (`teacher.loss=reverse_kl`) turns the teacher's log-probs into per-token advantages before
-the update's optimizer steps (`with_teacher`: one teacher forward and one student forward without gradient per
-micro-batch); the supervised form (`teacher.loss=jsd`) reads the teacher's full-vocabulary logits inside each
-micro-batch's loss (`teacher_logits`). The maths is in gpg_vl/distill.py.
-"""
+"""The teacher loaded beside the student (`teacher.model`, docs/distillation.md): frozen, it scores the student's
+own samples through the update's one scoring path (each prompt once per group, images and video included, a
+multi-turn trajectory's observations in its forward, its generated tokens only counted): the sampled tokens'
+log-probs (`Teacher.logps`), or its whole distribution at each counted position (`Teacher.logits`), as its loss
+reads it (gpg_vl/train/teacher/signal.py). Built through gpg_vl/train/teacher/build.py's `build_teacher`."""
 
 from __future__ import annotations
 
@@ -15,19 +11,16 @@ from dataclasses import dataclass
 import torch
 
 from gpg_vl.config.schema import TeacherSettings
-from gpg_vl.distill import combined_valid, generalized_jsd, logits_entropy, teacher_advantages, teacher_kl
 from gpg_vl.errors import UserError
 from gpg_vl.models import scoring
 from gpg_vl.models.batch import unwrap
 from gpg_vl.models.logits import output_logits
 from gpg_vl.models.scoring import ScoringPath
-from gpg_vl.objective import loss_alpha
-from gpg_vl.rollout.engine import EngineUnreachable
 
 
 @dataclass
 class Teacher:
-    """The frozen teacher model (no gradient, no optimizer state), its scoring path, and `teacher.*`."""
+    """The frozen teacher model (no gradient, no optimizer state), its scoring path, and its `teacher.*`."""
 
     model: torch.nn.Module
     path: ScoringPath
@@ -73,7 +66,7 @@ def chunk_logits(family, model, chunk, device, *, path: ScoringPath,
     bare = unwrap(model)
     if hidden is not None:
         logits = output_logits(hidden[counted], bare.get_output_embeddings().weight, None, temperature,
-                                       family.logit_softcap(bare))  # [T, V]
+                               family.logit_softcap(bare))  # [T, V]
     else:
         logits = logits[counted] / temperature  # [T, V]
     targets = ids[counted]  # [T]
@@ -84,11 +77,9 @@ def chunk_logits(family, model, chunk, device, *, path: ScoringPath,
     return logits, targets
 
 
-def check_teacher(teacher: TeacherSettings, student_name: str, *, lora: bool = False) -> None:
+def check_tokenizer(teacher: TeacherSettings, student_name: str) -> None:
     """Refuse, in one sentence and before any model loads, a teacher whose tokenizer differs from the student's
     (its log-probs would score other tokens)."""
-    if teacher.model is None:
-        return
     from transformers import AutoConfig, AutoTokenizer
 
     from gpg_vl.models.load import resolve_path
@@ -111,173 +102,11 @@ def check_teacher(teacher: TeacherSettings, student_name: str, *, lora: bool = F
                         "of the same tokenizer (the same model family).")
 
 
-def load_teacher(teacher: TeacherSettings, model_cfg, device, *, trainer) -> Teacher | None:
-    """The frozen teacher (None without teacher.model): loaded like the student (`model.*`, its processor
-    settings) from teacher.model in teacher.dtype, without LoRA, every parameter frozen, in eval mode; its
-    scoring path chosen as the student's (prompt once per group where the model allows)."""
-    if teacher.model is None:
-        return None
-    from omegaconf import OmegaConf
-
-    from gpg_vl.train import build
-
-    settings = OmegaConf.merge(model_cfg, {"name_or_path": teacher.model, "freeze_vision": False,
-                                           "lora": {"r": 0},
-                                           **({} if teacher.dtype == "auto" else {"dtype": teacher.dtype})})
-    policy = build.build_policy(settings, device)
-    return frozen_teacher(policy.model, policy.family, teacher, trainer)
-
-
 def frozen_teacher(model: torch.nn.Module, family, teacher: TeacherSettings, trainer) -> Teacher:
-    """`model` frozen as the teacher, with its scoring path."""
+    """`model` frozen as the teacher (every parameter, eval mode), with the student's scoring path settings (prompt
+    once per group where the model allows)."""
     model.requires_grad_(False)
     model.eval()
     path = scoring.choose_scoring_path(family, model, share_prompt=trainer.share_prompt,
                                        share_vision=trainer.share_vision, packing=trainer.packing)
     return Teacher(model, path, teacher)
-
-
-def with_teacher(learner, plan: list[list], attempts: list, score_student) -> tuple[list[list], dict[str, float], int]:
-    """The policy-gradient form: each micro-batch of `plan` (every sampled group's sequences) with per-token
-    advantages [n, C] = its group advantage (0 with teacher.only) + teacher.coef * (log teacher - log student),
-    the student scored without gradient (`score_student(plan)`: one [n, C] per micro-batch, collective where the
-    model's forward is); the sequences of a group whose combined advantage is all zero marked `rejected`, so the
-    loss's normalizer leaves them out (AGE). Returns (plan, metrics: teacher_kl, the token mean of log student -
-    log teacher, this process's token count as teacher_tokens, valid groups of this process). Both log-probs are
-    kept on each attempt's rollout (`Rollout.token_logps`) for the rollout log."""
-    teacher, settings = learner.teacher, learner.settings
-    device = learner.accelerator.device
-    students = score_student(plan)
-    rollouts = {id(a.prompts): a.rollout for a in attempts if a.rollout is not None}
-    messages, cache = {id(a.prompts): a.messages for a in attempts if a.rollout is not None}, {}
-    scored, kl_sum, tokens, groups = [], 0.0, 0, {}
-    for chunks, logps in zip(plan, students, strict=True):
-        scored.append([])
-        for chunk, student in zip(chunks, logps, strict=True):
-            nu = teacher.logps(learner.policy.family, chunk, device, temperature=learner.temperature,
-                               logits_chunk_tokens=settings.logits_chunk_tokens, messages=messages[id(chunk.prompts)],
-                               cache=cache).to(student.device)
-            counted = chunk.counted.to(student.device)
-            advantages = teacher_advantages(chunk.advantages.to(student.device), nu, student, counted,
-                                            coef=teacher.settings.coef, only=teacher.settings.only)  # [n, C]
-            keep_token_logps(rollouts[id(chunk.prompts)], chunk, student, nu)
-            total, count = teacher_kl(nu, student, counted)
-            kl_sum, tokens = kl_sum + total, tokens + count
-            for row, prompt in enumerate(chunk.prompt_index):  # a group's sequences may span micro-batches
-                groups.setdefault((id(chunk.prompts), prompt), []).append((len(scored) - 1, len(scored[-1]), row))
-            scored[-1].append((chunk._replace(advantages=advantages.cpu()), counted.cpu()))
-    rejected = {}
-    for members in groups.values():
-        width = max(scored[p][c][1].shape[1] for p, c, _ in members)
-        adv = torch.stack([_padded(scored[p][c][0].advantages[r], width) for p, c, r in members])
-        mask = torch.stack([_padded(scored[p][c][1][r], width) for p, c, r in members])
-        keep = bool(combined_valid(adv, mask, len(members))[0])
-        for member in members:
-            rejected[member] = not keep
-    marked = []
-    for part, chunks in enumerate(scored):
-        marked.append([])
-        for index, (chunk, _) in enumerate(chunks):
-            flags = torch.tensor([rejected[(part, index, row)] for row in range(len(chunk.prompt_index))])
-            earlier = chunk.rejected
-            marked[-1].append(chunk._replace(rejected=flags if earlier is None else flags | earlier))
-    valid = sum(not rejected[members[0]] for members in groups.values())
-    return marked, {"teacher_kl_sum": kl_sum, "teacher_tokens": float(tokens)}, valid
-
-
-def keep_token_logps(rollout, chunk, student: torch.Tensor, teacher: torch.Tensor) -> None:
-    """Write a micro-batch's student and teacher log-probs [n, c] into its rollout's `token_logps` [B * G, C]."""
-    if rollout.token_logps is None:
-        rollout.token_logps = {key: torch.zeros(rollout.completion_ids.shape) for key in ("student", "teacher")}
-    width = student.shape[1]
-    for key, values in (("student", student), ("teacher", teacher)):
-        rollout.token_logps[key][chunk.rows, :width] = values.detach().float().cpu()
-
-
-def _padded(row: torch.Tensor, width: int) -> torch.Tensor:
-    """A micro-batch row [c] padded with zeros to `width` (sequences of one group may sit in micro-batches of
-    different widths)."""
-    return torch.nn.functional.pad(row, (0, width - row.shape[0]))
-
-
-def jsd_teacher_valid(plan: list[list]) -> int:
-    """The supervised form: every sampled group carries the teacher's signal (the JSD is zero only where the two
-    distributions agree everywhere), so every group counts as valid."""
-    return len({(id(c.prompts), p) for chunks in plan for c in chunks for p in c.prompt_index})
-
-
-def require_teacher_settings(teacher: TeacherSettings, trainer) -> None:
-    """Contradictions between teacher.* and the trainer, in one sentence, before anything loads."""
-    if not teacher.enabled:
-        return
-    key = "teacher.model" if teacher.model is not None else "teacher.urls"
-    if teacher.model is not None and teacher.urls is not None:
-        raise UserError("teacher.model and teacher.urls both name a teacher; set one: teacher.model loads it beside "
-                        "the student, teacher.urls asks vLLM servers that serve it.")
-    if teacher.urls is not None and teacher.loss == "jsd":
-        raise UserError("teacher.loss=jsd reads the teacher's whole distribution at every position, which "
-                        "teacher.urls (the sampled tokens' log-probs from vLLM) does not give; use teacher.model for "
-                        "jsd, or teacher.loss=reverse_kl with teacher.urls.")
-    if getattr(trainer, "max_staleness", 0) > 0:
-        raise UserError(f"{key} with trainer.max_staleness >= 1 is not supported: the teacher's advantages "
-                        "are computed in the update from the current weights; set trainer.max_staleness=0.")
-
-
-
-
-def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[list], dict]:
-    """The teacher's part before the update's optimizer steps: with teacher.loss=reverse_kl the plan's per-token
-    advantages, the groups whose combined advantage is all zero marked rejected (`with_teacher`; the student scored
-    by `score_plan(learner, model, plan, attempts, calls)`, train/step/update.py's); with jsd the plan as it is (every
-    group carries the JSD). Returns (plan, {valid groups and sampled groups over all processes, teacher_kl (the
-    token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}). Collective: a teacher server
-    unreachable from any process raises EngineUnreachable on every one."""
-    accelerator = learner.accelerator
-    sampled = sum(len(a.valid) for a in attempts)
-    lost = None  # the teacher's server could not be reached from this process (teacher.urls): its sentence
-    if learner.teacher.settings.loss == "jsd":
-        valid, report = jsd_teacher_valid(plan), {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}
-    else:
-        calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
-        try:  # the student's collective scoring comes first; the teacher's requests are this process's own
-            plan, report, valid = with_teacher(learner, plan, attempts, lambda scored: score_plan(
-                learner, learner.model, scored, attempts, calls.max(dim=0).values.tolist()))
-        except EngineUnreachable as error:
-            report, valid, lost = {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}, 0, str(error)
-    totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"],
-                                              float(lost is not None)], device=accelerator.device,
-                                             dtype=torch.float64), "sum").tolist()
-    if totals[4]:  # every process stops at this step (gpg_vl/train/loop.py checkpoints the step before)
-        raise EngineUnreachable(lost or "another training process could not reach the teacher's vLLM server (its "
-                                "log names the server); check the servers, then continue with resume=auto.")
-    return plan, {"valid": int(totals[0]), "groups": int(totals[1]), "teacher_kl": totals[2] / max(totals[3], 1.0)}
-
-
-def taught_metrics(taught: dict | None, settings) -> dict[str, float]:
-    """With a teacher: every sampled group forwarded, the valid ones those whose combined advantage is not all zero
-    (groups_used, AGE's alpha), and teacher_kl; nothing without one."""
-    if taught is None:
-        return {}
-    return {"groups_used": taught["valid"], "teacher_kl": taught["teacher_kl"],
-            "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])}
-
-
-def scored_chunk(learner, chunk, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A micro-batch in the update: (log-probs [n, C] with gradient, entropies [n, C] without, from the same
-    logits: no extra forward; with teacher.loss=jsd, the per-token generalized JSD [n, C] to the teacher on the
-    counted tokens (GKD), else None)."""
-    teacher = learner.teacher
-    if teacher is None or teacher.settings.loss != "jsd":
-        return (*chunk.logps(learner.policy, learner.model, device, temperature=learner.temperature,
-                             path=learner.path, logits_chunk_tokens=learner.settings.logits_chunk_tokens,
-                             entropy=True), None)
-    family = learner.policy.family
-    rows = chunk.counted.to(device).nonzero(as_tuple=True)
-    logits, targets = chunk_logits(family, learner.model, chunk, device, path=learner.path,
-                                   temperature=learner.temperature)  # [T, V'], [T]
-    teacher_logits, _ = teacher.logits(family, chunk, device, temperature=learner.temperature)  # [T, V']
-    zeros = torch.zeros(chunk.completion_ids.shape, dtype=torch.float32, device=device)  # [n, C]
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
-    jsd = generalized_jsd(logits, teacher_logits, beta=teacher.settings.beta)  # [T]
-    return (zeros.index_put(rows, picked), zeros.index_put(rows, logits_entropy(logits.detach())),
-            zeros.index_put(rows, jsd))

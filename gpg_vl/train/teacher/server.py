@@ -1,6 +1,6 @@
 """The teacher on vLLM servers (`teacher.urls`, docs/distillation.md): instead of loading the teacher beside the
-student (`teacher.model`, gpg_vl/train/teacher/local.py), a `vllm serve TEACHER --enable-scale-out` scores the student's
-sampled tokens and the update reads their log-probs, exactly where the in-process teacher's would be.
+student (`teacher.model`, gpg_vl/train/teacher/local.py), a `vllm serve TEACHER --enable-scale-out` scores the
+student's sampled tokens and the update reads their log-probs, exactly where the in-process teacher's would be.
 
 - A sequence is scored by one `POST /inference/v1/generate` of its prompt's token ids (as the trainer scores them:
   processor-expanded, images and videos as `features`, rendered by the server once per update) followed by its
@@ -242,11 +242,9 @@ def refuse_video(teacher: TeacherSettings, task) -> None:
                         "video tasks.")
 
 
-def connect_student_teacher(teacher: TeacherSettings, student: str, rollout, rank: int = 0) -> ServerTeacher | None:
-    """`connect_teacher` with the student's tokenizer and vocabulary size read from its folder or hub id `student`
-    (model.name_or_path), before it loads."""
-    if teacher.urls is None:
-        return None
+def student_tokenizer(student: str) -> tuple[object, int | None]:
+    """(tokenizer, vocabulary size) of the student's folder or hub id `student` (model.name_or_path), read before it
+    loads (what `connect_teacher` checks a server against)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from gpg_vl.models.load import resolve_path
@@ -258,8 +256,7 @@ def connect_student_teacher(teacher: TeacherSettings, student: str, rollout, ran
         raise UserError(f"model.name_or_path={path} has no tokenizer or config that loads ({type(error).__name__}); "
                         "name a model folder or hub id.") from None
     text = getattr(config, "text_config", None) or config
-    return connect_teacher(teacher, tokenizer=tokenizer, vocab_size=getattr(text, "vocab_size", None),
-                           rollout=rollout, rank=rank)
+    return tokenizer, getattr(text, "vocab_size", None)
 
 
 def _wait(server: Server, timeout_s: float) -> None:
