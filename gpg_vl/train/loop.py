@@ -27,14 +27,13 @@ from gpg_vl.objective import loss_alpha
 from gpg_vl.observe.report import write_curves
 from gpg_vl.rollout.engine import EngineUnreachable
 from gpg_vl.train.checkpoint.folder import latest_checkpoint, writing
-from gpg_vl.train.checkpoint.resume import set_rng_state
-from gpg_vl.train.checkpoint.save import rng_state, save_checkpoint
+from gpg_vl.train.checkpoint.save import save_checkpoint
 from gpg_vl.train.eval.held_out import evaluate_during, evaluate_held_out
 from gpg_vl.train.mixed import task_step_metrics
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
 from gpg_vl.train.setup import bar_label, setup, setup_policy
-from gpg_vl.train.step.pipeline import SyncPipeline, count_sampled, start_pipeline
-from gpg_vl.train.step.reference import kl_on_every_group
+from gpg_vl.train.step.loss_call import resolve_loss
+from gpg_vl.train.step.pipeline import count_sampled, start_pipeline
 from gpg_vl.train.step.sample import budget_spent
 from gpg_vl.train.step.update import update
 from gpg_vl.train.step_log import WALL_CLOCK_METRICS, log_step, pipeline_metrics, step_metrics, trajectory_step_metrics
@@ -61,8 +60,6 @@ def train(run: Run) -> dict:
                     run.accelerator.print(f"The run ended after step {run.state.step} of trainer.max_steps="
                                           f"{run.trainer.max_steps}: {spent}.")
                     break
-                before = {"stream": run.data.stream.state_dict(), "rng": rng_state()}  # a step the engine fails
-                # in draws its prompts again, with the random state it began with
                 metrics = None
                 try:
                     metrics = step(run)
@@ -70,7 +67,7 @@ def train(run: Run) -> dict:
                 except EngineUnreachable as error:
                     if metrics is not None and run.state.updated:  # the update ran: its line and rollouts go
                         log_step(run, metrics, run.state.attempts)  # with its checkpoint
-                    stop_on_lost_engine(run, error, before)
+                    stop_on_lost_engine(run, error)
                 metrics.update(evaluate_during(run))  # trainer.eval_every: the held-out split, at this step
                 log_step(run, metrics, run.state.attempts)
                 stop_on_bad_steps(run)
@@ -92,17 +89,17 @@ def step(run: Run) -> dict:
     state.step += 1
     state.updated = False
     started = time.perf_counter()
-    pipeline = run.pipeline or SyncPipeline(run)  # it owns staleness and the weight versions
+    pipeline, loss = run.pipeline, resolve_loss(trainer, run.learner.max_new_tokens)  # the pipeline owns its mode
     sampled = pipeline.take(state.step)
     collected = sampled.collected
     rolled = time.perf_counter()
     state.attempts = collected.attempts
     count_sampled(state.counters, sampled, trainer.group_size)  # resampling included; generated tokens only
     # loss + step, on valid groups only; a loss whose KL is on takes every group, and reports groups_used and alpha
-    if collected.groups_valid > 0 or kl_on_every_group(trainer) or run.learner.teacher is not None:
-        result = update(run.learner, collected.attempts, stale=pipeline.k > 0)
+    if collected.groups_valid > 0 or loss.kl_everywhere or run.learner.teacher is not None:
+        result = update(run.learner, collected.attempts, stale=pipeline.stale, loss=loss)
         state.updated = not result.get("skipped")
-        warning = None if pipeline.k else run.engine.mismatch_warning(result)  # its own weights off-policy?
+        warning = pipeline.mismatch_warning(result)  # an engine with its own weights: off-policy?
         if warning:
             run.warn(warning)
     else:
@@ -165,29 +162,17 @@ def stop_on_bad_steps(run: Run) -> None:
                  "rewards and data, then continue with resume=auto.")
 
 
-def stop_on_lost_engine(run: Run, error: EngineUnreachable, begun: dict) -> None:
+def stop_on_lost_engine(run: Run, error: EngineUnreachable) -> None:
     """The rollout engine or the teacher's server was lost mid-step (a vLLM server unreachable for
     rollout.vllm_server.timeout_s or teacher.timeout_s): on every process, checkpoint what is done (this step's
-    update if it ran, else the step before, with the prompts and the random state the step began with, `begun`, so
-    a resumed run draws and samples it again as the uninterrupted run does) and stop in one sentence. With
-    trainer.max_staleness >= 1 the checkpoint after the last logged step holds the sampler's state as it began the
-    next one (as save_step writes it); when the sampler never began it, the last checkpoint of trainer.save_every is
-    the one to continue from."""
+    update if it ran, else the step before) with what the pipeline says a resumed run needs (`lost`: synchronous,
+    the step's prompts and random state as it began, so a resumed run draws and samples it again as the uninterrupted
+    run does; beside the learner, the sampler's state as it began the next step, or one sentence naming the last
+    checkpoint when it never began it) and stop in one sentence."""
     state = run.state
     done = state.step if state.updated else state.step - 1
-    in_flight = None
-    if run.pipeline.k:
-        state.step = done
-        in_flight = run.pipeline.state_dict(lost=True)  # the sampler's state as it began the next step
-        if in_flight is None:
-            last = latest_checkpoint(run.output_dir) if run.main else None
-            run.stop(f"{str(error).rstrip('.')}; the run stopped at step {done + 1}: continue from its last "
-                     f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once that "
-                     "server is back.")
-    elif not state.updated:  # the step's prompts and its sampling as they began (its rollout consumed randomness)
-        run.data.stream.load_state_dict(begun["stream"])
-        set_rng_state(begun["rng"])
     state.step = done
+    in_flight = run.pipeline.lost(error)
     path = run.output_dir / f"checkpoint-{done}"
     save_checkpoint(path, run.learner, run.data.stream, done, keep=run.trainer.keep_checkpoints,
                     counters=state.counters, config=run.settings.config, record=state.record, in_flight=in_flight)
@@ -203,7 +188,7 @@ def save_step(run: Run) -> None:
         if state.counters["bad_steps_in_a_row"] or not _finite_weights(run.learner.model, run.accelerator):
             run.warn(f"step {state.step}: no checkpoint written: the weights or the last step are not finite.")
         else:
-            in_flight = run.pipeline.state_dict() if run.pipeline is not None else None  # first: the stream waits
+            in_flight = run.pipeline.state_dict()  # first: the stream waits
             save_checkpoint(run.output_dir / f"checkpoint-{state.step}", run.learner, run.data.stream, state.step,
                             keep=run.trainer.keep_checkpoints, counters=state.counters, config=run.settings.config,
                             record=state.record, in_flight=in_flight)

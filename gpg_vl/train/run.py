@@ -81,7 +81,7 @@ class Run:
     bar: object
     held: contextlib.ExitStack  # the output folder's claim (train/checkpoint/outdir.py), released when the run ends
     warned: set[str] = field(default_factory=set)
-    pipeline: object = None  # samples each step (gpg_vl/train/step/pipeline.py): in this thread, or beside the learner
+    pipeline: object = None  # samples each step (train/step/pipeline.py): in this thread, or beside the learner
 
     @property
     def trainer(self) -> TrainerSettings:

@@ -43,7 +43,7 @@ from gpg_vl.train.eval.held_out import prepare_held_out
 from gpg_vl.train.mixed import mixture_engines
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
 from gpg_vl.train.step.loss_call import trainer_loss_options
-from gpg_vl.train.step.pipeline import require_pipeline, staleness_note, whole_copy
+from gpg_vl.train.step.pipeline import SyncPipeline, require_pipeline, staleness_note, whole_copy
 from gpg_vl.train.step.reference import build_reference, needs_reference, place_reference
 from gpg_vl.train.step.sample import reward_names
 from gpg_vl.train.step.update import Learner, build_optimizer
@@ -188,6 +188,7 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
                                "reward_timeouts": 0},
                      summary={}, record={"train_seconds": 0.0})
     run = Run(settings, learner, engine, data=None, state=state, bar=None, held=held)
+    run.pipeline = SyncPipeline(run)  # until train() starts the run's own (a sampler beside it at max_staleness >= 1)
     accelerator.print(f"model: {policy.family.describe(learner.model)}; the update scores "
                       f"{run.learner.path.describe()}")
     def make_stream(name: str | None, rows) -> PromptStream:  # a task's stream: alone, or in a mixture

@@ -1,14 +1,17 @@
-"""Calling trainer.loss: its keyword options (`trainer_loss_options`), the contract checked on what it returns
-(`checked_loss`), and the token means of its own metrics over micro-batches, steps and processes."""
+"""Calling trainer.loss: the loss resolved once per step (`resolve_loss`: the function, its aggregation, what it
+needs, its keyword options), the contract checked on what it returns (`checked_loss`), and the token means of its own
+metrics over micro-batches, steps and processes."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.objective import get_policy_loss, loss_options
+from gpg_vl.objective import get_policy_loss, loss_aggregation, loss_needs, loss_options
 
 LOSS_REPORTS = ("kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean")  # token means, when a loss has them
 
@@ -29,6 +32,35 @@ def trainer_loss_options(settings: TrainerSettings, max_new_tokens: int | None) 
                 "max_tokens": max_new_tokens}
     return loss_options(get_policy_loss(settings.loss), dict(settings.loss_options or {}), defaults,
                         name=settings.loss)
+
+
+@dataclass(frozen=True)
+class LossCall:
+    """trainer.loss as a step calls it, resolved once (`resolve_loss`): its function, its aggregation (the one it
+    fixes, else trainer.aggregation), what it needs ("old", "ref"), its keyword options, and its KL coefficient."""
+
+    name: str
+    fn: object
+    aggregation: str
+    needs: tuple[str, ...]
+    options: dict
+    kl_coef: float
+
+    @property
+    def kl_everywhere(self) -> bool:
+        """Whether its KL to the frozen reference is on (it declares "ref" and its kl_coef > 0): it then scores a
+        reference, and its KL acts on every sampled sequence, so the update forwards the groups without signal too
+        (TRL's and R1-V's GRPO)."""
+        return "ref" in self.needs and self.kl_coef > 0
+
+
+def resolve_loss(settings: TrainerSettings, max_new_tokens: int | None) -> LossCall:
+    """trainer.loss resolved (`LossCall`); an option it does not declare fails in one sentence
+    (`trainer_loss_options`)."""
+    fn = get_policy_loss(settings.loss)
+    options = trainer_loss_options(settings, max_new_tokens)
+    return LossCall(settings.loss, fn, loss_aggregation(fn, settings.aggregation), loss_needs(fn), options,
+                    float(options.get("kl_coef", settings.kl_coef) or 0.0))
 
 
 def checked_loss(name: str, loss_fn, *args, **kwargs) -> tuple[torch.Tensor, dict]:

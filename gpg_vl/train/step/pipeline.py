@@ -57,7 +57,9 @@ from gpg_vl.errors import UserError
 from gpg_vl.models.weights import whole_tensor
 from gpg_vl.reward.pool import RewardBudget
 from gpg_vl.rollout.engine import ENGINES, build_engine, thread_generator
-from gpg_vl.train.checkpoint.resume import load_in_flight
+from gpg_vl.train.checkpoint.folder import latest_checkpoint
+from gpg_vl.train.checkpoint.resume import load_in_flight, set_rng_state
+from gpg_vl.train.checkpoint.save import rng_state
 from gpg_vl.train.step.sample import (
     Collected,
     attempts_allowed,
@@ -146,16 +148,38 @@ def count_sampled(counters: dict, sampled: SampledStep, group_size: int) -> None
 
 class SyncPipeline:
     """trainer.max_staleness = 0: each step is sampled in the learner's thread, with the learner's weights and
-    engine, when the learner asks for it (the synchronous run, bit for bit)."""
+    engine, when the learner asks for it (the synchronous run, bit for bit).
+
+    What the learner asks a pipeline, so that it never tests the mode: `stale` (the rollouts may be older than the
+    learner's weights), `mismatch_warning` (the engine's log-probs off the learner's), `lost` (what a checkpoint holds
+    when the engine is lost mid-step), `state_dict` (the steps in flight a checkpoint regenerates)."""
 
     k = 0  # the most steps a rollout is behind the learner
+    stale = False  # the rollouts are the learner's own weights' (its correction resolves as on-policy)
 
     def __init__(self, run) -> None:
         self.run = run
+        self.begun: dict | None = None  # the data position and random state the current step began with
 
     def take(self, step: int) -> SampledStep | None:
         run = self.run
+        self.begun = {"stream": run.data.stream.state_dict(), "rng": rng_state()}  # a step the engine fails in
         return sample_step(run, step, run.learner.policy, run.engine, run.state.counters, step - 1)
+
+    def mismatch_warning(self, result: dict) -> str | None:
+        """The engine's sentence when its own log-probs are far off the learner's (an engine with its own weights,
+        vLLM: off-policy where it should not be)."""
+        return self.run.engine.mismatch_warning(result)
+
+    def lost(self, error: BaseException) -> dict | None:
+        """The engine was lost mid-step (`error`), the run stopping after the step before (`run.state.step`): when
+        the step's update had not run, its prompts and random state go back to where the step began, so a resumed
+        run draws and samples it again as the uninterrupted run does. No steps are in flight (None)."""
+        del error
+        if not self.run.state.updated and self.begun is not None:
+            self.run.data.stream.load_state_dict(self.begun["stream"])
+            set_rng_state(self.begun["rng"])
+        return None
 
     def learned(self, step: int) -> None:
         """The learner finished step `step`'s update: an engine with its own weights takes them, as version `step`
@@ -188,7 +212,10 @@ class _Shared:
 
 
 class AsyncPipeline:
-    """trainer.max_staleness = k >= 1: a sampler thread on its own copy of the weights (see the module doc)."""
+    """trainer.max_staleness = k >= 1: a sampler thread on its own copy of the weights (see the module doc); it
+    answers the learner as SyncPipeline does."""
+
+    stale = True  # the rollouts are up to k steps behind (the correction's pi_prox is the learner's before the update)
 
     def __init__(self, run, *, resumed: dict | None = None) -> None:
         self.run, self.k = run, run.trainer.max_staleness
@@ -285,6 +312,24 @@ class AsyncPipeline:
             generators = gather_object(generators)
         return {**began, "generator": generators, "next_step": step + 1, "max_staleness": self.k,
                 "weights": weights}
+
+    def mismatch_warning(self, result: dict) -> str | None:
+        """None: the sampler's log-probs are an older version's by design (the correction weighs them)."""
+        del result
+        return None
+
+    def lost(self, error: BaseException) -> dict | None:
+        """The engine was lost (`error`), the run stopping after the learner's current step s (`run.state.step`):
+        the sampler's state as it began step s + 1, for the checkpoint after s; when the sampler never began it, the
+        run stops in one sentence naming the last checkpoint to continue from."""
+        in_flight = self.state_dict(lost=True)
+        if in_flight is None:
+            run = self.run
+            last = latest_checkpoint(run.output_dir) if run.main else None
+            run.stop(f"{str(error).rstrip('.')}; the run stopped at step {run.state.step + 1}: continue from its last "
+                     f"checkpoint ({last.name if last else 'none was written'}) with resume=auto once that "
+                     "server is back.")
+        return in_flight
 
     def close(self) -> None:
         with self.shared.lock:

@@ -12,8 +12,7 @@ from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.errors import UserError
-from gpg_vl.objective import get_policy_loss, loss_needs
-from gpg_vl.train.step.loss_call import trainer_loss_options
+from gpg_vl.train.step.loss_call import resolve_loss
 
 
 @dataclass
@@ -33,15 +32,13 @@ class Reference:
 def kl_on_every_group(settings: TrainerSettings) -> bool:
     """Whether trainer.loss's KL to the reference is on (it declares "ref" and its kl_coef > 0): its KL term then
     acts on every sampled sequence, and the update forwards the groups without signal too (TRL, R1-V)."""
-    return needs_reference(settings)
+    return resolve_loss(settings, None).kl_everywhere
 
 
 def needs_reference(trainer: TrainerSettings) -> bool:
     """Whether trainer.loss scores a frozen reference model (it declares "ref" and its kl_coef > 0:
     trainer.loss_options.kl_coef, else trainer.kl_coef)."""
-    if "ref" not in loss_needs(get_policy_loss(trainer.loss)):
-        return False
-    return float(trainer_loss_options(trainer, None).get("kl_coef", trainer.kl_coef) or 0.0) > 0
+    return resolve_loss(trainer, None).kl_everywhere
 
 
 def build_reference(model: torch.nn.Module, trainer: TrainerSettings, reference: torch.nn.Module | None, *,

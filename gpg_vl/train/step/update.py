@@ -22,14 +22,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.models import router
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import ScoringPath
-from gpg_vl.objective import (
-    AGGREGATIONS,
-    LOSS_NORMALIZERS,
-    TOKEN_NORMALIZED,
-    get_policy_loss,
-    loss_aggregation,
-    loss_needs,
-)
+from gpg_vl.objective import AGGREGATIONS, LOSS_NORMALIZERS, TOKEN_NORMALIZED
 from gpg_vl.objective.corrections import (
     ActiveCorrection,
     CorrectionSums,
@@ -41,10 +34,10 @@ from gpg_vl.objective.corrections import (
 from gpg_vl.objective.options import takes_weights
 from gpg_vl.objective.token_masks import covariance_cut, high_entropy_mask
 from gpg_vl.rollout.engine import Correction
-from gpg_vl.train.step.loss_call import _add_report, _loss_reports, checked_loss, trainer_loss_options
+from gpg_vl.train.step.loss_call import LossCall, _add_report, _loss_reports, checked_loss, resolve_loss
 from gpg_vl.train.step.micro_batch import MicroBatch, mini_batches, update_chunks
 from gpg_vl.train.step.placeholder import placeholder_chunk
-from gpg_vl.train.step.reference import Reference, kl_on_every_group, needs_reference
+from gpg_vl.train.step.reference import Reference
 from gpg_vl.train.step.sample import Attempt
 from gpg_vl.train.teacher.signal import distilled_scores, taught_metrics, teach
 
@@ -84,25 +77,24 @@ class StepInputs:
     """One optimizer step's share of the update: its micro-batches and what the loss of each takes."""
 
     chunks: list[MicroBatch]
-    loss_fn: object
+    loss: LossCall  # trainer.loss, resolved once per step
     old: list[torch.Tensor] | None  # the rollout policy's log-probs, one [n, C] per micro-batch
     ref: list[torch.Tensor] | None  # the reference's
     normalizer: float  # the loss's global denominator
     steps_needed: int  # the most micro-batches any process has for this step
-    aggregation: str
-    options: dict  # the loss's keyword options (`loss_options`)
     later: bool  # not the rollout's first optimizer step
     sequences: int  # the step's valid sequences over all processes
     correction: ActiveCorrection = field(default_factory=ActiveCorrection)  # resolved once per update
     correction_sums: CorrectionSums | None = None  # the update's: filled here at its first step, where not up front
 
 
-def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) -> dict[str, float]:
+def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False,
+           loss: LossCall | None = None) -> dict[str, float]:
     """The optimizer steps of one rollout: `settings.ppo_epochs` passes over its valid groups, each pass in
     mini-batches of `settings.ppo_mini_batch` sequences (0: the whole rollout, one step per pass).
 
     GPG (the default) takes one step, on the valid groups only, and needs nothing but the current log-probs.
-    A loss whose KL to the reference is on (`kl_on_every_group`) forwards every sampled group instead, the
+    A loss whose KL to the reference is on (`LossCall.kl_everywhere`) forwards every sampled group instead, the
     invalid ones with zero advantages (only their KL acts), normalized over all sampled sequences as TRL's and
     R1-V's GRPO do, and steps even when no group is valid; its metrics then say `groups_used` (every group
     forwarded), `groups_kl_only` (those forwarded for their KL alone) and `alpha` 1. A loss that declares
@@ -114,13 +106,12 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
     learner, trainer.max_staleness >= 1) is resolved once: its weights come from pi_prox, the policy before this
     update, against the behaviour log-probs, and go to the loss as `weights` (`_resolve_corrections`).
     `learner.teacher`: every group of a task with a teacher forwarded, valid unless its combined advantage is all 0.
+    `loss`: trainer.loss resolved for this step (`resolve_loss`; resolved here when not given).
     """
     settings, accelerator = learner.settings, learner.accelerator
-    kl_everywhere = kl_on_every_group(settings)
-    if kl_everywhere or learner.teacher is not None:  # the KL (TRL's, R1-V's GRPO) or a task's teacher acts on
-        attempts, kl_only = _every_group(attempts, accelerator, kl_everywhere or learner.teacher)  # every sequence
-    loss_fn = get_policy_loss(settings.loss)
-    aggregation = loss_aggregation(loss_fn, settings.aggregation)
+    loss = loss or resolve_loss(settings, learner.max_new_tokens)
+    if loss.kl_everywhere or learner.teacher is not None:  # the KL (TRL's, R1-V's GRPO) or a task's teacher acts on
+        attempts, kl_only = _every_group(attempts, accelerator, loss.kl_everywhere or learner.teacher)  # every one
     parts = 1
     if settings.ppo_mini_batch:  # collective: every process takes the same number of optimizer steps
         valid = accelerator.reduce(torch.tensor(sum(int(a.valid.sum()) for a in attempts),
@@ -131,32 +122,30 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
                                min_padding=learner.path.min_padding))
             for part in mini_batches(attempts, parts)]
     correction, steps, sums = learner.off_policy(stale), settings.ppo_epochs * parts, CorrectionSums()
-    plan, groups_rejected, prox = _correct_up_front(learner, correction, loss_fn, plan, attempts, sums, steps=steps)
+    plan, groups_rejected, prox = _correct_up_front(learner, correction, loss.fn, plan, attempts, sums, steps=steps)
     plan, taught = teach(learner, plan, attempts, _score_plan) if learner.teacher is not None else (plan, None)
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
     if int(per_part[..., 0].sum()) == 0:
         return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0, **taught_metrics(taught, settings)}
-    column = 1 if aggregation in TOKEN_NORMALIZED else 0  # the normalizer counts tokens, or sequences
+    column = 1 if loss.aggregation in TOKEN_NORMALIZED else 0  # the normalizer counts tokens, or sequences
     counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
-    needs = loss_needs(loss_fn)
     # Collective under FSDP / ZeRO-3 like the update's forwards: every process scores max-over-processes
     # micro-batches per mini-batch, padding with placeholders whose log-probs are dropped.
     calls = [int(per_part[:, part, 2].max()) for part in range(parts)]
     # the ratio of a loss with one is to pi_prox at every staleness (AReaL's decoupled objective, docs/async.md)
-    old, ref = _old_and_ref(learner, plan, attempts, calls, needs, steps=steps, prox=prox)
-    options = trainer_loss_options(settings, learner.max_new_tokens)
+    old, ref = _old_and_ref(learner, plan, attempts, calls, loss, steps=steps, prox=prox)
     results, reports = [], []
     for _epoch in range(settings.ppo_epochs):
         for part, chunks in enumerate(plan):
             valid_count = int(per_part[:, part, column].sum())
             share = sampled_count if parts == 1 else sampled_count * valid_count / counted  # AGE off: pro rata
             result, report = _optimizer_step(learner, attempts, StepInputs(
-                chunks, loss_fn, old=old[part] if old is not None else None,
+                chunks, loss, old=old[part] if old is not None else None,
                 ref=ref[part] if ref is not None else None,
                 normalizer=LOSS_NORMALIZERS[settings.age](valid_count, share),
-                steps_needed=int(per_part[:, part, 2].max()), aggregation=aggregation, options=options,
+                steps_needed=int(per_part[:, part, 2].max()),
                 later=bool(results), sequences=int(per_part[:, part, 0].sum()), correction=correction,
                 correction_sums=sums if prox is None and not results else None))
             results.append(result)
@@ -171,10 +160,10 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
         metrics.update(correction_metrics(rows.cpu()))
     if groups_rejected is not None:
         metrics["groups_rejected"] = groups_rejected
-    if kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
+    if loss.kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
         metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
                         "groups_kl_only": kl_only, "alpha": 1.0})
-    if needs:  # the same on every process (it depends on the loss only): the collective below matches
+    if loss.needs:  # the same on every process (it depends on the loss only): the collective below matches
         metrics.update(_loss_reports(reports, accelerator))
     return metrics
 
@@ -217,18 +206,17 @@ def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelera
 
 
 def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt], calls: list[int],
-                 needs: tuple[str, ...], *, steps: int, prox: list[list[torch.Tensor]] | None = None):
+                 loss: LossCall, *, steps: int, prox: list[list[torch.Tensor]] | None = None):
     """pi_prox's log-probs, the policy's before this update (a loss that declares "old", when the rollout takes
     more than one step: `prox` where the correction scored them already) and the reference's (one that declares
     "ref", with kl_coef > 0), per mini-batch and micro-batch."""
-    settings = learner.settings
     old = None
-    if "old" in needs and steps > 1:
+    if "old" in loss.needs and steps > 1:
         old = prox if prox is not None else _score_plan(learner, learner.model, plan, attempts, calls)
     ref = None
-    if "ref" in needs and needs_reference(settings):
+    if "ref" in loss.needs and loss.kl_everywhere:
         if learner.reference is None:
-            raise ValueError(f"trainer.loss={settings.loss} with kl_coef > 0 needs a reference model")
+            raise ValueError(f"trainer.loss={loss.name} with kl_coef > 0 needs a reference model")
         ref_model, scope = learner.reference.scoring(learner.model)
         with scope:
             ref = _score_plan(learner, ref_model, plan, attempts, calls)
@@ -459,16 +447,18 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
-                    loss, info = checked_loss(learner.settings.loss, step.loss_fn, logps, mask, adv.to(device),
+                    loss, info = checked_loss(step.loss.name, step.loss.fn, logps, mask, adv.to(device),
                                               old_logps=old[index] if old is not None else None,
                                               ref_logps=ref[index] if ref is not None else None,
-                                              aggregation=step.aggregation, normalizer=step.normalizer,
-                                              **({"weights": weights} if correction.weighs else {}), **step.options)
+                                              aggregation=step.loss.aggregation, normalizer=step.normalizer,
+                                              **({"weights": weights} if correction.weighs else {}),
+                                              **step.loss.options)
                     if router_loss is not None:  # averaged over the micro-batches, weighted by their sequences
                         loss = loss + router_loss * (len(adv) / step.sequences)
                     if distill is not None:  # a teacher loss that reads logits (jsd): coef x it, aggregated as
                         # the policy loss
-                        jsd = AGGREGATIONS[step.aggregation](distill, mask, step.normalizer, learner.max_new_tokens)
+                        jsd = AGGREGATIONS[step.loss.aggregation](distill, mask, step.normalizer,
+                                                                  learner.max_new_tokens)
                         loss = loss + teacher.settings.coef * jsd
                         sums.jsd += float(jsd.detach())
                     sums.loss += float(loss.detach())
