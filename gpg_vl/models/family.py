@@ -257,9 +257,10 @@ class Family:
         return [name for name, module in model.named_modules() if id(module) in ids and name]
 
     # ---- positions, caches, image features -------------------------------------------------------
+    # Called on every forward, these take the bare model (`unwrap(model)`, unwrapped once by the caller).
     def reset_positions(self, model: torch.nn.Module) -> None:
         """Forget rotary offsets (`rope_deltas`) that `generate` cached on the model for its own batch."""
-        base = getattr(unwrap(model), "model", None)
+        base = getattr(model, "model", None)
         if base is not None and hasattr(base, "rope_deltas"):
             base.rope_deltas = None
 
@@ -294,7 +295,7 @@ class Family:
         """The cache with row `index[n]` of the prompts' cache as row n (key/value layers and linear-attention
         conv + recurrent states alike), out of place, so the gradient reaches the prompt through it."""
         cache.reorder_cache(index)
-        base = getattr(unwrap(model), "model", None)  # the rotary offsets generate continues from, forked alike
+        base = getattr(model, "model", None)  # the rotary offsets generate continues from, forked alike
         deltas = getattr(base, "rope_deltas", None)
         if isinstance(deltas, Tensor) and deltas.shape[0] != index.numel():
             base.rope_deltas = deltas[index.to(deltas.device)]  # [B * G, 1]
@@ -318,7 +319,7 @@ class Family:
 
     def image_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
         """Vision-tower outputs computed once per distinct prompt, listed per sequence (no copy)."""
-        bare = unwrap(model)
+        bare = model
         subset = prompts.select(sorted(set(prompt_index)))
         encoder = bare.model.get_image_features
         accepted = inspect.signature(encoder).parameters

@@ -138,7 +138,7 @@ class GenericFamily(Family):
     def _video_features(self, model, prompts: PromptBatch, prompt_index: list[int]):
         """The video tower's outputs for each distinct prompt's videos, listed per sequence (no copy)."""
         subset = prompts.select(sorted(set(prompt_index)))
-        encoder = unwrap(model).model.get_video_features
+        encoder = model.model.get_video_features
         accepted = inspect.signature(encoder).parameters
         extra = {key: value for key, value in subset.inputs.items() if key in accepted and key != "pixel_values_videos"}
         encoded = encoder(subset.inputs["pixel_values_videos"], **extra, return_dict=True)
@@ -166,7 +166,7 @@ class GenericFamily(Family):
         self.reset_positions(model)
         if not _multimodal_rope(model):
             return super().position_ids(model, inputs)
-        rope_index = unwrap(model).model.get_rope_index
+        rope_index = model.model.get_rope_index
         accepted = inspect.signature(rope_index).parameters
         positions, _ = rope_index(**{key: value for key, value in inputs.items() if key in accepted})
         return positions
@@ -184,7 +184,8 @@ class GenericFamily(Family):
 
 
 def _multimodal_rope(model: torch.nn.Module) -> bool:
-    return hasattr(getattr(unwrap(model), "model", None), "get_rope_index")
+    """Whether the bare `model` computes multimodal rotary positions itself (`get_rope_index`)."""
+    return hasattr(getattr(model, "model", None), "get_rope_index")
 
 
 def _merge_prompts(outputs: list[dict[str, Tensor]], pad_id: int) -> tuple[dict, dict]:

@@ -18,7 +18,7 @@ from qwen_vl_utils.vision_process import MAX_RATIO
 from torch import Tensor
 
 from gpg_vl.data.video import DECODED, decode_video, is_video_part, message_videos, video_pixels
-from gpg_vl.models.batch import PromptBatch, image_order, per_prompt_rows, unwrap
+from gpg_vl.models.batch import PromptBatch, image_order, per_prompt_rows
 from gpg_vl.models.family import Family, register_family
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
@@ -135,7 +135,7 @@ class QwenVLFamily(Family):
             mask = inputs["attention_mask"]
             positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
             return positions.unsqueeze(0).expand(3, -1, -1)
-        rope_index = unwrap(model).model.get_rope_index
+        rope_index = model.model.get_rope_index
         accepted = inspect.signature(rope_index).parameters
         extra = {key: inputs[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
                  if key in inputs and key in accepted}  # Qwen2.5-VL: seconds per temporal grid step
@@ -161,7 +161,7 @@ class QwenVLFamily(Family):
 
     def _features(self, model, prompts: PromptBatch, prompt_index: list[int], kind: str):
         subset = prompts.select(sorted(set(prompt_index)))
-        base = unwrap(model).model
+        base = model.model
         if kind == "image":
             encoded = base.get_image_features(subset.inputs["pixel_values"], subset.inputs["image_grid_thw"],
                                               return_dict=True)

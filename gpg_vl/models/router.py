@@ -1,6 +1,6 @@
 """The mixture-of-experts router's load-balancing loss, over the training forwards of any scoring path.
 
-`router_aux_loss(model)` is the router's load-balancing loss (times `router_aux_loss_coef`) over the forwards
+`router_aux_loss(bare)` is the router's load-balancing loss (times `router_aux_loss_coef`) over the forwards
 since the last call, or None when the coefficient is 0 (the default, as TRL's GPG trainer) or the model has no
 router. The router logits are recorded by forward hooks on the model's router modules (the ones transformers
 itself records as `router_logits`), with each token's weight from `weigh_router_tokens` (forwards under no_grad,
@@ -16,13 +16,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from gpg_vl.models.batch import unwrap
 
-
-def router_aux_loss(model) -> Tensor | None:
+def router_aux_loss(bare) -> Tensor | None:
     """The router's load-balancing loss over the training forwards since the last call (see the module's
-    docstring), or None when it is off or the model has no router."""
-    bare = unwrap(model)
+    docstring), or None when it is off or the model has no router. `bare`: the bare model (`unwrap`)."""
     coef, text = _router_coef(bare)
     if coef <= 0:
         return None
@@ -37,11 +34,10 @@ def router_aux_loss(model) -> Tensor | None:
     return coef * loss
 
 
-def weigh_router_tokens(model, weights: Callable[[], Tensor]) -> None:
+def weigh_router_tokens(bare, weights: Callable[[], Tensor]) -> None:
     """The router loss's weight of each token, `weights()` [rows, seq], for the training forward that
     follows (0 for padding; a prompt run once for G sequences weighs G). Computed only when the router
-    loss is on."""
-    bare = unwrap(model)
+    loss is on. `bare`: the bare model (`unwrap`)."""
     if _router_coef(bare)[0] > 0 and _router_recorder(bare) is not None:
         bare._gpg_router_weight = weights().detach().reshape(-1).float()
 

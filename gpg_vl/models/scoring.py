@@ -3,8 +3,8 @@
 A GPG step samples G completions of the same prompt (images included), then scores them. Peers repeat
 the prompt G times in both phases. Here:
 
-- rollout (`prefill_once`): the B distinct prompts are prefilled once (each image through the vision
-  tower once, each prompt token through the language model once) and the cache is forked G ways by the
+- rollout (gpg_vl/models/cache.py's `prefill_once`): the B distinct prompts are prefilled once (each image through
+  the vision tower once, each prompt token through the language model once) and the cache is forked G ways by the
   family (`Family.fork_cache`: key/value layers and linear-attention states alike) before `generate`
   samples the completions;
 - update (`prompt_once_hidden`): each distinct prompt runs forward once, with gradient; its cache is
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers import DynamicLayer
 
 import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
+from gpg_vl.models.cache import cache_of
 from gpg_vl.models.logits import completion_logps, logits_entropy
 from gpg_vl.models.packing import pack_layout, pack_tokens, packed_segments, unpack_scored
 from gpg_vl.models.router import weigh_router_tokens
@@ -167,11 +167,13 @@ def token_logps(family, model, prompts: PromptBatch, prompt_index: list[int], co
     and backward. Suppressed tokens get -inf before the softmax, exactly as in sampling. The fast paths call the
     bare model's parts (the trainer averages gradients itself); under FSDP and ZeRO-3 the wrapped model runs
     whole sequences (images still encoded once per group, inside its forward) and full completion logits are
-    computed. `token_logps_and_entropy` gives each position's entropy too, from the same logits.
+    computed. `token_logps_and_entropy` gives each position's entropy too, from the same logits. The model is
+    unwrapped once per forward, here, and its bare parts passed down.
     """
+    bare = unwrap(model)
     states = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask, path=path,
-                               observations=observations, chunked=logits_chunk_tokens > 0)
-    return _scores(family, model, states, completion_ids, completion_mask, temperature=temperature,
+                               observations=observations, chunked=logits_chunk_tokens > 0, bare=bare)
+    return _scores(family, bare, states, completion_ids, completion_mask, temperature=temperature,
                    logits_chunk_tokens=logits_chunk_tokens, entropy=False)
 
 
@@ -180,18 +182,20 @@ def token_logps_and_entropy(family, model, prompts: PromptBatch, prompt_index: l
                             temperature: float = 1.0, logits_chunk_tokens: int = 0) -> tuple[Tensor, Tensor]:
     """`token_logps`, and each position's entropy [N, C] (0 off `completion_mask`, no gradient) of the same sampling
     distribution, from the logits it computes anyway (chunk by chunk with `logits_chunk_tokens`): no extra forward."""
+    bare = unwrap(model)
     states = completion_states(family, model, prompts, prompt_index, completion_ids, completion_mask, path=path,
-                               observations=observations, chunked=logits_chunk_tokens > 0)
-    return _scores(family, model, states, completion_ids, completion_mask, temperature=temperature,
+                               observations=observations, chunked=logits_chunk_tokens > 0, bare=bare)
+    return _scores(family, bare, states, completion_ids, completion_mask, temperature=temperature,
                    logits_chunk_tokens=logits_chunk_tokens, entropy=True)
 
 
-def _scores(family, model, states: tuple[Tensor | None, Tensor | None], completion_ids: Tensor,
+def _scores(family, bare, states: tuple[Tensor | None, Tensor | None], completion_ids: Tensor,
             completion_mask: Tensor, *, temperature: float, logits_chunk_tokens: int, entropy: bool):
-    """Log-probs [N, C] (with `entropy`, and entropies [N, C]) from `completion_states`' hidden states or logits."""
+    """Log-probs [N, C] (with `entropy`, and entropies [N, C]) from `completion_states`' hidden states or logits;
+    `bare`: the bare model (its output layer)."""
     hidden, logits = states
     if hidden is not None:
-        return _hidden_logps(family, unwrap(model), hidden, completion_ids, completion_mask, temperature=temperature,
+        return _hidden_logps(family, bare, hidden, completion_ids, completion_mask, temperature=temperature,
                              chunk_tokens=logits_chunk_tokens or hidden.shape[0] * hidden.shape[1], entropy=entropy)
     logps = family.logps_from_logits(logits, completion_ids, temperature=temperature)
     if not entropy:
@@ -204,17 +208,17 @@ def _scores(family, model, states: tuple[Tensor | None, Tensor | None], completi
 
 def completion_states(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
                       completion_mask: Tensor, *, path: ScoringPath, observations: list | None = None,
-                      chunked: bool = True) -> tuple[Tensor | None, Tensor | None]:
+                      chunked: bool = True, bare=None) -> tuple[Tensor | None, Tensor | None]:
     """(final hidden states [N, C, H], None), or where the path computes them whole (wrapped, or not `chunked` on
     the plain path) (None, logits [N, C, V] in float32): the states that predict each completion token, from one
-    forward on `path` (see `token_logps`)."""
-    bare = unwrap(model)
+    forward on `path` (see `token_logps`). `bare`: `model` unwrapped, where the caller has it."""
+    bare = unwrap(model) if bare is None else bare
     chunked = chunked and not path.wrapped
     if path.packed:
-        return packed_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask, observations,
+        return packed_hidden(family, bare, prompts, prompt_index, completion_ids, completion_mask, observations,
                              prompt_once=path.prompt_once, shared_vision=path.shared_vision), None  # [N, C, H]
     if path.prompt_once:
-        return prompt_once_hidden(family, model, prompts, prompt_index, completion_ids, completion_mask,
+        return prompt_once_hidden(family, bare, prompts, prompt_index, completion_ids, completion_mask,
                                   observations), None  # [N, C, H]
     shared = path.shared_vision and (prompts.has_images or prompts.has_videos) and observations is None
     sequences = trim_left_padding(prompts.select(prompt_index, drop=family.pixel_keys if shared else ()).inputs)
@@ -223,7 +227,7 @@ def completion_states(family, model, prompts: PromptBatch, prompt_index: list[in
     else:  # multi-turn: the observations' token types and images inside the completions
         full = with_observations(prompts, prompt_index, sequences, completion_ids, completion_mask, observations)
     if shared and path.wrapped:  # encoded inside the wrapped model's forward, see encode_shared_vision_in_forward
-        encode_shared_vision_in_forward(model, family)
+        encode_shared_vision_in_forward(model, family, bare)
         full[SHARED_VISION] = (prompts, prompt_index)
     elif shared:
         full["mm_encoder_outputs"] = family.vision_features(bare, prompts, prompt_index)
@@ -249,7 +253,7 @@ def _hidden_logps(family, bare, hidden: Tensor, completion_ids: Tensor, completi
                             softcap=family.logit_softcap(bare), entropy=entropy)
 
 
-def encode_shared_vision_in_forward(model: torch.nn.Module, family) -> None:
+def encode_shared_vision_in_forward(model: torch.nn.Module, family, bare: torch.nn.Module) -> None:
     """Let `model(...)` take `gpg_shared_vision=(prompts, prompt_index)` and encode those images itself.
 
     The shared vision features must be computed INSIDE the forward of whatever wraps the model
@@ -262,7 +266,7 @@ def encode_shared_vision_in_forward(model: torch.nn.Module, family) -> None:
     and on the bare model, and whichever runs first takes the keyword. Registered once per module; without
     the keyword the model behaves exactly as before.
     """
-    bare, inner = unwrap(model), getattr(model, "module", model)
+    inner = getattr(model, "module", model)  # `bare`: `model` unwrapped (`unwrap`)
     modules = [bare]
     if callable(getattr(inner, "get_base_model", None)):  # PEFT
         modules.insert(0, inner.base_model)
@@ -276,93 +280,6 @@ def encode_shared_vision_in_forward(model: torch.nn.Module, family) -> None:
     for module in modules:
         if getattr(module, "_gpg_shared_vision_hook", None) is None:
             module._gpg_shared_vision_hook = module.register_forward_pre_hook(encode, with_kwargs=True)
-
-
-def _cache_of(outputs):
-    """The cache of a model output (`cache` in transformers >= 5.x, `past_key_values` before)."""
-    cache = getattr(outputs, "cache", None)
-    return cache if cache is not None else getattr(outputs, "past_key_values", None)
-
-
-# ---------------------------------------------------------------------------------------------
-# rollout: prefill each prompt once, fork its cache G ways
-# ---------------------------------------------------------------------------------------------
-@torch.no_grad()
-def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, max_new_tokens: int,
-                 static_cache: bool, reserve_cache: bool) -> dict | None:
-    """`generate` keyword arguments that continue B prompts prefilled once, as B * G rows.
-
-    All prompt tokens but the last go through the model once per prompt (images included); the family
-    forks the cache G ways (into a preallocated static cache with `static_cache`, where the family can;
-    else, with `reserve_cache`, into dynamic layers with room reserved for the whole completion), and
-    `generate` then runs the last prompt token for the B * G rows, whose logits sample the first
-    completion token. Returns None when the prompt cannot be split this way (a prompt ending in a vision
-    token, or a single token).
-    """
-    ids = inputs["input_ids"]  # [B, P]
-    last_is_vision = torch.isin(ids[:, -1], torch.tensor(family.suppressed_ids or [-1], device=ids.device))
-    if ids.shape[1] < 2 or bool(last_is_vision.any()):
-        return None
-    bare = unwrap(model)
-    per_token = {key: inputs[key] for key in per_token_keys(inputs)}
-    head = {**inputs, **{key: value[:, :-1] for key, value in per_token.items()}}  # [B, P - 1] each
-    positions = family.prefill_positions(bare, inputs)  # [B, P]: the mask's count, as decode and update use
-    if positions is not None:
-        head["position_ids"] = positions[:, :-1]
-    family.reset_positions(bare)
-    prefilled = bare(**head, use_cache=True, logits_to_keep=1)
-    index = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(group_size)  # [B * G]
-    cache = family.fork_cache(bare, _cache_of(prefilled), index)
-    if static_cache:
-        cache = family.static_copy(bare, cache, max_cache_len=ids.shape[1] + max_new_tokens)
-    elif reserve_cache:
-        cache = reserve(cache, capacity=ids.shape[1] + max_new_tokens)
-    expanded = {key: value.repeat_interleave(group_size, dim=0) for key, value in per_token.items()}
-    return {**expanded, "cache": cache}
-
-
-class ReservedLayer(DynamicLayer):
-    """A `DynamicLayer` whose room for `capacity` tokens is allocated once.
-
-    `update` writes the new key/value states in place and `keys` / `values` are views of the filled part:
-    attention sees the very tensors (values and lengths) a `DynamicLayer` would give, without the
-    dynamic layer's copy of the whole cache per decoded token. A cropped layer keeps writing in place after
-    its shorter view. A layer that would outgrow its room, whose tensors were replaced from outside
-    (reordered, rows selected) or that is asked to keep a gradient grows by concatenation instead, as
-    `DynamicLayer` does.
-    """
-
-    def __init__(self, keys: Tensor, values: Tensor, capacity: int) -> None:  # keys, values [N, heads, S, d]
-        super().__init__()
-        self.device, self.is_initialized = keys.device, True
-        self._keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])  # [N, heads, capacity, d]
-        self._values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
-        self._write(keys, values, 0)
-
-    def _write(self, keys: Tensor, values: Tensor, start: int) -> None:
-        end = start + keys.shape[-2]
-        self._keys[..., start:end, :] = keys
-        self._values[..., start:end, :] = values
-        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        filled = self.keys.shape[-2]
-        in_place = (self.keys.data_ptr() == self._keys.data_ptr() and self.keys.shape[0] == self._keys.shape[0]
-                    and filled + key_states.shape[-2] <= self._keys.shape[-2]
-                    and not (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)))
-        if not in_place:
-            return super().update(key_states, value_states, *args, **kwargs)
-        self._write(key_states, value_states, filled)
-        return self.keys, self.values
-
-
-def reserve(cache, *, capacity: int):
-    """The cache with every plain `DynamicLayer` moved into a `ReservedLayer` of `capacity` tokens (in place;
-    other layers, e.g. sliding-window or linear-attention states, are left as they are)."""
-    for index, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel() > 0:
-            cache.layers[index] = ReservedLayer(layer.keys, layer.values, max(capacity, layer.keys.shape[-2]))
-    return cache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +337,7 @@ def observation_images(observations: list, device) -> dict[str, Tensor]:
 # ---------------------------------------------------------------------------------------------
 # update: the prompt once per group, the G completions on its cache
 # ---------------------------------------------------------------------------------------------
-def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
+def prompt_once_hidden(family, bare, prompts: PromptBatch, prompt_index: list[int], completion_ids: Tensor,
                        completion_mask: Tensor, observations: list | None = None) -> Tensor:
     """Final hidden states [N, C, H]; row n, column t is the state that predicts completion_ids[n, t].
 
@@ -429,9 +346,9 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
     completions (all but their last token, which predicts nothing) run on that cache. Column 0 is the
     prompt's last state (left padding puts every prompt's last token in the last column). With
     `observations` (multi-turn trajectories), the completions carry their observations' token types and
-    images, and the positions come from the family's rule over each whole interleaved sequence.
+    images, and the positions come from the family's rule over each whole interleaved sequence. `bare`: the bare
+    model (`unwrap`), whose parts run.
     """
-    bare = unwrap(model)
     distinct = sorted(set(prompt_index))
     row_of = {prompt: row for row, prompt in enumerate(distinct)}
     expand = torch.tensor([row_of[p] for p in prompt_index], device=completion_ids.device)  # [N]
@@ -461,7 +378,7 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
     last = prompt_out.last_hidden_state[:, -1][expand].unsqueeze(1)  # [N, 1, H]
     if length == 1:
         return last
-    cache = family.fork_cache(bare, _cache_of(prompt_out), expand)  # [N, ...] per layer, still in the graph
+    cache = family.fork_cache(bare, cache_of(prompt_out), expand)  # [N, ...] per layer, still in the graph
     mask = torch.cat([prompt_mask[expand], completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1)  # [N, P + C - 1]
     weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
     completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
@@ -472,7 +389,7 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
 # ---------------------------------------------------------------------------------------------
 # update, packed: a micro-batch as one padding-free row, each prompt once per group
 # ---------------------------------------------------------------------------------------------
-def packed_hidden(family, model, prompts, prompt_index: list[int], completion_ids: Tensor, completion_mask: Tensor,
+def packed_hidden(family, bare, prompts, prompt_index: list[int], completion_ids: Tensor, completion_mask: Tensor,
                   observations: list | None = None, *, prompt_once: bool, shared_vision: bool) -> Tensor:
     """Final hidden states [N, C, H] (row n, column t predicts completion_ids[n, t]) from one packed forward
     (models/packing.py: each prompt once per group with `prompt_once`, no padding, attention never across
@@ -481,9 +398,8 @@ def packed_hidden(family, model, prompts, prompt_index: list[int], completion_id
     The padded batch the other paths run (prompts selected per sequence, completions and their
     observations appended) gives each token its positions (`family.position_ids`) and token types; the
     packed row takes its real tokens (`pack_layout`), each prompt once per group with `prompt_once`, and
-    the images in the order the row meets their placeholders (`row_images`).
+    the images in the order the row meets their placeholders (`row_images`). `bare`: the bare model (`unwrap`).
     """
-    bare = unwrap(model)
     sequences = trim_left_padding(prompts.select(prompt_index).inputs)  # per-token keys [N, P]
     if observations is None:
         full = extend_per_token(sequences, completion_ids, completion_mask)  # [N, L] per-token keys

@@ -6,7 +6,7 @@ up to and including the first end-of-sequence token.
 
 Two decoders (`rollout.hf.decode`), the same tokens:
 
-- `loop` (default): each prompt is prefilled once and its cache forked G ways (`models/scoring.py`), then a
+- `loop` (default): each prompt is prefilled once and its cache forked G ways (`models/cache.py`), then a
   plain loop calls the bare model's forward one token at a time, with the positions of the whole
   sequence computed once up front by the family and the attention mask preallocated; the logits are
   processed exactly as `generate` processes them (suppressed ids at -inf, temperature, top-p, then
@@ -25,8 +25,8 @@ from torch import Tensor
 
 from gpg_vl.distributed import forward_is_collective, gathered_for_generation
 from gpg_vl.errors import UserError
-from gpg_vl.models import scoring
 from gpg_vl.models.batch import PromptBatch, eval_mode, extend_per_token, unwrap
+from gpg_vl.models.cache import prefill_once
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
@@ -91,7 +91,7 @@ def generate(policy: Policy, prompts: PromptBatch, *, group_size: int, sampling:
         raise UserError(f"unknown rollout.hf.decode {decode!r}; use one of {', '.join(DECODERS)}.")
     family, model = policy.family, policy.model
     inputs = prompts.to(model.device).inputs
-    family.reset_positions(model)  # rotary offsets an earlier generate cached for its own batch
+    family.reset_positions(unwrap(model))  # rotary offsets an earlier generate cached for its own batch
     collective = forward_is_collective(model)
     forkable = prefill_once and not collective and family.prefill_once_unsupported(model) is None
     suppress = list(family.suppressed_ids) + (list(family.eos_ids) if sampling.ignore_eos else [])
@@ -130,7 +130,7 @@ def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, samp
     expand, forked = group_size, None
     if fork:
         with eval_mode(model):
-            forked = scoring.prefill_once(family, model, inputs, group_size=group_size,
+            forked = prefill_once(family, model, inputs, group_size=group_size,
                                          max_new_tokens=sampling.max_new_tokens, static_cache=static_cache,
                                          reserve_cache=reserve_cache)
     width = inputs["input_ids"].shape[1]
@@ -177,7 +177,7 @@ def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sa
     positions = family.position_ids(bare, extend_per_token(inputs, filler, prompt_mask.new_ones(batch, steps)))
     if positions is None:  # the model computes its own positions from the whole multimodal sequence
         return None
-    forked = scoring.prefill_once(family, bare, inputs, group_size=group_size, max_new_tokens=steps,
+    forked = prefill_once(family, bare, inputs, group_size=group_size, max_new_tokens=steps,
                                  static_cache=static_cache, reserve_cache=reserve_cache)
     if forked is None:
         return None

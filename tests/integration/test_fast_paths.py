@@ -32,8 +32,8 @@ from transformers import get_scheduler
 
 from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.models.batch import PromptBatch
+from gpg_vl.models.cache import ReservedLayer, reserve
 from gpg_vl.models.logits import completion_logps
-from gpg_vl.models.scoring import ReservedLayer, reserve
 from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.hf import DECODERS, generate
 from gpg_vl.rollout.types import Rollout

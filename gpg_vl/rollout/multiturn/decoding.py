@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
-from gpg_vl.models import scoring
-from gpg_vl.models.batch import eval_mode, extend_per_token, per_token_keys, trim_left_padding, unwrap
+from gpg_vl.models.batch import eval_mode, extend_per_token, trim_left_padding, unwrap
+from gpg_vl.models.cache import cache_of, prefill_forked
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn.tools import ToolContext, ToolResult, answer_call
 from gpg_vl.rollout.multiturn.trajectory import (
@@ -149,7 +149,6 @@ def _prefill_prompts(family, bare, inputs: dict[str, Tensor], group_size: int, r
     """The prompts' cache (all tokens but the last, each prompt once, its images through the vision tower
     once), forked G ways, and its attention mask [N, P - 1]. Positions are explicit (the family's rule on the
     left-padded batch), so a padded prompt's tokens sit where the later turns' positions expect them."""
-    per_token = per_token_keys(inputs)
     ids = inputs["input_ids"]  # [B, P]
     filler = ids.new_full((ids.shape[0], room), family.pad_id)
     positions = family.position_ids(bare, extend_per_token(inputs, filler, inputs["attention_mask"].new_ones(
@@ -157,11 +156,8 @@ def _prefill_prompts(family, bare, inputs: dict[str, Tensor], group_size: int, r
     if positions is None or ids.shape[1] < 2:
         raise UserError("rollout.max_turns > 1 needs a family with explicit positions and prompts longer than "
                         "one token; set rollout.max_turns=1.")
-    head = {**inputs, **{key: inputs[key][:, :-1] for key in per_token}}  # [B, P - 1] each
-    family.reset_positions(bare)
-    out = bare(**head, position_ids=positions[..., :ids.shape[1] - 1], use_cache=True, logits_to_keep=1)
+    cache = prefill_forked(family, bare, inputs, positions[..., :ids.shape[1] - 1], group_size=group_size)
     index = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(group_size)  # [N]
-    cache = family.fork_cache(bare, scoring._cache_of(out), index)
     return cache, inputs["attention_mask"][index][:, :-1]
 
 
@@ -212,7 +208,7 @@ def _feed(family, bare, rows: list[_Row], chunks: list[list[int]], cache, attent
     out = bare(**inputs, cache=cache, use_cache=True, logits_to_keep=width)
     last = (real.long().sum(dim=1) - 1).clamp(min=0)  # [n]
     logits = out.logits[torch.arange(len(rows), device=device), last].float()  # [n, V]
-    return logits, scoring._cache_of(out), attention
+    return logits, cache_of(out), attention
 
 
 def _prefill_whole(family, bare, rows: list[_Row], *, device) -> tuple[Tensor, object, Tensor]:
@@ -237,7 +233,7 @@ def _prefill_whole(family, bare, rows: list[_Row], *, device) -> tuple[Tensor, o
     out = bare(**batch, position_ids=positions, use_cache=True, logits_to_keep=1)
     for row, sequence in zip(rows, sequences, strict=True):
         row.fed = sequence["input_ids"].shape[1]
-    return out.logits[:, -1].float(), scoring._cache_of(out), batch["attention_mask"]
+    return out.logits[:, -1].float(), cache_of(out), batch["attention_mask"]
 
 
 @dataclass

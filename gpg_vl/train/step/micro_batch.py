@@ -1,5 +1,6 @@
 """The update's micro-batches: a rollout's valid groups cut by count or by tokens of forward work (`forward_cost`:
-padded, or packed where that saves), in mini-batches for the GRPO family's several optimizer steps."""
+padded, or packed where that saves), in mini-batches for the GRPO family's several optimizer steps. Whether a
+micro-batch runs packed is decided once, as it is cut, and carried on it (`MicroBatch.packed`)."""
 
 from __future__ import annotations
 
@@ -26,21 +27,23 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
     `min_padding` is where padding would add that share of tokens); groups go longest first and each group's
     sequences longest first, so neighbours have similar lengths. A
     sequence over the budget on its own gets a micro-batch of its own. Otherwise `micro_batch_size`
-    sequences at a time, in order.
+    sequences at a time, in order. Where the path packs, each micro-batch carries whether it runs packed
+    (`forward_cost`'s decision, made here once).
     """
+    path = ScoringPath(prompt_once=share_prompt, packed=packed, min_padding=min_padding)
     for attempt in attempts:
         group_size = attempt.rollout.group_size if attempt.rollout else 1
         groups = attempt.valid.nonzero().flatten().tolist()
         if not groups:  # nothing to train on (an attempt of a process without prompts has no rollout)
             continue
         if micro_batch_tokens > 0:
-            path = ScoringPath(prompt_once=share_prompt, packed=packed, min_padding=min_padding)
             batches = _token_budget_batches(attempt, groups, group_size, micro_batch_tokens, path)
         else:
             sequences = [b * group_size + g for b in groups for g in range(group_size)]
-            batches = [sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size)]
+            batches = [(chosen, _runs_packed(attempt, chosen, group_size, path)) for chosen in
+                       (sequences[i:i + micro_batch_size] for i in range(0, len(sequences), micro_batch_size))]
         rollout = attempt.rollout
-        for chosen in batches:
+        for chosen, runs_packed in batches:
             mask = rollout.completion_mask[chosen]  # [n, C]
             width = max(int(mask.sum(dim=1).max()), 1)
             sampler, loss_mask = rollout.sampler_logps, rollout.loss_mask
@@ -49,25 +52,41 @@ def update_chunks(attempts: list[Attempt], micro_batch_size: int, micro_batch_to
                              attempt.advantages.flatten()[chosen], None if sampler is None else sampler[chosen, :width],
                              None if loss_mask is None else loss_mask[chosen, :width].bool(),
                              None if rollout.trajectories is None else [rollout.trajectories[s] for s in chosen],
-                             rows=chosen, task=attempt.task)
+                             rows=chosen, task=attempt.task, packed=runs_packed)
 
 
 def _token_budget_batches(attempt: Attempt, groups: list[int], group_size: int, budget: int,
-                          path: ScoringPath) -> list[list[int]]:
-    """Sequence indices of `groups`, longest group first and longest sequence first, cut at `budget` tokens."""
+                          path: ScoringPath) -> list[tuple[list[int], bool | None]]:
+    """(sequence indices, whether they run packed: None where the path never packs) of `groups`, longest group first
+    and longest sequence first, cut at `budget` tokens."""
     lengths = attempt.rollout.completion_mask.sum(dim=1).tolist()  # [b * G]
     prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()  # [b]
     members = {b: sorted(range(b * group_size, (b + 1) * group_size), key=lambda s: -lengths[s]) for b in groups}
-    batches, current = [], []
+    batches, current, current_packed = [], [], None
+
+    def cost_of(chosen: list[int]) -> tuple[int, bool]:
+        return forward_cost(path, [prompt_lengths[s // group_size] for s in chosen], [s // group_size for s in chosen],
+                            [lengths[s] for s in chosen])
+
     for sequence in (s for b in sorted(groups, key=lambda b: -lengths[members[b][0]]) for s in members[b]):
         candidate = current + [sequence]
-        cost, _ = forward_cost(path, [prompt_lengths[s // group_size] for s in candidate],
-                               [s // group_size for s in candidate], [lengths[s] for s in candidate])
+        cost, packed = cost_of(candidate)
         if current and cost > budget:
-            batches.append(current)
+            batches.append((current, current_packed))
             candidate = [sequence]
-        current = candidate
-    return batches + ([current] if current else [])
+            _, packed = cost_of(candidate)
+        current, current_packed = candidate, packed if path.packed else None
+    return batches + ([(current, current_packed)] if current else [])
+
+
+def _runs_packed(attempt: Attempt, chosen: list[int], group_size: int, path: ScoringPath) -> bool | None:
+    """Whether the sequences `chosen` of `attempt` run packed on `path` (`forward_cost`); None where it never packs."""
+    if not path.packed:
+        return None
+    prompt_lengths = attempt.prompts.inputs["attention_mask"].sum(dim=1).tolist()  # [b]
+    lengths = attempt.rollout.completion_mask.sum(dim=1).tolist()  # [b * G]
+    return forward_cost(path, [prompt_lengths[s // group_size] for s in chosen], [s // group_size for s in chosen],
+                        [lengths[s] for s in chosen])[1]
 
 
 def micro_batch_cost(prompt_lengths: list[int], prompt_index: list[int], completion_lengths: list[int], *,
@@ -112,6 +131,7 @@ class MicroBatch(NamedTuple):
     rows: list[int] | None = None  # each sequence's row in its attempt's rollout (b * G + g)
     weights: torch.Tensor | None = None  # [n, C]: the correction's weights, where resolved before the update's steps
     task: str | None = None  # its task in a mixture (every sequence of a micro-batch is of one task), else None
+    packed: bool | None = None  # whether it runs packed (decided as it was cut, `forward_cost`); None: not decided
 
     @property
     def counted(self) -> torch.Tensor:
@@ -127,11 +147,14 @@ class MicroBatch(NamedTuple):
     def logps(self, policy, model, device, *, path: ScoringPath, temperature: float,
               logits_chunk_tokens: int, entropy: bool = False):
         """Log-probs [n, C] of the completions under `model` (a trajectory's observations in its forward),
-        packed where `forward_cost` says so; with `entropy`, (log-probs, entropies [n, C])."""
+        packed where the micro-batch was cut to run packed (`packed`; where undecided, as `forward_cost` says on
+        `path`); with `entropy`, (log-probs, entropies [n, C])."""
         if path.packed:
-            prompt_lengths = self.prompts.inputs["attention_mask"].sum(dim=1).tolist()
-            _, packed = forward_cost(path, [prompt_lengths[p] for p in self.prompt_index], self.prompt_index,
-                                     self.completion_mask.sum(dim=1).tolist())
+            packed = self.packed
+            if packed is None:  # a micro-batch cut without a packing path (a placeholder, another model's path)
+                prompt_lengths = self.prompts.inputs["attention_mask"].sum(dim=1).tolist()
+                _, packed = forward_cost(path, [prompt_lengths[p] for p in self.prompt_index], self.prompt_index,
+                                         self.completion_mask.sum(dim=1).tolist())
             path = path if packed else replace(path, packed=False)
         score = scoring.token_logps_and_entropy if entropy else scoring.token_logps
         return score(policy.family, model, self.prompts.to(device), self.prompt_index, self.completion_ids.to(device),

@@ -20,6 +20,7 @@ from gpg_vl.config.schema import TrainerSettings
 from gpg_vl.distributed import forward_is_collective, require_images
 from gpg_vl.errors import UserError
 from gpg_vl.models import router
+from gpg_vl.models.batch import unwrap
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import ScoringPath
 from gpg_vl.objective import AGGREGATIONS, LOSS_NORMALIZERS, TOKEN_NORMALIZED
@@ -402,7 +403,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
     """The forward and backward of every micro-batch of one optimizer step (placeholders included outside
     DDP, up to `step.steps_needed`); gradients accumulate, synced on the last (see `_optimizer_step`)."""
     policy, model, accelerator = learner.policy, learner.model, learner.accelerator
-    device = accelerator.device
+    device, bare = accelerator.device, unwrap(model)
     correction, corrections = step.correction, step.correction_sums
     chunks, old, ref = step.chunks, step.old, step.ref
     real = len(chunks)
@@ -443,7 +444,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                         sums.gap_count + count
                     if corrections is not None and correction.reports:  # the first step: its forward is pi_prox
                         weights = _chunk_weights(correction, chunk, logps.detach(), sampler, corrections)[0]
-                router_loss = router.router_aux_loss(model)  # MoE load balancing (None unless turned on)
+                router_loss = router.router_aux_loss(bare)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:

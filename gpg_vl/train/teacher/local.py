@@ -60,10 +60,9 @@ def chunk_logits(family, model, chunk, device, *, path: ScoringPath,
     T counted positions of micro-batch `chunk`, row-major, the suppressed ids left out (V' = V minus them); the
     sampled tokens' columns [T] in them): what a loss over the whole distribution (GKD's JSD) reads. One forward
     on `path` (gpg_vl/models/scoring.py's `completion_states`), with gradient where it is enabled."""
-    counted, ids = chunk.counted.to(device), chunk.completion_ids.to(device)
+    counted, ids, bare = chunk.counted.to(device), chunk.completion_ids.to(device), unwrap(model)
     hidden, logits = scoring.completion_states(family, model, chunk.prompts.to(device), chunk.prompt_index, ids,
-                                               counted, path=path, observations=chunk.trajectories)
-    bare = unwrap(model)
+                                               counted, path=path, observations=chunk.trajectories, bare=bare)
     if hidden is not None:
         logits = output_logits(hidden[counted], bare.get_output_embeddings().weight, None, temperature,
                                family.logit_softcap(bare))  # [T, V]
