@@ -185,19 +185,6 @@ def require_shared_run(mixture: Mixture, rollout, trainer) -> None:
                         "prompt of a step from one video task; turn task.options.<entry>.temporal off in the mixture.")
 
 
-def require_inputs(mixture: Task, model_cfg) -> None:
-    """A task whose prompts hold video on a model that cannot read video: one sentence, before the model loads."""
-    from gpg_vl.models.generic import model_video_refusal
-
-    tasks = mixture.tasks if isinstance(mixture, Mixture) else {mixture.name: mixture}
-    video = [name for name, task in tasks.items() if "video" in getattr(task, "inputs", ())]
-    if not video:
-        return
-    refusal = model_video_refusal(model_cfg)
-    if refusal:
-        raise UserError(f"task {video[0]!r} prompts with video, and {refusal}")
-
-
 class MixtureStream:
     """The prompts of a mixture: each prompt's task drawn by weight from the mixture's generator, then that task's
     next good prompt from its own `PromptStream`. `state_dict` holds every task's stream and the generator."""

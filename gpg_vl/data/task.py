@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from gpg_vl.config.names import TASK_BUILTINS
+from gpg_vl.data.answers import as_box, extract_answer
 from gpg_vl.errors import BadRow, UserError
 from gpg_vl.registry import Registry
-from gpg_vl.reward.primitives import _as_box, extract_answer
 
 RewardFn = Callable[[str, dict], float]
 
@@ -292,7 +292,7 @@ def checked_text(text: str, row: dict, role: str, where: str) -> str:
 
 def check_box(box, row: dict) -> None:
     """`BadRow` ("bad box") unless `box` is four finite numbers (x1, y1, x2, y2) with x2 > x1 and y2 > y1."""
-    if _as_box(box) is None:
+    if as_box(box) is None:
         raise BadRow("bad box", f"{row_name(row)} has the box {box!r}: not four finite numbers x1 < x2, y1 < y2.")
 
 

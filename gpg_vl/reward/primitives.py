@@ -14,6 +14,7 @@ import re
 import threading
 from collections.abc import Sequence
 
+from gpg_vl.data.answers import Box, as_box, extract_answer
 from gpg_vl.reward.math_check import _math_check
 
 FORMAT_PATTERN = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
@@ -22,7 +23,6 @@ FORMAT_PATTERN = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOT
 ANSWER_PATTERN = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-Box = tuple[float, float, float, float]  # (x1, y1, x2, y2) with x2 > x1 and y2 > y1
 
 
 # No sensible final answer (a letter, a label, a box, a number) is longer; longer ones are not parsed at all.
@@ -30,21 +30,6 @@ _MAX_PARSE_CHARS = 2048
 
 
 _SPACES = re.compile(r"\s*")  # the `\s*` of FORMAT_PATTERN, so both agree on what whitespace is
-
-
-def extract_answer(completion: str) -> str | None:
-    """The content of the last complete `<answer>...</answer>`, stripped; None when there is none."""
-    # Same result as ANSWER_PATTERN.findall(completion)[-1].strip(), found with str.find: the regex rescans to
-    # the end from every unclosed '<answer>', which is quadratic ('<answer>' * 200_000 takes minutes).
-    last = None
-    start = completion.find("<answer>")
-    while start >= 0:
-        end = completion.find("</answer>", start + 8)
-        if end < 0:
-            break
-        last = (start + 8, end)
-        start = completion.find("<answer>", end + 9)
-    return completion[last[0]:last[1]].strip() if last else None
 
 
 def first_answer(completion: str) -> str | None:
@@ -278,23 +263,6 @@ _CORNER_BOX = re.compile(rf"\({_NUMBER},{_NUMBER}\)\s*(?:,\s*)?\({_NUMBER},{_NUM
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)  # models often fence their JSON
 
 
-def _as_box(values: object) -> Box | None:
-    """Four finite numbers with x2 > x1 and y2 > y1 and an area that floats can hold, as a float tuple; None
-    otherwise (inverted is rejected)."""
-    try:
-        if isinstance(values, (str, bytes)) or len(values) != 4 or any(isinstance(v, bool) for v in values):
-            return None
-        x1, y1, x2, y2 = (float(v) for v in values)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if not all(math.isfinite(v) for v in (x1, y1, x2, y2)) or x2 <= x1 or y2 <= y1:
-        return None
-    scale = max(abs(x1), abs(y1), abs(x2), abs(y2))  # > 0, as x2 > x1
-    if (x2 / scale - x1 / scale) * (y2 / scale - y1 / scale) <= 0.0:
-        return None  # an area that underflows at the box's own scale ([-5e-324, 0, 0, 2]): no IoU with itself
-    return x1, y1, x2, y2
-
-
 def _json_box(obj: object) -> Box | None:
     """The box of `{"bbox_2d": [...]}`, `[x1, y1, x2, y2]`, or a list holding exactly one of those."""
     if isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], (dict, list)):
@@ -302,7 +270,7 @@ def _json_box(obj: object) -> Box | None:
     if isinstance(obj, dict):
         obj = obj.get("bbox_2d")
     if isinstance(obj, list) and all(isinstance(v, (int, float)) for v in obj):
-        return _as_box(obj)
+        return as_box(obj)
     return None
 
 
@@ -329,7 +297,7 @@ def parse_box(text: str) -> Box | None:
     for pattern in (_BRACKET_BOX, _CORNER_BOX):
         match = pattern.fullmatch(text)
         if match:
-            return _as_box(match.groups())
+            return as_box(match.groups())
     if not text.startswith(("{", "[")):
         return None
     try:
@@ -340,7 +308,7 @@ def parse_box(text: str) -> Box | None:
 
 def _box_areas(a: object, b: object) -> tuple[float, float, float] | None:
     """(intersection, union, enclosing box) areas of two boxes; None if either is not a valid box."""
-    box_a, box_b = _as_box(a), _as_box(b)
+    box_a, box_b = as_box(a), as_box(b)
     if box_a is None or box_b is None:
         return None
     # Scale coordinates into [-1, 1]: areas of boxes near float max would overflow to inf (inf / inf = NaN).
@@ -409,7 +377,7 @@ def parse_box_point(text: str) -> tuple[Box, Point] | None:
     """Seg-Zero's answer `[{"bbox_2d": [x1, y1, x2, y2], "point_2d": [x, y]}]` as (box, point); None otherwise.
 
     Accepted (the whole text, optionally in a ``` fence): a JSON list holding exactly one object with both keys,
-    or that object alone; other keys are ignored. The box must be valid (`_as_box`: x2 > x1, y2 > y1, numbers
+    or that object alone; other keys are ignored. The box must be valid (`as_box`: x2 > x1, y2 > y1, numbers
     only) and the point two finite numbers; several objects, missing keys, broken JSON and texts over
     `_MAX_PARSE_CHARS` give None.
     """
@@ -427,7 +395,7 @@ def parse_box_point(text: str) -> tuple[Box, Point] | None:
     if not isinstance(obj, dict):
         return None
     values = obj.get("bbox_2d")
-    box = _as_box(values) if isinstance(values, list) and all(
+    box = as_box(values) if isinstance(values, list) and all(
         isinstance(v, (int, float)) for v in values) else None
     point = _as_point(obj.get("point_2d"))
     return None if box is None or point is None else (box, point)

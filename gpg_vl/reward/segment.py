@@ -27,8 +27,8 @@ from typing import Protocol
 import numpy as np
 from pycocotools import mask as mask_utils
 
+from gpg_vl.data.answers import Box
 from gpg_vl.errors import UserError
-from gpg_vl.reward.primitives import Box
 
 SEGMENTERS = ("box", "sam", "sam2")
 DEFAULT_MODELS = {"sam": "facebook/sam-vit-huge", "sam2": "facebook/sam2.1-hiera-large"}

@@ -1,7 +1,7 @@
 """The objects a config names, built from its sections: the task (`task.*`, `data.*`), the judge it may ask
-(`reward.judge.*`) and the policy of a model alias with its memory options (`model.*`). `setup`
-(gpg_vl/train/setup.py) and evaluation (gpg_vl/cli.py) call them; tests replace them through this module
-(`gpg_vl.train.build.build_policy`)."""
+(`reward.judge.*`) and the policy of a model alias with its memory options (`model.*`), and the check that the task's
+inputs suit the model (`require_inputs`). `setup` (gpg_vl/train/setup.py) and evaluation (gpg_vl/cli.py) call them;
+tests replace them through this module (`gpg_vl.train.build.build_policy`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from gpg_vl.config.schema import JudgeSettings, ModelSettings
+from gpg_vl.data.mixture import Mixture
 from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
 from gpg_vl.models.load import load_policy
@@ -95,3 +96,17 @@ def build_judge(reward_cfg: DictConfig | None, task, device):
         return None
     task.judge = builder(settings, device)
     return task.judge
+
+
+def require_inputs(task, model_cfg) -> None:
+    """A task (or a mixture's) whose prompts hold video on a model that cannot read video (`model.*`): one sentence,
+    before the model loads."""
+    from gpg_vl.models.generic import model_video_refusal
+
+    tasks = task.tasks if isinstance(task, Mixture) else {task.name: task}
+    video = [name for name, task in tasks.items() if "video" in getattr(task, "inputs", ())]
+    if not video:
+        return
+    refusal = model_video_refusal(model_cfg)
+    if refusal:
+        raise UserError(f"task {video[0]!r} prompts with video, and {refusal}")

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from gpg_vl.config.schema import EvalSettings, RolloutSettings, TeacherSettings, TrainerSettings
-from gpg_vl.data.mixture import Mixture, MixtureStream, require_inputs, require_shared_run
+from gpg_vl.data.mixture import Mixture, MixtureStream, require_shared_run
 from gpg_vl.data.samplers import build_sampler
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
@@ -64,7 +64,7 @@ def setup(cfg) -> Run:
     teacher = TeacherSettings(**OmegaConf.to_container(cfg.teacher, resolve=True)) if cfg.get("teacher") else \
         TeacherSettings()
     task = build.build_task(cfg.task, cfg.data)
-    require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
+    build.require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
     teachers = _task_teachers(teacher, task)
     require_teachers(teachers, trainer, task)  # contradictions, video with the teacher on vLLM servers
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads

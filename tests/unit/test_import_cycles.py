@@ -162,6 +162,40 @@ def test_observe_reads_what_train_writes_without_importing_train():
 
 
 
+def test_data_imports_nothing_above_it():
+    """data/ (tasks, their rows, streams, mixtures) stands on the settings' names, the errors and the registry alone:
+    the checks that need a model (`require_inputs`) live where the model is built, and what a completion's answer
+    and a box are is data/answers.py's, which the rewards import."""
+    edges = graph()
+    allowed = ("gpg_vl.data", "gpg_vl.config", "gpg_vl.errors", "gpg_vl.registry", "gpg_vl.files")
+    above = sorted(f"{module} -> {target}" for module, targets in edges.items() if module.startswith("gpg_vl.data")
+                   for target in targets if not target.startswith(allowed))
+    assert not above, above
+
+
+def test_trains_rooms_import_each_other_without_a_circle():
+    """train/'s sub-packages (step, teacher, checkpoint, eval) and the run's own modules at train/ import each other
+    one way: the run imports its rooms, step imports checkpoint and teacher, eval imports step; no room imports the
+    run's modules or a room that imports it back."""
+    edges = graph()
+    packages = {name.split(".")[2] for name, path in modules().items()
+                if name.startswith("gpg_vl.train.") and path.name == "__init__.py"}
+    assert {"step", "teacher", "checkpoint", "eval"} <= packages
+
+    def room(module: str) -> str:
+        part = module.split(".")[2]
+        return part if part in packages else "run"
+
+    rooms: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        if module.startswith("gpg_vl.train."):
+            for target in targets:  # the package gpg_vl.train itself (empty) is every module's
+                if target.startswith("gpg_vl.train.") and room(target) != room(module):
+                    rooms.setdefault(room(module), set()).add(room(target))
+    assert find_cycle(rooms) is None, rooms
+    assert "run" not in set().union(*rooms.values()), rooms
+
+
 def test_no_test_module_imports_another():
     """What tests share lives in tests/helpers/ (or a fixture): a test module never imports another test module."""
     tests = PACKAGE.parent / "tests"

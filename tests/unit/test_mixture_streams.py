@@ -10,10 +10,11 @@ from omegaconf import OmegaConf
 
 from gpg_vl.config.compose import load_config
 from gpg_vl.config.schema import RolloutSettings, TrainerSettings
-from gpg_vl.data.mixture import MixtureStream, build_mixture, mixture_weights, require_inputs, require_shared_run
+from gpg_vl.data.mixture import MixtureStream, build_mixture, mixture_weights, require_shared_run
 from gpg_vl.data.samplers import DifficultySampler, UniformSampler, build_sampler, group_pass_rates
 from gpg_vl.data.stream import PromptStream
 from gpg_vl.errors import UserError
+from gpg_vl.train.build import require_inputs
 
 
 def one_sentence(error) -> str:
