@@ -12,15 +12,15 @@ vision tower while another runs it deadlocks both). The trainer keeps to that ru
   (`require_images`), so that every forward runs the vision tower;
 * making every process call `generate` for every attempt and evaluation batch, even with no prompt of
   its own (`placeholder_prompts`, ibid.), with `synced_gpus` so that their decoding steps stay in step too;
-* encoding images inside the wrapped forward in the update (models/base.py), and with the FSDP root's
-  parameters gathered during generation (`gathered_for_generation`), since transformers encodes a
-  prompt's images before its first forward.
+* encoding images inside the wrapped forward in the update (models/scoring.py's
+  `encode_shared_vision_in_forward`), and with the FSDP root's parameters gathered during generation
+  (`gathered_for_generation`), since transformers encodes a prompt's images before its first forward.
 
-With trainer.max_staleness >= 1 the sampling stage runs on a thread beside the learner (train/step/pipeline.py), and its
-collectives (AGE's counts, the server engine's sync outcome) would interleave with the learner's gradient
-all-reduce on the default process group. The sampler thread runs them on a process group of its own
-(`collectives_on`; gloo, so that two NCCL communicators never run at once on one GPU): the code that issues them
-asks `collective_group()` for it.
+With trainer.max_staleness >= 1 the sampling stage runs on a thread beside the learner (train/step/pipeline.py), and
+its collectives (AGE's counts, the server engine's sync outcome) would interleave with the learner's gradient
+all-reduce on the default process group. The sampler thread runs them on a process group of its own (`collectives_on`;
+gloo, so that two NCCL communicators never run at once on one GPU): the code that issues them asks
+`collective_group()` for it.
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]  # generic
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def policy(request, tmp_path_factory):
+def family_policy(request, tmp_path_factory):
     return tiny_family_policy(request.param, tmp_path_factory)
 
 
-def test_a_two_turn_trajectory_with_a_crop_and_its_masks(policy):
-    _, rollout = sample(policy, "incremental")
+def test_a_two_turn_trajectory_with_a_crop_and_its_masks(family_policy):
+    _, rollout = sample(family_policy, "incremental")
     first, free, refused, crop = rollout.trajectories
     assert first.turns == 2 and len(first.images) == 1 and not first.calls[0].error
     assert first.loss_mask[slice(*first.observations[0])] == [0] * (first.observations[0][1] - first.observations[0][0])
@@ -40,25 +40,25 @@ def test_a_two_turn_trajectory_with_a_crop_and_its_masks(policy):
         assert ids[row, :n].tolist() == trajectory.token_ids and attention[row].sum() == n
         assert loss[row, :n].tolist() == trajectory.loss_mask
     # limits: no room for an image, or for a second turn; under on_limit=mask a cut trajectory has no loss
-    _, cut = sample(policy, "incremental", on_limit="mask", max_images=0)
+    _, cut = sample(family_policy, "incremental", on_limit="mask", max_images=0)
     assert cut.trajectories[0].limit == "image" and cut.loss_mask[0].sum() == 0
     assert cut.trajectories[1].limit == "none" and cut.loss_mask[1].sum() > 0
-    _, cut = sample(policy, "incremental", max_turns=1)  # the call is not run: the turn limit ends it, scored
+    _, cut = sample(family_policy, "incremental", max_turns=1)  # the call is not run: the turn limit ends it, scored
     assert (cut.trajectories[0].limit, cut.trajectories[0].turns, cut.trajectories[0].calls) == ("turn", 1, [])
     assert cut.loss_mask[0].sum() == len(cut.trajectories[0].token_ids)
 
 
-def test_greedy_incremental_equals_naive_re_prefill(policy):
-    _, incremental = sample(policy, "incremental")
-    _, naive = sample(policy, "naive")
+def test_greedy_incremental_equals_naive_re_prefill(family_policy):
+    _, incremental = sample(family_policy, "incremental")
+    _, naive = sample(family_policy, "naive")
     assert [t.token_ids for t in incremental.trajectories] == [t.token_ids for t in naive.trajectories]
     for a, b in zip(incremental.trajectories, naive.trajectories, strict=True):
         assert torch.allclose(torch.tensor(a.logps), torch.tensor(b.logps), atol=1e-5)
 
 
-def test_sampling_logps_equal_the_whole_sequence_in_one_forward(policy):
-    batch, rollout = sample(policy, "incremental")
-    family, bare = policy.family, policy.model
+def test_sampling_logps_equal_the_whole_sequence_in_one_forward(family_policy):
+    batch, rollout = sample(family_policy, "incremental")
+    family, bare = family_policy.family, family_policy.model
     for row, trajectory in enumerate(rollout.trajectories):
         prompt = trim_left_padding(batch.batch.select([row // 2]).inputs)
         full = sequence_inputs(prompt, trajectory)
@@ -72,13 +72,13 @@ def test_sampling_logps_equal_the_whole_sequence_in_one_forward(policy):
         assert torch.allclose(logps[generated], torch.tensor(trajectory.logps)[generated], atol=1e-5), row
 
 
-def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
+def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(family_policy):
     """The update's log-probs of 2-turn trajectories: prompt-once (the prompt once per group, completions with
     their observations on its forked cache) equals the plain whole-sequence path, in value and gradient, and
     both equal what the sampler recorded."""
 
-    batch, rollout = sample(policy, "incremental")
-    family, model = policy.family, policy.model
+    batch, rollout = sample(family_policy, "incremental")
+    family, model = family_policy.family, family_policy.model
     index = [row // 2 for row in range(len(rollout.trajectories))]
     loss_mask = rollout.loss_mask.bool()
     recorded = torch.zeros_like(rollout.loss_mask)
@@ -101,13 +101,13 @@ def test_the_update_scores_trajectories_exactly_prompt_once_and_plain(policy):
     model.zero_grad()
 
 
-def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_trajectories(policy):
+def test_one_update_gradient_with_every_fast_path_equals_the_plain_update_on_trajectories(family_policy):
     """Prompt-once, chunked log-softmax and token-budget micro-batches that split each group, on 2-turn
     trajectories with crops and ragged lengths: the update's gradient equals the plain path's."""
-    batch, rollout = sample(policy, "incremental")
+    batch, rollout = sample(family_policy, "incremental")
     lengths = rollout.completion_mask.sum(dim=1).tolist()
     assert len(set(lengths)) > 1 and sum(len(t.images) for t in rollout.trajectories) == 2
-    assert_fast_paths_give_the_plain_gradient(policy, trajectory_attempt(batch, rollout))
+    assert_fast_paths_give_the_plain_gradient(family_policy, trajectory_attempt(batch, rollout))
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +122,12 @@ def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_traje
     counts in the normalizer: the gradient equals the one with its advantage set to zero."""
     from gpg_vl.rollout.multiturn.trajectory import pad_trajectories
 
-    policy = qwen2_5_vl  # the loss's arithmetic: one family shows it
-    batch, rollout = sample(policy, "incremental")
+    family_policy = qwen2_5_vl  # the loss's arithmetic: one family shows it
+    batch, rollout = sample(family_policy, "incremental")
     attempt = trajectory_attempt(batch, rollout)
     settings = TrainerSettings(max_grad_norm=1e9, group_size=2, share_prompt=False, share_vision=False)
-    gradient = one_update_gradient(policy, attempt, settings)
-    family, model = policy.family, policy.model
+    gradient = one_update_gradient(family_policy, attempt, settings)
+    family, model = family_policy.family, family_policy.model
     model.zero_grad()
     logps = token_logps(family, model, batch.batch, [0, 0, 1, 1], rollout.completion_ids, rollout.completion_mask,
                         observations=rollout.trajectories, path=ScoringPath(), temperature=0.7)  # [4, C]
@@ -142,9 +142,10 @@ def test_the_loss_counts_generated_tokens_only_and_on_limit_mask_keeps_the_traje
     rollout.trajectories[2].limit = "token"
     _, _, masked = pad_trajectories(rollout.trajectories, family.pad_id, on_limit="mask")
     assert masked[2].sum() == 0 and masked[0].sum() == rollout.loss_mask[0].sum()
-    with_mask = one_update_gradient(policy, trajectory_attempt(batch, replace(rollout, loss_mask=masked)), settings)
+    with_mask = one_update_gradient(family_policy, trajectory_attempt(batch, replace(rollout, loss_mask=masked)),
+                                    settings)
     zeroed = trajectory_attempt(batch, rollout)
     zeroed.advantages[1, 0] = 0.0
-    without_it = one_update_gradient(policy, zeroed, settings)
+    without_it = one_update_gradient(family_policy, zeroed, settings)
     torch.testing.assert_close(with_mask, without_it, rtol=1e-5, atol=1e-6 * scale)
     assert not torch.allclose(with_mask, gradient, rtol=1e-3, atol=1e-3 * scale)

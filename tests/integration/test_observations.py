@@ -17,16 +17,16 @@ REFUSED = {"llava_onevision": "cannot take images in a later turn"}  # families 
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def policy(request, tmp_path_factory):
+def family_policy(request, tmp_path_factory):
     return tiny_family_policy(request.param, tmp_path_factory)
 
 
-def image_token_id(policy) -> int:
-    config = policy.model.config
+def image_token_id(family_policy) -> int:
+    config = family_policy.model.config
     for key in ("image_token_id", "image_token_index"):
         if isinstance(getattr(config, key, None), int):
             return getattr(config, key)
-    return policy.family._image_token_id()
+    return family_policy.family._image_token_id()
 
 
 def count_features(encoded) -> int:
@@ -35,8 +35,8 @@ def count_features(encoded) -> int:
     return sum(part.reshape(-1, part.shape[-1]).shape[0] for part in pooled)
 
 
-def test_every_turns_images_match_their_placeholder_tokens(policy):
-    family, bare = policy.family, policy.model
+def test_every_turns_images_match_their_placeholder_tokens(family_policy):
+    family, bare = family_policy.family, family_policy.model
     if family.config.model_type in REFUSED:
         assert REFUSED[family.config.model_type] in family.multi_turn_unsupported()
         return
@@ -55,7 +55,7 @@ def test_every_turns_images_match_their_placeholder_tokens(policy):
     bare.model.get_image_features = recording
     try:
         trajectory = Trajectory()
-        pad = image_token_id(policy)
+        pad = image_token_id(family_policy)
         for turn, size in enumerate([(120, 90), (64, 160)]):
             call = f'<tool_call>{{"name": "zoom_in", "arguments": {{"bbox_2d": [0, 0, {turn + 5}0, 50]}}}}</tool_call>'
             trajectory.add_segment(family.tokenizer(call, add_special_tokens=False)["input_ids"])
@@ -74,12 +74,12 @@ def test_every_turns_images_match_their_placeholder_tokens(policy):
         bare.model.get_image_features = encoder
 
 
-def test_every_prompt_lists_the_tools_it_offers_once(policy):
+def test_every_prompt_lists_the_tools_it_offers_once(family_policy):
     """The chat template's own tool list (tools=) where it has one, else a Hermes system message; a system message
     of the task keeps its text, the tool list after it."""
     from gpg_vl.rollout.multiturn.tools import TOOLS, tool_schema
 
-    family = policy.family
+    family = family_policy.family
     tools = [tool_schema(TOOLS.get("zoom_in"))]
     question = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))},
                                              {"type": "text", "text": "What is it?"}]}]

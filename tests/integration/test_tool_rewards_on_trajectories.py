@@ -14,14 +14,14 @@ FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "glm4v", "internvl"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def policy(request, tmp_path_factory):
+def family_policy(request, tmp_path_factory):
     return tiny_family_policy(request.param, tmp_path_factory)
 
 
-def test_crops_counted_from_the_decoded_text_match_the_trajectories(policy):
+def test_crops_counted_from_the_decoded_text_match_the_trajectories(family_policy):
     from helpers.scripted_turns import sample  # the scripted rollouts of the multi-turn tests
 
-    _, rollout = sample(policy, "incremental")
+    _, rollout = sample(family_policy, "incremental")
     for text, trajectory in zip(rollout.texts, rollout.trajectories, strict=True):
         received = sum(not call.error and call.images > 0 for call in trajectory.calls)
         assert crops_used(text) == received, text
@@ -33,7 +33,7 @@ def test_crops_counted_from_the_decoded_text_match_the_trajectories(policy):
 
 
 @pytest.mark.parametrize("workers", [1, 3])
-def test_rewards_receive_the_trajectory_and_the_tool_bonus_reads_its_calls(policy, workers):
+def test_rewards_receive_the_trajectory_and_the_tool_bonus_reads_its_calls(family_policy, workers):
     """The texts are stripped of their observations, so only the trajectories can tell which received a crop."""
     from helpers.scripted_turns import sample
 
@@ -51,7 +51,7 @@ def test_rewards_receive_the_trajectory_and_the_tool_bonus_reads_its_calls(polic
             self.reward_functions["turns"] = lambda completion, row, trajectory=None: float(trajectory.turns)
             self.reward_functions["plain"] = lambda completion, row: float(len(completion) >= 0)
 
-    _, rollout = sample(policy, "incremental")
+    _, rollout = sample(family_policy, "incremental")
     texts = [final_segment(text) for text in rollout.texts]  # no <tool_response> left to search
     task = Judged()
     scores, late, errors = score_completions(task, texts, [{}] * len(texts), workers=workers,

@@ -26,7 +26,7 @@ JUNK = " and then more text that a stop string must cut off"
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5"])  # user turn; tool role; XML calls
-def policy(request, tmp_path_factory):
+def family_policy(request, tmp_path_factory):
     return tiny_family_policy(request.param, tmp_path_factory)
 
 
@@ -76,36 +76,37 @@ class ScriptedLLM:
         pass
 
 
-def prompts(policy, tools) -> EnginePrompts:
+def prompts(family_policy, tools) -> EnginePrompts:
     messages = [[{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", size, color)},
                                               {"type": "text", "text": text}]}]
                 for size, color, text in (((200, 150), (0, 90, 0), "What is it?"),
                                           ((160, 240), (90, 0, 0), "Which shape is red? Look closely."))]
-    return EnginePrompts(policy.family.encode(messages, tools=tools), messages)
+    return EnginePrompts(family_policy.family.encode(messages, tools=tools), messages)
 
 
-def call_text(policy, box) -> str:
-    if policy.family.tool_call_format == "xml":
+def call_text(family_policy, box) -> str:
+    if family_policy.family.tool_call_format == "xml":
         return f"<tool_call>\n<function=zoom_in>\n<parameter=bbox_2d>\n{box}\n</parameter>\n</function>\n</tool_call>"
     return f'<tool_call>\n{{"name": "zoom_in", "arguments": {{"bbox_2d": {box}}}}}\n</tool_call>'
 
 
-def rollout_through(policy, *, group_size=2, logps_of=None, **settings):
+def rollout_through(family_policy, *, group_size=2, logps_of=None, **settings):
     """B=2, G=2 through the engine. First turn: row 0 a good crop, row 1 an answer, row 2 a box too small (an
     error observation), row 3 a crop; each call followed by text past the stop string. Later turns: answers."""
-    family = policy.family
+    family = family_policy.family
     tokens = lambda text: family.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    engine = VLLMEngine(policy, RolloutSettings(vllm={"enable_sleep_mode": False}),
+    engine = VLLMEngine(family_policy, RolloutSettings(vllm={"enable_sleep_mode": False}),
                         llm=ScriptedLLM(family.tokenizer, None, logps_of), sampling_params=dict)
     engine.take_tools(MultiTurnSettings(**{"max_turns": 2, **settings}), ("zoom_in",))
-    batch = prompts(policy, engine.prompt_tools(SimpleNamespace(describe_tools=True)))
+    batch = prompts(family_policy, engine.prompt_tools(SimpleNamespace(describe_tools=True)))
 
     def box(prompt, region):
         frame = family.to_model_frame(region, batch.batch.image_sizes[prompt][0])
         return "[" + ", ".join(str(round(v)) for v in frame) + "]"
 
-    first = {0: call_text(policy, box(0, (10, 10, 150, 120))), 1: "The answer is a circle.",
-             2: call_text(policy, box(1, (0, 0, 20, 20))), 3: call_text(policy, box(1, (20, 40, 140, 200)))}
+    first = {0: call_text(family_policy, box(0, (10, 10, 150, 120))), 1: "The answer is a circle.",
+             2: call_text(family_policy, box(1, (0, 0, 20, 20))),
+             3: call_text(family_policy, box(1, (20, 40, 140, 200)))}
     eos = family.eos_ids[0]
 
     def script(call, row):
@@ -123,9 +124,9 @@ def collapse(ids: list[int], pad: int) -> list[int]:
     return [token for k, token in enumerate(ids) if token != pad or k == 0 or ids[k - 1] != pad]
 
 
-def test_each_turns_requests_hold_one_placeholder_per_image_and_every_turns_images(policy):
-    engine, batch, rollout, tokens = rollout_through(policy)
-    family, llm = policy.family, engine.llm
+def test_each_turns_requests_hold_one_placeholder_per_image_and_every_turns_images(family_policy):
+    engine, batch, rollout, tokens = rollout_through(family_policy)
+    family, llm = family_policy.family, engine.llm
     pad = family.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert len(llm.calls) == 2
     (first, first_params), (later, later_params) = llm.calls
@@ -152,9 +153,9 @@ def test_each_turns_requests_hold_one_placeholder_per_image_and_every_turns_imag
         "input_ids"][0].tolist(), pad) and "zoom_in" in family.tokenizer.decode(first[0]["prompt_token_ids"])
 
 
-def test_trajectories_are_assembled_from_the_segments_and_logps_align(policy):
-    engine, _, rollout, tokens = rollout_through(policy)
-    family, llm = policy.family, engine.llm
+def test_trajectories_are_assembled_from_the_segments_and_logps_align(family_policy):
+    engine, _, rollout, tokens = rollout_through(family_policy)
+    family, llm = family_policy.family, engine.llm
     crop, answer, refused, crop_again = rollout.trajectories
     assert (crop.turns, len(crop.images), crop.calls[0].error, crop.limit) == (2, 1, False, "none")
     assert (answer.turns, answer.calls) == (1, [])
@@ -178,22 +179,22 @@ def test_trajectories_are_assembled_from_the_segments_and_logps_align(policy):
     assert torch.all(rollout.sampler_logps[rollout.loss_mask == 0] == 0)  # observations and padding
 
 
-def test_segments_get_what_is_left_of_the_token_budget_and_limits_end_trajectories(policy):
-    engine, _, rollout, _ = rollout_through(policy, max_total_tokens=1000, max_images=0)
+def test_segments_get_what_is_left_of_the_token_budget_and_limits_end_trajectories(family_policy):
+    engine, _, rollout, _ = rollout_through(family_policy, max_total_tokens=1000, max_images=0)
     (_, first_params), (later, later_params) = engine.llm.calls
     assert [r["multi_modal_data"]["image"].__len__() for r in later] == [1]  # only the error observation is added
     assert rollout.trajectories[0].limit == "image" and rollout.trajectories[3].limit == "image"
     refused = rollout.trajectories[2]
     assert later_params[0]["max_tokens"] == min(MAX_NEW, 1000 - refused.observations[0][1])
-    engine, _, rollout, _ = rollout_through(policy, max_total_tokens=12)
+    engine, _, rollout, _ = rollout_through(family_policy, max_total_tokens=12)
     assert [p["max_tokens"] for p in engine.llm.calls[0][1]] == [12, 12] and len(engine.llm.calls) == 1
-    assert all(t.limit == "token" for t in rollout.trajectories if t.token_ids[-1] not in policy.family.eos_ids)
+    assert all(t.limit == "token" for t in rollout.trajectories if t.token_ids[-1] not in family_policy.family.eos_ids)
 
 
-def test_a_model_that_cannot_carry_images_in_later_turns_is_refused_in_one_sentence(policy, monkeypatch):
-    engine = VLLMEngine(policy, RolloutSettings(), llm=ScriptedLLM(policy.family.tokenizer, None),
+def test_a_model_that_cannot_carry_images_in_later_turns_is_refused_in_one_sentence(family_policy, monkeypatch):
+    engine = VLLMEngine(family_policy, RolloutSettings(), llm=ScriptedLLM(family_policy.family.tokenizer, None),
                         sampling_params=dict)
-    monkeypatch.setattr(policy.family, "multi_turn_unsupported", lambda: "its template drops tool images")
+    monkeypatch.setattr(family_policy.family, "multi_turn_unsupported", lambda: "its template drops tool images")
     with pytest.raises(UserError, match=r"rollout.max_turns=3 cannot run on this model: its template drops tool "
                                         r"images; set rollout.max_turns=1\."):
         engine.take_tools(MultiTurnSettings(max_turns=3), ("zoom_in",))
@@ -211,7 +212,7 @@ def test_engine_options_plan_for_whole_trajectories():
     assert (turns["max_model_len"], turns["limit_mm_per_prompt"]) == (4000, {"image": 9})
 
 
-def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_tokens(policy):
+def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_tokens(family_policy):
     """vLLM reporting the trainer's own log-probs for each segment: the update's logp_mismatch is 0, so every
     sampler log-prob sits at the position of the token it belongs to, and observation tokens are not compared."""
 
@@ -221,10 +222,10 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
     from gpg_vl.train.step.sample import Attempt
     from gpg_vl.train.step.update import update
 
-    _, batch, rollout, _ = rollout_through(policy)
-    family = policy.family
+    _, batch, rollout, _ = rollout_through(family_policy)
+    family = family_policy.family
     with torch.no_grad():
-        trainer = token_logps(family, policy.model, batch.batch, [0, 0, 1, 1], rollout.completion_ids,
+        trainer = token_logps(family, family_policy.model, batch.batch, [0, 0, 1, 1], rollout.completion_ids,
                               rollout.completion_mask, observations=rollout.trajectories, path=ScoringPath())
     later = [0, 2, 3]  # the trajectories that took a second turn, in the second call's order
 
@@ -233,22 +234,22 @@ def test_the_updates_on_policy_check_reads_the_sampler_logps_at_the_generated_to
         start, end = trajectory.segments[call]
         return trainer[row if call == 0 else later[row], start:end].tolist()
 
-    _, batch, rollout, _ = rollout_through(policy, logps_of=logps_of)
+    _, batch, rollout, _ = rollout_through(family_policy, logps_of=logps_of)
     rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     attempt = Attempt(rows=[{"id": 0}, {"id": 1}], prompts=batch.batch, rollout=rollout, rewards=rewards,
                       components={"r": rewards}, advantages=rewards - 0.5, valid=torch.tensor([True, True]))
     settings = TrainerSettings(group_size=2, batch_size=2, lr=0.0, micro_batch_tokens=0)
-    learner = learner_for(policy, settings, correction=Correction(sampler_check=True))
+    learner = learner_for(family_policy, settings, correction=Correction(sampler_check=True))
     assert update(learner, [attempt])["logp_mismatch_mean"] < 1e-5
-    policy.model.zero_grad()
+    family_policy.model.zero_grad()
     shifted = rollout.sampler_logps.clone()
     shifted[rollout.loss_mask == 0] = 5.0  # observation positions: not compared
     attempt.rollout.sampler_logps = shifted
     assert update(learner, [attempt])["logp_mismatch_max"] < 1e-5
-    policy.model.zero_grad()
+    family_policy.model.zero_grad()
     attempt.rollout.sampler_logps = torch.roll(rollout.sampler_logps, 1, dims=1)  # one position off: seen
     assert update(learner, [attempt])["logp_mismatch_mean"] > 0.1
-    policy.model.zero_grad()
+    family_policy.model.zero_grad()
 
 
 def test_later_turns_keep_the_first_requests_other_media_and_keywords():

@@ -1,7 +1,7 @@
 """Talking to stock `vllm serve` endpoints over HTTP (the standard library's urllib: no new dependency).
 
 The routes and JSON fields are vLLM's own (read from its source; the loopback test server in
-tests/vllm_loopback.py speaks the same):
+tests/helpers/vllm_loopback.py speaks the same):
 
 - `GET /health`, `GET /v1/models` (`data[0].id`, `root`, `max_model_len`), `GET /server_info?config_format=json`
   (`vllm_config`: `model_config`, `weight_transfer_config`, ...; with `VLLM_SERVER_DEV_MODE=1`);

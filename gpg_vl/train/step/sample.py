@@ -1,8 +1,6 @@
 """Sampling: one attempt (draw B prompts, roll out G completions each, score, advantage), and threshold
 resampling (AGE's companion): collect enough groups that carry a learning signal.
 
-Threshold resampling (AGE's companion): collect enough groups that carry a learning signal.
-
 A step wants B groups (B = prompts per step, over all processes). Roll out B prompts and score them.
 If the valid fraction (groups whose rewards are not all equal) is at least `beta_th`, update on the
 valid groups. Otherwise keep the valid groups, roll out B fresh prompts from the same stream, and
