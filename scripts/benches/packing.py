@@ -10,7 +10,7 @@ from dataclasses import replace
 import psutil
 import torch
 
-from benches.common import GpgRunner, make_rows
+from benches.common import GpgRunner, alternate_updates, make_rows
 from gpg_vl.experiments import Meter
 from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.train.step.update import update
@@ -82,14 +82,8 @@ def main_packing(args) -> None:
     table = []
     for threads in [int(x) for x in str(args.threads).split(",")]:
         torch.set_num_threads(threads)
-        records: dict[str, list[dict]] = {mode: [] for mode in modes}
-        for index in range(args.warmup + args.steps):
-            for mode in order.sample(modes, len(modes)):
-                meter.start(trim=False)  # timed as a training loop runs it, on the heap's reused pages
-                update(learners[mode], attempts)
-                records[mode].append(meter.stop())
-            print(f"  {threads} threads, round {index + 1}: " + " | ".join(
-                f"{mode} {r[-1]['step_s']:.2f} s" for mode, r in records.items()), flush=True)
+        records = alternate_updates(learners, attempts, meter, order, threads=threads,
+                                    rounds=args.warmup + args.steps)
         peaks = {}
         for mode in order.sample(modes, len(modes)):  # the peak: one more update each, from a trimmed heap
             meter.start()
