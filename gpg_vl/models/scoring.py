@@ -306,9 +306,9 @@ def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, m
     bare = unwrap(model)
     per_token = {key: inputs[key] for key in per_token_keys(inputs)}
     head = {**inputs, **{key: value[:, :-1] for key, value in per_token.items()}}  # [B, P - 1] each
-    positions = family.prefill_positions(bare, inputs)  # [B, P]: the mask's count, as decode and update use
+    positions = family.prefill_positions(bare, inputs)  # [..., B, P]: the family's, as decode and update use
     if positions is not None:
-        head["position_ids"] = positions[:, :-1]
+        head["position_ids"] = positions[..., :-1]
     family.reset_positions(bare)
     prefilled = bare(**head, use_cache=True, logits_to_keep=1)
     index = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(group_size)  # [B * G]
@@ -318,6 +318,8 @@ def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, m
     elif reserve_cache:
         cache = reserve(cache, capacity=ids.shape[1] + max_new_tokens)
     expanded = {key: value.repeat_interleave(group_size, dim=0) for key, value in per_token.items()}
+    if positions is not None and positions.dim() == 3:  # multimodal: `generate` continues from the family's
+        expanded["position_ids"] = positions.index_select(-2, index)  # [3, B * G, P]
     return {**expanded, "cache": cache}
 
 
