@@ -49,7 +49,7 @@ from gpg_vl.train.reference import build_reference, needs_reference, place_refer
 from gpg_vl.train.run import Run, RunData, RunSettings, RunState
 from gpg_vl.train.sample import reward_names
 from gpg_vl.train.teacher import Teacher, check_teacher, frozen_teacher, load_teacher, require_teacher_settings
-from gpg_vl.train.teacher_server import ServerTeacher, connect_student_teacher, connect_teacher, refuse_video
+from gpg_vl.train.teacher_server import ServerTeacher, connect_student_teacher, connect_teacher
 from gpg_vl.train.update import Learner, build_optimizer
 
 
@@ -69,7 +69,6 @@ def setup(cfg) -> Run:
     require_teacher_settings(teacher, trainer)
     task = build.build_task(cfg.task, cfg.data)
     require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
-    refuse_video(teacher, task)  # video with the teacher on vLLM servers
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
         require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
     accelerator = _command_line_accelerator(cfg)
@@ -131,7 +130,6 @@ def setup_policy(policy: Policy, task, settings: RunSettings, *, accelerator: Ac
         frozen = None if teacher is None else frozen_teacher(teacher.to(accelerator.device), policy.family,
                                                              settings.teacher, settings.trainer)
         if settings.teacher.urls is not None:  # the teacher on vLLM servers
-            refuse_video(settings.teacher, task)
             text = getattr(policy.model.config, "text_config", None) or policy.model.config
             frozen = connect_teacher(settings.teacher, tokenizer=policy.family.tokenizer,
                                      vocab_size=getattr(text, "vocab_size", None), rollout=settings.rollout,
