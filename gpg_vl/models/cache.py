@@ -58,14 +58,17 @@ def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, m
     if ids.shape[1] < 2 or bool(last_is_vision.any()):
         return None
     bare = unwrap(model)
-    positions = family.prefill_positions(bare, inputs)  # [B, P]: the mask's count, as decode and update use
-    cache = prefill_forked(family, bare, inputs, None if positions is None else positions[:, :-1],
+    positions = family.prefill_positions(bare, inputs)  # [..., B, P]: the family's, as decode and update use
+    cache = prefill_forked(family, bare, inputs, None if positions is None else positions[..., :-1],
                            group_size=group_size)
     if static_cache:
         cache = family.static_copy(bare, cache, max_cache_len=ids.shape[1] + max_new_tokens)
     elif reserve_cache:
         cache = reserve(cache, capacity=ids.shape[1] + max_new_tokens)
     expanded = {key: inputs[key].repeat_interleave(group_size, dim=0) for key in per_token_keys(inputs)}
+    if positions is not None and positions.dim() == 3:  # multimodal: `generate` continues from the family's
+        index = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(group_size)  # [B * G]
+        expanded["position_ids"] = positions.index_select(-2, index)  # [3, B * G, P]
     return {**expanded, "cache": cache}
 
 

@@ -41,6 +41,7 @@ from gpg_vl.config.names import FAMILY_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.models import tool_calls
 from gpg_vl.models.batch import PromptBatch, image_order, message_images, unwrap
+from gpg_vl.models.positions import text_positions
 from gpg_vl.models.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_PARSERS, ToolCall
 from gpg_vl.registry import Registry
 
@@ -265,17 +266,18 @@ class Family:
             base.rope_deltas = None
 
     def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor | None:
-        """Positions [N, L] of a full left-padded batch, as `generate` gives them (the attention mask's count)."""
+        """Positions [N, L] (or multimodal rotary positions [3, N, L]) of a full left-padded batch: the one place
+        that decides them for scoring, the rollout's prefill, decode loop and `generate`, packing, prompt-once,
+        multi-turn prefill and the teacher. Here the attention mask's count, as `generate` gives them; a family
+        with multimodal rotary positions places them as vLLM does (models/positions.py)."""
         self.reset_positions(model)
-        return (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
+        return text_positions(inputs["attention_mask"])  # [N, L]
 
     def prefill_positions(self, model, inputs: dict[str, Tensor]) -> Tensor | None:
-        """The positions [N, P] the rollout's prefill of a left-padded prompt batch passes: the attention mask's
-        count, which the decode steps and the update use too (a model left to itself would count the padding).
-        None for multimodal rotary positions [3, N, P]: the model computes those itself from the mask, and keeps
-        the offsets (`rope_deltas`) that `generate` continues from."""
-        positions = self.position_ids(model, inputs)
-        return positions if positions is not None and positions.dim() == 2 else None
+        """The positions [..., N, P] the rollout's prefill of a left-padded prompt batch passes (`position_ids`),
+        which the decode steps and the update use too (a model left to itself would count the padding, and place
+        a video's text by its own rule)."""
+        return self.position_ids(model, inputs)
 
     def prompt_once_unsupported(self, model: torch.nn.Module) -> str | None:
         """Why this model cannot run prompt-once exactly (None when it can)."""

@@ -23,6 +23,7 @@ from gpg_vl.data.video import DECODED, decode_video, message_videos
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch, image_order, message_images, per_prompt_rows, unwrap
 from gpg_vl.models.family import Family, register_family
+from gpg_vl.models.positions import model_rope_index
 
 # Published box conventions of some model types (their model cards); others declare none.
 BOX_FRAME_OF = {"glm4v": "relative-1000", "glm4v_moe": "relative-1000", "glm46v": "relative-1000",
@@ -166,10 +167,7 @@ class GenericFamily(Family):
         self.reset_positions(model)
         if not _multimodal_rope(model):
             return super().position_ids(model, inputs)
-        rope_index = model.model.get_rope_index
-        accepted = inspect.signature(rope_index).parameters
-        positions, _ = rope_index(**{key: value for key, value in inputs.items() if key in accepted})
-        return positions
+        return model_rope_index(model, inputs)  # GLM-4.1V: a timestamp between frames, so vLLM's rule (measured)
 
     def prompt_once_unsupported(self, model: torch.nn.Module) -> str | None:
         return None

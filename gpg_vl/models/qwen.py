@@ -1,16 +1,15 @@
 """The Qwen-VL families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE), Qwen3.5 / Qwen3.6 (dense and MoE).
 
 They share the processor call (images resized by qwen-vl-utils to whole merged patches, flattened into
-patch rows with one `image_grid_thw` row per image), 3-D multimodal rotary positions from the model's own
-`get_rope_index`, and the vision special tokens. They differ in the box frame (Qwen2.5-VL: pixels of the
+patch rows with one `image_grid_thw` row per image), 3-D multimodal rotary positions as vLLM places them
+(models/positions.py: Qwen2-VL and Qwen2.5-VL computed there, the later families by the model's own
+`get_rope_index`, which agrees), and the vision special tokens. They differ in the box frame (Qwen2.5-VL: pixels of the
 resized image; the others: 0-1000 relative), the patch size, DeepStack features (Qwen3-VL), and, for
 Qwen3.5, a hybrid cache (Gated DeltaNet conv + recurrent states in three of every four layers) and a chat
 template that opens a think block by default.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 from qwen_vl_utils import fetch_image, fetch_video, process_vision_info
@@ -20,6 +19,7 @@ from torch import Tensor
 from gpg_vl.data.video import DECODED, decode_video, is_video_part, message_videos, video_pixels
 from gpg_vl.models.batch import PromptBatch, image_order, per_prompt_rows
 from gpg_vl.models.family import Family, register_family
+from gpg_vl.models.positions import model_rope_index, qwen_positions, text_positions
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 
@@ -125,23 +125,22 @@ class QwenVLFamily(Family):
         return {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v is not None}
 
     def position_ids(self, model, inputs: dict[str, Tensor]) -> Tensor:
-        """Explicit 3-D rotary positions [3, N, L] for a full (prompt + completion) batch.
+        """Explicit 3-D rotary positions [3, N, L] for a full (prompt + completion) batch, as vLLM places them
+        (models/positions.py; tests/integration/test_positions_vllm.py compares them with vLLM's own function).
 
         Passing them avoids Qwen-VL's `rope_deltas`, which `generate()` caches on the model for its
         own batch and which would otherwise leak into a training forward of another batch size.
         """
         self.reset_positions(model)
         if "image_grid_thw" not in inputs and "video_grid_thw" not in inputs:
-            mask = inputs["attention_mask"]
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
-            return positions.unsqueeze(0).expand(3, -1, -1)
-        rope_index = model.model.get_rope_index
-        accepted = inspect.signature(rope_index).parameters
-        extra = {key: inputs[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-                 if key in inputs and key in accepted}  # Qwen2.5-VL: seconds per temporal grid step
-        positions, _ = rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-                                  attention_mask=inputs["attention_mask"], **extra)
-        return positions  # [3, N, L]
+            return text_positions(inputs["attention_mask"]).unsqueeze(0).expand(3, -1, -1)  # [3, N, L]
+        return self.vision_positions(model, inputs)
+
+    def vision_positions(self, model, inputs: dict[str, Tensor]) -> Tensor:
+        """Positions [3, N, L] of a batch holding images or videos. Qwen2-VL and Qwen2.5-VL: vLLM's rule, computed by
+        models/positions.py, whose docstring says where transformers' `get_rope_index` differs (the text after a
+        video of several temporal patches) and the upstream references."""
+        return qwen_positions(self.config, inputs)
 
     def shares_vision(self, model: torch.nn.Module) -> bool:
         return True
@@ -200,6 +199,11 @@ class Qwen3VLFamily(Qwen2VLFamily):
     model_types = ("qwen3_vl", "qwen3_vl_moe")
     video_times_in_text = True  # `<t seconds>` before each frame pair
     processor_kwargs = {"do_resize": False}
+
+    def vision_positions(self, model, inputs: dict[str, Tensor]) -> Tensor:
+        """The model's own `get_rope_index`: with a timestamp between a video's frame pairs, every vision run has
+        one temporal patch, where transformers' rule and vLLM's coincide (measured: docs/models.md#positions)."""
+        return model_rope_index(model, inputs)
 
 
 @register_family

@@ -136,8 +136,12 @@ def _generate(family, model, inputs: dict[str, Tensor], *, group_size: int, samp
     width = inputs["input_ids"].shape[1]
     if forked is not None:
         inputs, expand = forked, 1
-    elif static_cache:
-        inputs = {**inputs, "cache_implementation": "static"}
+    else:
+        positions = family.position_ids(unwrap(model), inputs)  # multimodal: the family's, not the model's own rule
+        if positions is not None and positions.dim() == 3:
+            inputs = {**inputs, "position_ids": positions}  # [3, B, P]: generate extends them one per new token
+        if static_cache:
+            inputs = {**inputs, "cache_implementation": "static"}
     how = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None} if sampling.greedy else {
         "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
     # Under FSDP / ZeRO-3 generation is collective: synced_gpus keeps every process decoding until all are done.

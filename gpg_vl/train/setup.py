@@ -66,7 +66,7 @@ def setup(cfg) -> Run:
     task = build.build_task(cfg.task, cfg.data)
     build.require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
     teachers = _task_teachers(teacher, task)
-    require_teachers(teachers, trainer, task)  # contradictions, video with the teacher on vLLM servers
+    require_teachers(teachers, trainer, task)  # contradictions with the trainer, one sentence each
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
         require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
     accelerator = _command_line_accelerator(cfg)

@@ -243,6 +243,9 @@ class LoopbackServer:
         how = {"do_sample": False} if greedy else {"do_sample": True, "temperature": float(params["temperature"]),
                                                     "top_p": float(params.get("top_p", 1.0)), "top_k": 0}
         self.family.reset_positions(self.model)
+        positions = self.family.position_ids(self.model, inputs)  # where vLLM places them (test_positions_vllm.py)
+        if positions is not None and positions.dim() == 3:
+            inputs = {**inputs, "position_ids": positions}
         out = self.model.generate(**inputs, max_new_tokens=int(params.get("max_tokens", 16)),
                                   num_return_sequences=int(params.get("n", 1)), suppress_tokens=banned or None,
                                   eos_token_id=stop_ids or None, pad_token_id=self.family.pad_id,

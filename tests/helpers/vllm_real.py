@@ -10,6 +10,7 @@ the tiny model started from the command line docs/engines.md gives, and the trai
   when the run's main process ends; its users take `server_lock` (each test pushes its own weights to it).
 - `vllm_env`: the environment variables that run this clone's gpg_vl in the vLLM environment (whatever clone its
   editable install points at).
+- `push_teacher`: a teacher (the model with every weight moved) pushed to a server and saved beside it.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def server_command(model: str | Path = "gpg_vl/assets/tiny-qwen2.5-vl", port: in
     """docs/engines.md's CPU server line (after its environment variables), for `model` on `port`."""
     return ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
             "--max-model-len", "2048", "--gpu-memory-utilization", "0.1", "--enable-scale-out",
-            "--logprobs-mode", "processed_logprobs", "--limit-mm-per-prompt", '{"image": 2}',
-            "--no-enable-chunked-prefill", "--enforce-eager", "--port", str(port)]
+            "--logprobs-mode", "processed_logprobs", "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
+            "--trust-request-mm-kwargs", "--no-enable-chunked-prefill", "--enforce-eager", "--port", str(port)]
 
 
 def free_port() -> int:
@@ -150,3 +151,22 @@ def request(url: str, route: str, body: dict | None = None) -> dict:
                                   method="GET" if body is None else "POST")
     with urllib.request.urlopen(call, timeout=120) as answer:  # noqa: S310
         return json.loads(answer.read() or b"{}")
+
+
+def push_teacher(policy, url: str, folder: Path) -> Path:
+    """A teacher on the server at `url`: `policy`'s model with every weight moved (noise 0.01, seed 0), pushed to the
+    server as the vllm_server engine pushes the trainer's weights (disk sync), and saved to `folder` (teacher.model)."""
+    import torch
+
+    from gpg_vl.config.schema import RolloutSettings
+    from gpg_vl.rollout.engine import build_engine
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in policy.model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+    build_engine(RolloutSettings(engine="vllm_server", max_prompt_tokens=1024, max_new_tokens=16, vllm_server={
+        "urls": url, "weight_transfer": "disk", "transfer_dir": str(folder.parent / "transfer")}), policy)  # syncs
+    policy.model.save_pretrained(folder)
+    policy.processor.save_pretrained(folder)
+    return folder

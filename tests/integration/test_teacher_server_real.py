@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.runs import train_run
-from helpers.vllm_real import TINY, RealServer, needs_vllm_env, server_lock, shared_server
+from helpers.vllm_real import TINY, RealServer, needs_vllm_env, push_teacher, server_lock, shared_server
 
 from gpg_vl.config.schema import RolloutSettings, TeacherSettings, TrainerSettings
 from gpg_vl.errors import UserError
@@ -44,16 +44,7 @@ def teacher_served(policy, tmp_path_factory, tmp_path):
     model with every weight moved, pushed to the server as the vllm_server engine pushes the trainer's weights."""
     url = shared_server(tmp_path_factory)
     with server_lock(tmp_path_factory):
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for parameter in policy.model.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
-        build_engine(RolloutSettings(engine="vllm_server", max_prompt_tokens=1024, max_new_tokens=16, vllm_server={
-            "urls": url, "weight_transfer": "disk", "transfer_dir": str(tmp_path / "transfer")}), policy)  # syncs
-        folder = tmp_path / "teacher"
-        policy.model.save_pretrained(folder)
-        policy.processor.save_pretrained(folder)
-        yield url, policy, folder
+        yield url, policy, push_teacher(policy, url, tmp_path / "teacher")
 
 
 def student():

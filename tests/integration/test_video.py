@@ -6,7 +6,8 @@ Gemma 4).
 - one update's gradient with every fast path (prompt-once, shared video features, chunked logits,
   micro-batches) equals the plain path's on video prompts (2 prompts of different lengths, G = 2, ragged
   completions);
-- prompt-once prefill gives transformers `generate`'s greedy tokens on video prompts;
+- prompt-once prefill gives transformers `generate`'s greedy tokens on video prompts; every HF decoder's behaviour
+  log-probs are the update's (the same positions, the family's);
 - GLM-4.1V's and Gemma 4's frame times come from the metadata (hand-computed at 2 and 1 fps); a subset of a
   generic batch mixing videos and images selects the same tensors as its prompts encoded alone;
 - a generic model type without video refuses it in one sentence naming the model and why; a broken video is a
@@ -21,6 +22,7 @@ import pytest
 import torch
 from helpers.gradients import one_update_gradient
 from helpers.runs import tiny_family_policy, untimed
+from helpers.scoring import token_logps
 from helpers.video_attempts import two_video_prompts, video_attempt, video_messages
 from helpers.video_clips import clip_frames, write_clip
 
@@ -71,6 +73,26 @@ def test_prompt_once_prefill_gives_generate_s_greedy_tokens_on_video(video_polic
         once = generate(video_policy, prompts, group_size=group_size, sampling=greedy, prefill_once=True,
                         decode=decode)
         assert torch.equal(once.completion_ids, every_row.completion_ids), decode
+
+
+@pytest.mark.parametrize("decode, prefill_once", [("loop", True), ("generate", True), ("generate", False)])
+def test_every_decoder_samples_video_at_the_positions_the_update_scores(video_policy, decode, prefill_once):
+    """The behaviour log-probs of each HF decoder (the decode loop; transformers' `generate` continuing the forked
+    prefill, or prefilling every row) are the update's on video prompts: both place every token by the family's
+    `position_ids` (Qwen2-VL and Qwen2.5-VL: not by the model's own `get_rope_index`, which places the text after
+    these multi-patch clips elsewhere)."""
+    prompts = two_video_prompts(video_policy)
+    sampling = Sampling(max_new_tokens=6, temperature=0.7)
+    torch.manual_seed(0)
+    # every row prefilled: the rows given one by one (transformers 5.25's generate cannot repeat GLM-4.1V's videos)
+    rollout = generate(video_policy, prompts, group_size=2, sampling=sampling, prefill_once=True, decode=decode) \
+        if prefill_once else generate(video_policy, prompts.select([0, 0, 1, 1]), group_size=1, sampling=sampling,
+                                      prefill_once=False, decode=decode)
+    with torch.no_grad():
+        scored = token_logps(video_policy.family, video_policy.model, prompts, [0, 0, 1, 1], rollout.completion_ids,
+                             rollout.completion_mask, temperature=0.7)
+    mask = rollout.completion_mask
+    assert mask.any() and torch.allclose(rollout.sampler_logps[mask], scored[mask], atol=1e-4)
 
 
 # 4 s at 8 fps = 32 frames. 2 fps: 8 frames at round(i * 31 / 7) = 0 4 9 13 18 22 27 31; 1 fps: 4 frames at

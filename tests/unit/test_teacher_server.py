@@ -135,22 +135,6 @@ def test_no_server_at_the_url_is_one_sentence():
                         tokenizer=lambda text, **_: {"input_ids": [1]}, vocab_size=None, rollout=RolloutSettings())
 
 
-def test_video_tasks_are_refused_with_a_server_teacher():
-    """vLLM places the text after a Qwen2.5-VL video elsewhere than the trainer's transformers (measured: up to 9.4
-    nats between the same tokens' log-probs), so a task with video, alone or in a mixture, is refused."""
-    from types import SimpleNamespace
-
-    from gpg_vl.train.teacher.server import refuse_video
-
-    video, image = SimpleNamespace(name="motion", inputs=("image", "video")), SimpleNamespace(name="shapes",
-                                                                                               inputs=("image",))
-    refuse_video(TeacherSettings(urls="http://t:1"), image)
-    refuse_video(TeacherSettings(model="folder"), video)  # the teacher beside the student scores as the student
-    with pytest.raises(UserError, match=r"^teacher.urls with task 'motion', whose prompts hold video, is not "
-                                        r"supported: .* with teacher.model for video tasks\.$"):
-        refuse_video(TeacherSettings(urls="http://t:1"), video)
-
-
 def test_a_server_that_refuses_to_process_a_video_is_one_sentence():
     import torch
 

@@ -14,7 +14,7 @@ from gpg_vl.config.schema import TeacherSettings
 from gpg_vl.errors import UserError
 from gpg_vl.objective.teacher_losses import teacher_loss_needs
 from gpg_vl.train.teacher.local import Teacher, check_tokenizer, frozen_teacher
-from gpg_vl.train.teacher.server import ServerTeacher, connect_teacher, refuse_video, student_tokenizer
+from gpg_vl.train.teacher.server import ServerTeacher, connect_teacher, student_tokenizer
 
 TEACHER_KEYS = tuple(item.name for item in fields(TeacherSettings))  # what task.teacher.<entry> may set
 
@@ -118,11 +118,9 @@ def task_teachers(run: TeacherSettings, tasks: list[str] | None, overrides: dict
 
 def require_teachers(settings: dict, trainer, task) -> None:
     """Each task's teacher settings (`task_teachers`) checked before anything loads: contradictions with the trainer
-    (`require_teacher_settings`) and video prompts for a teacher on vLLM servers, one sentence each."""
+    (`require_teacher_settings`), one sentence each."""
     for name, one in settings.items():
         require_teacher_settings(one, trainer, key="teacher" if name is None else f"task.teacher.{name}")
-        if one.urls is not None:
-            refuse_video(one, task if name is None else task.tasks[name])
 
 
 def build_teachers(settings: dict, student: Student, *, trainer, rollout, device, rank: int = 0,

@@ -223,25 +223,6 @@ def connect_teacher(teacher: TeacherSettings, *, tokenizer, vocab_size: int | No
     return ServerTeacher(servers, name, teacher, by_ids, rank=rank)
 
 
-def refuse_video(teacher: TeacherSettings, task) -> None:
-    """teacher.urls with a task whose prompts hold video: one sentence, before any model loads. Measured against
-    vLLM 0.32's CPU build (docs/distillation.md): the server gets the trainer's frames exactly, but it places the
-    text after a Qwen2.5-VL video where the original model does (after the video's largest position, its scaled time
-    included) and transformers 5.25, which scores the student, at the video's start plus its height or width: the
-    same tokens' log-probs were up to 9.4 nats apart."""
-    if teacher.urls is None:
-        return
-    from gpg_vl.data.mixture import Mixture
-
-    tasks = task.tasks if isinstance(task, Mixture) else {task.name: task}
-    video = [name for name, one in tasks.items() if "video" in getattr(one, "inputs", ())]
-    if video:
-        raise UserError(f"teacher.urls with task {video[0]!r}, whose prompts hold video, is not supported: vLLM and "
-                        "the trainer's transformers place the text after a video at other positions, so the server's "
-                        "log-probs are not the trainer's; load the teacher beside the student with teacher.model for "
-                        "video tasks.")
-
-
 def student_tokenizer(student: str) -> tuple[object, int | None]:
     """(tokenizer, vocabulary size) of the student's folder or hub id `student` (model.name_or_path), read before it
     loads (what `connect_teacher` checks a server against)."""
