@@ -86,21 +86,15 @@ PACKING_MODES = ("auto", "on", "off")
 AUTO_MIN_PADDING = 0.1
 
 
-PROMPT_ONCE_FROM = (5, 24)  # the transformers release whose forked caches the suite checks (prompt-once exact)
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which `model`'s forward (and `generate`) takes a key/value cache: `cache` from transformers
+    5.24 on, `past_key_values` before (5.24 renamed it). Passed under the other name, a cache is taken as an unknown
+    keyword and ignored: the forward starts an empty cache, so completions scored (prompt-once) or decoded (the
+    prefill-once loop) on a forked prompt cache lose their prompt (on transformers 5.15-5.23 the tiny Qwen2.5-VL's
+    prompt-once log-probs were 1.25 nats per token off whole sequences' before this was asked)."""
+    import inspect
 
-
-def prompt_once_untested(version: str | None = None) -> str | None:
-    """Why prompt-once scoring steps aside under this transformers (None where it is checked): measured in the vLLM
-    CPU environment (transformers 5.19, torch 2.13: scripts/vllm_cpu_env.sh), the forked cache's log-probs of the
-    tiny Qwen2.5-VL differed from whole sequences' by 2.2 nats per token on average."""
-    import transformers
-
-    version = version or transformers.__version__
-    found = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
-    if found < PROMPT_ONCE_FROM:
-        return (f"transformers {version} is older than {'.'.join(map(str, PROMPT_ONCE_FROM))}, on which its forked "
-                "prompt cache is checked (5.19 scores completions wrongly on it)")
-    return None
+    return "cache" if "cache" in inspect.signature(unwrap(model).forward).parameters else "past_key_values"
 
 
 def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, share_vision: bool,
@@ -118,7 +112,7 @@ def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, s
     wrapped = distributed.forward_is_collective(model)
     bare = unwrap(model)
     prompt_once = share_prompt and not wrapped and not checkpointing(bare)
-    reason = (family.prompt_once_unsupported(bare) or prompt_once_untested()) if prompt_once else None
+    reason = family.prompt_once_unsupported(bare) if prompt_once else None
     if reason:
         if warn is not None:
             warn(f"trainer.share_prompt=true steps aside for this model: {reason}; each sequence runs whole (same "
@@ -318,7 +312,7 @@ def prefill_once(family, model, inputs: dict[str, Tensor], *, group_size: int, m
     elif reserve_cache:
         cache = reserve(cache, capacity=ids.shape[1] + max_new_tokens)
     expanded = {key: value.repeat_interleave(group_size, dim=0) for key, value in per_token.items()}
-    return {**expanded, "cache": cache}
+    return {**expanded, cache_keyword(bare): cache}
 
 
 class ReservedLayer(DynamicLayer):
@@ -465,7 +459,8 @@ def prompt_once_hidden(family, model, prompts: PromptBatch, prompt_index: list[i
     mask = torch.cat([prompt_mask[expand], completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1)  # [N, P + C - 1]
     weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
     completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
-                                position_ids=completion_positions, cache=cache, use_cache=True, **completion_extra)
+                                position_ids=completion_positions, use_cache=True,
+                                **{cache_keyword(bare.model): cache}, **completion_extra)
     return torch.cat([last, completion_out.last_hidden_state], dim=1)  # [N, C, H]
 
 

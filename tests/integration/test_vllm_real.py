@@ -230,6 +230,22 @@ def test_the_colocated_engine_trains_in_the_vllm_environment(tmp_path):
     assert all(m["logp_mismatch_mean"] < 1e-4 and m["logp_mismatch_max"] < 1e-3 for m in lines)
 
 
+@pytest.mark.slow
+def test_an_older_transformers_scores_and_decodes_on_the_forked_prompt_cache_as_on_whole_sequences():
+    """The vLLM environment's transformers (5.19; vLLM 0.33 and 0.34 pin < 5.21 and < 5.23) takes a cache as
+    `past_key_values`, not as 5.24's `cache`: passed under the new name, it was ignored, and prompt-once scoring was
+    1.25 nats per token off whole sequences (mean; 4.0 at most) while the prefill-once decode loop sampled other
+    tokens (bisected: transformers 5.15.1 to 5.23.0 all so, 5.24.0 not). Each is now asked under the keyword the
+    installed transformers takes (`gpg_vl.models.scoring.cache_keyword`)."""
+    done = subprocess.run([str(PYTHON), "tests/helpers/forked_cache_check.py"], cwd=ROOT, env=vllm_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    major, minor = (int(part) for part in found["transformers"].split(".")[:2])
+    assert (major, minor) < (5, 24) and found["keyword"] == "past_key_values", found  # the old name is what it tests
+    assert found["gap_max"] < 1e-4 and found["same_tokens"] == {"loop": True, "generate": True}, found
+
+
 def test_bench_measures_both_engines_rollout_and_step():
     """scripts/bench.py --engines at a tiny scale (its figures come from a quiet machine: docs/results/vllm.md): each
     engine in a process of its own, a table row each, with the vLLM step's sync timed."""
