@@ -30,6 +30,7 @@ def train_main(cfg: DictConfig) -> dict:
     """Train from a composed config: build the run once (gpg_vl/train/setup.py's `setup`), train it, and end
     the process group; a UserError reaches scripts/train.py, which prints its sentence. Ctrl-C ends the run
     with `Interrupted` (the output folder released): one line naming the step and how to continue."""
+    from gpg_vl.distributed import lost_peer
     from gpg_vl.train.loop import setup, train
 
     try:
@@ -41,14 +42,34 @@ def train_main(cfg: DictConfig) -> dict:
     except KeyboardInterrupt:
         run.bar.close()  # the message on a line of its own
         raise Interrupted(_interrupted(run)) from None
-    except BaseException:
+    except RuntimeError as error:
         run.bar.close()  # an error's sentence (or traceback) on a line of its own, not on the progress bar's
+        reason = lost_peer(error) if run.accelerator.num_processes > 1 else None
+        if reason is None:
+            raise
+        _stop_without_peers(run, reason)
+    except BaseException:
+        run.bar.close()
         raise
     if run.main and summary.get("accuracy_before") is not None:
         print(f"accuracy before: {summary['accuracy_before']:.3f}  after: {summary.get('accuracy_after', 0):.3f}"
               f"  ({cfg.output_dir}/summary.json)")
     _close_process_group(run.accelerator)
     return summary
+
+
+def _stop_without_peers(run, reason: str) -> None:
+    """Another trainer process is gone (killed, crashed, its machine lost: `reason`, what the collective said): no
+    collective can run any more, so no checkpoint can be written either. Stop in one sentence naming the newest
+    intact checkpoint, from which the same launch on every machine continues with resume=auto."""
+    from gpg_vl.train.checkpoint import latest_checkpoint
+
+    accelerator = run.accelerator
+    newest = latest_checkpoint(run.output_dir)
+    kept = f"its newest intact checkpoint is {newest.name}" if newest else "no checkpoint was written yet"
+    run.stop(f"process {accelerator.process_index} of {accelerator.num_processes} lost another trainer process "
+             f"({reason}), so the run stopped at step {run.state.step}; {kept} (output_dir={run.output_dir}): "
+             "once every machine is back, launch the same command on each with resume=auto (docs/many-nodes.md).")
 
 
 def _interrupted(run) -> str:

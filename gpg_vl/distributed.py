@@ -99,6 +99,23 @@ DEEPSPEED_FILE_KEYS = {"stage": "zero_stage", "offload_optimizer.device": "offlo
                        "offload_param.device": "offload_param_device"}
 
 
+# how gloo and NCCL say that another process of the group is gone (killed, crashed, its machine lost) or stopped
+# answering within the process group's timeout (torch's default: 30 minutes for gloo, 10 for NCCL)
+LOST_PEER = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe|"
+                       r"Timed out waiting|communicator was aborted|Socket Timeout", re.IGNORECASE)
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """What a failed collective says, in its first sentence, when another trainer process is gone (gloo's
+    "Connection closed by peer", a wait past the timeout, NCCL's aborted communicator); None for any other error."""
+    errors = tuple(getattr(torch.distributed, name) for name in ("DistError",) if hasattr(torch.distributed, name))
+    if not (isinstance(error, errors) or (isinstance(error, RuntimeError) and LOST_PEER.search(str(error)))):
+        return None
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo names its source file first
+    return first.split(". ")[0].rstrip(".")
+
+
 def _once(expected: str) -> str:
     """pydantic's list of an enum's values ("0, 1, 2, 3 or 3") with each value once ("0, 1, 2 or 3")."""
     values = list(dict.fromkeys(part.strip() for part in re.split(r",| or ", expected) if part.strip()))

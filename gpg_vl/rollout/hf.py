@@ -26,7 +26,7 @@ from torch import Tensor
 from gpg_vl.distributed import forward_is_collective, gathered_for_generation
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import PromptBatch, eval_mode, extend_per_token, unwrap
-from gpg_vl.models.cache import prefill_once
+from gpg_vl.models.cache import cache_keyword, prefill_once
 from gpg_vl.models.load import Policy
 from gpg_vl.rollout.engine import Engine, EnginePrompts, Sampling, register_engine
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
@@ -192,7 +192,8 @@ def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sa
     suppressed = torch.tensor(suppress, device=prompt_ids.device) if suppress else None
     eos = torch.tensor(family.eos_ids, device=prompt_ids.device) if family.eos_ids and not sampling.ignore_eos \
         else None
-    cache, token = forked["cache"], forked["input_ids"][:, -1:]  # [N, 1]: the prompt's last token
+    keyword = cache_keyword(bare)  # `cache` (transformers >= 5.24) or `past_key_values`
+    cache, token = forked[keyword], forked["input_ids"][:, -1:]  # [N, 1]: the prompt's last token
     out = prompt_ids.new_full((rows, steps), family.pad_id)  # [N, C]
     logps = torch.zeros((rows, steps), dtype=torch.float32, device=prompt_ids.device)  # [N, C]
     unfinished = torch.ones(rows, dtype=torch.bool, device=prompt_ids.device)  # [N]
@@ -200,7 +201,7 @@ def decode_loop(family, model, inputs: dict[str, Tensor], *, group_size: int, sa
     for step in range(steps):
         at = width - 1 + step
         logits = bare(input_ids=token, attention_mask=attention[:, :at + 1], position_ids=positions[..., at:at + 1],
-                      cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [N, V]
+                      use_cache=True, logits_to_keep=1, **{keyword: cache}).logits[:, -1].float()  # [N, V]
         chosen = next_tokens(logits, sampling, suppressed)  # [N]
         chosen = torch.where(unfinished, chosen, torch.full_like(chosen, family.pad_id))
         out[:, step] = chosen

@@ -1,10 +1,12 @@
 """Two processes launched as `accelerate launch` starts them (forked: helpers/procs.py), with the shipped
-accelerate configs' environment: what the distributed tests and the multi-process server tests share."""
+accelerate configs' environment: what the distributed tests and the multi-process server tests share; and
+"machines" on this one host, each a real `accelerate launch --num_machines N --machine_rank R` (`machine`)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +44,35 @@ def launch(*arguments: str, config: str | None = None) -> str:
     done = procs.launch(list(arguments), env={**launch_env(), **environment}, port=free_port())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stdout + done.stderr
+
+
+def machine(rank: int, machines: int, port: int, *arguments: str, log: Path) -> subprocess.Popen:
+    """Machine `rank` of `machines` simulated on this host: `accelerate launch --multi_gpu --num_machines <machines>
+    --machine_rank <rank> --num_processes <machines> --main_process_ip 127.0.0.1 --main_process_port <port>
+    <arguments>` (one trainer process per machine, accelerate's default static rendezvous at the port, which machine
+    0's launcher serves), in a session of its own; both streams in `log`."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", str(machines),
+               "--machine_rank", str(rank), "--num_processes", str(machines), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", *arguments]
+    return subprocess.Popen(command, cwd=ROOT, env=launch_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            start_new_session=True)
+
+
+def kill_machine(launcher: subprocess.Popen) -> None:
+    """A machine lost at once: its launcher and every process under it (torchrun starts each trainer process in a
+    session of its own, so the launcher's process group alone would leave them running)."""
+    import psutil
+
+    try:
+        processes = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    launcher.wait()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ the tiny model started from the command line docs/engines.md gives, and the trai
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,10 +42,11 @@ SERVER_VARIABLES = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 START_S = 600  # a cold start on a loaded two-core machine takes about a minute
 
 
-def server_command(model: str | Path = "gpg_vl/assets/tiny-qwen2.5-vl", port: int = 8000) -> list[str]:
+def server_command(model: str | Path = "gpg_vl/assets/tiny-qwen2.5-vl", port: int = 8000,
+                   max_model_len: int = 2048) -> list[str]:
     """docs/engines.md's CPU server line (after its environment variables), for `model` on `port`."""
     return ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
-            "--max-model-len", "2048", "--gpu-memory-utilization", "0.1", "--enable-scale-out",
+            "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.1", "--enable-scale-out",
             "--logprobs-mode", "processed_logprobs", "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
             "--trust-request-mm-kwargs", "--no-enable-chunked-prefill", "--enforce-eager", "--port", str(port)]
 
@@ -73,9 +75,9 @@ def vllm_env(**extra: str) -> dict[str, str]:
 class RealServer:
     """One real `vllm serve` (vLLM's CPU build) on a free loopback port; its log in `log`."""
 
-    def __init__(self, model: str | Path, log: Path) -> None:
+    def __init__(self, model: str | Path, log: Path, *, max_model_len: int = 2048) -> None:
         self.port, self.log = free_port(), Path(log)
-        command = [str(PYTHON), *server_command(model, self.port)[1:]]
+        command = [str(PYTHON), *server_command(model, self.port, max_model_len)[1:]]
         self.process = subprocess.Popen(command, env=vllm_env(**SERVER_VARIABLES), stdout=open(self.log, "w"),  # noqa: SIM115
                                         stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -142,6 +144,63 @@ def server_lock(tmp_path_factory):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent
     return FileLock(str(base / "vllm-serve-user.lock"))
+
+
+BUDGET = ["rollout.max_prompt_tokens=1024", "rollout.max_new_tokens=24"]  # within the server's --max-model-len 2048
+
+
+def run_overrides(urls: str, transfer: Path, *extra: str) -> list[str]:
+    """A run sampled by the servers at `urls` (quoted when several: Hydra reads an unquoted comma as a sweep),
+    synced through the folder `transfer`, each request seeded (a run's samples do not follow the threads' order)."""
+    return ["rollout.engine=vllm_server", f"rollout.vllm_server.urls={urls}",
+            "rollout.vllm_server.weight_transfer=disk", f"rollout.vllm_server.transfer_dir={transfer}",
+            "rollout.vllm_server.seed=1", "rollout.vllm_server.timeout_s=30", *BUDGET, *extra]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def recorded_requests():
+    """Every request this process's engine sends to a server, as (url, method, route, body), while inside."""
+    from gpg_vl.rollout.vllm.client import Server
+
+    calls, original = [], Server.request
+
+    def request(self, method, route, body, **kwargs):
+        calls.append((self.url, method, route.split("?")[0], body))
+        return original(self, method, route, body, **kwargs)
+
+    Server.request = request
+    try:
+        yield calls
+    finally:
+        Server.request = original
+
+
+# the launches that several tests compare with, on the shared server: 2 trainer processes of one machine
+TWO_PROCESSES = ["trainer.batch_size=4", "trainer.group_size=4", "trainer.lr=1e-3", "trainer.beta_th=0",
+                 "trainer.eval_before=false", "trainer.eval_after=false", "trainer.save_every=1",
+                 "trainer.keep_checkpoints=5"]
+
+
+def two_process_run(tmp_path_factory) -> Path:
+    """3 steps of 2 trainer processes of one machine (accelerate's environment, forked ranks: helpers/launch.py)
+    against the shared server, synchronous, a checkpoint every step; once per test run. The server's weight
+    version after it is in `server-version`."""
+    from helpers.launch import launch
+    from helpers.once import once
+
+    url = shared_server(tmp_path_factory)
+
+    def make(folder: Path) -> None:
+        with server_lock(tmp_path_factory):
+            launch("scripts/train.py", f"output_dir={folder / 'run'}",
+                   *run_overrides(url, folder / "transfer", "trainer.max_steps=3", *TWO_PROCESSES))
+            (folder / "server-version").write_text(request(url, "/weight_info")["weight_version"])
+
+    return once(tmp_path_factory, "vllm-two-processes", make)
 
 
 def request(url: str, route: str, body: dict | None = None) -> dict:

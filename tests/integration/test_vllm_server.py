@@ -1,11 +1,14 @@
-"""rollout.engine=vllm_server against the loopback server (tests/helpers/vllm_loopback.py: vLLM's routes and JSON
-fields, generating with the tiny model): the payloads, real rollouts whose per-token log-probs are the trainer's
-(image prompts, and video prompts whose frames and metadata are the trainer's, sampled nowhere else), weight sync as
-stock vLLM takes it (`disk`: /collective_rpc reload_weights, then /update_weight_version), prompts spread over two
-servers, several trainer processes, a multi-turn tool run, and faults in one sentence: no server at start (before
-the model loads), a stalled sync (which vLLM cannot be made to do), a prompt refused as too long. Against vLLM
-itself (its CPU build), with a server killed mid-run: tests/integration/test_vllm_real.py. The NCCL backend needs
-CUDA: scripts/gpu_check.py --server-transfer nccl runs it."""
+"""rollout.engine=vllm_server without vLLM: the payloads and answers (pure functions), a refused prompt, the faults
+said in one sentence before any server is needed (no server at start, a port that is not one, a server that stays
+unreachable, a sync that hangs past its watchdog), and the one fault vLLM itself cannot be made to produce: a weight
+sync that stalls inside the server (`LoopbackServer.stall_updates`, tests/helpers/vllm_loopback.py, the only use of
+the loopback stand-in).
+
+Against vLLM itself (its CPU build): the engine, the sync's requests and a server killed mid-run
+(tests/integration/test_vllm_real.py), several trainer processes, FSDP2 and ZeRO-3, two servers
+(test_vllm_real_launch.py), videos and tool trajectories (test_vllm_video_tools_real.py), two machines
+(tests/distributed/test_two_machines.py). The NCCL backend needs CUDA: scripts/gpu_check.py --server-transfer nccl
+runs it."""
 
 from __future__ import annotations
 
@@ -18,12 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.runs import train_run
-from helpers.scoring import token_logps
 from helpers.vllm_loopback import LoopbackServer
 
 from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
+from gpg_vl.rollout.engine import Sampling
 from gpg_vl.rollout.vllm.client import Rejected, Server, ServerGone, split_urls
 from gpg_vl.rollout.vllm.server import (
     FINAL_ONLY,
@@ -41,14 +43,6 @@ from gpg_vl.rollout.vllm.weight_transfer import SYNC_STALLED_EXIT, transport_una
 from gpg_vl.train.checkpoint.folder import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLING_ROUTES = ("/v1/chat/completions/render", "/inference/v1/generate")
-
-
-@pytest.fixture(scope="module")
-def server():
-    loopback = LoopbackServer().start()
-    yield loopback
-    loopback.stop()
 
 
 def settings(urls: str, tmp_path, **extra) -> dict:
@@ -184,102 +178,6 @@ def test_a_server_serving_another_model_is_named_with_the_difference(policy):
     assert compare_model("http://s", models, {"model_config": {"hf_config": config.to_dict()}}, config, 50) is None
 
 
-# ---------------------------------------------------------------------------------------------
-# the engine against the loopback server
-# ---------------------------------------------------------------------------------------------
-def test_rollouts_are_real_their_logps_are_the_trainers_and_each_records_its_weight_version(policy, shapes, server,
-                                                                                            tmp_path):
-    engine = build_engine(RolloutSettings(engine="vllm_server", vllm_server=settings(server.url, tmp_path)), policy)
-    assert engine.version == 0 and server.version == "0"  # the first sync: the servers hold the trainer's weights
-    prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:2]])
-    before = len(server.calls)
-    rollout = engine.generate(prompts, 3, Sampling(max_new_tokens=12))
-    generate = [body for route, body in server.calls[before:] if route == "/inference/v1/generate"]
-    assert len(generate) == 2 and all(body["sampling_params"]["n"] == 3 for body in generate)
-    inputs = prompts.batch.inputs
-    ours = sorted(inputs["input_ids"][b][inputs["attention_mask"][b].bool()].tolist() for b in range(2))
-    assert sorted(body["token_ids"] for body in generate) == ours  # the trainer's own ids, never re-tokenised text
-    assert all(len(body["features"]["mm_placeholders"]["image"]) == 1 for body in generate)  # one run per image
-    assert rollout.completion_ids.shape[0] == 6 and rollout.weight_versions == [0] * 6
-    with torch.no_grad():
-        trainer = token_logps(policy.family, policy.model, prompts.batch, [0, 0, 0, 1, 1, 1],
-                              rollout.completion_ids, rollout.completion_mask)
-    gap = (trainer - rollout.sampler_logps).abs()[rollout.completion_mask]
-    assert gap.max() < 1e-4 and rollout.sampler_logps[rollout.completion_mask].min() < -1e-3
-
-
-def test_video_rollouts_are_real_and_their_logps_are_the_trainers_on_the_same_frames(policy, server, tmp_path):
-    """Video prompts (a list of frames with an odd count, and an MPEG-4 file) through the server: each video rendered
-    once, its features pointed at its run of video tokens; the completions' log-probs are the trainer's on the frames
-    it scores (Qwen2.5-VL's `second_per_grid_ts` included: the positions would differ otherwise)."""
-    from helpers.video_task import MovingDot
-
-    from gpg_vl.data.video import decode_videos
-
-    task = MovingDot(size=4)
-    rows = [task.row(1), task.row(2)]  # 7 frames given as a list; a 2-second clip at 4 fps read from a file
-    messages = [decode_videos(task.messages(r), max_frames=16, root=task.image_root) for r in rows]
-    engine = build_engine(RolloutSettings(engine="vllm_server", vllm_server=settings(server.url, tmp_path)), policy)
-    prompts = encode_prompts(policy, messages)
-    before = len(server.calls)
-    rollout = engine.generate(prompts, 2, Sampling(max_new_tokens=10))
-    calls = server.calls[before:]
-    renders = [body for route, body in calls if route == "/v1/chat/completions/render"]
-    generate = [body for route, body in calls if route == "/inference/v1/generate"]
-    assert len(renders) == 2 and all(body["messages"][0]["content"][0]["type"] == "video_url" for body in renders)
-    video_token = policy.family.processor.video_token_id
-    for body in generate:
-        (run,) = body["features"]["mm_placeholders"]["video"]
-        assert "image" not in body["features"]["mm_placeholders"]
-        assert body["token_ids"][run["offset"]:run["offset"] + run["length"]] == [video_token] * run["length"]
-        assert body["token_ids"].count(video_token) == run["length"]
-    assert rollout.completion_ids.shape[0] == 4 and rollout.completion_mask.any()
-    with torch.no_grad():
-        trainer = token_logps(policy.family, policy.model, prompts.batch, [0, 0, 1, 1], rollout.completion_ids,
-                              rollout.completion_mask)
-    gap = (trainer - rollout.sampler_logps).abs()[rollout.completion_mask]
-    assert gap.max() < 1e-4 and rollout.sampler_logps[rollout.completion_mask].min() < -1e-3
-
-
-def test_sync_pauses_pushes_every_weight_and_labels_the_version(policy, server, tmp_path):
-    engine = build_engine(RolloutSettings(engine="vllm_server", vllm_server=settings(server.url, tmp_path)), policy)
-    with torch.no_grad():
-        for parameter in policy.model.parameters():
-            parameter.add_(0.01)
-    before = len(server.calls)
-    engine.sync(policy.model, 1)
-    assert [route for route, _ in server.calls[before:]] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
-                                                              "/reset_encoder_cache", "/update_weight_version",
-                                                              "/resume"]
-    (reload,) = [body for route, body in server.calls[before:] if route == "/collective_rpc"]
-    assert reload == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "transfer" / "v1")}}
-    assert server.version == "1" and server.running.is_set()
-    ours = dict(policy.model.named_parameters())
-    for name, theirs in server.model.named_parameters():
-        assert torch.equal(theirs, ours[name]), name
-    assert [p.name for p in (tmp_path / "transfer").iterdir()] == ["v1"]  # the older version removed
-
-
-def test_prompts_are_spread_over_two_servers_and_a_prompt_too_long_for_one_is_rejected(policy, shapes, server,
-                                                                                       tmp_path):
-    short = LoopbackServer(max_model_len=60).start()
-    try:
-        urls = f"{server.url},{short.url}"
-        rollout = RolloutSettings(engine="vllm_server", max_prompt_tokens=40, max_new_tokens=8,
-                                  vllm_server=settings(urls, tmp_path))
-        engine = build_engine(rollout, policy)
-        prompts = encode_prompts(policy, [shapes.messages(r) for r in shapes.load("train")[:4]], ids=list("abcd"))
-        result = engine.generate(prompts, 2, Sampling(max_new_tokens=30))  # 30 more tokens: too long for `short`
-    finally:
-        short.stop()
-    assert sorted(result.rejected) == [1, 3] and "maximum context length is 60" in result.rejected_reasons[1]
-    assert result.completion_ids.shape[0] == 8
-    kept = result.keep_prompts([0, 2])
-    assert kept.completion_ids.shape[0] == 4 and torch.equal(kept.completion_ids[2:], result.completion_ids[4:6])
-    for loopback in (server, short):  # both took part in the sync and in the rollout
-        assert "/inference/v1/generate" in [route for route, _ in loopback.calls]
-
-
 def test_a_refused_prompt_is_skipped_with_one_warning_naming_it(policy, shapes):
     from gpg_vl.config.schema import TrainerSettings
     from gpg_vl.data.stream import PromptStream
@@ -332,22 +230,6 @@ def test_a_port_outside_1_to_65535_is_refused_as_a_port_at_once(tmp_path, capsys
                                      "on.\n")
 
 
-def test_a_server_that_answers_at_once_is_not_waited_for_aloud(server, tmp_path, capsys):
-    from gpg_vl.config.compose import load_config
-
-    load_config("train", [f"output_dir={tmp_path / 'out'}", *overrides(server.url, tmp_path)])
-    assert "waiting up to" not in capsys.readouterr().err
-
-
-def test_a_run_trains_through_the_server_on_policy_and_the_server_follows_every_step(server, tmp_path):
-    summary = train_run(tmp_path / "out", *overrides(server.url, tmp_path, "trainer.max_steps=2"))
-    assert summary["steps"] == 2
-    lines = metrics(tmp_path / "out")
-    assert [m["rollout_weight_version"] for m in lines] == [0, 1]  # batch n sampled by the weights after n - 1
-    assert all(m["logp_mismatch_mean"] < 1e-4 and m["reward_mean"] > 0 for m in lines)
-    assert server.version == "2"
-
-
 @pytest.mark.parametrize("k", [0, 1])
 def test_a_stalled_sync_ends_the_run_within_sync_timeout_s_losing_no_step(tmp_path, k):
     stalling = LoopbackServer().start()
@@ -390,140 +272,6 @@ def test_a_sync_that_hangs_past_sync_timeout_s_exits_the_rank_in_one_sentence():
 def test_a_server_that_is_unreachable_is_retried_until_its_deadline():
     with pytest.raises(ServerGone, match=r"did not answer GET /health within 0\.6 s \(\d+ tries"):
         Server("http://127.0.0.1:9", timeout_s=0.6).get("/health")
-
-
-# ---------------------------------------------------------------------------------------------
-# several trainer processes, several servers
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("k", [0, 1])
-def test_two_trainer_processes_train_against_one_server(k, tmp_path):
-    """2 trainer processes as accelerate launch starts them (gloo) against a `vllm serve` stand-in: both send
-    their prompts and take part in every sync (rank 0 sends). Synchronous (k = 0): step 2 is sampled by step 1's
-    weights. One step behind (k = 1): each process's sampler thread syncs the server by the schedule (step 3: the
-    weights after step 1), on the samplers' own process group beside the learners' gradient all-reduce."""
-    import urllib.request
-
-    from helpers.launch import launch
-
-    steps = 2 + k
-    server = LoopbackServer().start()  # in this process, beside the two trainer processes
-    try:
-        out = tmp_path / "out"
-        launch("scripts/train.py", f"output_dir={out}", *overrides(server.url, tmp_path, f"trainer.max_steps={steps}",
-                                                                     f"trainer.max_staleness={k}",
-                                                                     "trainer.batch_size=4", "trainer.group_size=4",
-                                                                     "trainer.lr=1e-3", "trainer.beta_th=0",
-                                                                     "trainer.eval_before=false",
-                                                                     "trainer.eval_after=false"))
-        with urllib.request.urlopen(server.url + "/weight_info") as answer:  # noqa: S310
-            version = json.loads(answer.read())["weight_version"]
-    finally:
-        server.stop()
-    lines = metrics(out)
-    assert all(m["groups_sampled"] == 4 for m in lines)  # both processes' prompts, counted over both
-    if k == 0:
-        assert version == "2" and [m["rollout_weight_version"] for m in lines] == [0, 1]
-        assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines)
-    else:  # steps 1 and 2 sampled by the start's weights, step 3 by step 1's; the learner's pushed at the end
-        assert [m["rollout_weight_version"] for m in lines] == [0, 0, 1]
-        assert [m["version_lag_max"] for m in lines] == [0, 1, 1] and version == "3"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
-def test_sharded_trainers_gather_their_weights_for_every_sync(engine, tmp_path):
-    """FSDP2 and DeepSpeed ZeRO-3 on 2 trainer processes against one server: every sync gathers the sharded weights
-    (collective: both ranks walk them, rank 0 sends), so the server samples each step with exactly the trainer's
-    weights (its log-probs are the trainer's)."""
-    from helpers.launch import WORKER, launch, require_deepspeed
-
-    if engine == "zero3":
-        require_deepspeed()
-    server = LoopbackServer().start()
-    try:
-        out = tmp_path / "out"
-        launch(str(WORKER), "train", str(out), "--engine", engine, "--no-resume", "--",
-               *overrides(server.url, tmp_path, "trainer.max_steps=2", "trainer.batch_size=4", "trainer.group_size=4",
-                          "trainer.lr=1e-3", "trainer.beta_th=0", "trainer.eval_before=false",
-                          "trainer.eval_after=false"), config="zero3.yaml" if engine == "zero3" else None)
-    finally:
-        server.stop()
-    assert json.loads((out / "rank0.json").read_text())["engine"] == (
-        "DistributedType.FSDP" if engine == "fsdp" else "DistributedType.DEEPSPEED")
-    lines = metrics(out / "a")
-    assert [m["rollout_weight_version"] for m in lines] == [0, 1]
-    assert all(m["logp_mismatch_mean"] < 1e-4 for m in lines)
-
-
-def test_a_run_against_two_servers_spreads_its_prompts_and_syncs_both(tmp_path):
-    first, second = LoopbackServer().start(), LoopbackServer().start()
-    try:
-        urls = f'"{first.url},{second.url}"'  # quoted: Hydra reads an unquoted comma as a sweep
-        summary = train_run(tmp_path / "out", *overrides(urls, tmp_path, "trainer.max_steps=2",
-                                                          "trainer.lr=1e-3"))
-    finally:
-        first.stop()
-        second.stop()
-    assert summary["steps"] == 2 and first.version == second.version == "2"
-    for loopback in (first, second):
-        assert [route for route, _ in loopback.calls].count("/inference/v1/generate") >= 2
-    assert all(m["logp_mismatch_mean"] < 1e-4 for m in metrics(tmp_path / "out"))
-    ours = dict(first.model.named_parameters())
-    assert all(torch.equal(p, ours[name]) for name, p in second.model.named_parameters())
-
-
-def test_one_step_behind_the_server_is_the_sampler_and_holds_the_version_the_schedule_says(server, tmp_path):
-    """trainer.max_staleness=1 (the asynchronous pipeline): the sampler thread pushes each version it samples with
-    (step n: the weights after step n - 2); the learner never syncs the server itself."""
-    before = [route for route, _ in server.calls].count("/collective_rpc")
-    summary = train_run(tmp_path / "out", *overrides(server.url, tmp_path, "trainer.max_steps=3",
-                                                      "trainer.max_staleness=1", "trainer.lr=1e-3"))
-    assert summary["steps"] == 3
-    lines = metrics(tmp_path / "out")
-    assert [m["version_lag_max"] for m in lines] == [0, 1, 1]
-    assert all(m["logp_mismatch_mean"] >= 0 for m in lines) and lines[0]["logp_mismatch_mean"] < 1e-4
-    pushed = [route for route, _ in server.calls].count("/collective_rpc") - before
-    assert pushed <= 3  # the engine's first sync and the sampler's loads (versions 0, 1), never one per update
-
-
-def test_tool_trajectories_go_through_the_server_with_every_images_features_and_the_trainers_logps(tmp_path):
-    """rollout.max_turns=2 on the zoom task with its cold-start model: real trajectories that call zoom_in, their
-    second turn sent as the whole trajectory so far (observations as the trainer scores them) with the features of
-    the prompt's image and of the crop; the sampler's log-probs are the trainer's on every generated token."""
-    from gpg_vl.data.task import get_task
-    from gpg_vl.models.load import ASSETS, load_policy
-    from gpg_vl.models.scoring import choose_scoring_path, token_logps
-
-    if not (ASSETS / "tiny-qwen2.5-vl-zoom").exists():
-        pytest.skip("the zoom cold-start model is not built")
-    pixels = {"min_pixels": 3136, "max_pixels": 112 * 112}  # configs/experiment/zoom-tiny.yaml
-    task = get_task("zoom", train_size=50, test_size=30)
-    zoom = LoopbackServer("embedded:tiny-qwen2.5-vl-zoom", **pixels).start()
-    try:
-        torch.manual_seed(0)
-        policy = load_policy("embedded:tiny-qwen2.5-vl-zoom", dtype="float32", **pixels)
-        rollout = RolloutSettings(engine="vllm_server", max_turns=2, max_new_tokens=100, max_total_tokens=400,
-                                  vllm_server=settings(zoom.url, tmp_path, seed=1, timeout_s=120))
-        engine = build_engine(rollout, policy, tools=task.tools)
-        rows = task.load("test")[:8]
-        prompts = encode_prompts(policy, [task.messages(r) for r in rows], tools=engine.prompt_tools(task))
-        result = engine.generate(prompts, 4, Sampling(max_new_tokens=100))
-    finally:
-        zoom.stop()
-    cropped = [k for k, t in enumerate(result.trajectories) if t.images]
-    assert cropped and all(result.trajectories[k].turns == 2 for k in cropped)
-    later = [body for route, body in zoom.calls
-             if route == "/inference/v1/generate" and body["sampling_params"]["n"] == 1]  # turn 2: one per row
-    assert len(later) == len([t for t in result.trajectories if t.turns == 2])
-    assert sum(len(body["features"]["mm_placeholders"]["image"]) == 2 for body in later) == len(cropped)
-    with torch.no_grad():
-        path = choose_scoring_path(policy.family, policy.model, share_prompt=False, share_vision=True)
-        trainer = token_logps(policy.family, policy.model, prompts.batch, [k // 4 for k in range(32)],
-                              result.completion_ids, result.completion_mask, path=path,
-                              observations=result.trajectories)
-    generated = result.loss_mask.bool()
-    assert (trainer - result.sampler_logps).abs()[generated].max() < 1e-4
 
 
 def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_every_rank(tmp_path):

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from gpg_vl.errors import UserError
 from gpg_vl.models.batch import eval_mode, extend_per_token, trim_left_padding, unwrap
-from gpg_vl.models.cache import cache_of, prefill_forked
+from gpg_vl.models.cache import cache_keyword, cache_of, prefill_forked
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn.tools import ToolContext, ToolResult, answer_call
 from gpg_vl.rollout.multiturn.trajectory import (
@@ -205,7 +205,7 @@ def _feed(family, bare, rows: list[_Row], chunks: list[list[int]], cache, attent
     inputs = {"input_ids": ids, "attention_mask": attention, "position_ids": positions, **extra_tokens,
               **{key: sum(values) if key == "batch_num_images" else torch.cat(values, dim=0)
                  for key, values in images.items()}}
-    out = bare(**inputs, cache=cache, use_cache=True, logits_to_keep=width)
+    out = bare(**inputs, use_cache=True, logits_to_keep=width, **{cache_keyword(bare): cache})
     last = (real.long().sum(dim=1) - 1).clamp(min=0)  # [n]
     logits = out.logits[torch.arange(len(rows), device=device), last].float()  # [n, V]
     return logits, cache_of(out), attention

@@ -240,8 +240,8 @@ def missing(cuda: bool, build: str | None) -> str | None:
     CUDA GPU, its CPU build runs anywhere."""
     if build is None:
         return ("rollout.engine=vllm needs the vllm package, which is not installed here; on a GPU machine run "
-                f"pip install -e \".[vllm]\" (vLLM 0.33, CUDA), on a CPU machine run the trainer in the environment "
-                f"that `{CPU_ENV}` makes, or use rollout.engine=hf.")
+                "pip install -e \".[vllm]\" (vLLM 0.33 or 0.34, CUDA), on a CPU machine run the trainer in the "
+                f"environment that `{CPU_ENV}` makes, or use rollout.engine=hf.")
     if build == "cuda" and not cuda:
         return ("rollout.engine=vllm with vLLM's CUDA build needs a CUDA GPU and none is visible here; run on a GPU "
                 f"machine, run the trainer in the vLLM CPU environment that `{CPU_ENV}` makes, or use "
