@@ -200,7 +200,9 @@ class MixtureStream:
         self.mixture, self.rank, self.world_size = mixture, rank, world_size
         self.names = list(mixture.tasks)
         self.streams = {name: make_stream(name, rows[name]) for name in self.names}
-        self.weights = torch.tensor([mixture.weights[name] for name in self.names], dtype=torch.float64)
+        self.weights = torch.tensor([mixture.weights[name] for name in self.names], dtype=torch.float64)  # [T]
+        if not torch.isfinite(self.weights.sum()):  # each finite (mixture_weights), their sum not: the shares are
+            self.weights = self.weights / self.weights.max()  # what count, so scale them first (else one task wins)
         self.generator = torch.Generator().manual_seed(seed * 100_003 + MIXTURE_SEED_OFFSET)
         self.drawn = dict.fromkeys(self.names, 0)  # prompts drawn per task (cumulative, global)
         self.bad = MixedBadRows(self.streams)

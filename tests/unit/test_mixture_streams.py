@@ -142,6 +142,29 @@ def test_prompts_are_drawn_by_weight_deterministically_per_seed_each_tagged_with
         [[(p.task, p.index) for p in other.next_prompts(8)] for _ in range(5)]
 
 
+def test_weights_whose_sum_overflows_still_draw_every_task_by_its_share():
+    """{a: 1e308, b: 1e308} summed to inf, and every prompt was b's (issue 59)."""
+    assert mixture_weights({"shapes": 1e308, "motion": 1e308}) == {"shapes": 1e308, "motion": 1e308}
+    for weights, share in (({"a": 1e308, "b": 1e308}, 0.5), ({"a": 1e308, "b": 1.5e308}, 0.6)):
+        stream = mixed_stream(weights=weights)
+        counts = Counter(p.task for _ in range(100) for p in stream.next_prompts(8))
+        assert abs(counts["b"] / 800 - share) < 0.06, counts
+    # ordinary weights draw exactly what they drew before (the scaling is for sums that overflow only)
+    assert torch.equal(mixed_stream().weights, torch.tensor([1.0, 3.0], dtype=torch.float64))
+
+
+def test_a_mixture_key_given_twice_on_the_command_line_is_refused():
+    for typed, key in (("task.mixture={shapes: 1, shapes: 2}", "shapes"),
+                       ("trainer.loss_options={max_tokens: 8, max_tokens: 16}", "max_tokens"),
+                       ("task.options={motion: {frames: 4, frames: 8}}", "frames")):
+        with pytest.raises(UserError) as error:
+            load_config("train", ["task=mix", typed])
+        assert one_sentence(error) == (f"{typed.split('=')[0]} names {key!r} twice ({typed.split('=', 1)[1]}); give "
+                                       "each key once.")
+    assert load_config("train", ["task=mix", "task.mixture={shapes: 1, motion: 2}"]).task.mixture == {
+        "shapes": 1, "motion": 2}
+
+
 def test_a_task_walks_its_split_as_it_would_alone():
     stream = mixed_stream(weights={"a": 1.0, "b": 1.0})
     alone = PromptStream([{"id": f"a{i}"} for i in range(50)], seed=0)
