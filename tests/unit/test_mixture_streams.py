@@ -229,3 +229,37 @@ def test_an_informative_group_unsettles_a_prompt_and_the_window_holds_its_last_g
     assert not sampler.settled(0)  # [0.5, 1.0]: the last two
     sampler.record(0, 0.0)
     assert sampler.settled(0) and sampler.rates[0] == [1.0, 0.0]
+
+
+class CountedSampler(DifficultySampler):
+    """The difficulty sampler, failing once asked more than `most` times (a walk that would spin fails here)."""
+
+    most = 10_000
+
+    def take(self, index):
+        self.asked = getattr(self, "asked", 0) + 1
+        if self.asked > self.most:
+            raise AssertionError(f"the walk asked the sampler {self.asked} times")
+        return super().take(index)
+
+
+@pytest.mark.parametrize("size", [1, 7])
+def test_a_walk_of_settled_rows_with_a_tiny_keep_still_moves_by_at_most_a_pass_per_prompt(size):
+    """keep=1e-9 with every row settled spun for ever after step 1 (issue 59): a pass over the split in which every
+    row is deferred ends with the next row taken anyway, said once."""
+    warnings = []
+    sampler = CountedSampler(size, seed=0, keep=1e-9, window=1)
+    stream = PromptStream(list(range(size)), seed=0, sampler=sampler, warn=warnings.append)
+    first = stream.next_indices(size)  # nothing recorded yet: every row taken at its turn
+    assert sorted(first) == list(range(size)) and sampler.asked == size
+    stream.record([(None, index, 1.0) for index in range(size)])  # every row settled
+    for _ in range(3):
+        asked = sampler.asked
+        assert len(stream.next_indices(2)) == 2
+        assert sampler.asked - asked <= 2 * size
+    assert len(warnings) == 1 and warnings[0].startswith("data.sampler=difficulty deferred every row of a whole pass")
+    resumed = PromptStream(list(range(size)), seed=0, sampler=CountedSampler(size, seed=0, keep=1e-9, window=1))
+    again = PromptStream(list(range(size)), seed=0, sampler=CountedSampler(size, seed=0, keep=1e-9, window=1))
+    again.next_indices(size), again.record([(None, index, 1.0) for index in range(size)])
+    resumed.load_state_dict(again.state_dict())
+    assert [resumed.next_indices(2) for _ in range(3)] == [again.next_indices(2) for _ in range(3)]
