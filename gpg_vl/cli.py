@@ -83,6 +83,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     the tasks' accuracies."""
     from gpg_vl.config.validate import check_model_folder
     from gpg_vl.data.mixture import Mixture
+    from gpg_vl.rollout.engine import require_reachable
     from gpg_vl.train import build
     from gpg_vl.train.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
     from gpg_vl.train.outdir import check_output_dir
@@ -114,6 +115,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         # rollout.* as training has it (the engine and its own section, the multi-turn keys, the tools'
         # sections), typed by the config's schema; greedy decoding takes no sampling key from it
         rollout = OmegaConf.to_object(cfg.rollout)
+        require_reachable(rollout)  # a server that does not answer: one sentence, before the model loads
         check_model_folder(cfg.model)
         policy = build.build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         rollouts, engines, lengths = _engines(task, rollout, policy)

@@ -28,7 +28,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import choose_scoring_path
-from gpg_vl.rollout.engine import build_engine
+from gpg_vl.rollout.engine import build_engine, require_reachable
 from gpg_vl.train import build
 from gpg_vl.train.checkpoint import (
     compare_settings,
@@ -72,6 +72,7 @@ def setup(cfg) -> Run:
     refuse_video(teacher, task)  # video with the teacher on vLLM servers
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
         require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
+    require_reachable(OmegaConf.to_object(cfg.rollout))  # a server that does not answer: one sentence, before it loads
     accelerator = _command_line_accelerator(cfg)
     require_pipeline(trainer, cfg.rollout, accelerator)  # trainer.max_staleness >= 1 with this launch and engine
     build.build_judge(cfg.get("reward"), task, accelerator.device)  # a judge that cannot be built fails first

@@ -305,19 +305,37 @@ def test_a_refused_prompt_is_skipped_with_one_warning_naming_it(policy, shapes):
 # ---------------------------------------------------------------------------------------------
 # faults in a run
 # ---------------------------------------------------------------------------------------------
-def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, no_model):
-    setup_called = []
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, no_model, script):
+    from gpg_vl.cli import eval_main, train_main
     from gpg_vl.config.compose import run_cli
 
-    code = run_cli("train", lambda cfg: setup_called.append(cfg), [f"output_dir={tmp_path / 'out'}", *overrides(
-        "http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")])
+    code = run_cli(script, train_main if script == "train" else eval_main, [
+        f"output_dir={tmp_path / 'out'}", *overrides("http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 1 and not setup_called
+    assert code == 2 and err.count("\n") == 1
     waiting, error = err.splitlines()  # the wait is said as it starts (after one short try), then its end
     assert waiting == ("waiting up to 0.5 s (rollout.vllm_server.timeout_s) for the vLLM server at "
                        "http://127.0.0.1:9 to answer GET /health ...")
     assert error.startswith("error: no vLLM server answers at http://127.0.0.1:9 (GET /health, for "
                             "rollout.vllm_server.timeout_s=0.5 s); start `vllm serve` there")
+
+
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_printing_or_checking_a_config_never_contacts_a_server(tmp_path, capsys, monkeypatch, script):
+    """`--cfg job` with rollout.engine=vllm_server waited timeout_s (300 s) for a server (issue 59)."""
+    from gpg_vl.config.compose import load_config, run_cli
+
+    def contacted(self, route, **kwargs):
+        raise AssertionError(f"{self.url}{route} was contacted")
+
+    monkeypatch.setattr(Server, "get", contacted)
+    typed = [f"output_dir={tmp_path / 'out'}", *overrides("http://127.0.0.1:8000", tmp_path)]
+    cfg = load_config(script, typed)
+    assert cfg.rollout.engine == "vllm_server"
+    assert run_cli(script, lambda cfg: pytest.fail("ran"), [*typed, "--cfg", "job"]) == 0
+    printed = capsys.readouterr()
+    assert "vllm_server:" in printed.out and "urls: http://127.0.0.1:8000" in printed.out and printed.err == ""
 
 
 def test_a_port_outside_1_to_65535_is_refused_as_a_port_at_once(tmp_path, capsys, no_model):
