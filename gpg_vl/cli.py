@@ -83,6 +83,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     the tasks' accuracies."""
     from gpg_vl.config.validate import check_model_folder
     from gpg_vl.data.mixture import Mixture
+    from gpg_vl.data.task import load_split
     from gpg_vl.rollout.engine import require_reachable
     from gpg_vl.train import build
     from gpg_vl.train.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
@@ -97,7 +98,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
                         "where a mixture's evaluation writes them).")
     tasks = task.tasks if mixed else {task.name: task}
     splits = {name: cfg.eval.split or one.eval_split for name, one in tasks.items()}
-    rows = {name: one.load(splits[name]) for name, one in tasks.items()}
+    rows = {name: load_split(one, splits[name]) for name, one in tasks.items()}
     output_dir = Path(cfg.output_dir)
     check_output_dir(output_dir)  # before the model loads: the results are written at the end
     results = {}  # name -> (metrics, records)

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from gpg_vl.data.mixture import Mixture
 from gpg_vl.data.stream import Subset, scan_rows
+from gpg_vl.data.task import load_split
 from gpg_vl.errors import UserError
 from gpg_vl.train.evaluate import Share, decoding, evaluate
 
@@ -48,7 +49,7 @@ def _held_out_rows(run, task, split: str, engine, rollout, max_new_tokens: int |
     evaluation, trainer = run.settings.evaluation, run.trainer
     accelerator, family = run.accelerator, run.learner.policy.family
     evaluated = (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after or trainer.eval_every > 0
-    eval_rows = task.load(split) if evaluated else []  # evaluation off: never read
+    eval_rows = load_split(task, split) if evaluated else []  # evaluation off: never read
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
     eval_data = None
     if evaluated:

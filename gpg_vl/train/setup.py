@@ -23,6 +23,7 @@ from gpg_vl.config.schema import EvalSettings, RolloutSettings, TeacherSettings,
 from gpg_vl.data.mixture import Mixture, MixtureStream, require_inputs, require_shared_run
 from gpg_vl.data.samplers import build_sampler
 from gpg_vl.data.stream import PromptStream
+from gpg_vl.data.task import load_split
 from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
@@ -158,8 +159,8 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     mixed = isinstance(task, Mixture)
     for one in task.tasks.values() if mixed else [task]:  # a grounding task on a family without a box frame
         policy.family.require_box_frame(one)
-    train_rows = {name: one.load(one.train_split) for name, one in task.tasks.items()} if mixed else \
-        task.load(task.train_split)
+    train_rows = {name: load_split(one, one.train_split) for name, one in task.tasks.items()} if mixed else \
+        load_split(task, task.train_split)
     note = task.data_note(train_rows)  # e.g. how many rows need a judge: said once, at the start
     if note:
         accelerator.print(note)
