@@ -252,6 +252,16 @@ def one_process_update(tmp_path_factory) -> Path:
     return once(tmp_path_factory, "update-1", lambda out: one_process(str(WORKER), "update", str(out)))
 
 
+# How far the metrics every process logs may be from one process's, relative, at the first update and after it.
+# The first update scores the same weights: only the float order of the forward (other batch shapes) and of the
+# sums differs (measured on AMD EPYC: at most 4e-6, the loss's). The second scores weights the first step already
+# moved apart by its gradient's float order (the weights below are compared at rtol 1e-5), which a step of lr 0.1
+# on gradients of norm 11 amplifies: measured on AMD EPYC, loss 1.2e-5 (abs 1.9e-7), grad_norm 6.7e-6,
+# entropy_mean 1.9e-6 (7.9e-6 here and 1.3e-5 on another AMD EPYC, issue 59, before the entropy was summed from
+# terms >= 0: models/logits.py); 5e-5 leaves room for another processor's kernels.
+METRIC_REL = (1e-5, 5e-5)
+
+
 def assert_update_matches(reference: Path, out: Path, engine: str, cases: tuple[str, ...] = CASES) -> None:
     rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     single = json.loads((reference / "rank0.json").read_text())
@@ -268,10 +278,11 @@ def assert_update_matches(reference: Path, out: Path, engine: str, cases: tuple[
         assert single["cases"][case]["largest_change"] > 1e-3, case
         # the metrics every process logs are the same on both, and equal to one process's
         assert rank0["cases"][case]["metrics"] == rank1["cases"][case]["metrics"], case
-        for mine, theirs in zip(rank0["cases"][case]["metrics"], single["cases"][case]["metrics"], strict=True):
+        for step, (mine, theirs) in enumerate(zip(rank0["cases"][case]["metrics"], single["cases"][case]["metrics"],
+                                                  strict=True)):
             assert mine.keys() == theirs.keys()
             for key in mine:  # the loss sums terms of both signs (advantages have zero mean): absolute error
-                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (case, key)
+                assert mine[key] == pytest.approx(theirs[key], rel=METRIC_REL[min(step, 1)], abs=1e-6), (case, key)
 
 
 @pytest.mark.slow

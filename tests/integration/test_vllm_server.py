@@ -310,8 +310,8 @@ def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, 
     from gpg_vl.cli import eval_main, train_main
     from gpg_vl.config.compose import run_cli
 
-    code = run_cli(script, train_main if script == "train" else eval_main, [
-        f"output_dir={tmp_path / 'out'}", *overrides("http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")])
+    typed = overrides("http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")
+    code = run_cli(script, train_main if script == "train" else eval_main, [f"output_dir={tmp_path / 'out'}", *typed])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 1
     waiting, error = err.splitlines()  # the wait is said as it starts (after one short try), then its end
