@@ -58,8 +58,9 @@ def train(run: Run) -> dict:
                     run.accelerator.print(f"The run ended after step {run.state.step} of trainer.max_steps="
                                           f"{run.trainer.max_steps}: {spent}.")
                     break
-                before = {"stream": run.data.stream.state_dict(), "rng": rng_state()}  # a step the engine fails
-                # in draws its prompts again, with the random state it began with
+                before = {"stream": run.data.stream.state_dict(), "rng": rng_state(),  # a step the engine fails
+                          "counters": dict(run.state.counters)}  # in draws its prompts again, with the random state
+                # and the counts it began with
                 metrics = None
                 try:
                     metrics = step(run)
@@ -165,13 +166,16 @@ def stop_on_bad_steps(run: Run) -> None:
 def stop_on_lost_engine(run: Run, error: EngineUnreachable, begun: dict) -> None:
     """The rollout engine or the teacher's server was lost mid-step (a vLLM server unreachable for
     rollout.vllm_server.timeout_s or teacher.timeout_s): on every process, checkpoint what is done (this step's
-    update if it ran, else the step before, with the prompts and the random state the step began with, `begun`, so
-    a resumed run draws and samples it again as the uninterrupted run does) and stop in one sentence. With
+    update if it ran, else the step before, with the prompts, the random state and the counters the step began with,
+    `begun`, so a resumed run draws, samples and counts it again as the uninterrupted run does) and stop in one
+    sentence. With
     trainer.max_staleness >= 1 the checkpoint after the last logged step holds the sampler's state as it began the
     next one (as save_step writes it); when the sampler never began it, the last checkpoint of trainer.save_every is
     the one to continue from."""
     state = run.state
     done = state.step if state.updated else state.step - 1
+    if not state.updated:  # its samples are drawn again on resume: counted then, not now (a teacher lost in the
+        state.counters.update(begun["counters"])  # update after they were counted)
     in_flight = None
     if run.pipeline.k:
         state.step = done

@@ -164,7 +164,8 @@ def test_a_teacher_server_killed_mid_run_stops_the_run_and_resume_continues_as_t
     assert "the run stopped after step 1 and wrote checkpoint-1: continue with resume=auto" in sentence
     train_run(out, *run, f"teacher.urls={url}", "resume=auto")
     train_run(tmp_path / "whole", *run, f"teacher.urls={url}")
-    keys = ("step", "reward_mean", "groups_used", "data_position", "completion_tokens_mean")
+    keys = ("step", "reward_mean", "groups_used", "data_position", "completion_tokens_mean", "completions_sampled",
+            "tokens_sampled")  # the counters too: the failed step's samples were counted twice (issue 59)
     resumed, uninterrupted = metrics(out), metrics(tmp_path / "whole")
     assert [m["step"] for m in resumed] == [1, 2, 3]
     assert [{k: m[k] for k in keys} for m in resumed] == [{k: m[k] for k in keys} for m in uninterrupted]

@@ -1,0 +1,48 @@
+"""A teacher's faults and extremes (issue 59): a teacher server lost mid-step checkpoints the counters the step began
+with (a resumed run logs the uninterrupted run's completions_sampled and tokens_sampled), a teacher.coef whose
+advantages overflow is counted and said, and teacher.loss=jsd logs its real figure instead of teacher_kl 0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.runs import train_run, untimed
+
+from gpg_vl.errors import UserError
+
+
+def metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_teacher_lost_mid_step_resumes_with_the_uninterrupted_runs_counters(tmp_path, monkeypatch, perturbed_teacher):
+    """The teacher's server unreachable in step 2's update (EngineUnreachable, as teacher_server.py raises it): the
+    run stops with checkpoint-1, and resume=auto logs steps 2-3 as the uninterrupted run, counters included (they
+    were 8 completions and 128 tokens too high: the failed step's samples were counted)."""
+    import gpg_vl.train.teacher as teacher_module
+    from gpg_vl.rollout.engine import EngineUnreachable
+
+    run = ["trainer.max_steps=3", "trainer.lr=1e-3", "seed=0", f"teacher.model={perturbed_teacher}"]
+    real, calls = teacher_module.with_teacher, []
+
+    def lost_at_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise EngineUnreachable("the vLLM server at http://127.0.0.1:9 did not answer POST /v1/completions "
+                                    "within teacher.timeout_s; raise teacher.timeout_s.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(teacher_module, "with_teacher", lost_at_step_2)
+    with pytest.raises(UserError, match="the run stopped after step 1 and wrote checkpoint-1"):
+        train_run(tmp_path / "out", *run)
+    monkeypatch.setattr(teacher_module, "with_teacher", real)
+    train_run(tmp_path / "out", *run, "resume=auto")
+    train_run(tmp_path / "whole", *run)
+    resumed, whole = metrics(tmp_path / "out"), metrics(tmp_path / "whole")
+    assert [m["step"] for m in resumed] == [1, 2, 3]
+    assert [m["completions_sampled"] for m in resumed] == [m["completions_sampled"] for m in whole]
+    assert [m["tokens_sampled"] for m in resumed] == [m["tokens_sampled"] for m in whole]
+    assert [untimed(m) for m in resumed] == [untimed(m) for m in whole]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["completions_sampled"] == whole[-1]["completions_sampled"]
