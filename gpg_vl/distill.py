@@ -13,7 +13,9 @@ A teacher ν scores the tokens the student π sampled. Two forms:
 * the supervised form (`teacher.loss=jsd`, GKD): the generalized Jensen-Shannon divergence between the two
   distributions over the full vocabulary at each sampled position, added to the policy loss times `coef`.
 
-AGE with a teacher: a group is valid when its combined advantage is not all zero (`combined_valid`).
+AGE with a teacher: a group is valid when its combined advantage is not all zero (`combined_valid`); a teacher
+log-prob within `teacher.tolerance` of the student's adds nothing to it (a teacher served by vLLM differs from the
+same weights in process by rounding: docs/distillation.md).
 
 Entropy: ``H_t = logsumexp(z) - sum_v softmax(z)_v z_v`` of each scored position's logits z (computed where the
 update computes them: gpg_vl/models/scoring.py); `high_entropy_mask` keeps the top-ρ entropy tokens (TRL's
@@ -30,13 +32,15 @@ TEACHER_LOSSES = ("reverse_kl", "jsd")  # teacher.loss: the policy-gradient form
 
 
 def teacher_advantages(group_advantages: Tensor, teacher_logps: Tensor, student_logps: Tensor, mask: Tensor, *,
-                       coef: float, only: bool = False) -> Tensor:
-    """Per-token advantages [N, C]: ``A_t = A_group + coef * (log ν - log π)`` on `mask`, 0 elsewhere.
+                       coef: float, only: bool = False, tolerance: float = 0.0) -> Tensor:
+    """Per-token advantages [N, C]: ``A_t = A_group + coef * (log ν - log π)`` on `mask`, 0 elsewhere; a gap of at
+    most `tolerance` nats counts as agreement (0: teacher.tolerance, the precision of a teacher's log-probs).
 
     group_advantages [N] (each sequence's group advantage; ignored with `only`), teacher_logps / student_logps
     [N, C] (no gradient flows: the term is a stop-gradient), mask [N, C] bool (the tokens the loss counts)."""
     mask = mask.bool()
     gap = (teacher_logps.detach().double() - student_logps.detach().double())  # [N, C]
+    gap = torch.where(gap.abs() <= tolerance, torch.zeros_like(gap), gap)  # within the precision: no signal
     base = torch.zeros_like(gap) if only else group_advantages.detach().double().unsqueeze(1).expand_as(gap)
     combined = base + coef * gap  # [N, C]
     return torch.where(mask, combined, torch.zeros_like(combined)).to(student_logps.dtype)

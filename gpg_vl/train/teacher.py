@@ -159,7 +159,8 @@ def with_teacher(learner, plan: list[list], attempts: list, score_student) -> tu
                                cache=cache).to(student.device)
             counted = chunk.counted.to(student.device)
             advantages = teacher_advantages(chunk.advantages.to(student.device), nu, student, counted,
-                                            coef=teacher.settings.coef, only=teacher.settings.only)  # [n, C]
+                                            coef=teacher.settings.coef, only=teacher.settings.only,
+                                            tolerance=teacher.settings.tolerance)  # [n, C]
             keep_token_logps(rollouts[id(chunk.prompts)], chunk, student, nu)
             total, count = teacher_kl(nu, student, counted)
             kl_sum, tokens = kl_sum + total, tokens + count
