@@ -140,12 +140,21 @@ def learned(run: Run, metrics: dict) -> None:
 
 
 def _count_bad_step(run: Run, result: dict) -> None:
-    """A NaN or infinite loss or gradient: update() took no optimizer step; too many in a row stop the run."""
+    """A NaN or infinite loss or gradient (or teacher advantages, all of them): update() took no optimizer step; too
+    many in a row stop the run. Groups whose teacher advantages are not finite are said, step by step."""
     counters = run.state.counters
     bad_step = bool(result.get("nonfinite"))
     counters["nonfinite_steps"] += bad_step
     counters["bad_steps_in_a_row"] = counters["bad_steps_in_a_row"] + 1 if bad_step else 0
-    if bad_step:
+    if result.get("teacher_nonfinite_groups"):
+        coef = run.learner.teacher.settings.coef
+        skipped = (f", so the step changed no weight ({counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
+                   f"{run.trainer.max_bad_steps})") if bad_step else ""
+        run.accelerator.print(f"warning: step {run.state.step}: the teacher's advantages of "
+                              f"{result['teacher_nonfinite_groups']} groups are NaN or infinite (teacher.coef={coef:g} "
+                              "times the log-prob gap overflows, or the teacher gave a sampled token probability 0); "
+                              f"those groups were left out{skipped}.")
+    elif bad_step:
         run.accelerator.print(f"warning: step {run.state.step}: the loss or gradient is NaN or infinite (loss="
                               f"{result['loss']}, grad_norm={result['grad_norm']}); the step was skipped, no weight "
                               f"changed ({counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="

@@ -144,7 +144,8 @@ def with_teacher(learner, plan: list[list], attempts: list, score_student) -> tu
     model's forward is); the sequences of a group whose combined advantage is all zero marked `rejected`, so the
     loss's normalizer leaves them out (AGE). Returns (plan, metrics: teacher_kl, the token mean of log student -
     log teacher, this process's token count as teacher_tokens, valid groups of this process). Both log-probs are
-    kept on each attempt's rollout (`Rollout.token_logps`) for the rollout log."""
+    kept on each attempt's rollout (`Rollout.token_logps`) for the rollout log. The report also counts the groups
+    whose combined advantage is NaN or infinite on a counted token (`nonfinite`: left out, as invalid)."""
     teacher, settings = learner.teacher, learner.settings
     device = learner.accelerator.device
     students = score_student(plan)
@@ -167,12 +168,13 @@ def with_teacher(learner, plan: list[list], attempts: list, score_student) -> tu
             for row, prompt in enumerate(chunk.prompt_index):  # a group's sequences may span micro-batches
                 groups.setdefault((id(chunk.prompts), prompt), []).append((len(scored) - 1, len(scored[-1]), row))
             scored[-1].append((chunk._replace(advantages=advantages.cpu()), counted.cpu()))
-    rejected = {}
+    rejected, nonfinite = {}, 0
     for members in groups.values():
         width = max(scored[p][c][1].shape[1] for p, c, _ in members)
         adv = torch.stack([_padded(scored[p][c][0].advantages[r], width) for p, c, r in members])
         mask = torch.stack([_padded(scored[p][c][1][r], width) for p, c, r in members])
         keep = bool(combined_valid(adv, mask, len(members))[0])
+        nonfinite += bool((mask.bool() & ~torch.isfinite(adv)).any())  # left out: counted and said (loop.py)
         for member in members:
             rejected[member] = not keep
     marked = []
@@ -183,7 +185,7 @@ def with_teacher(learner, plan: list[list], attempts: list, score_student) -> tu
             earlier = chunk.rejected
             marked[-1].append(chunk._replace(rejected=flags if earlier is None else flags | earlier))
     valid = sum(not rejected[members[0]] for members in groups.values())
-    return marked, {"teacher_kl_sum": kl_sum, "teacher_tokens": float(tokens)}, valid
+    return marked, {"teacher_kl_sum": kl_sum, "teacher_tokens": float(tokens), "nonfinite": float(nonfinite)}, valid
 
 
 def keep_token_logps(rollout, chunk, student: torch.Tensor, teacher: torch.Tensor) -> None:
@@ -230,13 +232,15 @@ def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[l
     """The teacher's part before the update's optimizer steps: with teacher.loss=reverse_kl the plan's per-token
     advantages, the groups whose combined advantage is all zero marked rejected (`with_teacher`; the student scored
     by `score_plan(learner, model, plan, attempts, calls)`, train/update.py's); with jsd the plan as it is (every
-    group carries the JSD). Returns (plan, {valid groups and sampled groups over all processes, teacher_kl (the
-    token mean of log student - log teacher; jsd: 0, the loss logs teacher_jsd)}). Collective: a teacher server
-    unreachable from any process raises EngineUnreachable on every one."""
+    group carries the JSD). Returns (plan, {valid groups and sampled groups over all processes; reverse_kl also
+    teacher_kl (the token mean of log student - log teacher) and the groups whose advantages were NaN or infinite
+    (nonfinite); jsd has no teacher_kl: its loss logs teacher_jsd}). Collective: a teacher server unreachable from
+    any process raises EngineUnreachable on every one."""
     accelerator = learner.accelerator
     sampled = sum(len(a.valid) for a in attempts)
     lost = None  # the teacher's server could not be reached from this process (teacher.urls): its sentence
-    if learner.teacher.settings.loss == "jsd":
+    jsd = learner.teacher.settings.loss == "jsd"
+    if jsd:  # the loss logs its own figure, teacher_jsd
         valid, report = jsd_teacher_valid(plan), {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}
     else:
         calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
@@ -246,21 +250,26 @@ def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[l
         except EngineUnreachable as error:
             report, valid, lost = {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0}, 0, str(error)
     totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"],
-                                              float(lost is not None)], device=accelerator.device,
-                                             dtype=torch.float64), "sum").tolist()
+                                              float(lost is not None), report.get("nonfinite", 0.0)],
+                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
     if totals[4]:  # every process stops at this step (gpg_vl/train/loop.py checkpoints the step before)
         raise EngineUnreachable(lost or "another training process could not reach the teacher's vLLM server (its "
                                 "log names the server); check the servers, then continue with resume=auto.")
-    return plan, {"valid": int(totals[0]), "groups": int(totals[1]), "teacher_kl": totals[2] / max(totals[3], 1.0)}
+    if jsd:
+        return plan, {"valid": int(totals[0]), "groups": int(totals[1])}
+    return plan, {"valid": int(totals[0]), "groups": int(totals[1]), "teacher_kl": totals[2] / max(totals[3], 1.0),
+                  "nonfinite": int(totals[5])}
 
 
 def taught_metrics(taught: dict | None, settings) -> dict[str, float]:
     """With a teacher: every sampled group forwarded, the valid ones those whose combined advantage is not all zero
-    (groups_used, AGE's alpha), and teacher_kl; nothing without one."""
+    (groups_used, AGE's alpha), and with reverse_kl teacher_kl and teacher_nonfinite_groups; nothing without one."""
     if taught is None:
         return {}
-    return {"groups_used": taught["valid"], "teacher_kl": taught["teacher_kl"],
-            "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])}
+    found = {"groups_used": taught["valid"], "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])}
+    if "teacher_kl" in taught:  # reverse_kl: the sampled KL, and the groups whose advantages were not finite
+        found.update({"teacher_kl": taught["teacher_kl"], "teacher_nonfinite_groups": taught["nonfinite"]})
+    return found
 
 
 def scored_chunk(learner, chunk, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -46,3 +46,24 @@ def test_a_teacher_lost_mid_step_resumes_with_the_uninterrupted_runs_counters(tm
     assert [untimed(m) for m in resumed] == [untimed(m) for m in whole]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["completions_sampled"] == whole[-1]["completions_sampled"]
+
+
+def test_a_teacher_coef_whose_advantages_overflow_is_counted_and_said(tmp_path, perturbed_teacher, capsys):
+    """teacher.coef=1e300 overflowed every advantage: every group invalid, nonfinite_steps 0, not a word (issue 59).
+    Now each step counts as one with NaN or infinite numbers, and a warning names teacher.coef."""
+    train_run(tmp_path, "trainer.max_steps=2", "trainer.save_every=0", "seed=0", f"teacher.model={perturbed_teacher}",
+              "teacher.coef=1e300")
+    lines = metrics(tmp_path)
+    assert [m["nonfinite_steps"] for m in lines] == [1, 2]
+    assert [m["teacher_nonfinite_groups"] for m in lines] == [4, 4] and all(m["skipped"] for m in lines)
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "teacher's advantages" in line]
+    assert len(said) == 2 and "teacher.coef=1e+300" in said[0] and "\n" not in said[0]
+
+
+def test_jsd_logs_its_own_figure_and_no_teacher_kl_placeholder(tmp_path, perturbed_teacher):
+    """teacher.loss=jsd logged teacher_kl 0.0 every step, which reads as "the student equals the teacher"."""
+    train_run(tmp_path, "trainer.max_steps=1", "trainer.save_every=0", "seed=0", f"teacher.model={perturbed_teacher}",
+              "teacher.loss=jsd", "teacher.only=true")
+    (step,) = metrics(tmp_path)
+    assert "teacher_kl" not in step and step["teacher_jsd"] > 0
