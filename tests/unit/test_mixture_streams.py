@@ -263,3 +263,31 @@ def test_a_walk_of_settled_rows_with_a_tiny_keep_still_moves_by_at_most_a_pass_p
     again.next_indices(size), again.record([(None, index, 1.0) for index in range(size)])
     resumed.load_state_dict(again.state_dict())
     assert [resumed.next_indices(2) for _ in range(3)] == [again.next_indices(2) for _ in range(3)]
+
+
+def test_a_plugin_entry_is_typed_with_an_escaped_colon_and_its_settings_under_its_name(tmp_path):
+    """A `file.py:Class` entry needs Hydra's `\\:` in the map; its settings, which a key path cannot spell (dots and
+    a colon), are written under the task's `name` (issue 59)."""
+    from gpg_vl.train.build import build_task
+
+    plugin = tmp_path / "mine.py"
+    plugin.write_text("from gpg_vl_tasks.shapes import Shapes\nclass Mine(Shapes):\n    name = 'mine'\n")
+    entry = f"{plugin}:Mine"
+    cfg = load_config("train", ["task=mix", f"task.mixture={{{entry.replace(':', chr(92) + ':')}: 1, motion: 1}}",
+                                "task.options.mine.train_size=40", "task.rollout.mine.max_new_tokens=12"])
+    assert dict(cfg.task.mixture) == {entry: 1, "motion": 1}
+    mixture = build_task(cfg.task, cfg.data)
+    assert list(mixture.tasks) == ["mine", "motion"] and len(mixture.tasks["mine"].load("train")) == 40
+    assert mixture.rollouts["mine"] == {"max_new_tokens": 12}
+    # the entry itself still works as the key (in a map typed with `\\:`), and a name of no entry is refused
+    same = build_mixture({entry: 1}, {entry: {"train_size": 30}}, {})
+    assert len(same.tasks["mine"].load("train")) == 30
+    with pytest.raises(UserError) as error:
+        build_mixture({entry: 1}, {"yours": {"train_size": 30}}, {})
+    assert "task.options.yours names no task of task.mixture" in one_sentence(error)
+
+
+def test_a_mixture_inside_a_mixture_is_refused_as_such():
+    with pytest.raises(UserError) as error:
+        build_mixture({"mix": 1, "shapes": 1}, {}, {})
+    assert one_sentence(error) == "task.mixture cannot hold a mixture (mix); list its tasks directly."
