@@ -244,12 +244,14 @@ def _type_error(error: Exception) -> str | None:
     if cause is None:
         return None
     key, value = getattr(cause, "full_key", None), getattr(cause, "value", None)
-    wanted = re.search(r"converted to (\w+)|is not a valid (\w+)", str(cause))
+    wanted = re.search(r"converted to (\w+)|is not a valid (\w+)|is not a (ListConfig|DictConfig)|to (Dict)\[",
+                       str(cause))
     if not key or wanted is None:
         return None
-    name = wanted.group(1) or wanted.group(2)
+    name = next(group for group in wanted.groups() if group)
     kind = {"Float": "a number", "Integer": "a whole number", "Boolean": "true or false", "bool": "true or false",
-            "String": "a string"}.get(name, name)
+            "String": "a string", "ListConfig": "a list ([a, b, ...])",
+            "DictConfig": "a map ({key: value, ...})", "Dict": "a map ({key: value, ...})"}.get(name, name)
     return (f"{key}={value} has the wrong type: {key} takes {kind} (see `python scripts/train.py --cfg job` for "
             "every setting and its default).")
 

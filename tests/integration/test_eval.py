@@ -72,6 +72,18 @@ def test_rescoring_names_the_files_line_that_is_not_json_and_refuses_an_empty_fi
         assert err.startswith(f"error: predictions file {str(bad)!r} holds no records") and err.count("\n") == 1
         assert not (tmp_path / "empty" / "metrics.json").exists()
 
+def test_rescoring_a_file_with_a_line_written_twice_names_the_repeated_record(tmp_path, capsys):
+    """Every line twice read as "does not number its samples 0 to 1" (issue 59)."""
+    lines = [json.dumps({"index": i, "id": str(i), "completion": "<answer>x</answer>"}) for i in range(3)]
+    bad = tmp_path / "p.jsonl"
+    for text, record in (("\n".join(lines + lines), "row index 0's sample 0 2 times"),
+                         ("\n".join(lines + lines[1:2]), "row index 1's sample 0 2 times")):
+        bad.write_text(text + "\n")
+        assert run_cli("eval", eval_main, [f"predictions={bad}", f"output_dir={tmp_path / 'out'}"]) == 2
+        assert capsys.readouterr().err == (f"error: the predictions file {str(bad)!r} holds {record} (a line written "
+                                           "twice?); re-score a file written by scripts/eval.py, each line once.\n")
+
+
 def test_a_mixture_is_evaluated_task_by_task_as_training_evaluates_it(tmp_path, capsys):
     """scripts/eval.py task=mix ended in NotImplementedError (issue 59): each task on its own split, with its own
     settings, into <output_dir>/<task>/, and `accuracy` the mean of the tasks' accuracies, as training's held-out
