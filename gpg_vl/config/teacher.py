@@ -28,7 +28,8 @@ class TeacherSettings:
         "reverse_kl: the teacher's log-prob gap as a per-token advantage (policy-gradient form); jsd: GKD's "
         "generalized JSD over the full vocabulary (supervised form)", choices=("reverse_kl", "jsd")))
     beta: float = field(default=0.5, metadata=meta(
-        "jsd: the interpolation (0 = KL(teacher || student), 1 = KL(student || teacher), TRL's GKD convention)",
+        "jsd: the interpolation (0 = KL(teacher || student), 1 = KL(student || teacher), TRL's GKD convention; in "
+        "between the generalized JSD, which vanishes as beta nears 0 or 1)",
         low=0, high=1))
     dtype: str = field(default="auto", metadata=meta(
         "the teacher's weights' dtype (auto = model.dtype's rule); frozen, no optimizer state",

@@ -174,3 +174,15 @@ def test_a_negative_or_zero_max_tokens_fails_as_the_settings_are_read():
         with pytest.raises(UserError, match=rf"^trainer.loss_options.max_tokens={value} is not allowed for loss gpg: "
                                             r"give an integer >= 1 \("):
             TrainerSettings(aggregation="seq_mean_token_sum", loss_options={"max_tokens": value})
+
+
+def test_the_reference_names_every_built_in_loss():
+    """docs/configuration.md's trainer.loss row named 4 of the built-in losses (issue 59)."""
+    from dataclasses import fields
+
+    from gpg_vl.config.names import LOSS_BUILTINS
+    from gpg_vl.config.schema import TrainerSettings
+
+    (loss,) = [item for item in fields(TrainerSettings) if item.name == "loss"]
+    meaning = loss.metadata["key"].help
+    assert all(f" {name}," in meaning or f" {name} " in meaning for name in LOSS_BUILTINS), meaning
