@@ -10,6 +10,7 @@ import pytest
 from helpers.runs import train_run, untimed
 
 from gpg_vl.errors import UserError
+from gpg_vl.models.tiny import EMBEDDED_TINY
 
 
 def metrics(folder) -> list[dict]:
@@ -67,3 +68,20 @@ def test_jsd_logs_its_own_figure_and_no_teacher_kl_placeholder(tmp_path, perturb
               "teacher.loss=jsd", "teacher.only=true")
     (step,) = metrics(tmp_path)
     assert "teacher_kl" not in step and step["teacher_jsd"] > 0
+
+
+def test_a_lora_adapter_folder_as_the_teacher_is_named_as_such(tmp_path):
+    """An adapter-only folder (model.lora.save=adapter) said "no tokenizer or config that loads" (issue 59)."""
+    from gpg_vl.config.schema import TeacherSettings
+    from gpg_vl.train.teacher import check_teacher
+
+    adapter = tmp_path / "final"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(EMBEDDED_TINY),
+                                                             "peft_type": "LORA"}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError) as error:
+        check_teacher(TeacherSettings(model=str(adapter)), str(EMBEDDED_TINY))
+    assert str(error.value) == (f"teacher.model={adapter} holds a LoRA adapter without its base model's weights "
+                                f"(adapter_config.json, base {EMBEDDED_TINY}); a teacher is loaded whole: name a "
+                                "folder saved with model.lora.save=merged (or the adapter merged into its base).")
