@@ -410,6 +410,42 @@ def test_a_server_that_is_unreachable_is_retried_until_its_deadline():
         Server("http://127.0.0.1:9", timeout_s=0.6).get("/health")
 
 
+def test_a_request_a_server_takes_but_never_answers_is_said_once_while_it_waits(monkeypatch, capsys):
+    """A vLLM server whose weight load failed still answers /health but never generates: a teacher's request then
+    waited its whole teacher.timeout_s without a word (issue 59). A request unanswered for NOTE_AFTER_S is said once."""
+    import socket
+
+    import gpg_vl.rollout.vllm.client as client
+
+    monkeypatch.setattr(client, "NOTE_AFTER_S", 0.3, raising=False)
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        server = Server(url, timeout_s=1.2)
+        with pytest.raises(ServerGone, match=r"did not answer POST /inference/v1/generate within 1\.2 s"):
+            server.post("/inference/v1/generate", {}, limit="teacher.timeout_s")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"still waiting for the vLLM server at {url} to answer POST /inference/v1/generate (0.3 s so far, "
+                    "up to teacher.timeout_s=1.2 s); a server whose weight load failed still answers /health but "
+                    "never generates: restart it.")
+
+
+def test_a_server_that_cannot_load_the_trainers_weights_is_to_be_restarted():
+    from gpg_vl.rollout.vllm.client import ServerError
+    from gpg_vl.rollout.vllm.weight_transfer import DiskTransport
+
+    class Refusing(Server):
+        def post(self, route, body=None, **named):
+            raise Rejected(self.url + route, 500 if route == "/x" else 400, "no weight named lm_head.weight")
+
+    transport = DiskTransport.__new__(DiskTransport)
+    transport.timeout_s, transport.limit = 1.0, "rollout.vllm_server.sync_timeout_s"
+    with pytest.raises(ServerError) as error:
+        transport._reload(Refusing("http://127.0.0.1:9", timeout_s=1.0), Path("/tmp/v1"))
+    assert "restart it (after a failed load it still answers /health but generates nothing)" in str(error.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # several trainer processes, several servers
 # ---------------------------------------------------------------------------------------------
