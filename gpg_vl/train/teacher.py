@@ -277,12 +277,15 @@ def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[l
 
 def taught_metrics(taught: dict | None, settings) -> dict[str, float]:
     """With a teacher: every sampled group forwarded, the valid ones those whose combined advantage is not all zero
-    (groups_used, AGE's alpha), and with reverse_kl teacher_kl and teacher_nonfinite_groups; nothing without one."""
+    (groups_used, AGE's alpha), and with reverse_kl teacher_kl and teacher_nonfinite_groups (and `nonfinite` when
+    they left no valid group); nothing without one."""
     if taught is None:
         return {}
     found = {"groups_used": taught["valid"], "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])}
     if "teacher_kl" in taught:  # reverse_kl: the sampled KL, and the groups whose advantages were not finite
         found.update({"teacher_kl": taught["teacher_kl"], "teacher_nonfinite_groups": taught["nonfinite"]})
+        if taught["nonfinite"] and not taught["valid"]:  # no group left by numbers that are not finite: a bad step
+            found["nonfinite"] = 1.0  # (loop.py counts it in nonfinite_steps)
     return found
 
 

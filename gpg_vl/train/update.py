@@ -136,9 +136,8 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False) ->
     counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
     per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
     require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
-    if int(per_part[..., 0].sum()) == 0:  # no valid group; because the teacher's advantages overflowed: a bad step
-        bad = {"nonfinite": 1.0} if taught is not None and taught.get("nonfinite") else {}
-        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0, **bad, **taught_metrics(taught, settings)}
+    if int(per_part[..., 0].sum()) == 0:
+        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0, **taught_metrics(taught, settings)}
     column = 1 if aggregation in TOKEN_NORMALIZED else 0  # the normalizer counts tokens, or sequences
     counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
     needs = loss_needs(loss_fn)
