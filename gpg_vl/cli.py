@@ -99,63 +99,126 @@ def _cuda() -> bool:
 
 def eval_main(cfg: DictConfig) -> dict[str, float]:
     """Evaluation of a model on a task split (greedy, or eval.samples completions per row), or re-scoring of a
-    saved predictions file."""
+    saved predictions file. task=mix: each task on its own split with its own settings, as training's held-out
+    evaluation does, into <output_dir>/<task>/; metrics.json holds `<task>/<metric>` and `accuracy`, the mean of
+    the tasks' accuracies."""
     from gpg_vl.config.validate import check_model_folder
-    from gpg_vl.observe.viewer import write_predictions_html
+    from gpg_vl.data.mixture import Mixture
+    from gpg_vl.data.task import load_split
+    from gpg_vl.rollout.engine import require_reachable
     from gpg_vl.train import build
-    from gpg_vl.train.checkpoint.folder import write_failure
     from gpg_vl.train.checkpoint.outdir import check_output_dir
     from gpg_vl.train.eval.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
 
     task = build.build_task(cfg.task, cfg.data)
     build.build_judge(cfg.get("reward"), task, "cuda" if _cuda() else "cpu")  # before the rows and the policy
-    split = cfg.eval.split or task.eval_split
-    rows = task.load(split)
+    mixed = isinstance(task, Mixture)
+    if mixed and cfg.predictions:
+        raise UserError("predictions= re-scores one task's predictions, and task=mix evaluates several; re-score each "
+                        "task's file with that task (task=<entry> predictions=<output_dir>/<entry>/predictions.jsonl, "
+                        "where a mixture's evaluation writes them).")
+    tasks = task.tasks if mixed else {task.name: task}
+    splits = {name: cfg.eval.split or one.eval_split for name, one in tasks.items()}
+    rows = {name: load_split(one, splits[name]) for name, one in tasks.items()}
     output_dir = Path(cfg.output_dir)
     check_output_dir(output_dir)  # before the model loads: the results are written at the end
+    results = {}  # name -> (metrics, records)
     if cfg.predictions:
-        records = read_predictions(cfg.predictions)
         _attach_segmenter(task, cfg)
-        metrics, records = rescore(task, records, rows, reward_workers=cfg.eval.reward_workers)
+        results[task.name] = rescore(task, read_predictions(cfg.predictions), rows[task.name],
+                                     reward_workers=cfg.eval.reward_workers)
     else:
         import torch
 
         torch.manual_seed(cfg.seed)
-        rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
-        _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
-        from gpg_vl.rollout.engine import build_engine
-
+        rows = {name: found[:cfg.eval.limit] if cfg.eval.limit else found for name, found in rows.items()}
+        for one in tasks.values():
+            _attach_segmenter(one, cfg)  # before the policy: a segmenter that cannot load fails fast
         # rollout.* as training has it (the engine and its own section, the multi-turn keys, the tools'
         # sections), typed by the config's schema; greedy decoding takes no sampling key from it
-        engine_settings = OmegaConf.to_object(cfg.rollout)
+        rollout = OmegaConf.to_object(cfg.rollout)
+        require_reachable(rollout)  # a server that does not answer: one sentence, before the model loads
         check_model_folder(cfg.model)
         policy = build.build_policy(cfg.model, "cuda" if _cuda() else "cpu")
-        metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
-                                    max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
-                                    engine=build_engine(engine_settings, policy, tools=task.tools),
-                                    reward_workers=cfg.eval.reward_workers, reward_budget_s=cfg.eval.reward_budget_s,
-                                    decoding=decoding(cfg.eval, cfg.rollout, seed=cfg.seed))
-        records = prediction_records(task, decoded, split, tokenizer=policy.family.tokenizer)
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        rollouts, engines, lengths = _engines(task, rollout, policy)
+        for name, one in tasks.items():
+            metrics, decoded = evaluate(policy, one, rows[name], batch_size=cfg.eval.batch_size,
+                                        max_new_tokens=cfg.eval.max_new_tokens or lengths[name],
+                                        engine=engines[name], reward_workers=cfg.eval.reward_workers,
+                                        reward_budget_s=cfg.eval.reward_budget_s,
+                                        decoding=decoding(cfg.eval, rollouts[name], seed=cfg.seed))
+            results[name] = metrics, prediction_records(one, decoded, splits[name], tokenizer=policy.family.tokenizer)
+    for name, (metrics, records) in results.items():
+        _write_results(output_dir / name if mixed else output_dir, tasks[name], records, rows[name], metrics,
+                       splits[name])
+    if not mixed:
+        return results[task.name][0]
+    from gpg_vl.train.eval.held_out import mixed_metrics
+
+    metrics = mixed_metrics({name: found for name, (found, _) in results.items()})
+    _write(output_dir, metrics)
+    print(f"{task.name}: {len(tasks)} tasks  ({output_dir}/metrics.json: each task's figures as <task>/<metric>)")
+    _print_metrics({"accuracy (the tasks' mean)": metrics["accuracy"]})
+    return metrics
+
+
+def _engines(task, rollout, policy) -> tuple[dict, dict, dict]:
+    """(name -> rollout settings, name -> engine, name -> its completion length) of each task evaluated: a mixture's
+    tasks each with the rollout and eval settings it owns (gpg_vl/train/mixed.py's `mixture_engines`)."""
+    from gpg_vl.data.mixture import Mixture
+    from gpg_vl.rollout.engine import build_engine
+
+    if not isinstance(task, Mixture):
+        return ({task.name: rollout}, {task.name: build_engine(rollout, policy, tools=task.tools)},
+                {task.name: rollout.max_new_tokens})
+    from gpg_vl.train.mixed import mixture_engines
+
+    rollouts, engines = mixture_engines(task, rollout, policy, None)
+    return rollouts, engines, {name: task.evals[name].get("max_new_tokens") or rollouts[name].max_new_tokens
+                               for name in task.tasks}
+
+
+def _write_results(output_dir: Path, task, records: list, rows, metrics: dict, split: str) -> None:
+    """One task's predictions.jsonl, metrics.json and predictions.html in `output_dir`, and its lines printed."""
+    from gpg_vl.observe.viewer import write_predictions_html
+
+    def write() -> None:
         with (output_dir / "predictions.jsonl").open("w") as handle:
             for record in records:
                 handle.write(json.dumps(record) + "\n")
-        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         write_predictions_html(output_dir / "predictions.html", task, records, rows, metrics, split=split)
-    except OSError as error:
-        raise UserError(f"could not write the evaluation's results in {str(output_dir)!r}: "
-                        f"{write_failure(error, 'they')}; accuracy was {metrics.get('accuracy', float('nan')):.4f}: "
-                        "free space or pick another output_dir, then evaluate again.") from None
-    width = max(len(name) for name in metrics)
+
+    _write(output_dir, metrics, write)
     segmenter = getattr(task, "segmenter", None)
     masks = f", masks by segmenter {segmenter.name}" if segmenter is not None else ""
     rows_seen = len({record["index"] for record in records})
     several = f", {len(records) // max(rows_seen, 1)} samples each" if len(records) > rows_seen else ""
     print(f"{task.name} / {split}: {rows_seen} rows{several}{masks}  ({output_dir}; open predictions.html to look)")
+    _print_metrics(metrics)
+
+
+def _write(output_dir: Path, metrics: dict, more=None) -> None:
+    """metrics.json in `output_dir` (and what `more` writes there); a disk that refuses: one sentence."""
+    from gpg_vl.train.checkpoint.folder import write_failure
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if more is not None:
+            more()
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    except OSError as error:
+        accuracy = metrics.get("accuracy")
+        raise UserError(f"could not write the evaluation's results in {str(output_dir)!r}: "
+                        f"{write_failure(error, 'they')}; accuracy was "
+                        f"{float('nan') if accuracy is None else accuracy:.4f}: free space or pick another output_dir, "
+                        "then evaluate again.") from None
+
+
+def _print_metrics(metrics: dict) -> None:
+    width = max((len(name) for name in metrics), default=0)
     for name, value in metrics.items():
-        print(f"  {name:<{width}}  {value:.4f}")
-    return metrics
+        if isinstance(value, int | float):
+            print(f"  {name:<{width}}  {value:.4f}")
 
 
 def _attach_segmenter(task, cfg: DictConfig) -> None:

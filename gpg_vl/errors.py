@@ -28,6 +28,12 @@ class SkippedRow(BadRow):
     without a judge). Counted under its reason, outside data.max_bad_fraction's stop."""
 
 
+def raised(error: BaseException) -> str:
+    """`Type: message` of an exception a plugin's own code raised, on one line (for a one-sentence UserError)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 class Interrupted(Exception):
     """Ctrl-C during a run: the message says where it stopped and how to continue; the command line prints it
     as one line (no traceback) and exits with 130, as a shell does for SIGINT."""

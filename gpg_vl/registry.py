@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from gpg_vl.errors import UserError
+from gpg_vl.errors import UserError, raised
 
 
 def load_reference(reference: str, key: str) -> Any:
@@ -32,12 +32,18 @@ def load_reference(reference: str, key: str) -> Any:
             spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as error:  # the file's own code raised: named in one sentence, not a traceback
+                del sys.modules[module_name]
+                raise UserError(f"{given}: loading {location} raised {raised(error)}; fix that code.") from error
     else:
         try:
             module = importlib.import_module(location)
         except ImportError as error:
             raise UserError(f"cannot import module {location!r} ({error}); check {given if prose else key}.") from None
+        except Exception as error:  # the module's own code raised as it was imported
+            raise UserError(f"{given}: importing {location} raised {raised(error)}; fix that code.") from error
     if not hasattr(module, attribute):
         raise UserError(f"{location!r} defines no {attribute!r}; check the name after ':' in {given}.")
     return getattr(module, attribute)

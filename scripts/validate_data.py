@@ -18,13 +18,14 @@ from tqdm.auto import tqdm
 from gpg_vl.cli import build_task
 from gpg_vl.config.compose import run_cli
 from gpg_vl.data.stream import scan_rows
+from gpg_vl.data.task import load_split
 from gpg_vl.errors import UserError
 
 
 def validate_main(cfg, *, split: str | None, limit: int | None) -> None:
     task = build_task(cfg.task, cfg.data)
     split = split or task.train_split
-    rows = task.load(split)
+    rows = load_split(task, split)
     rows = rows[:limit] if limit else rows
     with tqdm(total=len(rows), desc=f"{task.name}/{split}", dynamic_ncols=True, file=sys.stderr) as bar:
         _, log = scan_rows(task, rows, max_bad_fraction=cfg.data.max_bad_fraction, kept=None,

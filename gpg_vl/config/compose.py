@@ -79,6 +79,44 @@ def _check_override(cfg: DictConfig, override: str) -> None:
         node = node[part]
 
 
+class _Repeated(Exception):
+    """A key a typed map names twice (raised while Hydra's parse tree is walked)."""
+
+
+def _refuse_repeated_keys(override: str) -> None:
+    """A map typed on the command line that names a key twice (`'task.mixture={shapes: 1, shapes: 2}'`, at any
+    depth): one sentence, where Hydra would keep the last value without a word. The override is read with Hydra's
+    own grammar; one that does not parse is left to Hydra, which says why."""
+    key, _, value = override.partition("=")
+    if "{" not in value:
+        return
+    from hydra.core.override_parser.overrides_parser import create_functions
+    from hydra.core.override_parser.overrides_visitor import HydraOverrideVisitor
+    from hydra.grammar.gen.OverrideLexer import CommonTokenStream, InputStream, OverrideLexer
+    from hydra.grammar.gen.OverrideParser import OverrideParser
+
+    class Visitor(HydraOverrideVisitor):
+        def visitDictContainer(self, ctx):  # Hydra's, without letting a later pair replace an earlier one
+            pairs = [self.visitDictKeyValuePair(ctx.getChild(i)) for i in range(1, ctx.getChildCount() - 1, 2)]
+            names = [name for name, _ in pairs]
+            repeated = next((name for name in names if names.count(name) > 1), None)
+            if repeated is not None:
+                raise _Repeated(repeated)
+            return dict(pairs)
+
+    lexer = OverrideLexer(InputStream(override))
+    parser = OverrideParser(CommonTokenStream(lexer))
+    lexer.removeErrorListeners()
+    parser.removeErrorListeners()
+    try:
+        Visitor(create_functions()).visit(parser.override())
+    except _Repeated as repeated:
+        raise UserError(f"{key.lstrip('+~')} names {repeated.args[0]!r} twice ({value}); give each key once.") \
+            from None
+    except Exception:  # not an override Hydra can read: composing it says why
+        return
+
+
 # (key, the key it replaces when set, why): where one setting decides for another, a value typed on the
 # command line is never replaced by a config group's without a word (`_typed_values_win`)
 REPLACES = (("trainer.epochs", "trainer.max_steps", "passes over the train split decide the run's length"),)
@@ -109,6 +147,7 @@ def load_config(config_name: str, overrides: list[str]) -> DictConfig:
     for override in overrides:
         if "=" not in override:
             raise UserError(f"cannot read argument {override!r}; write overrides as key=value.")
+        _refuse_repeated_keys(override)
         key, value = override.split("=", 1)
         key = "experiment" if key == "+experiment" else key  # a paper recipe: configs/experiment/<name>.yaml
         if key in (*GROUPS, "experiment") and value not in group_options(key) and not (key == "task" and ":" in value):
@@ -206,12 +245,14 @@ def _type_error(error: Exception) -> str | None:
     if cause is None:
         return None
     key, value = getattr(cause, "full_key", None), getattr(cause, "value", None)
-    wanted = re.search(r"converted to (\w+)|is not a valid (\w+)", str(cause))
+    wanted = re.search(r"converted to (\w+)|is not a valid (\w+)|is not a (ListConfig|DictConfig)|to (Dict)\[",
+                       str(cause))
     if not key or wanted is None:
         return None
-    name = wanted.group(1) or wanted.group(2)
+    name = next(group for group in wanted.groups() if group)
     kind = {"Float": "a number", "Integer": "a whole number", "Boolean": "true or false", "bool": "true or false",
-            "String": "a string"}.get(name, name)
+            "String": "a string", "ListConfig": "a list ([a, b, ...])",
+            "DictConfig": "a map ({key: value, ...})", "Dict": "a map ({key: value, ...})"}.get(name, name)
     return (f"{key}={value} has the wrong type: {key} takes {kind} (see `python scripts/train.py --cfg job` for "
             "every setting and its default).")
 

@@ -121,24 +121,54 @@ def option_rules(fn: Callable) -> dict[str, Rule]:
     """The options of a plugin function (a loss, a correction) that declare what they allow: keyword arguments
     annotated `Annotated[float, option("meaning", above=0)]` (gpg_vl/config/keys.py), or of a plain bool, int or
     float type; an option with neither (or whose annotation cannot be read) is not checked."""
+    table = {}
+    for name, (hint, key, default) in _keyword_options(fn).items():
+        if isinstance(hint, str):
+            continue
+        hint, optional = value_type(hint)
+        # null: what the declared type allows (`int | None`); an undeclared option also by its default None
+        optional = optional or (default is None and key is None)
+        key = key or Key("")
+        key = replace(key, note=key.note or key.help)  # the option's meaning, said with what it allows
+        rule = rule_of(hint, optional, key) if hint in (bool, int, float) or key.choices else None
+        if rule is not None:
+            table[name] = rule
+    return table
+
+
+def _keyword_options(fn: Callable) -> dict[str, tuple[object, Key | None, object]]:
+    """name -> (type, its `option(...)` declaration or None, default) of each parameter of `fn` with a default."""
     try:
         parameters = inspect.signature(fn, eval_str=True).parameters
     except Exception:  # an annotation naming what its module does not define: read it unevaluated
         parameters = inspect.signature(fn).parameters
-    table = {}
+    options = {}
     for name, parameter in parameters.items():
-        hint, key = parameter.annotation, Key("")
+        if parameter.default is parameter.empty:
+            continue
+        hint, key = parameter.annotation, None
         if typing.get_origin(hint) is typing.Annotated:
             hint, *extras = typing.get_args(hint)
-            key = next((extra for extra in extras if isinstance(extra, Key)), key)
-        if parameter.default is parameter.empty or isinstance(hint, str):
+            key = next((extra for extra in extras if isinstance(extra, Key)), None)
+        options[name] = (hint, key, parameter.default)
+    return options
+
+
+def undeclared_options(fn: Callable, inputs: Iterable[str] = ()) -> list[str]:
+    """The options of a plugin function (its parameters with a default, other than `inputs`: what the trainer
+    passes) that declare no range: no `option(...)` beside them (a bool needs none), or a number's without a bound.
+    The built-ins have none (tests/unit/test_loss_options.py walks every loss, advantage, aggregation and
+    correction)."""
+    missing = []
+    for name, (hint, key, _) in _keyword_options(fn).items():
+        if name in inputs:
             continue
-        hint, optional = value_type(hint)
-        key = replace(key, note=key.note or key.help)  # the option's meaning, said with what it allows
-        rule = rule_of(hint, optional or parameter.default is None, key) if hint in (bool, int, float) else None
-        if rule is not None:
-            table[name] = rule
-    return table
+        hint = value_type(hint)[0] if not isinstance(hint, str) else hint
+        bounded = hint is bool or key is not None and bool(key.choices or hint is str or any(
+            bound is not None for bound in (key.low, key.above, key.high, key.below)))
+        if not bounded:
+            missing.append(name)
+    return missing
 
 
 def check_options(fn: Callable, given: dict, *, prefix: str, owner: str) -> None:

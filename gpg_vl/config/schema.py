@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any  # noqa: UP035  (OmegaConf reads typing.Optional, not `X | None`)
 
 from gpg_vl.config.keys import as_sections, meta, with_sections
-from gpg_vl.config.names import ENGINE_SETTINGS, JUDGE_NEEDS, TOOL_SETTINGS
+from gpg_vl.config.names import ENGINE_SETTINGS, JUDGE_NEEDS, LOSS_BUILTINS, TOOL_SETTINGS
 from gpg_vl.config.teacher import TeacherSettings  # noqa: F401 (its section, `teacher.*`, is declared there)
 from gpg_vl.errors import UserError
 from gpg_vl.registry import load_reference
@@ -96,8 +96,8 @@ class TrainerSettings:
         "group_mean: r - mean(r) (GPG); std_normalized: (r - mean) / (sample std + 1e-4) (GRPO); none: r",
         choices="advantages", references=True))
     loss: str = field(default="gpg", metadata=meta(
-        "policy loss: gpg, grpo, dr_grpo, dapo (the algorithm=<name> presets set it)", choices="losses",
-        references=True))
+        f"policy loss: {', '.join(sorted(LOSS_BUILTINS))} (the algorithm=<name> presets set their own)",
+        choices="losses", references=True))
     ppo_epochs: int = field(default=1, metadata=meta(
         "mu: passes over each rollout (losses with a ratio: grpo, dr_grpo, dapo)", low=1))
     ppo_mini_batch: int = field(default=0, metadata=meta(

@@ -57,6 +57,27 @@ def mixture_weights(mixture) -> dict[str, float]:
     return weights
 
 
+def _entry_name(entry: str) -> str:
+    """The name a mixture entry's settings may go under: a registered task's own, or the `name` of the class a
+    `module:Class` / `file.py:Class` entry loads (a key path cannot spell the entry's dots and colon)."""
+    if ":" not in entry:
+        return entry
+    try:
+        return getattr(TASKS.get(entry), "name", "") or entry
+    except UserError as error:
+        raise UserError(f"task.mixture.{entry}: {error}") from None
+
+
+def _by_entry(given: dict, names: dict[str, str]) -> dict:
+    """`given` (task.options, task.rollout or task.data of a mixture) keyed by entry: a key that is a plugin entry's
+    task name moves to its entry (merged under what the entry itself sets)."""
+    found = dict(given)
+    for entry, name in names.items():
+        if name != entry and name in found and name not in names:
+            found[entry] = {**dict(found.pop(name) or {}), **dict(found.get(entry) or {})}
+    return found
+
+
 def config_defaults(entry: str) -> tuple[dict, dict, dict]:
     """(options, owned rollout settings, owned eval settings) of configs/task/<entry>.yaml, when the task has a
     config file there."""
@@ -118,15 +139,16 @@ def build_mixture(mixture, options: dict | None, rollouts: dict | None, *, data:
     are built); `data`: the run's data.* (path and image root are one task's: refused in a mixture). Unknown tasks,
     bad weights, settings of no task in the mixture: one sentence each."""
     weights = mixture_weights(mixture)
-    options, rollouts, data, task_data = dict(options or {}), dict(rollouts or {}), dict(data or {}), \
-        dict(task_data or {})
-    teachers = dict(teachers or {})
+    names = {entry: _entry_name(entry) for entry in weights}  # a plugin entry's settings go under its task's name
+    options, rollouts, task_data, teachers = (_by_entry(dict(given or {}), names)
+                                              for given in (options, rollouts, task_data, teachers))
+    data = dict(data or {})
     for key, given in (("task.options", options), ("task.rollout", rollouts), ("task.data", task_data),
                        ("task.teacher", teachers)):
         stray = sorted(set(given) - set(weights))
         if stray:
             raise UserError(f"{key}.{stray[0]} names no task of task.mixture ({', '.join(weights)}); put each task's "
-                            f"settings under its mixture entry, {key}.<entry>.<key>=....")
+                            f"settings under its mixture entry or its task's name, {key}.<entry>.<key>=....")
     for key in ("path", "image_root"):
         if data.get(key) is not None:
             raise UserError(f"data.{key} points one task at its data, and task=mix trains several; set it per task "
@@ -144,6 +166,8 @@ def build_mixture(mixture, options: dict | None, rollouts: dict | None, *, data:
         if stray:
             raise UserError(f"task.data.{entry}.{stray[0]} is not a data setting a task owns; a task owns path and "
                             "image_root, the others are the run's (data.*).")
+        if entry == Mixture.name:
+            raise UserError(f"task.mixture cannot hold a mixture ({entry}); list its tasks directly.")
         if ":" not in entry and entry not in TASKS:
             raise UserError(f"unknown task {entry!r} in task.mixture; valid tasks: {', '.join(TASKS.names())} (or "
                             "name one from outside as module:Class or path/to/file.py:Class).")
@@ -194,7 +218,9 @@ class MixtureStream:
         self.mixture, self.rank, self.world_size = mixture, rank, world_size
         self.names = list(mixture.tasks)
         self.streams = {name: make_stream(name, rows[name]) for name in self.names}
-        self.weights = torch.tensor([mixture.weights[name] for name in self.names], dtype=torch.float64)
+        self.weights = torch.tensor([mixture.weights[name] for name in self.names], dtype=torch.float64)  # [T]
+        if not torch.isfinite(self.weights.sum()):  # each finite (mixture_weights), their sum not: the shares are
+            self.weights = self.weights / self.weights.max()  # what count, so scale them first (else one task wins)
         self.generator = torch.Generator().manual_seed(seed * 100_003 + MIXTURE_SEED_OFFSET)
         self.drawn = dict.fromkeys(self.names, 0)  # prompts drawn per task (cumulative, global)
         self.bad = MixedBadRows(self.streams)

@@ -235,14 +235,17 @@ class PromptStream:
         self.warn = warn or (lambda message: print(f"warning: {message}"))
         self.max_aspect_ratio = max_aspect_ratio
         self.stop = stop  # called with the stop sentence before the UserError is raised (e.g. to write a summary)
+        self.said_passed_over = False  # the sampler deferred a whole pass once (said once)
 
     def _permutation(self, epoch: int) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return torch.randperm(len(self.rows), generator=generator).tolist()
 
     def next_indices(self, count: int) -> list[int]:
-        """The next `count` global indices (crossing into the next epoch when needed)."""
-        indices = []
+        """The next `count` global indices (crossing into the next epoch when needed). A sampler may defer rows
+        to the next epoch; once it has deferred a whole pass's worth in a row (every row settled and a tiny
+        data.difficulty_keep), the next row is taken without asking it: a prompt costs at most one pass."""
+        indices, deferred = [], 0
         while len(indices) < count:
             if self.position >= len(self._order):
                 self.epoch += 1
@@ -251,13 +254,27 @@ class PromptStream:
             if self.sampler is not None and self.sampler.records:  # a row may be deferred to the next epoch
                 index = self._order[self.position]
                 self.position += 1
-                if self.sampler.take(index):
+                if deferred >= len(self._order):
+                    self._passed_over()
+                if deferred >= len(self._order) or self.sampler.take(index):
                     indices.append(index)
+                    deferred = 0
+                else:
+                    deferred += 1
                 continue
             take = min(count - len(indices), len(self._order) - self.position)
             indices += self._order[self.position:self.position + take]
             self.position += take
         return indices
+
+    def _passed_over(self) -> None:
+        """Say once that the sampler deferred a whole pass (the walk then takes a row anyway)."""
+        if not self.said_passed_over:
+            self.said_passed_over = True
+            rows = f"{len(self._order)} row{'s' if len(self._order) != 1 else ''}"
+            self.warn(f"data.sampler={getattr(self.sampler, 'name', 'the sampler')} deferred every row of a whole "
+                      f"pass over the split ({rows}, all settled); the walk takes the next row anyway, at most one "
+                      "pass per prompt (a larger data.difficulty_keep draws settled rows sooner).")
 
     @property
     def records(self) -> bool:

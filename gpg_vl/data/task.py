@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from gpg_vl.config.names import TASK_BUILTINS
 from gpg_vl.data.answers import as_box, extract_answer
-from gpg_vl.errors import BadRow, UserError
+from gpg_vl.errors import BadRow, UserError, raised
 from gpg_vl.registry import Registry
 
 RewardFn = Callable[[str, dict], float]
@@ -351,7 +351,13 @@ def get_task(name: str, *, data_path: str | None = None, image_root: str | None 
             valid = [p for p in accepted if p != "self"]
             raise UserError(f"task {task_class.name!r} has no option {', '.join(unknown)}; "
                             f"its options are: {', '.join(valid) or 'none'} (set them as task.options.<name>=...).")
-    task = task_class(**options)
+    try:
+        task = task_class(**options)
+    except UserError:
+        raise
+    except Exception as error:  # the task's own code: named in one sentence, before anything else loads
+        raise UserError(f"task {name} could not be built: {task_class.__name__}(...) raised {raised(error)}; fix its "
+                        "__init__ or its options (task.options.*).") from error
     if data_path is not None:
         task.data_path = str(data_path)
     if image_root is not None:
@@ -359,3 +365,15 @@ def get_task(name: str, *, data_path: str | None = None, image_root: str | None 
     task.allow_outside_paths = bool(allow_outside_paths)
     task.max_video_frames = max_video_frames
     return task
+
+
+def load_split(task: Task, split: str) -> Sequence[dict]:
+    """`task.load(split)`; a failure of the task's own code (not a UserError, which says its own sentence) is told
+    in one sentence naming the task, the split and the error."""
+    try:
+        return task.load(split)
+    except UserError:
+        raise
+    except Exception as error:
+        raise UserError(f"task {task.name} could not load its {split!r} split: {type(task).__name__}.load raised "
+                        f"{raised(error)}; fix its load() or its data (data.path).") from error

@@ -4,10 +4,12 @@ trainer.baseline / trainer.std_normalize keys."""
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
+from gpg_vl.config.keys import option
 from gpg_vl.errors import UserError
 from gpg_vl.objective.registry import register_advantage
 
@@ -48,7 +50,8 @@ def std_normalized_advantages(rewards: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @register_advantage("none")
-def raw_reward_advantages(rewards: Tensor, *, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+def raw_reward_advantages(rewards: Tensor, *, eps: Annotated[float, option(
+        "the smallest |reward| that counts as signal", low=0)] = 1e-5) -> tuple[Tensor, Tensor]:
     """No baseline: ``A_i = r_i``.  Valid when some |r_i| > eps and all rewards are finite.
 
     Equal nonzero rewards still carry gradient here, so such a group is valid; an all-zero group is not.

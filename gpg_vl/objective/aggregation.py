@@ -4,11 +4,19 @@ the metrics every loss reports."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
+from gpg_vl.config.keys import option
+
 Aggregation = Callable[..., Tensor]  # (per_token [N, L], mask [N, L], normalizer, max_tokens) -> loss []
+AGGREGATION_INPUTS = ("per_token", "mask", "normalizer")  # what the loss passes; the rest are options
+# the completion length limit of seq_mean_token_sum (and of the losses that pass it on): the trainer fills it from
+# rollout.max_new_tokens; a value below 1 would flip the loss's sign or divide by zero, and null would leave
+# Dr. GRPO's denominator undefined
+MaxTokens = Annotated[int, option("the completion length limit; unset: rollout.max_new_tokens", low=1)]
 
 
 def _denominator(local_count: float, normalizer: float | None) -> float:
@@ -16,27 +24,31 @@ def _denominator(local_count: float, normalizer: float | None) -> float:
     return max(float(local_count if normalizer is None else normalizer), 1.0)
 
 
-def _seq_mean_token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+def _seq_mean_token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None,
+        max_tokens: MaxTokens = None) -> Tensor:
     """Token mean per sequence, then mean over sequences (empty rows count, contribute 0)."""
     lengths = mask.sum(dim=1).clamp(min=1).to(per_token.dtype)  # [N]
     per_seq = per_token.sum(dim=1) / lengths  # [N]
     return per_seq.sum() / _denominator(per_token.shape[0], normalizer)
 
 
-def _token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+def _token_mean(per_token: Tensor, mask: Tensor, normalizer: float | None,
+        max_tokens: MaxTokens = None) -> Tensor:
     """Sum over all unmasked tokens divided by their total count."""
     return per_token.sum() / _denominator(int(mask.sum()), normalizer)
 
 
-def _seq_mean_token_sum(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+def _seq_mean_token_sum(per_token: Tensor, mask: Tensor, normalizer: float | None,
+        max_tokens: MaxTokens = None) -> Tensor:
     """Dr. GRPO: each sequence's token SUM over a constant (`max_tokens`, the completion length limit), then
     mean over sequences; i.e. the batch's token sum over (sequences x max_tokens)."""
-    if not max_tokens:
+    if not max_tokens or max_tokens < 1:
         raise ValueError("aggregation seq_mean_token_sum needs max_tokens (the completion length limit)")
     return per_token.sum() / (float(max_tokens) * _denominator(per_token.shape[0], normalizer))
 
 
-def _seq_token_sum(per_token: Tensor, mask: Tensor, normalizer: float | None, max_tokens=None) -> Tensor:
+def _seq_token_sum(per_token: Tensor, mask: Tensor, normalizer: float | None,
+        max_tokens: MaxTokens = None) -> Tensor:
     """LUSPO: each sequence's token SUM (a sequence weighs by its length), then mean over sequences."""
     return per_token.sum() / _denominator(per_token.shape[0], normalizer)
 

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor
 
 from gpg_vl.errors import UserError
-from gpg_vl.objective.aggregation import _aggregate, _base_metrics, _masked_mean, weigh
-from gpg_vl.objective.options import ClipHigh, ClipLow, KlCoef, MaskThreshold, MaxTokens
+from gpg_vl.objective.aggregation import MaxTokens, _aggregate, _base_metrics, _masked_mean, weigh
+from gpg_vl.objective.options import ClipHigh, ClipLow, KlCoef, MaskThreshold
 from gpg_vl.objective.registry import register_policy_loss
 
 
@@ -22,7 +22,7 @@ def policy_loss(
     ref_logps: Tensor | None = None,
     aggregation: str = "seq_mean_token_mean",
     normalizer: float | None = None,
-    max_tokens: int | None = None,
+    max_tokens: MaxTokens = None,
     weights: Tensor | None = None,
     **options,
 ) -> tuple[Tensor, dict[str, float]]:

@@ -28,7 +28,6 @@ KlCoef = Annotated[float, option("beta of the k3 KL to the reference", low=0)]
 Temperature = Annotated[float, option("the soft gate's temperature", above=0)]
 VespoShape = Annotated[float, option("the gamma weight's shape k", low=0)]
 VespoRate = Annotated[float, option("the gamma weight's rate lambda", above=0)]
-MaxTokens = Annotated[int | None, option("the completion length limit", low=1)]
 
 
 def declared_options(loss: PolicyLoss) -> dict[str, object]:

@@ -5,9 +5,11 @@ A teacher ν scores the tokens the student π sampled. A teacher loss declares w
 
 * ``needs="logps"``, the policy-gradient form: the teacher's log-probs of the sampled tokens (a teacher loaded beside
   the student, or vLLM servers: `teacher.urls`). The loss maps them to per-token advantages before the update's
-  optimizer steps, ``fn(group_advantages [N], teacher_logps [N, C], student_logps [N, C], mask [N, C], *, coef,
-  only) -> advantages [N, C]``; the policy loss then takes them as it takes the group's (GPG's ``-A_t log π(o_t)``,
-  the GRPO family's surrogate alike). `reverse_kl` (Thinking Machines' on-policy distillation, verl's PG mode)::
+  optimizer steps, ``fn(group_advantages [N], teacher_logps [N, C], student_logps [N, C], mask [N, C], *, coef, only,
+  tolerance) -> advantages [N, C]`` (`tolerance`: teacher.tolerance, the nats within which a teacher log-prob agrees
+  with the student's: a teacher served by vLLM differs from the same weights in process by rounding); the policy loss
+  then takes them as it takes the group's (GPG's ``-A_t log π(o_t)``, the GRPO family's surrogate alike). `reverse_kl`
+  (Thinking Machines' on-policy distillation, verl's PG mode)::
 
       A_t = A_group + coef * sg(log ν(o_t) - log π(o_t))
 
@@ -62,13 +64,15 @@ def teacher_loss_needs(name: str) -> str:
 
 @register_teacher_loss("reverse_kl", needs="logps")
 def teacher_advantages(group_advantages: Tensor, teacher_logps: Tensor, student_logps: Tensor, mask: Tensor, *,
-                       coef: float, only: bool = False) -> Tensor:
-    """Per-token advantages [N, C]: ``A_t = A_group + coef * (log ν - log π)`` on `mask`, 0 elsewhere.
+                       coef: float, only: bool = False, tolerance: float = 0.0) -> Tensor:
+    """Per-token advantages [N, C]: ``A_t = A_group + coef * (log ν - log π)`` on `mask`, 0 elsewhere; a gap of at
+    most `tolerance` nats counts as agreement (0: teacher.tolerance, the precision of a teacher's log-probs).
 
     group_advantages [N] (each sequence's group advantage; ignored with `only`), teacher_logps / student_logps
     [N, C] (no gradient flows: the term is a stop-gradient), mask [N, C] bool (the tokens the loss counts)."""
     mask = mask.bool()
     gap = (teacher_logps.detach().double() - student_logps.detach().double())  # [N, C]
+    gap = torch.where(gap.abs() <= tolerance, torch.zeros_like(gap), gap)  # within the precision: no signal
     base = torch.zeros_like(gap) if only else group_advantages.detach().double().unsqueeze(1).expand_as(gap)
     combined = base + coef * gap  # [N, C]
     return torch.where(mask, combined, torch.zeros_like(combined)).to(student_logps.dtype)

@@ -18,7 +18,9 @@ the engine's section of a run's settings. The built-ins' are in gpg_vl/rollout/s
 reads them before torch loads), an out-of-tree engine's in its own file.
 
 `require_engine` checks, when the config is loaded (before any model loads), that the chosen engine can run
-here, and says in one sentence what is missing otherwise.
+here, and says in one sentence what is missing otherwise; it reads the settings and this machine only, so that
+printing or checking a config contacts no server. `require_reachable`, when a run or an evaluation starts (still
+before the model loads), checks that what the engine samples on answers.
 """
 
 from __future__ import annotations
@@ -173,7 +175,15 @@ class Engine:
 
     @classmethod
     def unavailable(cls, settings) -> str | None:
-        """One sentence saying why this engine cannot run here with these settings (None when it can)."""
+        """One sentence saying why this engine cannot run here with these settings (None when it can), from the
+        settings and this machine alone: the config's checks call it, and printing or checking a config contacts
+        nothing."""
+        return None
+
+    @classmethod
+    def unreachable(cls, rollout) -> str | None:
+        """One sentence saying why what this engine samples on does not answer (a server), else None; called once a
+        run or an evaluation starts, before the model loads (`require_reachable`)."""
         return None
 
     @classmethod
@@ -219,6 +229,14 @@ def require_engine(rollout) -> type[Engine]:
     if reason is not None:
         raise UserError(reason)
     return engine
+
+
+def require_reachable(rollout) -> None:
+    """What the engine `rollout.engine` samples on answers (a vLLM server's /health), else one sentence: a run or
+    an evaluation calls it before the model loads; the config's checks do not (`require_engine`)."""
+    reason = require_engine(rollout).unreachable(rollout)
+    if reason is not None:
+        raise UserError(reason)
 
 
 def build_engine(rollout, policy, *, accelerator=None, tools: tuple[str, ...] = ()) -> Engine:

@@ -60,6 +60,7 @@ def train(run: Run) -> dict:
                     run.accelerator.print(f"The run ended after step {run.state.step} of trainer.max_steps="
                                           f"{run.trainer.max_steps}: {spent}.")
                     break
+                counters = dict(run.state.counters)  # a step the engine fails in is counted again on resume
                 metrics = None
                 try:
                     metrics = step(run)
@@ -67,7 +68,7 @@ def train(run: Run) -> dict:
                 except EngineUnreachable as error:
                     if metrics is not None and run.state.updated:  # the update ran: its line and rollouts go
                         log_step(run, metrics, run.state.attempts)  # with its checkpoint
-                    stop_on_lost_engine(run, error)
+                    stop_on_lost_engine(run, error, counters)
                 metrics.update(evaluate_during(run))  # trainer.eval_every: the held-out split, at this step
                 log_step(run, metrics, run.state.attempts)
                 stop_on_bad_steps(run)
@@ -139,12 +140,22 @@ def learned(run: Run, metrics: dict) -> None:
 
 
 def _count_bad_step(run: Run, result: dict) -> None:
-    """A NaN or infinite loss or gradient: update() took no optimizer step; too many in a row stop the run."""
+    """A NaN or infinite loss or gradient (or teacher advantages, all of them): update() took no optimizer step; too
+    many in a row stop the run. Groups whose teacher advantages are not finite are said, step by step."""
     counters = run.state.counters
     bad_step = bool(result.get("nonfinite"))
     counters["nonfinite_steps"] += bad_step
     counters["bad_steps_in_a_row"] = counters["bad_steps_in_a_row"] + 1 if bad_step else 0
-    if bad_step:
+    if result.get("teacher_nonfinite_groups"):
+        coefs = sorted({f"{t.settings.coef:g}" for t in run.learner.teacher.by_task.values() if t is not None})
+        skipped = (f", so the step changed no weight ({counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
+                   f"{run.trainer.max_bad_steps})") if bad_step else ""
+        run.accelerator.print(f"warning: step {run.state.step}: the teacher's advantages of "
+                              f"{result['teacher_nonfinite_groups']} groups are NaN or infinite (teacher.coef="
+                              f"{'/'.join(coefs)} "
+                              "times the log-prob gap overflows, or the teacher gave a sampled token probability 0); "
+                              f"those groups were left out{skipped}.")
+    elif bad_step:
         run.accelerator.print(f"warning: step {run.state.step}: the loss or gradient is NaN or infinite (loss="
                               f"{result['loss']}, grad_norm={result['grad_norm']}); the step was skipped, no weight "
                               f"changed ({counters['bad_steps_in_a_row']} in a row, trainer.max_bad_steps="
@@ -162,15 +173,18 @@ def stop_on_bad_steps(run: Run) -> None:
                  "rewards and data, then continue with resume=auto.")
 
 
-def stop_on_lost_engine(run: Run, error: EngineUnreachable) -> None:
+def stop_on_lost_engine(run: Run, error: EngineUnreachable, counters: dict) -> None:
     """The rollout engine or the teacher's server was lost mid-step (a vLLM server unreachable for
     rollout.vllm_server.timeout_s or teacher.timeout_s): on every process, checkpoint what is done (this step's
     update if it ran, else the step before) with what the pipeline says a resumed run needs (`lost`: synchronous,
     the step's prompts and random state as it began, so a resumed run draws and samples it again as the uninterrupted
     run does; beside the learner, the sampler's state as it began the next step, or one sentence naming the last
-    checkpoint when it never began it) and stop in one sentence."""
+    checkpoint when it never began it) and stop in one sentence. A step whose update had not run is counted again
+    when it is drawn again: its counters go back to `counters`, as the step began with them."""
     state = run.state
     done = state.step if state.updated else state.step - 1
+    if not state.updated:  # its samples are drawn again on resume: counted then, not now (a teacher lost in the
+        state.counters.update(counters)  # update after they were counted)
     state.step = done
     in_flight = run.pipeline.lost(error)
     path = run.output_dir / f"checkpoint-{done}"

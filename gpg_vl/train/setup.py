@@ -23,12 +23,13 @@ from gpg_vl.config.schema import EvalSettings, RolloutSettings, TeacherSettings,
 from gpg_vl.data.mixture import Mixture, MixtureStream, require_shared_run
 from gpg_vl.data.samplers import build_sampler
 from gpg_vl.data.stream import PromptStream
+from gpg_vl.data.task import load_split
 from gpg_vl.distributed import check_deepspeed_config, forward_is_collective
 from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import choose_scoring_path
-from gpg_vl.rollout.engine import build_engine
+from gpg_vl.rollout.engine import build_engine, require_reachable
 from gpg_vl.train import build
 from gpg_vl.train.checkpoint.folder import (
     later_checkpoints,
@@ -69,6 +70,7 @@ def setup(cfg) -> Run:
     require_teachers(teachers, trainer, task)  # contradictions with the trainer, one sentence each
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
         require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
+    require_reachable(OmegaConf.to_object(cfg.rollout))  # a server that does not answer: one sentence, before it loads
     accelerator = _command_line_accelerator(cfg)
     require_pipeline(trainer, cfg.rollout, accelerator)  # trainer.max_staleness >= 1 with this launch and engine
     build.build_judge(cfg.get("reward"), task, accelerator.device)  # a judge that cannot be built fails first
@@ -157,8 +159,8 @@ def _build_run(policy: Policy, task, settings: RunSettings, accelerator: Acceler
     mixed = isinstance(task, Mixture)
     for one in task.tasks.values() if mixed else [task]:  # a grounding task on a family without a box frame
         policy.family.require_box_frame(one)
-    train_rows = {name: one.load(one.train_split) for name, one in task.tasks.items()} if mixed else \
-        task.load(task.train_split)
+    train_rows = {name: load_split(one, one.train_split) for name, one in task.tasks.items()} if mixed else \
+        load_split(task, task.train_split)
     note = task.data_note(train_rows)  # e.g. how many rows need a judge: said once, at the start
     if note:
         accelerator.print(note)

@@ -252,6 +252,22 @@ def one_process_update(tmp_path_factory) -> Path:
     return once(tmp_path_factory, "update-1", lambda out: one_process(str(WORKER), "update", str(out)))
 
 
+# How far the metrics every process logs may be from one process's, relative, at the first update and after it.
+# The first update scores the same weights: only the float order of the forward (other batch shapes) and of the
+# sums differs (measured on AMD EPYC: at most 4e-6, the loss's). The second scores weights the first step already
+# moved apart by its gradient's float order (the weights below are compared at rtol 1e-5), which a step of lr 0.1
+# on gradients of norm 11 amplifies: measured on AMD EPYC, loss 1.2e-5 (abs 1.9e-7), grad_norm 6.7e-6,
+# entropy_mean 1.9e-6 (7.9e-6 here and 1.3e-5 on another AMD EPYC, issue 59, before the entropy was summed from
+# terms >= 0: models/logits.py); 5e-5 leaves room for another processor's kernels.
+METRIC_REL = (1e-5, 5e-5)
+# How far a weight may be from one process's, in units of the largest change the update made to any weight: two SGD
+# steps of lr 0.1 on float32 gradients, each summed over the micro-batches and processes in another order (and the
+# second taken at weights the first already moved apart). Measured on AMD EPYC: up to 1.1e-5 of the largest change
+# (8.9e-7 against 0.083, `uneven`), which the former atol 1e-6 held by a factor of 1.3 only; a wrong scale or a
+# missing share moves weights by a sizeable fraction of it.
+WEIGHT_ATOL = 1e-4
+
+
 def assert_update_matches(reference: Path, out: Path, engine: str, cases: tuple[str, ...] = CASES) -> None:
     rank0, rank1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     single = json.loads((reference / "rank0.json").read_text())
@@ -262,16 +278,18 @@ def assert_update_matches(reference: Path, out: Path, engine: str, cases: tuple[
         print(f"{engine} {case}: sha256 1 process {single['cases'][case]['sha256']}, "
               f"2 processes {rank0['cases'][case]['sha256']}")
         assert set(one) == set(two)
+        moved = single["cases"][case]["largest_change"]
         for name in one:
-            torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+            torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=WEIGHT_ATOL * moved, msg=f"{case} {name}")
         # the update did change the weights, so equal weights mean something
-        assert single["cases"][case]["largest_change"] > 1e-3, case
+        assert moved > 1e-3, case
         # the metrics every process logs are the same on both, and equal to one process's
         assert rank0["cases"][case]["metrics"] == rank1["cases"][case]["metrics"], case
-        for mine, theirs in zip(rank0["cases"][case]["metrics"], single["cases"][case]["metrics"], strict=True):
+        for step, (mine, theirs) in enumerate(zip(rank0["cases"][case]["metrics"], single["cases"][case]["metrics"],
+                                                  strict=True)):
             assert mine.keys() == theirs.keys()
             for key in mine:  # the loss sums terms of both signs (advantages have zero mean): absolute error
-                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (case, key)
+                assert mine[key] == pytest.approx(theirs[key], rel=METRIC_REL[min(step, 1)], abs=1e-6), (case, key)
 
 
 @pytest.mark.slow

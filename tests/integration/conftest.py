@@ -27,3 +27,22 @@ def model_aliases(tmp_path_factory):
         (folder / "aliases.yaml").write_text(OmegaConf.to_yaml(composed))
 
     return OmegaConf.load(once(tmp_path_factory, "model-aliases", make) / "aliases.yaml")
+
+
+@pytest.fixture(scope="module")
+def perturbed_teacher(tmp_path_factory):
+    """The embedded tiny model with every weight moved by noise: the same tokenizer, other log-probs."""
+    import torch
+
+    from gpg_vl.models.load import load_policy
+    from gpg_vl.models.tiny import EMBEDDED_TINY
+
+    folder = tmp_path_factory.mktemp("teacher")
+    policy = load_policy(str(EMBEDDED_TINY), dtype="float32")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in policy.model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    policy.model.save_pretrained(folder)
+    policy.processor.save_pretrained(folder)
+    return folder

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from helpers.runs import train_run
 
 from gpg_vl.errors import UserError
@@ -19,22 +18,6 @@ QUICK = ["trainer.max_steps=1", "trainer.save_every=0", "seed=0"]
 
 def metrics(folder) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def perturbed_teacher(tmp_path_factory):
-    """The embedded tiny model with every weight moved by noise: the same tokenizer, other log-probs."""
-    from gpg_vl.models.load import load_policy
-
-    folder = tmp_path_factory.mktemp("teacher")
-    policy = load_policy(str(EMBEDDED_TINY), dtype="float32")
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in policy.model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    policy.model.save_pretrained(folder)
-    policy.processor.save_pretrained(folder)
-    return folder
 
 
 def test_teacher_equal_to_the_student_gives_no_signal(tmp_path):

@@ -72,6 +72,45 @@ def test_rescoring_names_the_files_line_that_is_not_json_and_refuses_an_empty_fi
         assert err.startswith(f"error: predictions file {str(bad)!r} holds no records") and err.count("\n") == 1
         assert not (tmp_path / "empty" / "metrics.json").exists()
 
+def test_rescoring_a_file_with_a_line_written_twice_names_the_repeated_record(tmp_path, capsys):
+    """Every line twice read as "does not number its samples 0 to 1" (issue 59)."""
+    lines = [json.dumps({"index": i, "id": str(i), "completion": "<answer>x</answer>"}) for i in range(3)]
+    bad = tmp_path / "p.jsonl"
+    for text, record in (("\n".join(lines + lines), "row index 0's sample 0 2 times"),
+                         ("\n".join(lines + lines[1:2]), "row index 1's sample 0 2 times")):
+        bad.write_text(text + "\n")
+        assert run_cli("eval", eval_main, [f"predictions={bad}", f"output_dir={tmp_path / 'out'}"]) == 2
+        assert capsys.readouterr().err == (f"error: the predictions file {str(bad)!r} holds {record} (a line written "
+                                           "twice?); re-score a file written by scripts/eval.py, each line once.\n")
+
+
+def test_a_mixture_is_evaluated_task_by_task_as_training_evaluates_it(tmp_path, capsys):
+    """scripts/eval.py task=mix ended in NotImplementedError (issue 59): each task on its own split, with its own
+    settings, into <output_dir>/<task>/, and `accuracy` the mean of the tasks' accuracies, as training's held-out
+    evaluation reports a mixture."""
+    mixed = eval_main(load_config("eval", ["task=mix", "task.mixture={shapes: 1, motion: 1}", "model=tiny",
+                                           "eval.limit=4", f"output_dir={tmp_path / 'mix'}"]))
+    alone = eval_main(load_config("eval", ["task=shapes", "model=tiny", "eval.limit=4",
+                                           f"output_dir={tmp_path / 'shapes'}"]))
+    assert {key[len("shapes/"):]: value for key, value in mixed.items() if key.startswith("shapes/")} == alone
+    assert mixed["accuracy"] == (mixed["shapes/accuracy"] + mixed["motion/accuracy"]) / 2
+    assert json.loads((tmp_path / "mix" / "metrics.json").read_text()) == mixed
+    for name in ("shapes", "motion"):
+        records = (tmp_path / "mix" / name / "predictions.jsonl").read_text().splitlines()
+        assert len(records) == 4 and (tmp_path / "mix" / name / "predictions.html").is_file()
+    assert (tmp_path / "mix" / "shapes" / "predictions.jsonl").read_text() == \
+        (tmp_path / "shapes" / "predictions.jsonl").read_text()
+    out = capsys.readouterr().out
+    assert "shapes / test: 4 rows" in out and "motion / " in out
+    code = run_cli("eval", eval_main, ["task=mix", "task.mixture={shapes: 1, motion: 1}",
+                                       f"predictions={tmp_path / 'shapes' / 'predictions.jsonl'}",
+                                       f"output_dir={tmp_path / 'again'}"])
+    assert code == 2 and capsys.readouterr().err == (
+        "error: predictions= re-scores one task's predictions, and task=mix evaluates several; re-score each task's "
+        "file with that task (task=<entry> predictions=<output_dir>/<entry>/predictions.jsonl, where a mixture's "
+        "evaluation writes them).\n")
+
+
 def test_the_docs_example_task_registers_and_trains_two_steps(tmp_path):
     page = (ROOT / "docs" / "adding-a-task.md").read_text()
     code = re.search(r"```python\n# dominant.py\n(.*?)```", page, re.DOTALL).group(1)

@@ -81,3 +81,38 @@ def test_a_loss_plugin_that_keeps_its_contract_trains(tmp_path):
                                      f"output_dir={tmp_path / 'run'}"]))
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
     assert metrics["optimizer_steps"] == 1.0 and metrics["groups_used"] == 2
+
+
+TASK_HEAD = "from gpg_vl_tasks.shapes import Shapes\n"
+TASKS = {  # a task from outside whose own code raises: where, and what the sentence says
+    "at_import": (TASK_HEAD + "raise RuntimeError('broken at import')\nclass T(Shapes):\n    name = 'broken'\n",
+                  "task.name={plugin}:T: loading {plugin} raised RuntimeError: broken at import; fix that code."),
+    "in_init": (TASK_HEAD + "class T(Shapes):\n    name = 'broken'\n    def __init__(self, **options):\n"
+                "        raise ValueError('broken in __init__')\n",
+                "task {plugin}:T could not be built: T(...) raised ValueError: broken in __init__; fix its __init__ "
+                "or its options (task.options.*)."),
+    "in_load": (TASK_HEAD + "class T(Shapes):\n    name = 'broken'\n    def load(self, split):\n"
+                "        raise KeyError('broken in load')\n",
+                "task broken could not load its 'train' split: T.load raised KeyError: 'broken in load'; fix its "
+                "load() or its data (data.path)."),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TASKS))
+def test_a_task_plugin_whose_code_raises_fails_in_one_sentence(tmp_path, case, request):
+    """A `file.py:Class` task raising at import, in __init__ or in load() ended in a raw traceback (issue 59); the
+    first two before the model loads (load() runs as the run is set up, after it)."""
+    from gpg_vl.data.mixture import build_mixture
+
+    if case != "in_load":
+        request.getfixturevalue("no_model")
+    plugin = tmp_path / "plugin.py"
+    source, expected = TASKS[case]
+    plugin.write_text(source)
+    with pytest.raises(UserError) as info:
+        train_main(load_config("train", [*FAST[1:], f"task={plugin}:T", f"output_dir={tmp_path / 'run'}"]))
+    assert str(info.value) == expected.format(plugin=plugin)
+    if case != "in_load":  # in a mixture: the entry named first
+        with pytest.raises(UserError) as info:
+            build_mixture({f"{plugin}:T": 1, "shapes": 1}, {}, {})
+        assert str(info.value) == f"task.mixture.{plugin}:T: " + expected.format(plugin=plugin)

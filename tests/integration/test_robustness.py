@@ -284,6 +284,10 @@ def test_a_trainer_state_lacking_keys_fails_in_one_sentence(tmp_path):
     (["rollout.max_new_tokens=-1"], "rollout.max_new_tokens=-1, allowed: an integer >= 1"),
     (["rollout.temperature=0"], "rollout.temperature=0.0, allowed: a number > 0"),
     (["seed=abc"], "seed=abc has the wrong type: seed takes a whole number"),
+    (["trainer.clip_cov_bounds=abc"], "trainer.clip_cov_bounds=abc has the wrong type: trainer.clip_cov_bounds takes "
+                                      "a list ([a, b, ...])"),  # was Hydra's bare "Error merging override" (issue 59)
+    (["trainer.loss_options=abc"], "trainer.loss_options=abc has the wrong type: trainer.loss_options takes a map "
+                                   "({key: value, ...})"),
     (["model.dtype=int8"], "model.dtype='int8', allowed: one of auto, float32, bfloat16, float16"),
     (["eval.batch_size=0"], "eval.batch_size=0, allowed: an integer >= 1"),
     (["trainer.lr=-1", "eval.batch_size=0"], "values: trainer.lr=-1.0, allowed: a number > 0; eval.batch_size=0"),

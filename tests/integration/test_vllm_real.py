@@ -214,7 +214,8 @@ def test_a_server_of_another_model_is_refused_before_any_sampling(tmp_path):
     server = RealServer(other, tmp_path / "other.log").wait()
     try:
         with pytest.raises(UserError, match=rf"^the vLLM server at {server.url} could not load the trainer's weights "
-                                            r"from .*; start it with the trainer's model and let it read"):
+                                            r"from .*; restart it \(after a failed load it still answers /health "
+                                            r"but generates nothing\) with the trainer's model, and let it read"):
             train_run(tmp_path / "out", *overrides(server.url, tmp_path, "trainer.max_steps=1"))
     finally:
         server.kill()

@@ -203,19 +203,37 @@ def test_a_refused_prompt_is_skipped_with_one_warning_naming_it(policy, shapes):
 # ---------------------------------------------------------------------------------------------
 # faults in a run
 # ---------------------------------------------------------------------------------------------
-def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, no_model):
-    setup_called = []
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_no_server_at_start_is_refused_before_the_model_loads(tmp_path, capsys, no_model, script):
+    from gpg_vl.cli import eval_main, train_main
     from gpg_vl.config.compose import run_cli
 
-    code = run_cli("train", lambda cfg: setup_called.append(cfg), [f"output_dir={tmp_path / 'out'}", *overrides(
-        "http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")])
+    typed = overrides("http://127.0.0.1:9", tmp_path, "rollout.vllm_server.timeout_s=0.5")
+    code = run_cli(script, train_main if script == "train" else eval_main, [f"output_dir={tmp_path / 'out'}", *typed])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 1 and not setup_called
+    assert code == 2 and err.count("\n") == 1
     waiting, error = err.splitlines()  # the wait is said as it starts (after one short try), then its end
     assert waiting == ("waiting up to 0.5 s (rollout.vllm_server.timeout_s) for the vLLM server at "
                        "http://127.0.0.1:9 to answer GET /health ...")
     assert error.startswith("error: no vLLM server answers at http://127.0.0.1:9 (GET /health, for "
                             "rollout.vllm_server.timeout_s=0.5 s); start `vllm serve` there")
+
+
+@pytest.mark.parametrize("script", ["train", "eval"])
+def test_printing_or_checking_a_config_never_contacts_a_server(tmp_path, capsys, monkeypatch, script):
+    """`--cfg job` with rollout.engine=vllm_server waited timeout_s (300 s) for a server (issue 59)."""
+    from gpg_vl.config.compose import load_config, run_cli
+
+    def contacted(self, route, **kwargs):
+        raise AssertionError(f"{self.url}{route} was contacted")
+
+    monkeypatch.setattr(Server, "get", contacted)
+    typed = [f"output_dir={tmp_path / 'out'}", *overrides("http://127.0.0.1:8000", tmp_path)]
+    cfg = load_config(script, typed)
+    assert cfg.rollout.engine == "vllm_server"
+    assert run_cli(script, lambda cfg: pytest.fail("ran"), [*typed, "--cfg", "job"]) == 0
+    printed = capsys.readouterr()
+    assert "vllm_server:" in printed.out and "urls: http://127.0.0.1:8000" in printed.out and printed.err == ""
 
 
 def test_a_port_outside_1_to_65535_is_refused_as_a_port_at_once(tmp_path, capsys, no_model):
@@ -274,6 +292,47 @@ def test_a_server_that_is_unreachable_is_retried_until_its_deadline():
         Server("http://127.0.0.1:9", timeout_s=0.6).get("/health")
 
 
+def test_a_request_a_server_takes_but_never_answers_is_said_once_while_it_waits(monkeypatch, capsys):
+    """A vLLM server whose weight load failed still answers /health but never generates: a teacher's request then
+    waited its whole teacher.timeout_s without a word (issue 59). A request unanswered for NOTE_AFTER_S is said once."""
+    import socket
+
+    import gpg_vl.rollout.vllm.client as client
+
+    monkeypatch.setattr(client, "NOTE_AFTER_S", 0.3, raising=False)
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        server = Server(url, timeout_s=1.2)
+        with pytest.raises(ServerGone, match=r"did not answer POST /inference/v1/generate within 1\.2 s"):
+            server.post("/inference/v1/generate", {}, limit="teacher.timeout_s")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"still waiting for the vLLM server at {url} to answer POST /inference/v1/generate (0.3 s so far, "
+                    "up to teacher.timeout_s=1.2 s); a server whose weight load failed still answers /health but "
+                    "never generates: restart it.")
+
+
+def test_a_server_that_cannot_load_the_trainers_weights_is_to_be_restarted():
+    from gpg_vl.rollout.vllm.client import ServerError
+    from gpg_vl.rollout.vllm.weight_transfer import DiskTransport
+
+    class Refusing(Server):
+        def post(self, route, body=None, **named):
+            raise Rejected(self.url + route, 500 if route == "/x" else 400, "no weight named lm_head.weight")
+
+    transport = DiskTransport.__new__(DiskTransport)
+    transport.timeout_s, transport.limit = 1.0, "rollout.vllm_server.sync_timeout_s"
+    with pytest.raises(ServerError) as error:
+        transport._reload(Refusing("http://127.0.0.1:9", timeout_s=1.0), Path("/tmp/v1"))
+    assert "restart it (after a failed load it still answers /health but generates nothing)" in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# several trainer processes, several servers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1])
 def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_every_rank(tmp_path):
     """push_weights on rank 1 makes no request but walks every weight (gathering them is collective under FSDP2 and
     ZeRO-3); rank 0's failure is what every rank raises (here the collective is the identity)."""

@@ -55,7 +55,9 @@ def test_a_plugin_loss_declares_its_own_option(tmp_path):
     ("grpo", {"clip_low": math.nan}, "a number >= 0 and < 1"), ("cispo", {"cap": -1}, "a number > 0"),
     ("cispo", {"cap": 0}, "a number > 0"), ("cispo", {"cap": "abc"}, "a number > 0"),
     ("sapo", {"temperature_pos": 0}, "a number > 0"), ("sapo", {"temperature_neg": -1.05}, "a number > 0"),
-    ("vespo", {"lambda_pos": 0}, "a number > 0"), ("dr_grpo", {"max_tokens": 0}, "an integer >= 1 or null")])
+    ("vespo", {"lambda_pos": 0}, "a number > 0"), ("dr_grpo", {"max_tokens": 0}, "an integer >= 1"),
+    ("dr_grpo", {"max_tokens": None}, "an integer >= 1"), ("gpg", {"max_tokens": -16}, "an integer >= 1"),
+    ("gpg", {"max_tokens": 0}, "an integer >= 1")])
 def test_a_loss_option_outside_its_declared_range_or_of_the_wrong_type_fails_naming_the_option(loss, options,
                                                                                                 allowed):
     with pytest.raises(UserError) as error:
@@ -128,3 +130,59 @@ def test_a_loss_with_a_fixed_aggregation_names_a_preset_only_where_one_exists():
         assert str(error.value) == (f"trainer.loss={loss} aggregates as token_mean; set trainer.aggregation="
                                     f"token_mean (there is no algorithm={loss} preset: give both settings).")
         assert TrainerSettings(loss=loss, aggregation="token_mean").loss == loss  # what the sentence says works
+
+
+def test_every_option_of_every_loss_advantage_aggregation_and_correction_declares_its_range():
+    """A new option of a built-in cannot land without `Annotated[..., option(meaning, low=..)]`: a negative
+    gpg max_tokens once turned the loss into gradient ascent (issue 59)."""
+    from gpg_vl.config.names import ADVANTAGE_BUILTINS, CORRECTION_BUILTINS, LOSS_BUILTINS
+    from gpg_vl.config.rules import undeclared_options
+    from gpg_vl.objective import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    from gpg_vl.objective.aggregation import AGGREGATION_INPUTS, AGGREGATIONS
+    from gpg_vl.objective.corrections import CORRECTION_INPUTS, CORRECTIONS
+    from gpg_vl.objective.options import LOSS_INPUTS
+
+    kinds = [(POLICY_LOSSES.load_all(), LOSS_INPUTS), (ADVANTAGE_ESTIMATORS.load_all(), ("rewards",)),
+             (AGGREGATIONS, AGGREGATION_INPUTS), (CORRECTIONS.load_all(), CORRECTION_INPUTS)]
+    for table, inputs in kinds:
+        for name, fn in table.items():
+            assert undeclared_options(fn, inputs) == [], name
+    assert set(kinds[0][0]) >= set(LOSS_BUILTINS) and set(kinds[1][0]) >= set(ADVANTAGE_BUILTINS)
+    assert set(kinds[3][0]) >= set(CORRECTION_BUILTINS) and len(AGGREGATIONS) == 4
+    assert undeclared_options(get_policy_loss("gpg"), LOSS_INPUTS) == [] and \
+        "max_tokens" in declared_options(get_policy_loss("gpg"))
+
+
+def test_the_walk_finds_an_option_without_a_range():
+    from typing import Annotated
+
+    from gpg_vl.config.keys import option
+    from gpg_vl.config.rules import undeclared_options
+
+    def plugin(x, *, plain: int = 3, unbounded: Annotated[float, option("a scale")] = 1.0,
+               ranged: Annotated[float, option("a scale", above=0)] = 1.0, flag: bool = False,
+               choice: Annotated[str, option("a mode", choices=("a", "b"))] = "a"):
+        return x
+
+    assert undeclared_options(plugin, ("x",)) == ["plain", "unbounded"]
+
+
+def test_a_negative_or_zero_max_tokens_fails_as_the_settings_are_read():
+    from gpg_vl.config.schema import TrainerSettings
+
+    for value in (-16, 0):
+        with pytest.raises(UserError, match=rf"^trainer.loss_options.max_tokens={value} is not allowed for loss gpg: "
+                                            r"give an integer >= 1 \("):
+            TrainerSettings(aggregation="seq_mean_token_sum", loss_options={"max_tokens": value})
+
+
+def test_the_reference_names_every_built_in_loss():
+    """docs/configuration.md's trainer.loss row named 4 of the built-in losses (issue 59)."""
+    from dataclasses import fields
+
+    from gpg_vl.config.names import LOSS_BUILTINS
+    from gpg_vl.config.schema import TrainerSettings
+
+    (loss,) = [item for item in fields(TrainerSettings) if item.name == "loss"]
+    meaning = loss.metadata["key"].help
+    assert all(f" {name}," in meaning or f" {name} " in meaning for name in LOSS_BUILTINS), meaning

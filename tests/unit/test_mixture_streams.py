@@ -143,6 +143,29 @@ def test_prompts_are_drawn_by_weight_deterministically_per_seed_each_tagged_with
         [[(p.task, p.index) for p in other.next_prompts(8)] for _ in range(5)]
 
 
+def test_weights_whose_sum_overflows_still_draw_every_task_by_its_share():
+    """{a: 1e308, b: 1e308} summed to inf, and every prompt was b's (issue 59)."""
+    assert mixture_weights({"shapes": 1e308, "motion": 1e308}) == {"shapes": 1e308, "motion": 1e308}
+    for weights, share in (({"a": 1e308, "b": 1e308}, 0.5), ({"a": 1e308, "b": 1.5e308}, 0.6)):
+        stream = mixed_stream(weights=weights)
+        counts = Counter(p.task for _ in range(100) for p in stream.next_prompts(8))
+        assert abs(counts["b"] / 800 - share) < 0.06, counts
+    # ordinary weights draw exactly what they drew before (the scaling is for sums that overflow only)
+    assert torch.equal(mixed_stream().weights, torch.tensor([1.0, 3.0], dtype=torch.float64))
+
+
+def test_a_mixture_key_given_twice_on_the_command_line_is_refused():
+    for typed, key in (("task.mixture={shapes: 1, shapes: 2}", "shapes"),
+                       ("trainer.loss_options={max_tokens: 8, max_tokens: 16}", "max_tokens"),
+                       ("task.options={motion: {frames: 4, frames: 8}}", "frames")):
+        with pytest.raises(UserError) as error:
+            load_config("train", ["task=mix", typed])
+        assert one_sentence(error) == (f"{typed.split('=')[0]} names {key!r} twice ({typed.split('=', 1)[1]}); give "
+                                       "each key once.")
+    assert load_config("train", ["task=mix", "task.mixture={shapes: 1, motion: 2}"]).task.mixture == {
+        "shapes": 1, "motion": 2}
+
+
 def test_a_task_walks_its_split_as_it_would_alone():
     stream = mixed_stream(weights={"a": 1.0, "b": 1.0})
     alone = PromptStream([{"id": f"a{i}"} for i in range(50)], seed=0)
@@ -207,3 +230,65 @@ def test_an_informative_group_unsettles_a_prompt_and_the_window_holds_its_last_g
     assert not sampler.settled(0)  # [0.5, 1.0]: the last two
     sampler.record(0, 0.0)
     assert sampler.settled(0) and sampler.rates[0] == [1.0, 0.0]
+
+
+class CountedSampler(DifficultySampler):
+    """The difficulty sampler, failing once asked more than `most` times (a walk that would spin fails here)."""
+
+    most = 10_000
+
+    def take(self, index):
+        self.asked = getattr(self, "asked", 0) + 1
+        if self.asked > self.most:
+            raise AssertionError(f"the walk asked the sampler {self.asked} times")
+        return super().take(index)
+
+
+@pytest.mark.parametrize("size", [1, 7])
+def test_a_walk_of_settled_rows_with_a_tiny_keep_still_moves_by_at_most_a_pass_per_prompt(size):
+    """keep=1e-9 with every row settled spun for ever after step 1 (issue 59): a pass over the split in which every
+    row is deferred ends with the next row taken anyway, said once."""
+    warnings = []
+    sampler = CountedSampler(size, seed=0, keep=1e-9, window=1)
+    stream = PromptStream(list(range(size)), seed=0, sampler=sampler, warn=warnings.append)
+    first = stream.next_indices(size)  # nothing recorded yet: every row taken at its turn
+    assert sorted(first) == list(range(size)) and sampler.asked == size
+    stream.record([(None, index, 1.0) for index in range(size)])  # every row settled
+    for _ in range(3):
+        asked = sampler.asked
+        assert len(stream.next_indices(2)) == 2
+        assert sampler.asked - asked <= 2 * size
+    assert len(warnings) == 1 and warnings[0].startswith("data.sampler=difficulty deferred every row of a whole pass")
+    resumed = PromptStream(list(range(size)), seed=0, sampler=CountedSampler(size, seed=0, keep=1e-9, window=1))
+    again = PromptStream(list(range(size)), seed=0, sampler=CountedSampler(size, seed=0, keep=1e-9, window=1))
+    again.next_indices(size), again.record([(None, index, 1.0) for index in range(size)])
+    resumed.load_state_dict(again.state_dict())
+    assert [resumed.next_indices(2) for _ in range(3)] == [again.next_indices(2) for _ in range(3)]
+
+
+def test_a_plugin_entry_is_typed_with_an_escaped_colon_and_its_settings_under_its_name(tmp_path):
+    """A `file.py:Class` entry needs Hydra's `\\:` in the map; its settings, which a key path cannot spell (dots and
+    a colon), are written under the task's `name` (issue 59)."""
+    from gpg_vl.train.build import build_task
+
+    plugin = tmp_path / "mine.py"
+    plugin.write_text("from gpg_vl_tasks.shapes import Shapes\nclass Mine(Shapes):\n    name = 'mine'\n")
+    entry = f"{plugin}:Mine"
+    cfg = load_config("train", ["task=mix", f"task.mixture={{{entry.replace(':', chr(92) + ':')}: 1, motion: 1}}",
+                                "task.options.mine.train_size=40", "task.rollout.mine.max_new_tokens=12"])
+    assert dict(cfg.task.mixture) == {entry: 1, "motion": 1}
+    mixture = build_task(cfg.task, cfg.data)
+    assert list(mixture.tasks) == ["mine", "motion"] and len(mixture.tasks["mine"].load("train")) == 40
+    assert mixture.rollouts["mine"] == {"max_new_tokens": 12}
+    # the entry itself still works as the key (in a map typed with `\\:`), and a name of no entry is refused
+    same = build_mixture({entry: 1}, {entry: {"train_size": 30}}, {})
+    assert len(same.tasks["mine"].load("train")) == 30
+    with pytest.raises(UserError) as error:
+        build_mixture({entry: 1}, {"yours": {"train_size": 30}}, {})
+    assert "task.options.yours names no task of task.mixture" in one_sentence(error)
+
+
+def test_a_mixture_inside_a_mixture_is_refused_as_such():
+    with pytest.raises(UserError) as error:
+        build_mixture({"mix": 1, "shapes": 1}, {}, {})
+    assert one_sentence(error) == "task.mixture cannot hold a mixture (mix); list its tasks directly."

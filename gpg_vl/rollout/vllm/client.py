@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -33,6 +35,9 @@ from gpg_vl.rollout.engine import EngineUnreachable
 
 RETRY_STATUSES = (502, 503, 504)  # a proxy in front of a server that is restarting, or an overloaded server
 BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits between retries (the last repeats)
+# a request unanswered this long is said once per server (one whose weight load failed answers /health but never
+# generates, and the wait would otherwise run its whole deadline without a word)
+NOTE_AFTER_S = 20.0
 
 
 class ServerError(UserError):
@@ -77,6 +82,7 @@ class Server:
 
     def __init__(self, url: str, *, timeout_s: float) -> None:
         self.url, self.timeout_s = url, timeout_s
+        self.said_waiting = False  # a long wait on this server was said (once)
 
     def get(self, route: str, *, timeout_s: float | None = None, retry: bool = True, **named) -> dict:
         return self.request("GET", route, None, timeout_s=timeout_s, retry=retry, **named)
@@ -91,6 +97,23 @@ class Server:
         `timeout_s` (default: the server's) has passed. Raises ServerGone past it, naming `limit` (the setting
         that gave `timeout_s`), Rejected on a 4xx."""
         budget = self.timeout_s if timeout_s is None else timeout_s
+        waiting = threading.Timer(NOTE_AFTER_S, self._still_waiting, (f"{method} {route}", budget, limit))
+        waiting.daemon = True
+        if budget > NOTE_AFTER_S and not self.said_waiting:
+            waiting.start()
+        try:
+            return self._request(method, route, body, budget, retry, limit)
+        finally:
+            waiting.cancel()
+
+    def _still_waiting(self, what: str, budget: float, limit: str) -> None:
+        if not self.said_waiting:
+            self.said_waiting = True
+            print(f"still waiting for the vLLM server at {self.url} to answer {what} ({NOTE_AFTER_S:g} s so far, up "
+                  f"to {limit}={budget:g} s); a server whose weight load failed still answers /health but never "
+                  "generates: restart it.", file=sys.stderr, flush=True)
+
+    def _request(self, method: str, route: str, body: dict | None, budget: float, retry: bool, limit: str) -> dict:
         deadline = time.monotonic() + budget
         data = None if body is None else json.dumps(body).encode()
         attempt, last = 0, ""

@@ -349,9 +349,14 @@ class VLLMServerEngine(VLLMEngineBase):
         settings = cls.settings_in(rollout)
         from gpg_vl.rollout.vllm.weight_transfer import require_transport
 
-        reason = require_transport(settings)  # nccl without CUDA or vllm, disk without a folder
-        if reason is not None:
-            return reason
+        split_urls(settings.urls)  # a url that is not one (its port outside 1-65535): one sentence, contacting none
+        return require_transport(settings)  # nccl without CUDA or vllm, disk without a folder
+
+    @classmethod
+    def unreachable(cls, rollout) -> str | None:
+        if rollout.engine != cls.name:
+            return None
+        settings = cls.settings_in(rollout)
         for url in split_urls(settings.urls):  # refused before any model loads: a server that is not there
             server = Server(url, timeout_s=settings.timeout_s)
             try:

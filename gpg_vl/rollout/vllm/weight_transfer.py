@@ -150,8 +150,9 @@ class DiskTransport(Transport):
             server.post("/collective_rpc", body, timeout_s=self.timeout_s, retry=False, limit=self.limit)
         except Rejected as error:
             raise ServerError(f"the vLLM server at {server.url} could not load the trainer's weights from {target} "
-                              f"(HTTP {error.status}: {error.detail[:300]}); start it with the trainer's model and let "
-                              "it read rollout.vllm_server.transfer_dir at the trainer's path.") from None
+                              f"(HTTP {error.status}: {error.detail[:300]}); restart it (after a failed load it still "
+                              "answers /health but generates nothing) with the trainer's model, and let it read "
+                              "rollout.vllm_server.transfer_dir at the trainer's path.") from None
 
     def label(self, servers: list[Server], version: int) -> None:
         _each(servers, lambda server: server.post("/update_weight_version", {"new_version": str(version)},

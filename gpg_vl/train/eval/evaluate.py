@@ -18,6 +18,7 @@ import contextlib
 import inspect
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,7 +260,7 @@ def prediction_records(task, decoded: Sequence[Decoded], split: str, tokenizer=N
 def read_predictions(path: str | Path) -> list[dict]:
     """The records of a predictions.jsonl written by scripts/eval.py, each checked for what `rescore` reads
     (`index` a whole number >= 0, `id`, `completion` a string); a bad file or line (named by its number in the
-    file), or a file without records, fails in one sentence."""
+    file), a file without records, or one holding a record twice, fails in one sentence."""
     source = Path(path)
     if not source.is_file():
         raise UserError(f"predictions file {str(source)!r} does not exist; pass predictions=path/to/predictions.jsonl.")
@@ -280,6 +281,13 @@ def read_predictions(path: str | Path) -> list[dict]:
     if not records:
         raise UserError(f"predictions file {str(source)!r} holds no records, so there is nothing to re-score; pass a "
                         "predictions.jsonl written by scripts/eval.py (one record per line).")
+    times = Counter((int(record["index"]), int(record.get("sample", 0))) for record in records)
+    repeated = sorted(key for key, count in times.items() if count > 1)
+    if repeated:
+        (index, sample) = repeated[0]
+        raise UserError(f"the predictions file {str(source)!r} holds row index {index}'s sample {sample} "
+                        f"{times[repeated[0]]} times (a line written twice?); re-score a file written by "
+                        "scripts/eval.py, each line once.")
     return records
 
 

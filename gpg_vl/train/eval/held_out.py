@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from gpg_vl.data.mixture import Mixture
 from gpg_vl.data.stream import Subset, scan_rows
+from gpg_vl.data.task import load_split
 from gpg_vl.errors import UserError
 from gpg_vl.train.eval.evaluate import Share, decoding, evaluate
 
@@ -48,7 +49,7 @@ def _held_out_rows(run, task, split: str, engine, rollout, max_new_tokens: int |
     evaluation, trainer = run.settings.evaluation, run.trainer
     accelerator, family = run.accelerator, run.learner.policy.family
     evaluated = (trainer.eval_before and run.state.start_step == 0) or trainer.eval_after or trainer.eval_every > 0
-    eval_rows = task.load(split) if evaluated else []  # evaluation off: never read
+    eval_rows = load_split(task, split) if evaluated else []  # evaluation off: never read
     eval_rows = eval_rows[:evaluation.limit] if evaluation.limit else eval_rows
     eval_data = None
     if evaluated:
@@ -98,12 +99,16 @@ def _evaluate(run) -> dict:
     if not isinstance(run.data.task, Mixture):
         metrics, _ = evaluate(run.learner.policy, run.data.task, run.data.eval_rows, **run.data.eval_kwargs)
         return metrics
-    found, accuracies = {}, []
-    for name, (task, rows, kwargs) in run.data.eval_sets.items():
-        metrics, _ = evaluate(run.learner.policy, task, rows, **kwargs)
-        found.update({f"{name}/{key}": value for key, value in metrics.items()})
-        if metrics.get("accuracy") is not None:
-            accuracies.append(metrics["accuracy"])
+    return mixed_metrics({name: evaluate(run.learner.policy, task, rows, **kwargs)[0]
+                          for name, (task, rows, kwargs) in run.data.eval_sets.items()})
+
+
+def mixed_metrics(per_task: dict[str, dict]) -> dict:
+    """A mixture's evaluation from each task's metrics (name -> metrics, in the mixture's order): each under
+    `<task>/`, and `accuracy` the mean of the tasks' accuracies (None when none has one); training's held-out
+    evaluation and scripts/eval.py alike."""
+    accuracies = [metrics["accuracy"] for metrics in per_task.values() if metrics.get("accuracy") is not None]
+    found = {f"{name}/{key}": value for name, metrics in per_task.items() for key, value in metrics.items()}
     return {"accuracy": sum(accuracies) / len(accuracies) if accuracies else None, **found}
 
 

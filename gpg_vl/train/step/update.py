@@ -423,7 +423,7 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                 teacher = learner.teacher.of(chunk.task) if learner.teacher is not None else None
                 logps, entropy, distill = _scored(learner, chunk, teacher, device)  # [n, C], [n, C], [n, C] / None
                 if index < real:
-                    sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).sum())
+                    sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).double().sum())
                 if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient,
                     # the threshold over this micro-batch index of every process (TRL gathers them); collective
                     pool = entropy_pool(accelerator, entropy, mask if index < real else None)

@@ -84,6 +84,7 @@ def check_tokenizer(teacher: TeacherSettings, student_name: str) -> None:
     from gpg_vl.models.load import resolve_path
 
     paths = {"model.name_or_path": resolve_path(str(student_name)), "teacher.model": resolve_path(str(teacher.model))}
+    _refuse_adapter(teacher.model, paths["teacher.model"])
     vocabularies, sizes = {}, {}
     for key, path in paths.items():
         try:
@@ -99,6 +100,19 @@ def check_tokenizer(teacher: TeacherSettings, student_name: str) -> None:
         raise UserError(f"teacher.model={teacher.model} has another tokenizer or vocabulary than the student "
                         f"({student_name}); on-policy distillation scores the student's tokens, so pick a teacher "
                         "of the same tokenizer (the same model family).")
+
+
+def _refuse_adapter(given: str, path) -> None:
+    """A folder holding a LoRA adapter and no model of its own (model.lora.save=adapter): one sentence naming it."""
+    from pathlib import Path
+
+    from gpg_vl.models.lora import adapter_base, adapter_folder
+
+    folder = adapter_folder(path) if Path(str(path)).is_dir() else None
+    if folder is not None and not (Path(str(path)) / "config.json").is_file():
+        raise UserError(f"teacher.model={given} holds a LoRA adapter without its base model's weights "
+                        f"(adapter_config.json, base {adapter_base(folder)}); a teacher is loaded whole: name a folder "
+                        "saved with model.lora.save=merged (or the adapter merged into its base).")
 
 
 def frozen_teacher(model: torch.nn.Module, family, teacher: TeacherSettings, trainer) -> Teacher:

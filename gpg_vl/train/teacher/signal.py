@@ -26,12 +26,14 @@ def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[l
     log-probs get per-token advantages, the groups whose combined advantage is all zero marked rejected (`shaped`; the
     student scored by `score_plan(learner, model, plan, attempts, calls)`, train/step/update.py's); the others stay as
     they are (every group of a teacher that reads logits carries its signal). Returns (plan, {valid groups and sampled
-    groups over all processes, teacher_kl (the token mean of log student - log teacher)}). Collective: a teacher
-    server unreachable from any process raises EngineUnreachable on every one."""
+    groups over all processes; with a teacher that reads log-probs also teacher_kl (the token mean of log student - log
+    teacher) and the groups whose advantages were NaN or infinite (nonfinite); a teacher that reads logits logs its
+    own figure, teacher_jsd}). Collective: a teacher server unreachable from any process raises EngineUnreachable on
+    every one."""
     accelerator, teachers = learner.accelerator, learner.teacher
     sampled = sum(len(a.valid) for a in attempts)
     lost = None  # a teacher's server could not be reached from this process (teacher.urls): its sentence
-    report = {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0, "rejected": 0}
+    report = {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0, "rejected": 0, "nonfinite": 0}
     if teachers.any_needs("logps"):  # the same on every process (the settings): the collectives below match
         wanted = [[c for c in chunks if teachers.needs(c.task) == "logps"] for chunks in plan]
         calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in wanted]], device=accelerator.device))
@@ -46,12 +48,15 @@ def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[l
     # combined advantage is all zero
     valid = len({(id(c.prompts), p) for chunks in plan for c in chunks for p in c.prompt_index}) - report["rejected"]
     totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"],
-                                              float(lost is not None)], device=accelerator.device,
-                                             dtype=torch.float64), "sum").tolist()
+                                              float(lost is not None), report["nonfinite"]],
+                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
     if totals[4]:  # every process stops at this step (gpg_vl/train/loop.py checkpoints the step before)
         raise EngineUnreachable(lost or "another training process could not reach the teacher's vLLM server (its "
                                 "log names the server); check the servers, then continue with resume=auto.")
-    return plan, {"valid": int(totals[0]), "groups": int(totals[1]), "teacher_kl": totals[2] / max(totals[3], 1.0)}
+    taught = {"valid": int(totals[0]), "groups": int(totals[1])}
+    if teachers.any_needs("logps"):  # the sampled KL, and the groups whose advantages were not finite
+        taught.update({"teacher_kl": totals[2] / max(totals[3], 1.0), "nonfinite": int(totals[5])})
+    return plan, taught
 
 
 def shaped(learner, plan: list[list], attempts: list, students: dict) -> tuple[list[list], dict[str, float]]:
@@ -60,7 +65,7 @@ def shaped(learner, plan: list[list], attempts: list, students: dict) -> tuple[l
     teacher - log student)), the student's log-probs `students[id(chunk)]` [n, C]; the sequences of a group whose
     combined advantage is all zero marked `rejected`, so the loss's normalizer leaves them out (AGE). Returns (plan,
     {teacher_kl_sum: the summed log student - log teacher, teacher_tokens: this process's token count, rejected: the
-    groups rejected}). Both
+    groups rejected, nonfinite: those whose combined advantage is NaN or infinite on a counted token}). Both
     log-probs are kept on each attempt's rollout (`Rollout.token_logps`) for the rollout log."""
     teachers, device = learner.teacher, learner.accelerator.device
     rollouts = {id(a.prompts): a.rollout for a in attempts if a.rollout is not None}
@@ -78,19 +83,20 @@ def shaped(learner, plan: list[list], attempts: list, students: dict) -> tuple[l
             counted = chunk.counted.to(student.device)
             advantages = get_teacher_loss(teacher.settings.loss)(
                 chunk.advantages.to(student.device), nu, student, counted, coef=teacher.settings.coef,
-                only=teacher.settings.only)  # [n, C]
+                only=teacher.settings.only, tolerance=teacher.settings.tolerance)  # [n, C]
             keep_token_logps(rollouts[id(chunk.prompts)], chunk, student, nu)
             total, count = teacher_kl(nu, student, counted)
             kl_sum, tokens = kl_sum + total, tokens + count
             for row, prompt in enumerate(chunk.prompt_index):  # a group's sequences may span micro-batches
                 groups.setdefault((id(chunk.prompts), prompt), []).append((part, index, row))
             marked[part][index] = (chunk._replace(advantages=advantages.cpu()), counted.cpu())
-    rejected = {}
+    rejected, nonfinite = {}, 0
     for members in groups.values():
         width = max(marked[p][c][1].shape[1] for p, c, _ in members)
         adv = torch.stack([_padded(marked[p][c][0].advantages[r], width) for p, c, r in members])
         mask = torch.stack([_padded(marked[p][c][1][r], width) for p, c, r in members])
         keep = bool(combined_valid(adv, mask, len(members))[0])
+        nonfinite += bool((mask.bool() & ~torch.isfinite(adv)).any())  # left out: counted and said (loop.py)
         for member in members:
             rejected[member] = not keep
     for part, chunks in enumerate(marked):
@@ -101,7 +107,7 @@ def shaped(learner, plan: list[list], attempts: list, students: dict) -> tuple[l
                 earlier = chunk.rejected
                 chunks[index] = chunk._replace(rejected=flags if earlier is None else flags | earlier)
     return marked, {"teacher_kl_sum": kl_sum, "teacher_tokens": float(tokens),
-                    "rejected": sum(rejected[members[0]] for members in groups.values())}
+                    "rejected": sum(rejected[members[0]] for members in groups.values()), "nonfinite": nonfinite}
 
 
 def keep_token_logps(rollout, chunk, student: torch.Tensor, teacher: torch.Tensor) -> None:
@@ -121,11 +127,16 @@ def _padded(row: torch.Tensor, width: int) -> torch.Tensor:
 
 def taught_metrics(taught: dict | None, settings) -> dict[str, float]:
     """With a teacher: every sampled group forwarded, the valid ones those whose combined advantage is not all zero
-    (groups_used, AGE's alpha), and teacher_kl; nothing without one."""
+    (groups_used, AGE's alpha), and with a teacher that reads log-probs teacher_kl and teacher_nonfinite_groups (and
+    `nonfinite` when they left no valid group); nothing without one."""
     if taught is None:
         return {}
-    return {"groups_used": taught["valid"], "teacher_kl": taught["teacher_kl"],
-            "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])}
+    found = {"groups_used": taught["valid"], "alpha": loss_alpha(settings.age, taught["groups"], taught["valid"])}
+    if "teacher_kl" in taught:  # the sampled KL, and the groups whose advantages were not finite
+        found.update({"teacher_kl": taught["teacher_kl"], "teacher_nonfinite_groups": taught["nonfinite"]})
+        if taught["nonfinite"] and not taught["valid"]:  # no group left by numbers that are not finite: a bad step
+            found["nonfinite"] = 1.0  # (loop.py counts it in nonfinite_steps)
+    return found
 
 
 def distilled_scores(learner, teacher, chunk, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
