@@ -327,12 +327,6 @@ def test_a_server_that_cannot_load_the_trainers_weights_is_to_be_restarted():
         transport._reload(Refusing("http://127.0.0.1:9", timeout_s=1.0), Path("/tmp/v1"))
     assert "restart it (after a failed load it still answers /health but generates nothing)" in str(error.value)
 
-
-# ---------------------------------------------------------------------------------------------
-# several trainer processes, several servers
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("k", [0, 1])
 def test_every_rank_walks_the_weights_only_rank_0_sends_and_a_failure_reaches_every_rank(tmp_path):
     """push_weights on rank 1 makes no request but walks every weight (gathering them is collective under FSDP2 and
     ZeRO-3); rank 0's failure is what every rank raises (here the collective is the identity)."""
