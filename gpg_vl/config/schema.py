@@ -469,8 +469,11 @@ class JudgeSettings:
     url: str | None = field(default=None, metadata=meta(
         "endpoint: the server's base URL, e.g. http://localhost:8000/v1"))
     model: str | None = field(default=None, metadata=meta(
-        "endpoint: the model name the server serves (null = judge); local: a model folder or hub id"))
-    timeout_s: float = field(default=30.0, metadata=meta("endpoint: seconds per request", above=0))
+        "endpoint: the model name the server serves (null = the first its /v1/models lists, else judge); local: a "
+        "model folder or hub id"))
+    timeout_s: float = field(default=30.0, metadata=meta(
+        "endpoint: seconds a request may go unanswered (retried meanwhile) before the judge is down and the run "
+        "stops at a checkpoint", above=0))
     api_key_env: str = field(default="OPENAI_API_KEY", metadata=meta(
         "endpoint: the environment variable holding a bearer token, sent when set", nonempty=True))
     batch_size: int = field(default=16, metadata=meta(

@@ -156,6 +156,33 @@ def deepeyes_run(data, url: str, *extra: str) -> list[str]:
             "reward.judge.timeout_s=3", *extra]
 
 
+@pytest.mark.parametrize(("reply", "accuracy", "nonfinite"), [("Score: 8", 0.95, None), ("no idea", None, 1.0)])
+def test_evaluation_rescored_with_the_scale_judge_counts_a_missing_score(deepeyes_data, tmp_path, reply, accuracy,
+                                                                           nonfinite):
+    """scripts/eval.py re-scoring saved completions: four rows, the last one's sentence judged 8 of 10 (accuracy
+    (1 + 1 + 1 + 0.8) / 4), or not scored (accuracy NaN, counted)."""
+    import json
+
+    from gpg_vl.cli import eval_main
+    from gpg_vl.config.compose import load_config
+
+    predictions = tmp_path / "predictions.jsonl"
+    answers = ["B", "green", "1", "It is blue"]
+    predictions.write_text("".join(json.dumps({"index": i, "id": f"deepeyes-train-{i}", "split": "train",
+                                               "completion": f"<answer>{a}</answer>"}) + "\n"
+                                   for i, a in enumerate(answers)))
+    with ScriptedJudge(lambda answer, body: reply) as server:
+        metrics = eval_main(load_config("eval", [
+            "task=deepeyes", f"data.path={deepeyes_data}", f"predictions={predictions}", "reward.judge.kind=endpoint",
+            f"reward.judge.url={server.url}", "reward.judge.mode=scale", f"output_dir={tmp_path / 'eval'}"]))
+    assert len(server.bodies) == 1 and "Model's answer: It is blue" in server.bodies[0]["messages"][0]["content"]
+    if accuracy is None:
+        assert math.isnan(metrics["accuracy"])
+    else:
+        assert metrics["accuracy"] == pytest.approx(accuracy)
+    assert metrics.get("rewards_nonfinite") == nonfinite
+
+
 @pytest.mark.slow
 def test_a_run_logs_the_judges_missing_count_and_stops_at_a_checkpoint_when_the_judge_goes_down(
         deepeyes_data, tmp_path):
