@@ -270,7 +270,7 @@ class EndpointJudge(Judge):
                 with self._lock:
                     self.lost = self.lost or ServerGone(f"the judge is down: {error}")
                 raise JudgeError(str(self.lost)) from None
-            except Rejected as error:
+            except (Rejected, ValueError) as error:  # refused (4xx, 500), or an answer that is not JSON
                 raise JudgeError(f"the judge at {self.url} gave no reply ({error})") from None
         try:
             return str(reply["choices"][0]["message"]["content"])
@@ -289,7 +289,7 @@ class EndpointJudge(Judge):
             listed = [str(m.get("id")) for m in answer.get("data") or [] if isinstance(m, dict)]
         except ServerGone as error:
             raise UserError(f"the judge at reward.judge.url cannot be reached: {error}") from None
-        except (Rejected, AttributeError):  # a server without the route (or a stand-in): nothing to check
+        except (Rejected, AttributeError, ValueError):  # a server without the route (a stand-in): nothing to check
             listed = []
         if named and listed and named not in listed:
             raise UserError(f"the judge at {self.url} serves {', '.join(listed)}, not reward.judge.model={named}; "

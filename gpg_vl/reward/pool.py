@@ -93,19 +93,32 @@ def _score(task, completions: Sequence[str], rows: Sequence[dict], *, workers: i
     else:
         scores = in_threads(scored, len(completions), workers, budget.left - (time.monotonic() - started))
     budget.spend(time.monotonic() - started)
-    if judge is not None and judge.lost is not None:
-        raise judge.lost
+    lost = getattr(judge, "lost", None)
+    if lost is not None:
+        raise lost
     return scores
 
 
 def _ask_judge(task, judge, completions: Sequence[str], rows: Sequence[dict], deadline: float) -> None:
     """The batch's questions to the judge (`task.judge_question` of each completion), asked at once, at most
     `judge.concurrency` in flight, until `deadline`: the rewards then read the judge's memo."""
-    questions = list(dict.fromkeys(q for q in (task.judge_question(c, task.scoring_row(r))
+    asking = getattr(task, "judge_question", None)
+    if asking is None or not hasattr(judge, "score"):  # a plain function as a judge: its rewards ask it
+        return
+    questions = list(dict.fromkeys(q for q in (_question(task, asking, c, r)
                                                for c, r in zip(completions, rows, strict=True)) if q is not None))
     if questions:
-        in_threads(lambda index: judge.score(questions[index]), len(questions), judge.concurrency,
+        in_threads(lambda index: judge.score(questions[index]), len(questions), getattr(judge, "concurrency", 1),
                    deadline - time.monotonic())
+
+
+def _question(task, asking, completion: str, row: dict):
+    """`task.judge_question` of one completion; None where it raises (the reward then asks the judge itself, or
+    raises and is counted as a reward error)."""
+    try:
+        return asking(completion, task.scoring_row(row))
+    except Exception:  # noqa: BLE001 (odd output must not end the run: the reward's own call decides)
+        return None
 
 
 def _scored(task, completion: str, row: dict, trajectory) -> tuple[dict[str, float], int, object]:

@@ -3,8 +3,8 @@ loopback (tests/helpers/judge_endpoint.py), for the cases a real vLLM server of 
 (tests/integration/test_judge_vllm_real.py takes the whole path against one):
 
 - good scores: "Score: 10/10", "Score: 3" and a JSON answer mapped to 0..1 exactly, through a task's scoring;
-- nonsense: words without a score, a score off the scale, an HTTP 400, an answer without a reply: each a missing
-  score (NaN, counted as judge_missing), never a 0 or a 1;
+- nonsense: words without a score, a score off the scale, an HTTP 400, an answer without a reply, an answer that
+  is not JSON: each a missing score (NaN, counted as judge_missing), never a 0 or a 1;
 - batching and concurrency: a batch's questions asked before its rewards, `concurrency` requests held in flight at
   once (the server holds each until that many are there) and never more, a repeated question asked once;
 - a timeout: a server that does not answer within reward.judge.timeout_s is down (one sentence, an
@@ -60,20 +60,20 @@ def accuracies(scored) -> list[float]:
 
 REPLIES = {"black": "Score: 10/10", "dark": '{"reason": "close, not the shade", "score": 7}', "grey": "Score: 3",
            "red": "I cannot tell.", "blue": "Score: 12", "green": (400, {"error": {"message": "prompt too long"}}),
-           "white": (200, {"choices": []})}
+           "white": (200, {"choices": []}), "pink": (200, b"<html>not JSON</html>")}
 
 
 def test_scores_map_to_0_1_and_a_judge_without_a_score_gives_missing_never_0_or_1():
     with ScriptedJudge(lambda answer, body: REPLIES[answer]) as server:
         task = judged_task(server.url)
-        answers = ["black", "dark", "grey", "red", "blue", "green", "white", ""]
+        answers = ["black", "dark", "grey", "red", "blue", "green", "white", "pink", ""]
         scored = score_completions(task, answers, [ROW] * len(answers), workers=2)
         got = accuracies(scored)
-        assert got[:3] == pytest.approx([1.0, 0.7, 0.3], abs=1e-12) and got[7] == 0.0
-        assert all(math.isnan(a) for a in got[3:7])  # nonsense, off the scale, refused, no reply
-        assert [s["length"] for s in scored.scores] == [0.5] * 8  # the other rewards are scored as ever
-        assert (scored.judged, scored.judge_missing, scored.errors, scored.timeouts) == (7, 4, 0, 0)
-        assert task.judge.missing == 4 and task.judge.lost is None
+        assert got[:3] == pytest.approx([1.0, 0.7, 0.3], abs=1e-12) and got[8] == 0.0
+        assert all(math.isnan(a) for a in got[3:8])  # nonsense, off the scale, refused, no reply, not JSON
+        assert [s["length"] for s in scored.scores] == [0.5] * 9  # the other rewards are scored as ever
+        assert (scored.judged, scored.judge_missing, scored.errors, scored.timeouts) == (8, 5, 0, 0)
+        assert task.judge.missing == 5 and task.judge.lost is None
         body = server.bodies[0]
         assert body["model"] == "judge" and body["temperature"] == 0 and body["max_tokens"] == 32
         prompt = body["messages"][0]["content"]
