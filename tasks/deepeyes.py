@@ -184,10 +184,19 @@ class DeepEyes(ToolTask):
         """The answer maj@k votes with: DeepEyes' answer text (`deepeyes_answer`), as the rewards read it."""
         return deepeyes_answer(completion) or None
 
+    def judge_question(self, completion: str, row: dict) -> tuple[str, str, str] | None:
+        """(the question the judge is shown, the sentence ground truth, the answer text) for a sentence row with an
+        answer to judge; None for every other (see `accuracy`)."""
+        answer = deepeyes_answer(completion)
+        if row["answer_kind"] != "sentence" or not answer or len(answer) >= MAX_ANSWER_CHARS:
+            return None
+        return row["judge_question"], row["answer"], answer
+
     def accuracy(self, completion: str, row: dict) -> float:
-        """By the ground truth's kind: the option named, the same short answer, or the judge's verdict, on the
-        answer text DeepEyes reads (`deepeyes_answer`: after the last `<answer>`, closed or not; the whole reply
-        without one). An answer of `MAX_ANSWER_CHARS` or more scores 0, as in DeepEyes (a judge is never asked)."""
+        """By the ground truth's kind: the option named, the same short answer, or the judge's score (a verdict,
+        or a rubric's score mapped to 0..1: reward.judge.mode; NaN when it gives none), on the answer text DeepEyes
+        reads (`deepeyes_answer`: after the last `<answer>`, closed or not; the whole reply without one). An answer
+        of `MAX_ANSWER_CHARS` or more scores 0, as in DeepEyes (a judge is never asked)."""
         answer = deepeyes_answer(completion)
         if not answer or len(answer) >= MAX_ANSWER_CHARS:
             return 0.0
@@ -197,4 +206,4 @@ class DeepEyes(ToolTask):
             return 1.0 if right is not None and choice_letter(answer, row["choices"]) == right else 0.0
         if kind == "short":
             return same_short_answer(answer, row["answer"])
-        return 0.0 if self.judge is None else self.judge(row["judge_question"], row["answer"], answer)
+        return 0.0 if self.judge is None else self.judge(*self.judge_question(completion, row))

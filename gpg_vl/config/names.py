@@ -82,6 +82,11 @@ JUDGE_BUILTINS = {
     "endpoint": "gpg_vl.reward.judge:endpoint_judge",
     "local": "gpg_vl.reward.local_judge:local_judge",
 }
+# The built-in judge modes (reward.judge.mode): how a judge is asked and how its reply is read (JUDGE_MODES).
+JUDGE_MODE_BUILTINS = {
+    "verdict": "gpg_vl.reward.judge:verdict_mode",
+    "scale": "gpg_vl.reward.judge_scale:scale_mode",
+}
 # the key each built-in judge cannot do without, and an example (JudgeSettings checks it with the config)
 JUDGE_NEEDS = {"endpoint": ("url", "http://localhost:8000/v1, an OpenAI-compatible endpoint such as vllm serve's"),
                "local": ("model", "/models/Qwen2.5-VL-7B-Instruct, a model folder or hub id")}
@@ -94,6 +99,7 @@ REGISTRIES = {
     "engines": ("gpg_vl.rollout.engine", "ENGINES", tuple(ENGINE_BUILTINS)),
     "families": ("gpg_vl.models.family", "FAMILIES", tuple(FAMILY_BUILTINS)),
     "judges": ("gpg_vl.reward.judge", "JUDGES", tuple(JUDGE_BUILTINS)),
+    "judge_modes": ("gpg_vl.reward.judge", "JUDGE_MODES", tuple(JUDGE_MODE_BUILTINS)),
     "tasks": ("gpg_vl.data.task", "TASKS", tuple(TASK_BUILTINS)),
     "samplers": ("gpg_vl.data.samplers", "SAMPLERS", tuple(SAMPLER_BUILTINS)),
     "tools": ("gpg_vl.rollout.multiturn.tools", "TOOLS", tuple(TOOL_BUILTINS)),

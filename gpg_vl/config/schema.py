@@ -44,6 +44,7 @@ CHOICE_SOURCES = {
     "box_frames": "a box frame (`gpg_vl/models/family.py`): relative-1000, resized-pixels, relative-1, none",
     "segmenters": "a segmenter (`gpg_vl/reward/segment.py`): box, sam, sam2",
     "judges": "a registered judge (`gpg_vl/reward/judge.py`): none, endpoint, local",
+    "judge_modes": "a registered judge mode (`gpg_vl/reward/judge.py`): verdict, scale",
     "samplers": "a registered prompt sampler (`gpg_vl/data/samplers.py`): uniform, difficulty",
 }
 
@@ -472,18 +473,38 @@ class JudgeSettings:
     url: str | None = field(default=None, metadata=meta(
         "endpoint: the server's base URL, e.g. http://localhost:8000/v1"))
     model: str | None = field(default=None, metadata=meta(
-        "endpoint: the model name the server serves (null = judge); local: a model folder or hub id"))
-    timeout_s: float = field(default=30.0, metadata=meta("endpoint: seconds per request", above=0))
+        "endpoint: the model name the server serves (null = the first its /v1/models lists, else judge); local: a "
+        "model folder or hub id"))
+    timeout_s: float = field(default=30.0, metadata=meta(
+        "endpoint: seconds a request may go unanswered (retried meanwhile) before the judge is down and the run "
+        "stops at a checkpoint", above=0))
     api_key_env: str = field(default="OPENAI_API_KEY", metadata=meta(
         "endpoint: the environment variable holding a bearer token, sent when set", nonempty=True))
     batch_size: int = field(default=16, metadata=meta(
         "local: the most questions in one forward pass", low=1))
+    mode: str = field(default="verdict", metadata=meta(
+        "what the judge gives: verdict (yes or no: 1 or 0) or scale (a score on scale_min..scale_max, mapped to "
+        "0..1; endpoint only)", choices="judge_modes", references=True))
+    rubric: str | None = field(default=None, metadata=meta(
+        "scale: the judge's prompt, a template with {question}, {reference}, {answer}, {low}, {high}, or a path "
+        "to a text file holding one (null = the built-in rubric)"))
+    scale_min: float = field(default=0.0, metadata=meta("scale: the lowest score the rubric allows (maps to 0)"))
+    scale_max: float = field(default=10.0, metadata=meta(
+        "scale: the highest score the rubric allows (maps to 1; above scale_min)"))
+    max_tokens: int | None = field(default=None, metadata=meta(
+        "endpoint: the most tokens the judge writes per answer (null: the mode's, 4 for verdict, 32 for scale)",
+        low=1))
+    concurrency: int = field(default=8, metadata=meta(
+        "endpoint: the most requests in flight at once (a step's questions are sent together)", low=1))
 
     def __post_init__(self) -> None:
         key, example = JUDGE_NEEDS.get(self.kind, (None, ""))
         if key is not None and not getattr(self, key):  # refused with the config, before anything loads
             raise UserError(f"reward.judge.kind={self.kind} needs reward.judge.{key}, e.g. "
                             f"reward.judge.{key}={example}.")
+        if not self.scale_max > self.scale_min:
+            raise UserError(f"reward.judge.scale_max={self.scale_max} must be above reward.judge.scale_min="
+                            f"{self.scale_min}; give the rubric's lowest and highest score, e.g. 0 and 10.")
 
 
 @dataclass

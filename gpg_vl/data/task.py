@@ -95,7 +95,7 @@ class Task:
         self.max_video_frames: int | None = None  # data.max_video_frames: the most frames sampled from a video
         self.reward_errors: dict[str, int] = {}  # reward name -> completions on which it raised (scored 0)
         self.reward_nonfinite: dict[str, int] = {}  # reward name -> NaN or infinite scores
-        self.judge = None  # reward.judge: the run's judge, `judge(question, reference, answer) -> 0 | 1`, or None
+        self.judge = None  # reward.judge: the run's judge, `judge(question, reference, answer) -> score`, or None
 
     def load(self, split: str) -> Sequence[dict]:
         """The rows of `split`, each a dict of the dataset's columns."""
@@ -160,6 +160,12 @@ class Task:
     def target(self, row: dict) -> str:
         """The reference answer of a row, as shown in predictions files."""
         return str(self.scoring_row(row).get("answer", ""))
+
+    def judge_question(self, completion: str, row: dict) -> tuple[str, str, str] | None:
+        """The (question, reference, answer) the rewards of `completion` will put to the run's judge (`self.judge`,
+        gpg_vl/reward/judge.py), or None: none, or the task does not say (the default). Saying it lets the scoring
+        ask a batch's questions together (gpg_vl/reward/pool.py). `row` is the scoring row (`scoring_row`)."""
+        return None
 
     def reward_components(self, completion: str, row: dict, trajectory=None) -> dict[str, float]:
         """Each reward function's raw score for one completion of `row` (the dataset's published row, or the

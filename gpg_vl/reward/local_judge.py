@@ -9,10 +9,12 @@ the verdict is 1.0 when log p("yes") > log p("no"), else 0.0, "yes" and "no" bei
 word as the tokenizer encodes it right after the assistant prefix. The model never samples, so every question
 gets a verdict (a tie is "no").
 
-Completions are scored on several threads (gpg_vl/reward/pool.py): questions asked while a forward pass runs
-wait for it and then go together in the next one (at most `batch_size`, left-padded), so one reward call's
-questions share a few forward passes. Verdicts are memoised as the endpoint judge's. A model served by vLLM
-(`vllm serve`) is a judge too: reach it with `reward.judge.kind=endpoint`.
+Completions are scored on several threads (gpg_vl/reward/pool.py), and a batch's questions are asked at once
+(`concurrency` = `batch_size`): questions asked while a forward pass runs wait for it and then go together in the
+next one (at most `batch_size`, left-padded), so one reward call's questions share a few forward passes. A forward
+pass that fails gives its questions no score (`MISSING`, gpg_vl/reward/judge.py). Verdicts are memoised as the
+endpoint judge's. A model served by vLLM (`vllm serve`) is a judge too, in either mode: reach it with
+`reward.judge.kind=endpoint`; this judge gives verdicts only (`reward.judge.mode=verdict`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class LocalJudge(Judge):
     def __init__(self, policy, *, batch_size: int = 16) -> None:
         super().__init__()
         self.model, self.family, self.batch_size = policy.model, policy.family, int(batch_size)
+        self.concurrency = self.batch_size  # a batch's questions asked at once share forward passes
         self.model.eval()
         self.model.requires_grad_(False)
         self.yes_id, self.no_id = answer_token(self.family, "yes"), answer_token(self.family, "no")
@@ -130,6 +133,10 @@ def local_judge(settings, device) -> LocalJudge:
     from gpg_vl.config.schema import ModelSettings
     from gpg_vl.models.load import load_policy
 
+    if settings.mode != "verdict":
+        raise UserError(f"reward.judge.kind=local compares the log-probs of yes and no, so it gives verdicts only, "
+                        f"not reward.judge.mode={settings.mode}; serve the judge model (vllm serve) and set "
+                        "reward.judge.kind=endpoint reward.judge.url=<its URL>.")
     path = judge_model_path(settings.model)
     policy = load_policy(ModelSettings(name_or_path=path, enable_thinking=False), device,
                          setting="reward.judge.model")

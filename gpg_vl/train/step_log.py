@@ -50,11 +50,12 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str]) -
     once per step by every process; a process without prompts adds zeros). Completions with a NaN or
     infinite reward are counted (`rewards_nonfinite`), not averaged; the reward function calls that raised
     (`reward_errors`) and the completions not scored within the reward budget (`reward_timeouts`), each as its
-    attempt's scoring returned them, are summed over processes."""
+    attempt's scoring returned them, are summed over processes; so are the completions that asked the run's judge
+    and those it gave no score (`judged`, `judge_missing`: logged on the steps that asked it)."""
     # one row per attempt: completions, finite rewards, their sum and sum of squares, completion tokens,
-    # reward errors, reward timeouts, each component's sum over the finite rewards; plus a row of zeros (a
-    # process without prompts adds nothing)
-    rows = [torch.zeros(7 + len(reward_names), dtype=torch.float64)]
+    # reward errors, reward timeouts, judged, judge missing, each component's sum over the finite rewards; plus a
+    # row of zeros (a process without prompts adds nothing)
+    rows = [torch.zeros(9 + len(reward_names), dtype=torch.float64)]
     for attempt in collected.attempts:
         lengths = attempt.rollout.completion_mask.sum(dim=1).float() if attempt.rollout else torch.zeros(0)
         r = attempt.rewards.flatten()
@@ -62,16 +63,19 @@ def step_metrics(collected, accelerator: Accelerator, reward_names: list[str]) -
         rows.append(torch.stack([
             torch.tensor(float(r.numel())), finite.sum().float(), r[finite].sum(), (r[finite] ** 2).sum(),
             lengths.sum(), torch.tensor(float(attempt.reward_errors)), torch.tensor(float(attempt.reward_timeouts)),
+            torch.tensor(float(attempt.judged)), torch.tensor(float(attempt.judge_missing)),
             *[attempt.components[n].flatten()[finite].sum() for n in reward_names]]).double())
     totals = accelerator.reduce(torch.stack(rows).sum(0).to(accelerator.device), "sum").cpu().tolist()
-    completions, scored, total, squares, tokens, errors, timeouts = totals[:7]
+    completions, scored, total, squares, tokens, errors, timeouts, judged, judge_missing = totals[:9]
     mean = total / max(scored, 1.0)
     metrics = {"reward_mean": mean, "reward_std": math.sqrt(max(squares / max(scored, 1.0) - mean * mean, 0.0))}
-    metrics.update({f"reward/{n}": totals[7 + i] / max(scored, 1.0) for i, n in enumerate(reward_names)})
+    metrics.update({f"reward/{n}": totals[9 + i] / max(scored, 1.0) for i, n in enumerate(reward_names)})
     metrics["completion_tokens_mean"] = tokens / max(completions, 1.0)
     metrics["rewards_nonfinite"] = int(completions - scored)
     metrics["reward_errors"] = int(errors)
     metrics["reward_timeouts"] = int(timeouts)
+    if judged:
+        metrics.update(judged=int(judged), judge_missing=int(judge_missing))
     return metrics
 
 

@@ -468,7 +468,7 @@ def test_completions_not_scored_within_the_budget_score_zero_and_are_counted():
     task = Scored()
     texts = ["a", "slow1", "bb", "slow2", "ccc", "dddd"]
     try:
-        scores, timeouts, _ = score_completions(task, texts, [{}] * 6, workers=3, budget=RewardBudget(2.0))
+        scores, timeouts, *_ = score_completions(task, texts, [{}] * 6, workers=3, budget=RewardBudget(2.0))
     finally:
         task.release.set()
     assert timeouts == 2  # the two slow ones hold two workers; the third scores the rest
@@ -476,7 +476,7 @@ def test_completions_not_scored_within_the_budget_score_zero_and_are_counted():
                       {"len": 0.0, "one": 0.0}, {"len": 3.0, "one": 1.0}, {"len": 4.0, "one": 1.0}]
     plenty = RewardBudget(0)  # no limit
     assert score_completions(task, texts, [{}] * 6, workers=4, budget=plenty) == (
-        [{"len": float(len(t)), "one": 1.0} for t in texts], 0, 0)
+        [{"len": float(len(t)), "one": 1.0} for t in texts], 0, 0, 0, 0)
 
 
 def test_one_worker_scores_in_this_thread_until_the_budget_is_spent(monkeypatch):
@@ -485,7 +485,7 @@ def test_one_worker_scores_in_this_thread_until_the_budget_is_spent(monkeypatch)
     task, seen = Scored(), []
     task.scored_components = lambda c, r: (seen.append(threading.current_thread()), ({"len": 1.0, "one": 1.0}, 0))[1]
     budget = RewardBudget(3.5)
-    scores, timeouts, _ = score_completions(task, ["x"] * 6, [{}] * 6, workers=1, budget=budget)
+    scores, timeouts, *_ = score_completions(task, ["x"] * 6, [{}] * 6, workers=1, budget=budget)
     # start at t=0; completions checked at t=1, 2, 3 are scored, those at t=4, 5, 6 are past the budget
     assert timeouts == 3 and [s["one"] for s in scores] == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert seen == [threading.main_thread()] * 3 and budget.left < 0

@@ -3,6 +3,7 @@ load, prompt (messages and tools rendered by the tiny model's chat template), sc
 report per-category metrics, and V* and HR-Bench evaluate through the CLI with multi-turn decoding."""
 
 import json
+import math
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -305,12 +306,21 @@ def test_deepeyes_judges_sentence_answers_through_an_openai_compatible_endpoint(
     assert task.judge.requests == before
 
 
-def test_an_unreachable_judge_counts_reward_errors_not_silent_zeros(data):
-    task = judged({"judge": {"kind": "endpoint", "url": "http://127.0.0.1:9", "timeout_s": 2}},
-                  get_task("deepeyes", data_path=data / "train.parquet"))
-    row = task.load("train")[3]
-    assert task.reward_components(single("blue"), row)["accuracy"] == 0.0
-    assert task.reward_errors == {"accuracy": 1, "tool": 1}
+def test_an_unreachable_judge_is_one_sentence_at_the_start_and_a_missing_score_later_never_a_silent_zero(data):
+    from helpers.judge_endpoint import ScriptedJudge
+
+    from gpg_vl.rollout.engine import EngineUnreachable
+
+    with pytest.raises(UserError, match=r"^the judge at reward.judge.url cannot be reached: .* within 2 s"):
+        judged({"judge": {"kind": "endpoint", "url": "http://127.0.0.1:9", "timeout_s": 2}},
+               get_task("deepeyes", data_path=data / "train.parquet"))
+    with ScriptedJudge(lambda answer, body: "yes") as server:
+        task = judged({"judge": {"kind": "endpoint", "url": server.url, "timeout_s": 2}},
+                      get_task("deepeyes", data_path=data / "train.parquet"))
+    row = task.load("train")[3]  # the server is gone now
+    components = task.reward_components(single("blue"), row)
+    assert math.isnan(components["accuracy"]) and components["tool"] == 0.0 and task.reward_errors == {}
+    assert isinstance(task.judge.lost, EngineUnreachable)  # the scoring raises it: the run checkpoints and stops
 
 
 def test_evaluation_through_the_cli_gives_deepeyes_the_runs_judge(data, judge_server, tmp_path):

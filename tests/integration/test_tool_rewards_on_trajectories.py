@@ -54,8 +54,8 @@ def test_rewards_receive_the_trajectory_and_the_tool_bonus_reads_its_calls(famil
     _, rollout = sample(family_policy, "incremental")
     texts = [final_segment(text) for text in rollout.texts]  # no <tool_response> left to search
     task = Judged()
-    scores, late, errors = score_completions(task, texts, [{}] * len(texts), workers=workers,
-                                             trajectories=rollout.trajectories)
+    scores, late, errors, *_ = score_completions(task, texts, [{}] * len(texts), workers=workers,
+                                                 trajectories=rollout.trajectories)
     assert late == errors == 0
     assert [s["tool"] for s in scores] == [1.0, 0.0, 0.0, 1.0]  # crop, free text, refused box, crop
     assert [crops_received(t) for t in rollout.trajectories] == [1, 0, 0, 1]

@@ -2,10 +2,12 @@
 hand-worked cases; the crop count is also checked against real rollouts in
 tests/integration/test_tool_rewards_on_trajectories.py."""
 
+import math
+
 import pytest
 
 from gpg_vl.errors import UserError
-from gpg_vl.reward.judge import EndpointJudge, JudgeError, chat_url
+from gpg_vl.reward.judge import EndpointJudge, JudgeError, chat_url, read_verdict
 from gpg_vl.reward.tooluse import (
     TOOL_REWARDS,
     crops_used,
@@ -94,13 +96,13 @@ def test_reward_sets_by_name_with_the_given_weights():
     ("**No**", 0.0),
 ])
 def test_judge_verdicts(reply, verdict):
-    assert EndpointJudge.verdict(reply) == verdict
+    assert read_verdict(reply) == verdict
 
 
 @pytest.mark.parametrize("reply", ["maybe", "", "Yesterday", "10", "The answers are consistent"])
 def test_unreadable_judge_replies_raise(reply):
     with pytest.raises(JudgeError):
-        EndpointJudge.verdict(reply)
+        read_verdict(reply)
 
 
 def test_judge_urls_and_settings():
@@ -112,22 +114,23 @@ def test_judge_urls_and_settings():
         EndpointJudge("http://h/v1", timeout_s=0)
 
 
-def test_a_failed_verdict_is_remembered_for_the_step_and_asked_again_in_the_next():
-    from gpg_vl.reward.judge import Judge
+def test_a_failed_verdict_is_missing_remembered_for_the_step_and_asked_again_in_the_next(capsys):
+    from gpg_vl.reward.judge import Judge, judge_tally
 
-    class Unreachable(Judge):
+    class Refusing(Judge):
         asked = 0
 
         def decide(self, question):
             self.asked += 1
-            raise JudgeError("the judge at http://h/v1 did not answer within 30 s")
+            raise JudgeError("the judge at http://h/v1 gave no reply (HTTP 400)")
 
-    judge = Unreachable()
-    for _ in range(3):  # the accuracy, then the tool bonus asking the same completion's accuracy again
-        with pytest.raises(JudgeError, match="did not answer within 30 s"):
-            judge("Q?", "The bag is black.", "black")
-    assert judge.asked == 1
+    judge = Refusing()
+    with judge_tally() as tally:
+        for _ in range(3):  # the accuracy, then the tool bonus asking the same completion's accuracy again
+            assert math.isnan(judge("Q?", "The bag is black.", "black"))
+    assert judge.asked == 1 and judge.missing == 1 and (tally.asked, tally.missing) == (3, 3)
+    assert capsys.readouterr().err.count("gave no reply (HTTP 400); that completion's score is missing") == 1
     judge.new_step()
-    with pytest.raises(JudgeError):
-        judge("Q?", "The bag is black.", "black")
-    assert judge.asked == 2
+    assert math.isnan(judge("Q?", "The bag is black.", "black"))
+    assert judge.asked == 2 and judge.missing == 2
+    assert "missing" not in capsys.readouterr().err  # said once per judge

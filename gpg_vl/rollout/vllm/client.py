@@ -78,10 +78,11 @@ def split_urls(urls: str, key: str = "rollout.vllm_server.urls") -> list[str]:
 
 
 class Server:
-    """One `vllm serve` endpoint."""
+    """One `vllm serve` endpoint (`headers`: sent with every request besides the JSON content type, e.g. a bearer
+    token for an OpenAI-compatible API: gpg_vl/reward/judge.py)."""
 
-    def __init__(self, url: str, *, timeout_s: float) -> None:
-        self.url, self.timeout_s = url, timeout_s
+    def __init__(self, url: str, *, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+        self.url, self.timeout_s, self.headers = url, timeout_s, dict(headers or {})
         self.said_waiting = False  # a long wait on this server was said (once)
 
     def get(self, route: str, *, timeout_s: float | None = None, retry: bool = True, **named) -> dict:
@@ -122,7 +123,7 @@ class Server:
             if left <= 0:
                 break
             request = urllib.request.Request(self.url + route, data=data, method=method,
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json", **self.headers})
             try:
                 with urllib.request.urlopen(request, timeout=left) as response:  # noqa: S310 (http(s) only)
                     text = response.read().decode() or "{}"

@@ -200,9 +200,12 @@ def sample_metrics(task, rows: Sequence[dict], completions: Sequence[str], score
     One sample: the task's metrics as they are. More: the task's metrics of each sample set (sample j of every
     row) averaged over the sets (so `accuracy` is mean@k), and `at_k_metrics` of the `accuracy` rewards: mean@k,
     pass@k, maj@k over the parsed answers (`parsed_answer`), their standard errors, per `task.group_columns`
-    value."""
+    value. Completions with a NaN or infinite score (a judge that gave none) are counted, `rewards_nonfinite`;
+    the means that read them are NaN."""
+    nonfinite = sum(not all(math.isfinite(value) for value in score.values()) for score in scores)
+    counted = {"rewards_nonfinite": float(nonfinite)} if nonfinite else {}
     if samples == 1:
-        return task_metrics(task, rows, completions, scores)
+        return {**task_metrics(task, rows, completions, scores), **counted}
     sets = [task_metrics(task, rows[j::samples], completions[j::samples], scores[j::samples]) for j in range(samples)]
     metrics = {name: sum(found[name] for found in sets if name in found) / sum(name in found for found in sets)
                for name in sets[0]}
@@ -213,7 +216,7 @@ def sample_metrics(task, rows: Sequence[dict], completions: Sequence[str], score
         columns = getattr(task, "group_columns", ())
         categories = [[row[c] for c in columns if row.get(c) is not None] for row in rows[::samples]]
         metrics.update(at_k_metrics(accuracy, answers, categories))
-    return metrics
+    return {**metrics, **counted}
 
 
 def parsed_answer(task, completion: str) -> str | None:

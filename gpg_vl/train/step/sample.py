@@ -99,6 +99,8 @@ class Attempt:
     reward_timeouts: int = 0  # completions not scored within the step's reward budget (scored 0)
     tokens_sampled: int = 0  # this process's sampled tokens: its rollout's and T-GRPO's shuffled rollouts'
     reward_errors: int = 0  # reward function calls that raised on its completions (T-GRPO's shuffled ones too)
+    judged: int = 0  # completions whose scoring asked the run's judge (gpg_vl/reward/judge.py)
+    judge_missing: int = 0  # of those, the ones the judge gave no score (NaN: their groups are invalid)
     lost: str | None = None  # the engine could not be reached (its sentence): every process stops at the count
     indices: list[int] = field(default_factory=list)  # each group's row in its task's train split
     task: str | None = None  # its task in a mixture (gpg_vl/data/mixture.py), else None
@@ -182,9 +184,12 @@ def rollout_prompts(policy: Policy, task, drawn: list, *, engine, trainer: Train
             return empty_attempt(names, group_size)
     messages, prompts = prompts.messages, prompts.batch
     texts = in_task_frame(policy, task, result.texts, prompts, group_size)
-    scores, timeouts, errors = score_completions(task, texts, [rows[i // group_size] for i in range(len(texts))],
-                                                 workers=trainer.reward_workers, budget=reward_budget,
-                                                 trajectories=result.trajectories)
+    try:
+        scores, timeouts, errors, judged, judge_missing = score_completions(
+            task, texts, [rows[i // group_size] for i in range(len(texts))], workers=trainer.reward_workers,
+            budget=reward_budget, trajectories=result.trajectories)
+    except EngineUnreachable as error:  # the judge is down: every process learns it at this attempt's count
+        return empty_attempt(names, group_size, lost=str(error))
     components = {n: torch.tensor([s[n] for s in scores]).view(len(rows), group_size)
                   for n in task.reward_functions}  # [b, G]
     rewards = torch.tensor([task.total(s) for s in scores]).view(len(rows), group_size)  # [b, G]
@@ -204,8 +209,8 @@ def rollout_prompts(policy: Policy, task, drawn: list, *, engine, trainer: Train
     advantages, valid = checked_advantages(trainer.advantage, rewards)  # [b, G], [b]
     valid = valid & torch.isfinite(rewards).all(dim=1)  # a NaN or infinite reward makes its group invalid
     return Attempt(rows, prompts, result, rewards, components, advantages, valid, reward_timeouts=timeouts,
-                   tokens_sampled=tokens, reward_errors=errors, indices=[drawn[i].index for i in keep],
-                   messages=messages)
+                   tokens_sampled=tokens, reward_errors=errors, judged=judged, judge_missing=judge_missing,
+                   indices=[drawn[i].index for i in keep], messages=messages)
 
 
 def skip_rejected(result: Rollout, rows: list[dict], prompts: EnginePrompts, keep: list[int], warn):
@@ -242,8 +247,8 @@ def temporal_component(policy: Policy, task, engine, messages: list[list[dict]],
     prompts = encode_prompts(policy, [shuffled[b] for b in videos], tools=engine.prompt_tools(task))
     result = engine.generate(prompts, half, Sampling.from_settings(rollout))
     texts = in_task_frame(policy, task, result.texts, prompts.batch, half)
-    scores, _, errors = score_completions(task, texts, [rows[videos[i // half]] for i in range(len(texts))],
-                                          workers=workers, budget=budget)
+    scores, _, errors, *_ = score_completions(task, texts, [rows[videos[i // half]] for i in range(len(texts))],
+                                              workers=workers, budget=budget)
     shuffled_accuracy = torch.tensor([s["accuracy"] for s in scores]).view(len(videos), half)  # [v, G / 2]
     for i, b in enumerate(videos):
         bonus[b] = task.temporal_bonus(accuracy[b], shuffled_accuracy[i]).to(bonus.dtype)
