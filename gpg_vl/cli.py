@@ -103,11 +103,13 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
         _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
         from gpg_vl.rollout.engine import build_engine
+        from gpg_vl.rollout.multiturn.tools import prepare_tools
 
         # rollout.* as training has it (the engine and its own section, the multi-turn keys, the tools'
         # sections), typed by the config's schema; greedy decoding takes no sampling key from it
         engine_settings = OmegaConf.to_object(cfg.rollout)
         check_model_folder(cfg.model)
+        prepare_tools(engine_settings, task.tools)  # a tool's sandbox that cannot start: one sentence, before the model
         policy = build.build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         metrics, decoded = evaluate(policy, task, rows, batch_size=cfg.eval.batch_size,
                                     max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,

@@ -149,7 +149,9 @@ class Engine:
     def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
         """Take the run's multi-turn settings and the task's tools (an engine checks here, in one sentence, that its
         model can run them)."""
-        self.multiturn, self.tools = settings, tuple(tools)
+        from gpg_vl.rollout.multiturn.tools import with_tool_stops
+
+        self.multiturn, self.tools = with_tool_stops(settings, tuple(tools)), tuple(tools)
 
     def prompt_tools(self, task) -> list[dict] | None:
         """The function schemas a prompt lists for the model (multi-turn rollouts of a task that does not describe

@@ -29,6 +29,7 @@ from gpg_vl.files import write_atomic
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import choose_scoring_path
 from gpg_vl.rollout.engine import build_engine
+from gpg_vl.rollout.multiturn.tools import prepare_tools
 from gpg_vl.train import build
 from gpg_vl.train.checkpoint import (
     compare_settings,
@@ -69,6 +70,7 @@ def setup(cfg) -> Run:
     require_teacher_settings(teacher, trainer)
     task = build.build_task(cfg.task, cfg.data)
     require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
+    prepare_tools(OmegaConf.to_object(cfg.rollout), task.tools)  # a tool's sandbox that cannot start, likewise
     refuse_video(teacher, task)  # video with the teacher on vLLM servers
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
         require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
