@@ -102,8 +102,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         torch.manual_seed(cfg.seed)
         rows = rows[:cfg.eval.limit] if cfg.eval.limit else rows
         _attach_segmenter(task, cfg)  # before the policy: a segmenter that cannot load fails fast
-        from gpg_vl.rollout.engine import build_engine
-        from gpg_vl.rollout.multiturn.tools import prepare_tools
+        from gpg_vl.rollout.engine import build_engine, prepare_tools
 
         # rollout.* as training has it (the engine and its own section, the multi-turn keys, the tools'
         # sections), typed by the config's schema; greedy decoding takes no sampling key from it

@@ -236,6 +236,14 @@ def build_engine(rollout, policy, *, accelerator=None, tools: tuple[str, ...] = 
     return engine
 
 
+def prepare_tools(rollout, tools: tuple[str, ...]) -> None:
+    """Before the model loads: the offered tools' own preparation with rollout.max_turns > 1 (the python tool starts
+    its sandbox's warm pool; a sandbox that cannot start is one sentence): tools.prepare_tools."""
+    from gpg_vl.rollout.multiturn.tools import prepare_tools as prepare
+
+    prepare(rollout, tools)
+
+
 def require_tools(rollout, engine_class: type[Engine], tools: tuple[str, ...]) -> None:
     """rollout.max_turns > 1 needs an engine that rolls out trajectories and a task offering registered tools."""
     from gpg_vl.rollout.multiturn.tools import TOOLS

@@ -28,8 +28,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import choose_scoring_path
-from gpg_vl.rollout.engine import build_engine
-from gpg_vl.rollout.multiturn.tools import prepare_tools
+from gpg_vl.rollout.engine import build_engine, prepare_tools
 from gpg_vl.train import build
 from gpg_vl.train.checkpoint import (
     compare_settings,
