@@ -30,6 +30,16 @@ reinforcement learning run has that share to raise. The shipped model is the sna
         --zoom-eval-rows 32 --eval-every 100          # snapshots /tmp/zc/b-step100 ... b-step500 (about 20 min)
 
 (docs/results/zoom.md: why 400 rather than 500).
+
+    python scripts/build_tiny.py --code               # writes gpg_vl/assets/tiny-qwen2.5-vl-code
+
+`--code` builds the cold-start model of the `measure` task (code as a tool) the same way: a share of the
+demonstrations runs the task's code in a fenced block (`<code> ```python ... ``` </code>`: the colours sorted by
+area, the answer's printed), answered by the python tool in its sandbox, then answers with the printed colour's
+name; the others answer at once. The shipped model is the snapshot at step 100 of
+
+    python scripts/build_tiny.py --code --out /tmp/h61cs/c --zoom-steps 300 --batch-size 8 --zoom-tool-share 0.4 \
+        --zoom-eval-rows 32 --eval-every 100          # stopped after /tmp/h61cs/c-step100 (docs/results/code.md)
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ CODE_SEGMENT_TOKENS = 100  # a measure demonstration's code block is 68 tokens
 # the demonstrations' and reports' multi-turn settings: two segments; a python tool as configs/task/measure.yaml has
 # it, with time to spare for an interpreter's start on a loaded machine
 DEMO_SETTINGS = MultiTurnSettings(max_turns=2, tool_seconds=60.0,
-                                  tools={"python": PythonToolSettings(seconds=30.0, packages="PIL", pool=8)})
+                                  tools={"python": PythonToolSettings(seconds=30.0, packages="PIL", pool=4)})
 ZOOM_MAX_PIXELS = 112 * 112  # the zoom experiment's model.max_pixels (configs/experiment/zoom-tiny.yaml)
 
 
