@@ -77,6 +77,9 @@ def test_a_trajectory_keeps_its_state_sees_its_images_and_gets_what_it_prints_an
                               "show(np.zeros((6, 4, 3), dtype=np.uint8))")
     assert not second.error and second.text == "500000 (3, 5, 0)\n", second.text
     assert sorted(image.size for image in second.images) == [(2, 3), (4, 4)]  # the array shown, the file saved
+    typo = call(trajectory, "c = sorted(image_1.getcolor-)))")
+    assert typo.error and typo.text.startswith('  File "<cell 3>", line 1') and "SyntaxError" in typo.text
+    assert "ast.py" not in typo.text  # the cell's line, not the parser's frames
 
 
 def test_an_infinite_loop_is_stopped_by_its_cpu_or_time_limit(trajectory):

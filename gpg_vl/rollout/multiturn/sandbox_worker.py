@@ -175,6 +175,8 @@ class Cell:
                     print(repr(value))
         except (CpuLimit, OutputLimit) as stop:
             error = f"Error: {stop}."
+        except SyntaxError as failure:  # the parser's frames say nothing about the cell
+            error = "".join(traceback.format_exception_only(type(failure), failure)).rstrip()
         except SystemExit as stop:
             error = f"Error: the code called exit({stop.code!r}); the interpreter goes on."
         except BaseException as failure:  # noqa: BLE001  the code's own exception is its observation
