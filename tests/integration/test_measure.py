@@ -8,10 +8,10 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers.sandbox import needs_bwrap
 
 from gpg_vl.data.task import get_task
 from gpg_vl.errors import UserError
-from gpg_vl.rollout.multiturn.sandbox import SANDBOXES
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = {(220, 40, 40): "red", (30, 170, 60): "green", (40, 80, 225): "blue", (235, 200, 30): "yellow"}
@@ -57,7 +57,7 @@ def test_rewards_and_metrics_by_hand(task):
     assert metrics["accuracy/without_tool"] == 0.0
 
 
-@pytest.mark.skipif(SANDBOXES["bwrap"].problem() is not None, reason="no bwrap sandbox here")
+@needs_bwrap
 def test_demonstrations_run_their_code_in_the_sandbox_and_answer_what_it_printed(task):
     from gpg_vl.models.load import load_policy
 
@@ -82,7 +82,7 @@ def test_demonstrations_run_their_code_in_the_sandbox_and_answer_what_it_printed
     assert direct.turns == 1 and not direct.observations
 
 
-@pytest.mark.skipif(SANDBOXES["bwrap"].problem() is not None, reason="no bwrap sandbox here")
+@needs_bwrap
 def test_the_cold_start_model_runs_the_code_and_answers_from_what_it_printed(task):
     """The shipped embedded:tiny-qwen2.5-vl-code, greedy on 8 held-out rows (both questions, every colour): it runs
     code in its trajectories and is right more often than a constant answer."""

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.sandbox import needs_bwrap
 from helpers.tool_context import context
 
-from gpg_vl.rollout.multiturn.sandbox import SANDBOXES
 from gpg_vl.rollout.multiturn.tools import run_tool
 from gpg_vl.rollout.settings import PythonToolSettings
 
@@ -25,8 +25,7 @@ LIMITS = {"seconds": 3.0, "cpu_seconds": 1.0, "memory_mb": 384, "file_mb": 1, "d
           "pool": 0}  # pool 0: every interpreter is the trajectory's own, so none is left once it closes
 # (rollout.tool_seconds 30: a new interpreter's start, seconds on this shared machine, is not the case under test)
 
-pytestmark = pytest.mark.skipif(SANDBOXES["bwrap"].problem() is not None,
-                                reason=f"no bwrap sandbox here: {SANDBOXES['bwrap'].problem()}")
+pytestmark = needs_bwrap
 
 
 def descendants() -> set[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.sandbox import needs_bwrap
 from helpers.scripted_turns import prompts
 
 from gpg_vl.config.schema import RolloutSettings
@@ -21,7 +22,6 @@ from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.settings import PythonToolSettings
 
 FAST = PythonToolSettings(seconds=2.0, cpu_seconds=1.0, memory_mb=384, pool=0)
-needs_bwrap = pytest.mark.skipif(SANDBOXES["bwrap"].problem() is not None, reason="no bwrap sandbox here")
 
 
 def fenced(code: str) -> str:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.browser import CHROMIUM, image_tiles, open_in_chromium, root_tag
+from helpers.sandbox import needs_bwrap
 from PIL import Image
 
 from gpg_vl.models.load import load_policy
@@ -22,12 +23,11 @@ from gpg_vl.observe.rollout_log import log_rollouts, read_steps
 from gpg_vl.observe.viewer import write_rollouts_html
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn.decoding import generate_trajectories
-from gpg_vl.rollout.multiturn.sandbox import SANDBOXES
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.settings import PythonToolSettings
 from gpg_vl.train.sample import Attempt
 
-pytestmark = pytest.mark.skipif(SANDBOXES["bwrap"].problem() is not None, reason="no bwrap sandbox here")
+pytestmark = needs_bwrap
 CELLS = {0: "<code>\n```python\nprint('size', image_1.size)\nshow(image_1.crop((30, 30, 100, 100)).resize((140, 140)))"
             "\n```\n</code>",
          3: '<tool_call>{"name": "python", "arguments": {"code": "print(1 / 0)"}}</tool_call>'}
@@ -55,7 +55,8 @@ def sampled():
     task, rows = LookTask(), [{"id": 0}, {"id": 1}]
     messages = [task.messages(row) for row in rows]
     prompts = EnginePrompts(policy.family.encode(messages), messages)
-    segments = {row: policy.family.tokenizer(text, add_special_tokens=False)["input_ids"] for row, text in CELLS.items()}
+    tokenizer = policy.family.tokenizer
+    segments = {row: tokenizer(text, add_special_tokens=False)["input_ids"] for row, text in CELLS.items()}
     settings = MultiTurnSettings(max_turns=2, tool_seconds=30.0, tools={"python": PythonToolSettings(pool=0)})
     rollout = generate_trajectories(policy, prompts, group_size=2, sampling=Sampling(max_new_tokens=110, greedy=True),
                                     settings=settings, tools=("python",),
