@@ -439,7 +439,10 @@ def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tup
 
 
 def _cut_crop(images: list, crop: dict) -> bytes | None:
-    """A crop's thumbnail cut again from the row's original image (crops are always cut from the original)."""
+    """A crop's thumbnail cut again from the row's original image (crops are always cut from the original); an
+    image a tool made, from the record itself (`jpeg`)."""
+    if crop.get("jpeg"):
+        return base64.b64decode(crop["jpeg"])
     if not 0 <= crop["source"] < len(images) or not crop.get("box"):
         return None
     return thumbnail_jpeg(images[crop["source"]].crop(tuple(round(v) for v in crop["box"])), max_edge=160)

@@ -86,6 +86,23 @@ def test_rollouts_html_shows_each_code_cell_its_output_and_its_images(sampled, t
                      r"ZeroDivisionError", page)
 
 
+def test_predictions_keep_the_images_the_code_showed(sampled, tmp_path):
+    from gpg_vl.observe.viewer import write_predictions_html
+    from gpg_vl.train.evaluate import Decoded, prediction_records
+
+    decoded = [Decoded(index=i, completion=text, prompt="look", row={"id": i // 2}, rewards={"accuracy": 0.0},
+                       trajectory=trajectory)
+               for i, (text, trajectory) in enumerate(zip(sampled.rollout.texts, sampled.rollout.trajectories,
+                                                          strict=True))]
+    records = prediction_records(sampled.task, decoded, "test", tokenizer=sampled.policy.family.tokenizer)
+    (made,) = records[0]["turns"][0]["call"]["crops"]
+    assert made["source"] == -1 and made["jpeg"]  # an image the code made: kept in the record, a small JPEG
+    json.dumps(records)
+    page = write_predictions_html(tmp_path / "predictions.html", sampled.task, records,
+                                  [{"id": i // 2} for i in range(4)], {"accuracy": 0.0}).read_text()
+    assert page.count("<img alt='crop'") == 1 and page.count("<pre class='cell'>") == 2
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
 def test_chromium_draws_the_code_cells_without_errors(sampled, tmp_path):
     log_rollouts(1, [sampled.attempt], policy=sampled.policy, task=sampled.task, output_dir=tmp_path, every=1,
