@@ -105,7 +105,7 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
     from gpg_vl.config.validate import check_model_folder
     from gpg_vl.data.mixture import Mixture
     from gpg_vl.data.task import load_split
-    from gpg_vl.rollout.engine import require_reachable
+    from gpg_vl.rollout.engine import prepare_tools, require_reachable
     from gpg_vl.train import build
     from gpg_vl.train.checkpoint.outdir import check_output_dir
     from gpg_vl.train.eval.evaluate import decoding, evaluate, prediction_records, read_predictions, rescore
@@ -139,6 +139,8 @@ def eval_main(cfg: DictConfig) -> dict[str, float]:
         rollout = OmegaConf.to_object(cfg.rollout)
         require_reachable(rollout)  # a server that does not answer: one sentence, before the model loads
         check_model_folder(cfg.model)
+        for one in tasks.values():  # a tool's sandbox that cannot start: one sentence, before the model
+            prepare_tools(rollout, one.tools)
         policy = build.build_policy(cfg.model, "cuda" if _cuda() else "cpu")
         rollouts, engines, lengths = _engines(task, rollout, policy)
         for name, one in tasks.items():

@@ -30,6 +30,16 @@ reinforcement learning run has that share to raise. The shipped model is the sna
         --zoom-eval-rows 32 --eval-every 100          # snapshots /tmp/zc/b-step100 ... b-step500 (about 20 min)
 
 (docs/results/zoom.md: why 400 rather than 500).
+
+    python scripts/build_tiny.py --code               # writes gpg_vl/assets/tiny-qwen2.5-vl-code
+
+`--code` builds the cold-start model of the `measure` task (code as a tool) the same way: a share of the
+demonstrations runs the task's code in a fenced block (`<code> ```python ... ``` </code>`: the colours sorted by
+area, the answer's printed), answered by the python tool in its sandbox, then answers with the printed colour's
+name; the others answer at once. The shipped model is the snapshot at step 100 of
+
+    python scripts/build_tiny.py --code --out /tmp/h61cs/c --zoom-steps 300 --batch-size 8 --zoom-tool-share 0.4 \
+        --zoom-eval-rows 32 --eval-every 100          # stopped after /tmp/h61cs/c-step100 (docs/results/code.md)
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpg_vl_tasks.measure import CODE as MEASURE_CODE
 from gpg_vl_tasks.shapes import COLORS, INSTRUCTION, SHAPES
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
@@ -51,13 +62,20 @@ from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import build_tiny
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn.decoding import generate_trajectories
-from gpg_vl.rollout.multiturn.tools import ToolContext, answer_call
+from gpg_vl.rollout.multiturn.tools import ToolContext, answer_call, read_call
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings, Trajectory, pad_trajectories
+from gpg_vl.rollout.settings import PythonToolSettings
 from gpg_vl.rollout.types import in_task_frame
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"
 ZOOM_OUT = DEFAULT_OUT.with_name("tiny-qwen2.5-vl-zoom")
+CODE_OUT = DEFAULT_OUT.with_name("tiny-qwen2.5-vl-code")
 ZOOM_SEGMENT_TOKENS = 100  # a zoom_in call is about 80 tokens of the tiny byte-level BPE
+CODE_SEGMENT_TOKENS = 100  # a measure demonstration's code block is 68 tokens
+# the demonstrations' and reports' multi-turn settings: two segments; a python tool as configs/task/measure.yaml has
+# it, with time to spare for an interpreter's start on a loaded machine
+DEMO_SETTINGS = MultiTurnSettings(max_turns=2, tool_seconds=60.0,
+                                  tools={"python": PythonToolSettings(seconds=30.0, packages="PIL", pool=4)})
 ZOOM_MAX_PIXELS = 112 * 112  # the zoom experiment's model.max_pixels (configs/experiment/zoom-tiny.yaml)
 
 
@@ -187,17 +205,22 @@ def zoom_call(family, box_model_frame) -> str:
     return '<tool_call>{"name": "zoom_in", "arguments": {"bbox_2d": ' + box + '}}</tool_call>'
 
 
-def zoom_demonstration(family, row: dict, size, use_tool: bool) -> Trajectory:
-    """A demonstration trajectory, built as the HF engine builds a rollout's (the call parsed and answered by
-    the tool, its observation encoded by the family): a zoom on the named cell then the answer, or the answer."""
+def code_call(row: dict) -> str:
+    """The fenced python call of a `measure` demonstration: the colours sorted by area, then the answer's printed."""
+    return f"<code>\n```python\n{MEASURE_CODE[row['kind']]}\n```\n</code>"
+
+
+def tool_demonstration(family, row: dict, size, call: str | None, tool: str) -> Trajectory:
+    """A demonstration trajectory, built as the HF engine builds a rollout's (the call read and answered by the
+    tool, its observation encoded by the family): the segment `call` then the answer, or the answer alone."""
     trajectory = Trajectory()
-    if use_tool:
-        call = zoom_call(family, family.to_model_frame(row["cell"], size))
+    if call is not None:
         trajectory.add_segment(family.tokenizer(call, add_special_tokens=False)["input_ids"])
-        context = ToolContext.for_prompt([row["image"]], [size], family, MultiTurnSettings(max_turns=2))
-        result = answer_call(family.parse_tool_call(call), context, allowed=("zoom_in",))
+        context = ToolContext.for_prompt([row["image"]], [size], family, DEMO_SETTINGS)
+        result = answer_call(read_call(family, call, (tool,)), context, allowed=(tool,))
+        context.close()
         if result.error:
-            raise RuntimeError(f"a zoom demonstration's call was refused: {result.text}")
+            raise RuntimeError(f"a {tool} demonstration's call was refused: {result.text}")
         ids, inputs = family.encode_observation(result.text, result.images)
         trajectory.add_observation(ids, [view.image for view in result.views], inputs)
     answer = family.tokenizer(f"<answer> {row['answer']} </answer>", add_special_tokens=False)["input_ids"]
@@ -205,30 +228,45 @@ def zoom_demonstration(family, row: dict, size, use_tool: bool) -> Trajectory:
     return trajectory
 
 
-def zoom_rollout(policy, task, rows, *, sampling: Sampling, group_size: int = 1) -> list[str]:
+def zoom_demonstration(family, row: dict, size, use_tool: bool) -> Trajectory:
+    """A zoom demonstration: a zoom on the named cell then the answer, or the answer."""
+    call = zoom_call(family, family.to_model_frame(row["cell"], size)) if use_tool else None
+    return tool_demonstration(family, row, size, call, "zoom_in")
+
+
+COLD_STARTS = {  # --zoom / --code: the task, its tool, a demonstration's call, the segment length
+    "zoom": ("zoom", "zoom_in", lambda family, row, size: zoom_call(family, family.to_model_frame(row["cell"], size)),
+             ZOOM_SEGMENT_TOKENS),
+    "code": ("measure", "python", lambda family, row, size: code_call(row), CODE_SEGMENT_TOKENS),
+}
+
+
+def tool_rollout(policy, task, rows, *, sampling: Sampling, group_size: int = 1) -> list[str]:
     """Sampled (or greedy) trajectories of `rows` through the HF engine's multi-turn path (up to 2 turns), as the
     task scores them (the calls' boxes in original pixels)."""
     messages = [task.messages(r) for r in rows]
     prompts = EnginePrompts(policy.family.encode(messages), messages)
     rollout = generate_trajectories(policy, prompts, group_size=group_size, sampling=sampling,
-                                    settings=MultiTurnSettings(max_turns=2), tools=("zoom_in",))
+                                    settings=DEMO_SETTINGS, tools=task.tools)
     return in_task_frame(policy, task, rollout.texts, prompts.batch, group_size)
 
 
-def zoom_metrics(policy, task, rows, *, sample: bool, samples: int = 1, batch_size: int = 25) -> dict[str, float]:
-    """The task's metrics (accuracy, tool-call rate, calls on the named cell, ...) of greedy trajectories, or of
-    `samples` sampled ones per row, on `rows`."""
+def tool_metrics(policy, task, rows, *, sample: bool, samples: int = 1, batch_size: int = 25,
+                 segment_tokens: int = ZOOM_SEGMENT_TOKENS) -> dict[str, float]:
+    """The task's metrics (accuracy, tool-call rate, ...) of greedy trajectories, or of `samples` sampled ones per
+    row, on `rows`."""
     texts, group_size = [], samples if sample else 1
-    sampling = Sampling(max_new_tokens=ZOOM_SEGMENT_TOKENS, greedy=not sample, temperature=1.0)
+    sampling = Sampling(max_new_tokens=segment_tokens, greedy=not sample, temperature=1.0)
     for start in range(0, len(rows), batch_size):
-        texts += zoom_rollout(policy, task, rows[start:start + batch_size], sampling=sampling, group_size=group_size)
+        texts += tool_rollout(policy, task, rows[start:start + batch_size], sampling=sampling, group_size=group_size)
     return task.metrics([row for row in rows for _ in range(group_size)], texts)
 
 
-def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, tool_share: float, seed: int,
-             eval_rows, eval_every: int, out: Path) -> None:
+def tool_sft(policy, task, rows_at, *, kind: str, steps: int, lr: float, batch_size: int, tool_share: float,
+             seed: int, eval_rows, eval_every: int, out: Path) -> None:
     """Cross-entropy on demonstration trajectories, the loss on the model's tokens only (token mean)."""
     family, model = policy.family, policy.model
+    _, tool, make_call, segment_tokens = COLD_STARTS[kind]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     path = scoring.choose_scoring_path(family, model, share_prompt=False, share_vision=True)
     rng, start = random.Random(seed), time.time()
@@ -237,8 +275,9 @@ def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, t
         tools = [rng.random() < tool_share for _ in rows]
 
         batch = family.encode([task.messages(r) for r in rows])
-        trajectories = [zoom_demonstration(family, row, batch.image_sizes[i][0], tool)
-                        for i, (row, tool) in enumerate(zip(rows, tools, strict=True))]
+        trajectories = [tool_demonstration(family, row, batch.image_sizes[i][0],
+                                           make_call(family, row, batch.image_sizes[i][0]) if use else None, tool)
+                        for i, (row, use) in enumerate(zip(rows, tools, strict=True))]
         ids, attention, loss_mask = pad_trajectories(trajectories, family.pad_id)
         model.train()
         logps = scoring.token_logps(family, model, batch, list(range(len(rows))), ids, attention, path=path,
@@ -250,20 +289,22 @@ def zoom_sft(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, t
         optimizer.zero_grad(set_to_none=True)
         model.eval()
         if step % 10 == 0:
-            print(f"zoom step {step:4d}  loss {loss.item():.4f}  {time.time() - start:.0f}s", flush=True)
+            print(f"{kind} step {step:4d}  loss {loss.item():.4f}  {time.time() - start:.0f}s", flush=True)
         if eval_every and (step + 1) % eval_every == 0:
             for mode in ("greedy", "sampled"):
-                metrics = zoom_metrics(policy, task, eval_rows, sample=mode == "sampled")
-                print(f"zoom step {step + 1} {mode}: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}),
+                metrics = tool_metrics(policy, task, eval_rows, sample=mode == "sampled",
+                                       segment_tokens=segment_tokens)
+                print(f"{kind} step {step + 1} {mode}: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}),
                       flush=True)
             snapshot = out.with_name(f"{out.name}-step{step + 1}")
             model.save_pretrained(snapshot)
             policy.processor.save_pretrained(snapshot)
 
 
-def build_zoom(args) -> None:
-    """The cold-start model of the `zoom` task (see the module's docstring)."""
-    task = get_task("zoom")
+def build_cold_start(args, kind: str) -> None:
+    """The cold-start model of the `zoom` task (--zoom) or the `measure` task (--code): see the module's docstring."""
+    task_name, _, _, segment_tokens = COLD_STARTS[kind]
+    task = get_task(task_name)
     source = str(args.from_model) if args.from_model else "embedded:tiny-qwen2.5-vl"
     policy = load_policy(source, dtype="float32", min_pixels=56 * 56, max_pixels=ZOOM_MAX_PIXELS)
     train, test = task.load("train"), task.load("test")[:args.zoom_eval_rows]
@@ -272,14 +313,14 @@ def build_zoom(args) -> None:
         return [train[(step * size + i) % len(train)] for i in range(size)]
 
     started = time.time()
-    zoom_sft(policy, task, rows_at, steps=args.zoom_steps, lr=args.zoom_lr, batch_size=args.batch_size,
+    tool_sft(policy, task, rows_at, kind=kind, steps=args.zoom_steps, lr=args.zoom_lr, batch_size=args.batch_size,
              tool_share=args.zoom_tool_share, seed=args.seed, eval_rows=test, eval_every=args.eval_every,
              out=args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     policy.model.save_pretrained(args.out)
     policy.processor.save_pretrained(args.out)
-    report = {mode: zoom_metrics(policy, task, test, sample=mode == "sampled", samples=args.zoom_samples)
-              for mode in ("greedy", "sampled")}
+    report = {mode: tool_metrics(policy, task, test, sample=mode == "sampled", samples=args.zoom_samples,
+                                 segment_tokens=segment_tokens) for mode in ("greedy", "sampled")}
     digest = hashlib.sha256((args.out / "model.safetensors").read_bytes()).hexdigest()[:16]
     print(json.dumps({"held_out": {mode: {k: round(v, 3) for k, v in m.items()} for mode, m in report.items()},
                       "sha256": digest, "seconds": round(time.time() - started, 1)}))
@@ -302,6 +343,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="print held-out accuracy every N steps")
     parser.add_argument("--zoom", action="store_true",
                         help="build the zoom task's cold-start model (default --out: assets/tiny-qwen2.5-vl-zoom)")
+    parser.add_argument("--code", action="store_true",
+                        help="build the measure task's cold-start model (python tool; default --out: "
+                             "assets/tiny-qwen2.5-vl-code); the --zoom-* options apply to it too")
     parser.add_argument("--zoom-steps", type=int, default=400, help="supervised steps on zoom demonstrations")
     parser.add_argument("--zoom-lr", type=float, default=1e-3)
     parser.add_argument("--zoom-tool-share", type=float, default=0.4,
@@ -315,10 +359,11 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     if args.batch_size is None:
-        args.batch_size = 8 if args.zoom else 32
-    if args.zoom:
-        args.out = ZOOM_OUT if args.out == DEFAULT_OUT else args.out
-        build_zoom(args)
+        args.batch_size = 8 if args.zoom or args.code else 32
+    if args.zoom or args.code:
+        kind = "zoom" if args.zoom else "code"
+        args.out = {"zoom": ZOOM_OUT, "code": CODE_OUT}[kind] if args.out == DEFAULT_OUT else args.out
+        build_cold_start(args, kind)
         return
     task = get_task("shapes")
     started = time.time()

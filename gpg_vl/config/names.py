@@ -37,8 +37,10 @@ ENGINE_SETTINGS = {
     "vllm_server": "gpg_vl.rollout.settings:VLLMServerSettings",
 }
 # The built-in tools a task may offer (gpg_vl/rollout/multiturn/tools.py's TOOLS), and their settings.
-TOOL_BUILTINS = {"zoom_in": "gpg_vl.rollout.multiturn.tools:zoom_in"}
-TOOL_SETTINGS = {"zoom_in": "gpg_vl.rollout.settings:ZoomInSettings"}
+TOOL_BUILTINS = {"zoom_in": "gpg_vl.rollout.multiturn.tools:zoom_in",
+                 "python": "gpg_vl.rollout.multiturn.python_tool:python"}
+TOOL_SETTINGS = {"zoom_in": "gpg_vl.rollout.settings:ZoomInSettings",
+                 "python": "gpg_vl.rollout.settings:PythonToolSettings"}
 FAMILY_BUILTINS = {
     "generic": "gpg_vl.models.generic:GenericFamily",
     "qwen2_5_vl": "gpg_vl.models.qwen:QwenVLFamily",
@@ -50,7 +52,8 @@ FAMILY_BUILTINS = {
 TASK_BUILTINS = {
     "classification": "gpg_vl_tasks.classification:Classification", "cvbench": "gpg_vl_tasks.cvbench:CVBench",
     "deepeyes": "gpg_vl_tasks.deepeyes:DeepEyes", "geoqa": "gpg_vl_tasks.geoqa:GeoQA",
-    "hrbench": "gpg_vl_tasks.hrbench:HRBench", "lisa": "gpg_vl_tasks.lisa:Lisa", "motion": "gpg_vl_tasks.motion:Motion",
+    "hrbench": "gpg_vl_tasks.hrbench:HRBench", "lisa": "gpg_vl_tasks.lisa:Lisa",
+    "measure": "gpg_vl_tasks.measure:Measure", "motion": "gpg_vl_tasks.motion:Motion",
     "shapes": "gpg_vl_tasks.shapes:Shapes", "videor1": "gpg_vl_tasks.videor1:VideoR1",
     "vsibench": "gpg_vl_tasks.vsibench:VSIBench", "vstar": "gpg_vl_tasks.vstar:VStar", "zoom": "gpg_vl_tasks.zoom:Zoom",
 }

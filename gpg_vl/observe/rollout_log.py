@@ -25,6 +25,7 @@ Only the main process records, from its own share of the prompts (the groups of 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -134,7 +135,8 @@ def trajectory_record(trajectory, tokenizer, *, text_chars: int = MAX_TEXT_CHARS
     """A trajectory turn by turn, JSON-ready: `turns`, one per model segment: its text and the tool call it
     ended with (None without one): name, arguments (JSON text), the observation's text, whether it was an error,
     and its crops: the prompt image each shows (`source`, -1 for an image the tool made), its box in that image's
-    pixels, and, with `store` (image -> thumbnail name or None), its thumbnail. Also which limit ended it
+    pixels, and, with `store` (image -> thumbnail name or None), its thumbnail (without `store`, an image a tool made
+    is kept inline as `jpeg`, base64: it cannot be cut again from the row's image). Also which limit ended it
     (none, turn, image, token), its tool errors and its generated tokens (the model's, observations aside). A
     call that a limit stopped has no crops."""
     crops = list(zip(trajectory.crop_boxes, trajectory.images, strict=False))
@@ -150,11 +152,18 @@ def trajectory_record(trajectory, tokenizer, *, text_chars: int = MAX_TEXT_CHARS
             turn["call"] = {"name": call.name, "arguments": _clipped(json.dumps(call.arguments), text_chars)["text"],
                             "error": bool(call.error), "text": _clipped(call.text, text_chars)["text"],
                             "crops": [{"source": int(source), "box": _box(box),
-                                       "image": store(image) if store is not None else None}
+                                       "image": store(image) if store is not None else None,
+                                       **({"jpeg": _inline(image)} if store is None and source < 0 else {})}
                                       for (source, box), image in shown]}
         turns.append(turn)
     return {"turns": turns, "limit": trajectory.limit, "tool_errors": int(trajectory.tool_errors),
             "generated": int(sum(trajectory.loss_mask))}
+
+
+def _inline(image) -> str:
+    """A small JPEG thumbnail as base64 text: an image a tool made, kept in a record that has no image folder (an
+    evaluation's predictions), since it cannot be cut again from the row's image."""
+    return base64.b64encode(thumbnail_jpeg(image, max_edge=160)).decode()
 
 
 def _crop_store(folder: Path) -> Callable:

@@ -208,10 +208,16 @@ def turns_html(record: dict, key: str, thumbnail: Callable[[dict], bytes | None]
         call = turn.get("call")
         if call is not None:
             state = " error" if call["error"] else ""
-            parts.append(f"<div class='call{state}'>&#8594; <b>{esc(call['name'] or '?')}</b>"
-                         f"(<code>{esc(call['arguments'])}</code>)</div>")
+            cell = _code_cell(call["arguments"])
+            if cell is not None:  # the python tool: its code cell, then what it printed and showed
+                parts.append(f"<div class='call{state}'>&#8594; <b>{esc(call['name'] or '?')}</b> ran</div>"
+                             f"<pre class='cell'>{esc(cell)}</pre>")
+            else:
+                parts.append(f"<div class='call{state}'>&#8594; <b>{esc(call['name'] or '?')}</b>"
+                             f"(<code>{esc(call['arguments'])}</code>)</div>")
             if call["text"]:
-                parts.append(f"<pre class='observation{state}'>{esc(call['text'])}</pre>")
+                label = "<div class='out-head'>output</div>" if cell is not None else ""
+                parts.append(f"{label}<pre class='observation{state}'>{esc(call['text'])}</pre>")
             for crop in call["crops"]:
                 jpeg = thumbnail(crop)
                 where = (f"box {esc(_box_text(crop['box']))} of image {crop['source']}" if crop["source"] >= 0
@@ -221,6 +227,15 @@ def turns_html(record: dict, key: str, thumbnail: Callable[[dict], bytes | None]
         parts.append("</div>")
     parts.append("</div>")
     return "".join(parts)
+
+
+def _code_cell(arguments: str) -> str | None:
+    """The code of a call whose arguments (JSON text) are a code cell ({"code": ...}), else None."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return None
+    return parsed["code"] if isinstance(parsed, dict) and isinstance(parsed.get("code"), str) else None
 
 
 def _stored_crop(images: Path, crop: dict) -> bytes | None:
@@ -424,7 +439,10 @@ def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tup
 
 
 def _cut_crop(images: list, crop: dict) -> bytes | None:
-    """A crop's thumbnail cut again from the row's original image (crops are always cut from the original)."""
+    """A crop's thumbnail cut again from the row's original image (crops are always cut from the original); an
+    image a tool made, from the record itself (`jpeg`)."""
+    if crop.get("jpeg"):
+        return base64.b64decode(crop["jpeg"])
     if not 0 <= crop["source"] < len(images) or not crop.get("box"):
         return None
     return thumbnail_jpeg(images[crop["source"]].crop(tuple(round(v) for v in crop["box"])), max_edge=160)

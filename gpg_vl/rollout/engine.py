@@ -151,7 +151,9 @@ class Engine:
     def take_tools(self, settings: MultiTurnSettings, tools: tuple[str, ...]) -> None:
         """Take the run's multi-turn settings and the task's tools (an engine checks here, in one sentence, that its
         model can run them)."""
-        self.multiturn, self.tools = settings, tuple(tools)
+        from gpg_vl.rollout.multiturn.tools import with_tool_stops
+
+        self.multiturn, self.tools = with_tool_stops(settings, tuple(tools)), tuple(tools)
 
     def prompt_tools(self, task) -> list[dict] | None:
         """The function schemas a prompt lists for the model (multi-turn rollouts of a task that does not describe
@@ -250,6 +252,14 @@ def build_engine(rollout, policy, *, accelerator=None, tools: tuple[str, ...] = 
     engine = engine_class(policy, rollout, accelerator=accelerator)
     engine.take_tools(settings, tools)
     return engine
+
+
+def prepare_tools(rollout, tools: tuple[str, ...]) -> None:
+    """Before the model loads: the offered tools' own preparation with rollout.max_turns > 1 (the python tool starts
+    its sandbox's warm pool; a sandbox that cannot start is one sentence): tools.prepare_tools."""
+    from gpg_vl.rollout.multiturn.tools import prepare_tools as prepare
+
+    prepare(rollout, tools)
 
 
 def require_tools(rollout, engine_class: type[Engine], tools: tuple[str, ...]) -> None:

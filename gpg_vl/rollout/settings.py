@@ -1,7 +1,7 @@
 """The settings of the built-in rollout engines and tools, each declared once: `rollout.hf.*` (the HF engine,
 rollout/hf.py), `rollout.vllm.*` (the vLLM engine, rollout/vllm/colocated.py), `rollout.vllm_server.*` (the vLLM server
-engine, rollout/vllm/server.py) and `rollout.tools.zoom_in.*` (the zoom_in
-tool, rollout/multiturn/tools.py).
+engine, rollout/vllm/server.py), `rollout.tools.zoom_in.*` (the zoom_in tool, rollout/multiturn/tools.py) and
+`rollout.tools.python.*` (the python tool, rollout/multiturn/python_tool.py).
 
 An engine or a tool owns its settings: it names its dataclass (`Engine.settings`, `register_tool(...,
 settings=)`), and the config takes the section from there: it is typed, range-checked and listed in
@@ -110,3 +110,34 @@ class ZoomInSettings:
         "zoom_in refuses a box whose short side, in original pixels, is at most this (DeepEyes: 30)", low=0))
     max_aspect_ratio: float = field(default=100.0, metadata=meta(
         "zoom_in refuses a box more elongated than this (DeepEyes: 100)", above=0))
+
+
+@dataclass
+class PythonToolSettings:
+    """`rollout.tools.python.*`: the `python` tool (gpg_vl/rollout/multiturn/python_tool.py), the model's code run in
+    a sandboxed interpreter per trajectory (gpg_vl/rollout/multiturn/sandbox.py)."""
+
+    sandbox: str = field(default="bwrap", metadata=meta(
+        "bwrap: bubblewrap namespaces, a read-only file system of what the interpreter needs, no network, no new "
+        "process (seccomp); unsandboxed: a plain child process with this user's files and network (trusted code only)",
+        choices=("bwrap", "unsandboxed")))
+    seconds: float = field(default=5.0, metadata=meta(
+        "wall-clock budget of one call: past it the interpreter is killed (below rollout.tool_seconds, which also "
+        "covers encoding the observation)", above=0))
+    cpu_seconds: float = field(default=5.0, metadata=meta(
+        "CPU seconds one call may use (RLIMIT_CPU, moved per call)", above=0))
+    memory_mb: int = field(default=1024, metadata=meta(
+        "address space of the interpreter, MiB (RLIMIT_AS; imports included)", low=64))
+    file_mb: int = field(default=16, metadata=meta("largest file the code may write, MiB (RLIMIT_FSIZE)", low=0))
+    disk_mb: int = field(default=64, metadata=meta(
+        "size of its one writable folder, MiB (bwrap: an in-memory tmpfs at /tmp)", low=1))
+    open_files: int = field(default=64, metadata=meta("file descriptors it may hold (RLIMIT_NOFILE)", low=16))
+    output_chars: int = field(default=4000, metadata=meta(
+        "characters of printed output a call may return; past them the code is stopped", low=1))
+    max_image_pixels: int = field(default=2048 * 2048, metadata=meta(
+        "pixels of one image the code shows (a larger one is an error: resize it first)", low=1))
+    max_images: int = field(default=4, metadata=meta("images one call returns (the first ones shown)", low=0))
+    pool: int = field(default=4, metadata=meta(
+        "interpreters kept started and ready (0: each trajectory's first call starts one)", low=0))
+    packages: str = field(default="PIL,numpy", metadata=meta(
+        "the packages the code may import besides the standard library, comma-separated (bound read-only)"))

@@ -29,7 +29,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.files import write_atomic
 from gpg_vl.models.load import Policy
 from gpg_vl.models.scoring import choose_scoring_path
-from gpg_vl.rollout.engine import build_engine, require_reachable
+from gpg_vl.rollout.engine import build_engine, prepare_tools, require_reachable
 from gpg_vl.train import build
 from gpg_vl.train.checkpoint.folder import (
     later_checkpoints,
@@ -68,6 +68,7 @@ def setup(cfg) -> Run:
     build.require_inputs(task, cfg.model)  # video on a model that cannot read it: one sentence, before it loads
     teachers = _task_teachers(teacher, task)
     require_teachers(teachers, trainer, task)  # contradictions with the trainer, one sentence each
+    prepare_tools(OmegaConf.to_object(cfg.rollout), task.tools)  # a tool's sandbox that cannot start, likewise
     if isinstance(task, Mixture):  # settings the tasks of a mixture cannot share: one sentence, before it loads
         require_shared_run(task, OmegaConf.to_object(cfg.rollout), trainer)
     require_reachable(OmegaConf.to_object(cfg.rollout))  # a server that does not answer: one sentence, before it loads

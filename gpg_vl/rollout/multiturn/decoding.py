@@ -33,7 +33,7 @@ from gpg_vl.errors import UserError
 from gpg_vl.models.batch import eval_mode, extend_per_token, trim_left_padding, unwrap
 from gpg_vl.models.cache import cache_keyword, cache_of, prefill_forked
 from gpg_vl.rollout.engine import EnginePrompts, Sampling
-from gpg_vl.rollout.multiturn.tools import ToolContext, ToolResult, answer_call
+from gpg_vl.rollout.multiturn.tools import ToolContext, ToolResult, answer_call, read_call, with_tool_stops
 from gpg_vl.rollout.multiturn.trajectory import (
     MultiTurnSettings,
     ToolCallRecord,
@@ -88,6 +88,7 @@ def generate_trajectories(policy, prompts: EnginePrompts, *, group_size: int, sa
     `turn` of trajectory `row` is made of (forced, still scored by the model), or None to sample it (tests)."""
     family, model = policy.family, policy.model
     require_multi_turn(family, model, settings)
+    settings = with_tool_stops(settings, tools)
     bare = unwrap(model)
     incremental = settings.hf_multiturn == "incremental" and incremental_unsupported(bare) is None
     batch = prompts.batch.to(model.device)
@@ -300,7 +301,8 @@ def segment_end(family, row: _Row, token: int, eos: set[int], sampling: Sampling
     `segment` so far and its `trajectory`; the vLLM engine's rows too)."""
     if token in eos:
         return "eos"
-    if any(stop in family.tokenizer.decode(row.segment[-STOP_WINDOW:]) for stop in family.tool_stop_strings):
+    stops = (*family.tool_stop_strings, *settings.stop_strings)
+    if any(stop in family.tokenizer.decode(row.segment[-STOP_WINDOW:]) for stop in stops):
         return "stop"
     if len(row.trajectory.token_ids) + len(row.segment) >= settings.max_total_tokens:
         return "total"
@@ -321,7 +323,7 @@ def answer_segments(family, rows: list[_Row], turn: int, settings: MultiTurnSett
         if row.ended_by == "total":
             row.trajectory.limit = "token"
         elif row.ended_by != "eos":
-            call = family.parse_tool_call(family.tokenizer.decode(row.segment, skip_special_tokens=False))
+            call = read_call(family, family.tokenizer.decode(row.segment, skip_special_tokens=False), tools)
             if call is not None and turn + 1 >= settings.max_turns:
                 row.trajectory.limit, call = "turn", None
         calls.append(call)
@@ -336,6 +338,8 @@ def answer_segments(family, rows: list[_Row], turn: int, settings: MultiTurnSett
     keep = [going.get(id(row), False) for row in rows]
     for row, alive in zip(rows, keep, strict=True):
         row.trajectory.finished = not alive
+        if not alive:
+            row.context.close()  # what its tools kept (an interpreter) goes with the trajectory
     return keep
 
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from gpg_vl.config.names import TOOL_BUILTINS
 from gpg_vl.errors import UserError
+from gpg_vl.models.tool_calls import ToolCall
 from gpg_vl.registry import Registry
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.settings import ZoomInSettings
@@ -57,6 +59,13 @@ class ToolContext:
     views: list[ImageView]
     family: object
     settings: MultiTurnSettings = field(default_factory=MultiTurnSettings)
+    sessions: dict = field(default_factory=dict)  # tool name -> what it keeps across the trajectory's calls
+
+    def close(self) -> None:
+        """The trajectory ended: close what its tools kept (the python tool's interpreter)."""
+        sessions, self.sessions = self.sessions, {}
+        for session in sessions.values():
+            session.close()
 
     @classmethod
     def for_prompt(cls, images: list, sizes: list[tuple[int, int, int, int]], family,
@@ -103,20 +112,69 @@ TOOLS = Registry("tool", "a task's `tools`", builtins=TOOL_BUILTINS, accepts=_is
                  expects="a tool (a function registered with register_tool)")
 
 
-def register_tool(name: str, *, description: str, parameters: dict, settings: type | None = None):
+@dataclass(frozen=True)
+class TextCall:
+    """A call written as plain text instead of the family's tool-call format (a fenced code block): a segment
+    stops at `stop`, and `parse(segment_text)` gives the tool's arguments when the segment ends in such a call
+    (None otherwise)."""
+
+    stop: str
+    parse: Callable[[str], dict | None]
+
+
+def register_tool(name: str, *, description: str, parameters: dict, settings: type | None = None,
+                  text_call: TextCall | None = None, prepare: Callable | None = None):
     """Decorator: register `function(context, **arguments)` as the tool `name` with its JSON schema. `settings`:
     the tool's own settings, a dataclass of `meta` fields (gpg_vl/config/keys.py), which the config types, checks
     and documents as `rollout.tools.<name>.*`; the tool reads the run's values with `context.settings.tool(name,
-    settings)`."""
+    settings)`. `text_call`: a plain-text form of a call, read where the family's format finds none. `prepare(
+    settings)`: run before the model loads (`prepare_tools`), with the run's MultiTurnSettings; it raises UserError
+    (one sentence) when the tool cannot run here."""
     if parameters.get("type") != "object" or not isinstance(parameters.get("properties"), dict):
         raise UserError(f"tool {name!r}: parameters must be a JSON schema of type object with properties.")
 
     def decorate(function):
         function.name, function.description, function.parameters = name, description, parameters
-        function.settings_class = settings
+        function.settings_class, function.text_call, function.prepare = settings, text_call, prepare
         return TOOLS.add(name, function)
 
     return decorate
+
+
+def _text_calls(tools: tuple[str, ...] | None) -> list[tuple[str, TextCall]]:
+    return [(name, TOOLS.get(name).text_call) for name in tools or ()
+            if getattr(TOOLS.get(name), "text_call", None) is not None]
+
+
+def with_tool_stops(settings: MultiTurnSettings, tools: tuple[str, ...] | None) -> MultiTurnSettings:
+    """`settings` whose `stop_strings` are those of the offered tools' plain-text calls (a segment also stops there)."""
+    stops = tuple(dict.fromkeys(call.stop for _, call in _text_calls(tools)))
+    return settings if stops == settings.stop_strings else replace(settings, stop_strings=stops)
+
+
+def read_call(family, text: str, tools: tuple[str, ...] | None):
+    """The call a segment ends with: the family's format first (`Family.parse_tool_call`), else an offered tool's
+    plain-text form (`TextCall`); None when there is none."""
+    call = family.parse_tool_call(text)
+    if call is not None:
+        return call
+    for name, text_call in _text_calls(tools):
+        arguments = text_call.parse(text)
+        if arguments is not None:
+            return ToolCall(name, arguments)
+    return None
+
+
+def prepare_tools(rollout, tools: tuple[str, ...]) -> None:
+    """Before the model loads: each offered tool's `prepare` with the multi-turn settings of `rollout`
+    (RolloutSettings), when trajectories are on (a sandbox that cannot start: one sentence)."""
+    settings = MultiTurnSettings.from_rollout(rollout)
+    if not settings.multi_turn:
+        return
+    for name in tools:
+        prepare = getattr(TOOLS.get(name), "prepare", None)
+        if prepare is not None:
+            prepare(settings)
 
 
 def tool_schema(tool) -> dict:

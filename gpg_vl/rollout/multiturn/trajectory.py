@@ -42,6 +42,7 @@ class MultiTurnSettings:
     tool_seconds: float = default_of(_ROLLOUT["tool_seconds"])
     hf_multiturn: str = default_of(_HF_MULTITURN)
     tools: dict = field(default_factory=dict)
+    stop_strings: tuple[str, ...] = ()  # the offered tools' plain-text calls' stops (tools.with_tool_stops)
 
     @classmethod
     def from_rollout(cls, rollout) -> MultiTurnSettings:

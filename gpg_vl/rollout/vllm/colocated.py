@@ -151,11 +151,12 @@ def trajectory_prompt_requests(family, prompts: EnginePrompts) -> list[dict]:
     return requests
 
 
-def turn_sampling_kwargs(family, sampling: Sampling, n: int, max_tokens: int) -> dict:
+def turn_sampling_kwargs(family, sampling: Sampling, n: int, max_tokens: int, stops: tuple[str, ...] = ()) -> dict:
     """`vllm.SamplingParams` keywords of one turn's request: as a single turn's, and a segment stops at the
-    family's tool-call stop strings too (matched on the detokenized text, special tokens kept)."""
+    family's tool-call stop strings too, and at `stops` (the offered tools' plain-text calls'; matched on the
+    detokenized text, special tokens kept)."""
     kwargs = sampling_kwargs(family, replace(sampling, max_new_tokens=max_tokens), n)
-    kwargs.update(stop=list(family.tool_stop_strings), include_stop_str_in_output=True, detokenize=True,
+    kwargs.update(stop=[*family.tool_stop_strings, *stops], include_stop_str_in_output=True, detokenize=True,
                   skip_special_tokens=False)
     return kwargs
 
@@ -174,7 +175,8 @@ def turn_requests(family, rows: list[TurnRow], n: int, sampling: Sampling, setti
             del request["multi_modal_data"]
         room = min(sampling.max_new_tokens, settings.max_total_tokens - len(row.trajectory.token_ids))
         requests.append(request)
-        params.append(sampling_params(**turn_sampling_kwargs(family, sampling, n, max(room, 1))))
+        params.append(sampling_params(**turn_sampling_kwargs(family, sampling, n, max(room, 1),
+                                                             settings.stop_strings)))
     return requests, params
 
 

@@ -67,13 +67,14 @@ FIRST_CHECK_S = 5.0  # the first, short /health check of a server before the run
 # pure parts: payloads and answers
 # ---------------------------------------------------------------------------------------------
 def sampling_params(family, sampling: Sampling, n: int, *, seed: int | None = None, stops: bool = False,
-                    max_tokens: int | None = None) -> dict:
+                    max_tokens: int | None = None, tool_stops: tuple[str, ...] = ()) -> dict:
     """`sampling_params` of a /inference/v1/generate request (vLLM's SamplingParams fields), sampled as the HF
-    engine samples; `stops`: a multi-turn segment also stops at the family's tool-call stop strings."""
+    engine samples; `stops`: a multi-turn segment also stops at the family's tool-call stop strings and at
+    `tool_stops` (the offered tools' plain-text calls')."""
     params = {**sampling_fields(family, sampling, n, max_tokens), "skip_special_tokens": not stops,
               "detokenize": stops, "output_kind": FINAL_ONLY}
     if stops:
-        params.update(stop=list(family.tool_stop_strings), include_stop_str_in_output=True)
+        params.update(stop=[*family.tool_stop_strings, *tool_stops], include_stop_str_in_output=True)
     banned = banned_tokens(family, sampling)
     if banned:
         params["logit_bias"] = {str(token): BANNED_BIAS for token in banned}
@@ -489,7 +490,8 @@ class VLLMServerEngine(VLLMEngineBase):
                 room = min(sampling.max_new_tokens, settings.max_total_tokens - len(row.trajectory.token_ids))
                 media = {"image": images + list(row.trajectory.images), "video": videos}  # tools return images
                 jobs.append((ids + row.trajectory.token_ids, media,
-                             sampling_params(family, sampling, n, stops=True, max_tokens=max(room, 1))))
+                             sampling_params(family, sampling, n, stops=True, max_tokens=max(room, 1),
+                                             tool_stops=settings.stop_strings)))
             answers = self._generate_all(jobs)
             choices = []
             for answer in answers:
