@@ -62,7 +62,7 @@ def _stop_without_peers(run, reason: str) -> None:
     """Another trainer process is gone (killed, crashed, its machine lost: `reason`, what the collective said): no
     collective can run any more, so no checkpoint can be written either. Stop in one sentence naming the newest
     intact checkpoint, from which the same launch on every machine continues with resume=auto."""
-    from gpg_vl.train.checkpoint import latest_checkpoint
+    from gpg_vl.train.checkpoint.folder import latest_checkpoint
 
     accelerator = run.accelerator
     newest = latest_checkpoint(run.output_dir)

@@ -32,7 +32,7 @@ from helpers.vllm_real import (
 )
 from safetensors.torch import load_file
 
-from gpg_vl.train.checkpoint import latest_checkpoint
+from gpg_vl.train.checkpoint.folder import latest_checkpoint
 
 LAUNCH_S = 900  # a launch on a loaded two-core machine: a minute or two
 

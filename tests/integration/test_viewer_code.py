@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gpg_vl.train.sample import Attempt
+from gpg_vl.train.step.sample import Attempt
 from helpers.browser import CHROMIUM, image_tiles, open_in_chromium, root_tag
 from helpers.sandbox import needs_bwrap
 from PIL import Image
@@ -87,7 +87,7 @@ def test_rollouts_html_shows_each_code_cell_its_output_and_its_images(sampled, t
 
 
 def test_predictions_keep_the_images_the_code_showed(sampled, tmp_path):
-    from gpg_vl.train.evaluate import Decoded, prediction_records
+    from gpg_vl.train.eval.evaluate import Decoded, prediction_records
 
     from gpg_vl.observe.viewer import write_predictions_html
 
