@@ -11,8 +11,8 @@ from pathlib import Path
 from gpg_vl.config import names
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("task", "tool", "judge", "judge mode", "family", "loss", "advantage", "engine", "correction", "sampler", "tool rewards",
-         "teacher loss")
+KINDS = ("task", "tool", "judge", "judge mode", "family", "loss", "advantage", "engine", "correction", "sampler",
+         "tool rewards", "teacher loss")
 # kind -> the names.py tables of its built-ins (code first, settings second)
 TABLES = {"task": ("TASK_BUILTINS",), "tool": ("TOOL_BUILTINS", "TOOL_SETTINGS"), "judge": ("JUDGE_BUILTINS",),
           "judge mode": ("JUDGE_MODE_BUILTINS",),

@@ -34,7 +34,7 @@ def test_each_task_takes_the_runs_teacher_with_its_own_settings_over_it():
 
 def test_a_tasks_teacher_key_or_entry_that_names_nothing_is_one_sentence():
     with pytest.raises(UserError, match=r"^task.teacher.zoom.modle is not a teacher setting; a task's teacher takes "
-                                        r"model, coef, only, loss"):
+                                        r"model, coef, tolerance, only, loss"):
         task_teachers(TeacherSettings(), ["zoom"], {"zoom": {"modle": "x"}})
     with pytest.raises(UserError, match=r"^task.teacher.motion names no task of task.mixture \(shapes\)"):
         build_mixture({"shapes": 1}, None, None, teachers={"motion": {"model": "x"}})
