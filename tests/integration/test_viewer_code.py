@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gpg_vl.train.step.sample import Attempt
 from helpers.browser import CHROMIUM, image_tiles, open_in_chromium, root_tag
 from helpers.sandbox import needs_bwrap
 from PIL import Image
@@ -26,6 +25,7 @@ from gpg_vl.rollout.engine import EnginePrompts, Sampling
 from gpg_vl.rollout.multiturn.decoding import generate_trajectories
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings
 from gpg_vl.rollout.settings import PythonToolSettings
+from gpg_vl.train.step.sample import Attempt
 
 pytestmark = needs_bwrap
 CELLS = {0: "<code>\n```python\nprint('size', image_1.size)\nshow(image_1.crop((30, 30, 100, 100)).resize((140, 140)))"
@@ -87,9 +87,8 @@ def test_rollouts_html_shows_each_code_cell_its_output_and_its_images(sampled, t
 
 
 def test_predictions_keep_the_images_the_code_showed(sampled, tmp_path):
-    from gpg_vl.train.eval.evaluate import Decoded, prediction_records
-
     from gpg_vl.observe.viewer import write_predictions_html
+    from gpg_vl.train.eval.evaluate import Decoded, prediction_records
 
     decoded = [Decoded(index=i, completion=text, prompt="look", row={"id": i // 2}, rewards={"accuracy": 0.0},
                        trajectory=trajectory)
