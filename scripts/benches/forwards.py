@@ -1,5 +1,8 @@
 """--forwards: the update alone, on one sampled step, under configurations whose forwards per micro-batch differ: GPG
-alone, GPG with a teacher, GRPO with its reference and 2 epochs, and both (a teacher and 2 epochs)."""
+alone, GPG with a teacher, GRPO with its reference and 2 epochs, and both (a teacher and 2 epochs); each with `_apart`:
+the policy's log-probs before the update scored by forwards without gradient apart from the first optimizer step's
+(`Learner.share_first_forward=False`: one such forward per micro-batch, as 7175d10 ran a teacher alone or GRPO's 2
+epochs; 7175d10 ran two with both)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from gpg_vl.train.teacher.local import frozen_teacher
 
 GRPO_2 = {"loss": "grpo", "aggregation": "seq_mean_token_mean", "clip_low": 0.2, "clip_high": None, "kl_coef": 0.04,
           "ppo_epochs": 2, "age": False}  # configs/algorithm/grpo.yaml with trainer.ppo_epochs=2
-CONFIGURATIONS = ("gpg", "teacher", "grpo2", "teacher_grpo2")
+SHARED = ("gpg", "teacher", "grpo2", "teacher_grpo2")
+CONFIGURATIONS = (*SHARED, *(f"{name}_apart" for name in SHARED[1:]))
 
 
 def learners(runner: GpgRunner, names: list[str], seed: int) -> dict:
@@ -39,6 +43,7 @@ def learners(runner: GpgRunner, names: list[str], seed: int) -> dict:
     built = {"gpg": base, "teacher": replace(base, teacher=teacher),
              "grpo2": replace(base, settings=grpo, reference=Reference(reference)),
              "teacher_grpo2": replace(base, settings=grpo, reference=Reference(reference), teacher=teacher)}
+    built.update({f"{name}_apart": replace(built[name], share_first_forward=False) for name in SHARED[1:]})
     return {name: built[name] for name in names}
 
 

@@ -79,12 +79,16 @@ def test_grpo_takes_mu_times_mini_batches_steps_and_scores_old_and_reference_onc
         assert m["optimizer_steps"] == 2 * parts  # mu x (sequences / mini-batch)
         assert {"kl", "clip_fraction_low", "clip_fraction_high", "ratio_mean", "ratio_max", "logp_drift"} <= set(m)
         assert m["kl"] >= 0 and m["ratio_max"] >= 1.0 - 1e-9
-    # per micro-batch: one old and one reference forward without gradient, once per rollout, then mu forwards
-    # with gradient; the reference is another model (the frozen copy)
+    # per micro-batch: one reference forward without gradient, once per rollout, then mu forwards with gradient; the
+    # old log-probs of the first mini-batch's micro-batches come from the first step's own forward, those of the later
+    # mini-batches from one forward without gradient each, once per rollout (train/step/before.py); the reference is
+    # another model (the frozen copy)
     no_grad = [model for grad, model in calls if not grad]
     assert len({id(model) for model in no_grad}) == 2
     old = [model for model in no_grad if model is not no_grad[-1]]
-    assert len(old) == len(no_grad) / 2 == sum(grad for grad, _ in calls) / 2 > 0
+    reference = len(no_grad) - len(old)
+    assert len(old) == reference - len(metrics) > 0  # one micro-batch per mini-batch (micro_batch_size 16)
+    assert sum(grad for grad, _ in calls) == 2 * reference
     # the schedule counts optimizer steps: linear decay over max_steps x mu x (B x G / mini-batch) = 2 x 2 x 2
     assert metrics[-1]["lr"] == pytest.approx(1e-3 * (1 - sum(m["optimizer_steps"] for m in metrics) / 8))
     # later steps moved the weights away from the rollout policy: a nonzero drift was measured

@@ -21,11 +21,11 @@ def test_a_teacher_lost_mid_step_resumes_with_the_uninterrupted_runs_counters(tm
     """The teacher's server unreachable in step 2's update (EngineUnreachable, as teacher/server.py raises it): the
     run stops with checkpoint-1, and resume=auto logs steps 2-3 as the uninterrupted run, counters included (they
     were 8 completions and 128 tokens too high: the failed step's samples were counted)."""
-    import gpg_vl.train.teacher.signal as teacher_module
+    import gpg_vl.train.step.update as teacher_module  # the update asks train/teacher/signal.py's teacher_shaping
     from gpg_vl.rollout.engine import EngineUnreachable
 
     run = ["trainer.max_steps=3", "trainer.lr=1e-3", "seed=0", f"teacher.model={perturbed_teacher}"]
-    real, calls = teacher_module.shaped, []
+    real, calls = teacher_module.teacher_shaping, []
 
     def lost_at_step_2(*args, **kwargs):
         calls.append(1)
@@ -34,10 +34,10 @@ def test_a_teacher_lost_mid_step_resumes_with_the_uninterrupted_runs_counters(tm
                                     "within teacher.timeout_s; raise teacher.timeout_s.")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(teacher_module, "shaped", lost_at_step_2)
+    monkeypatch.setattr(teacher_module, "teacher_shaping", lost_at_step_2)
     with pytest.raises(UserError, match="the run stopped after step 1 and wrote checkpoint-1"):
         train_run(tmp_path / "out", *run)
-    monkeypatch.setattr(teacher_module, "shaped", real)
+    monkeypatch.setattr(teacher_module, "teacher_shaping", real)
     train_run(tmp_path / "out", *run, "resume=auto")
     train_run(tmp_path / "whole", *run)
     resumed, whole = metrics(tmp_path / "out"), metrics(tmp_path / "whole")

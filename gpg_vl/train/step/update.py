@@ -1,7 +1,8 @@
 """The update: a rollout's valid groups in micro-batches (by count or by tokens of forward work), in
 mini-batches for the GRPO family's several optimizer steps, each optimizer step with its loss normalized over
 all processes, gradients averaged explicitly under DDP; the optimizer. The micro-batches are cut in
-micro_batch.py, the loss called and checked in loss_call.py, the frozen reference built in reference.py.
+micro_batch.py, the loss called and checked in loss_call.py, the frozen reference built in reference.py; the
+policy's log-probs before the update (the ratio's, the teacher's, the correction's) computed once in before.py.
 
 Every count that drives a decision (the loss normalizer, the number of forwards under FSDP / ZeRO-3) is
 all-reduced, so every process takes the same branches and reaches the same collectives.
@@ -17,8 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from gpg_vl.config.schema import TrainerSettings
-from gpg_vl.distributed import forward_is_collective, require_images
-from gpg_vl.errors import UserError
+from gpg_vl.distributed import require_images
 from gpg_vl.models import router
 from gpg_vl.models.batch import unwrap
 from gpg_vl.models.load import Policy
@@ -27,20 +27,25 @@ from gpg_vl.objective import AGGREGATIONS, LOSS_NORMALIZERS, TOKEN_NORMALIZED
 from gpg_vl.objective.corrections import (
     ActiveCorrection,
     CorrectionSums,
-    apply_correction,
     correction_metrics,
     logp_mismatch,
     resolve_correction,
 )
-from gpg_vl.objective.options import takes_weights
 from gpg_vl.objective.token_masks import covariance_cut, high_entropy_mask
 from gpg_vl.rollout.engine import Correction
+from gpg_vl.train.step.before import (
+    FirstForward,
+    before_update,
+    chunk_weights,
+    correct_up_front,
+    score_plan,
+)
 from gpg_vl.train.step.loss_call import LossCall, _add_report, _loss_reports, checked_loss, resolve_loss
 from gpg_vl.train.step.micro_batch import MicroBatch, mini_batches, update_chunks
 from gpg_vl.train.step.placeholder import placeholder_chunk
 from gpg_vl.train.step.reference import Reference
 from gpg_vl.train.step.sample import Attempt
-from gpg_vl.train.teacher.signal import distilled_scores, taught_metrics, teach
+from gpg_vl.train.teacher.signal import Shaping, distilled_scores, taught, taught_metrics, teacher_shaping
 
 
 @dataclass
@@ -65,6 +70,9 @@ class Learner:
     correction: Correction = field(default_factory=Correction)
     whole_copy: torch.nn.Module | None = None  # FSDP2 at trainer.max_staleness >= 1: the sampler's, taken unsharded
     teacher: object = None  # each task's teacher (gpg_vl/train/teacher/build.py's Teachers), or None
+    # pi_prox's log-probs of the first step's micro-batches from its own forward (False: from one forward without
+    # gradient before it, as before round 6: scripts/bench.py's --forwards baseline)
+    share_first_forward: bool = True
 
     def off_policy(self, stale: bool) -> ActiveCorrection:
         """The correction this update applies (trainer.correction; rollout.vllm.tis_cap > 0, the engine's, is
@@ -87,6 +95,7 @@ class StepInputs:
     sequences: int  # the step's valid sequences over all processes
     correction: ActiveCorrection = field(default_factory=ActiveCorrection)  # resolved once per update
     correction_sums: CorrectionSums | None = None  # the update's: filled here at its first step, where not up front
+    first: FirstForward | None = None  # the first step: its forward gives its micro-batches' pi_prox (before.py)
 
 
 def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False,
@@ -99,74 +108,168 @@ def update(learner: Learner, attempts: list[Attempt], *, stale: bool = False,
     invalid ones with zero advantages (only their KL acts), normalized over all sampled sequences as TRL's and
     R1-V's GRPO do, and steps even when no group is valid; its metrics then say `groups_used` (every group
     forwarded), `groups_kl_only` (those forwarded for their KL alone) and `alpha` 1. A loss that declares
-    "old" gets the rollout policy's log-probs, computed once here, without gradient, before the first step,
-    when there is more than one step (with one, old = current detached: ratio 1); one that declares "ref"
-    (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
+    "old" gets the rollout policy's log-probs when there is more than one step (with one, old = current detached:
+    ratio 1): pi_prox's, each micro-batch's computed once (train/step/before.py: the first step's micro-batches take
+    them from its own forward, the later mini-batches' come from one forward without gradient before it); one that
+    declares "ref" (with settings.kl_coef > 0) gets the frozen reference's, through the same scoring path.
     `learner.correction`: the on-policy check of an engine that samples with its own weights (see
     `_optimizer_step`). The off-policy correction (`Learner.off_policy`; `stale`: the rollouts may be older than the
     learner, trainer.max_staleness >= 1) is resolved once: its weights come from pi_prox, the policy before this
-    update, against the behaviour log-probs, and go to the loss as `weights` (`_resolve_corrections`).
-    `learner.teacher`: every group of a task with a teacher forwarded, valid unless its combined advantage is all 0.
+    update, against the behaviour log-probs, and go to the loss as `weights` (before.py's `correct_up_front`).
+    `learner.teacher`: every group of a task with a teacher forwarded, valid unless its combined advantage is all 0
+    (a teacher that reads log-probs reads pi_prox's, the same ones as the ratio's).
     `loss`: trainer.loss resolved for this step (`resolve_loss`; resolved here when not given).
     """
     settings, accelerator = learner.settings, learner.accelerator
     loss = loss or resolve_loss(settings, learner.max_new_tokens)
     if loss.kl_everywhere or learner.teacher is not None:  # the KL (TRL's, R1-V's GRPO) or a task's teacher acts on
         attempts, kl_only = _every_group(attempts, accelerator, loss.kl_everywhere or learner.teacher)  # every one
-    parts = 1
-    if settings.ppo_mini_batch:  # collective: every process takes the same number of optimizer steps
-        valid = accelerator.reduce(torch.tensor(sum(int(a.valid.sum()) for a in attempts),
-                                                device=accelerator.device), "sum")
-        parts = max(1, math.ceil(int(valid) * settings.group_size / settings.ppo_mini_batch))
-    plan = [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
-                               share_prompt=learner.path.prompt_once, packed=learner.path.packed,
-                               min_padding=learner.path.min_padding))
-            for part in mini_batches(attempts, parts)]
-    correction, steps, sums = learner.off_policy(stale), settings.ppo_epochs * parts, CorrectionSums()
-    plan, groups_rejected, prox = _correct_up_front(learner, correction, loss.fn, plan, attempts, sums, steps=steps)
-    plan, taught = teach(learner, plan, attempts, _score_plan) if learner.teacher is not None else (plan, None)
-    counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]
-    per_part = counts[:, :4 * parts].reshape(counts.shape[0], parts, 4)  # [processes, parts, 4]
-    require_images(int(per_part[..., 3].sum()) == 0, accelerator.num_processes, "a training micro-batch")
-    if int(per_part[..., 0].sum()) == 0:
-        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0, **taught_metrics(taught, settings)}
-    column = 1 if loss.aggregation in TOKEN_NORMALIZED else 0  # the normalizer counts tokens, or sequences
-    counted, sampled_count = int(per_part[..., column].sum()), int(counts[:, -2 + column].sum())
-    # Collective under FSDP / ZeRO-3 like the update's forwards: every process scores max-over-processes
-    # micro-batches per mini-batch, padding with placeholders whose log-probs are dropped.
-    calls = [int(per_part[:, part, 2].max()) for part in range(parts)]
-    # the ratio of a loss with one is to pi_prox at every staleness (AReaL's decoupled objective, docs/async.md)
-    old, ref = _old_and_ref(learner, plan, attempts, calls, loss, steps=steps, prox=prox)
+    plan = _plan(learner, attempts)
+    correction, steps, sums = learner.off_policy(stale), settings.ppo_epochs * len(plan), CorrectionSums()
+    plan, groups_rejected, prox = correct_up_front(learner, correction, loss.fn, plan, attempts, sums, steps=steps)
+    shaping = teacher_shaping(learner, plan, attempts) if learner.teacher is not None else None
+    plan, old, first = before_update(learner, plan, attempts, loss, shaping, steps=steps, prox=prox)
+    counts = _Counts.of(plan, attempts, accelerator, loss.aggregation)
+    require_images(counts.without_images == 0, accelerator.num_processes, "a training micro-batch")
+    if counts.sequences() == 0:
+        return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0, **_taught(shaping, plan, attempts, learner)}
+    ref = _reference_logps(learner, plan, attempts, counts.calls, loss)
     results, reports = [], []
     for _epoch in range(settings.ppo_epochs):
         for part, chunks in enumerate(plan):
-            valid_count = int(per_part[:, part, column].sum())
-            share = sampled_count if parts == 1 else sampled_count * valid_count / counted  # AGE off: pro rata
-            result, report = _optimizer_step(learner, attempts, StepInputs(
-                chunks, loss, old=old[part] if old is not None else None,
-                ref=ref[part] if ref is not None else None,
-                normalizer=LOSS_NORMALIZERS[settings.age](valid_count, share),
-                steps_needed=int(per_part[:, part, 2].max()),
-                later=bool(results), sequences=int(per_part[:, part, 0].sum()), correction=correction,
-                correction_sums=sums if prox is None and not results else None))
+            inputs = StepInputs(chunks, loss, old=old[part] if old is not None else None,
+                                ref=ref[part] if ref is not None else None,
+                                normalizer=counts.normalizer(part, settings),
+                                steps_needed=counts.steps_needed(part), later=bool(results),
+                                sequences=counts.sequences(part), correction=correction,
+                                correction_sums=sums if prox is None and not results else None,
+                                first=first if not results else None)
+            result, report = _optimizer_step(learner, attempts, inputs)
+            if inputs.first is not None:  # the later steps train on its micro-batches as it resolved them
+                plan, counts, sums, result, report = _after_first_step(learner, attempts, inputs, plan, old, counts,
+                                                                       result, report)
+                if result is None:  # the first step's teacher left every sequence out: no step
+                    return {"loss": 0.0, "grad_norm": 0.0, "skipped": 1.0,
+                            **_taught(shaping, plan, attempts, learner)}
             results.append(result)
             reports.append(report)
             if result.get("nonfinite"):  # no weight changed in that step; the rollout's later steps are dropped
                 break
         if results[-1].get("nonfinite"):
             break
-    metrics = {**_combine_results(results), **taught_metrics(taught, settings)}
+    metrics = {**_combine_results(results), **_taught(shaping, plan, attempts, learner)}
     if correction.reports:  # collective, on every process alike (the settings are the same everywhere)
         rows = accelerator.gather(torch.tensor([sums.as_list()], device=accelerator.device, dtype=torch.float64))
         metrics.update(correction_metrics(rows.cpu()))
     if groups_rejected is not None:
         metrics["groups_rejected"] = groups_rejected
     if loss.kl_everywhere:  # every sampled group forwarded, normalized over all of them (alpha 1)
-        metrics.update({"groups_used": int(per_part[..., 0].sum()) // settings.group_size,
+        metrics.update({"groups_used": counts.sequences() // settings.group_size,
                         "groups_kl_only": kl_only, "alpha": 1.0})
     if loss.needs:  # the same on every process (it depends on the loss only): the collective below matches
         metrics.update(_loss_reports(reports, accelerator))
     return metrics
+
+
+def _reference_logps(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt], calls: list[int],
+                     loss: LossCall) -> list[list[torch.Tensor]] | None:
+    """The frozen reference's log-probs per mini-batch and micro-batch (a loss that declares "ref", with kl_coef >
+    0), through the same scoring path; else None."""
+    if not ("ref" in loss.needs and loss.kl_everywhere):
+        return None
+    if learner.reference is None:
+        raise ValueError(f"trainer.loss={loss.name} with kl_coef > 0 needs a reference model")
+    ref_model, scope = learner.reference.scoring(learner.model)
+    with scope:
+        return score_plan(learner, ref_model, plan, attempts, calls)
+
+
+@dataclass
+class _Counts:
+    """The update's counts over all processes (`_plan_counts`): per mini-batch its sequences, tokens (what the loss
+    counts), micro-batches and micro-batches without images, per process; then every sampled sequence and token."""
+
+    per_part: torch.Tensor  # [processes, parts, 4]
+    sampled: torch.Tensor  # [processes, 2]
+    column: int  # 1: the normalizer counts tokens (a token-normalized aggregation), 0: sequences
+
+    @classmethod
+    def of(cls, plan: list[list[MicroBatch]], attempts: list[Attempt], accelerator: Accelerator,
+           aggregation: str) -> _Counts:
+        counts = _plan_counts(plan, attempts, accelerator)  # [processes, 4 * parts + 2]; collective
+        parts = len(plan)
+        return cls(counts[:, :4 * parts].reshape(counts.shape[0], parts, 4), counts[:, -2:],
+                   1 if aggregation in TOKEN_NORMALIZED else 0)
+
+    @property
+    def without_images(self) -> int:
+        return int(self.per_part[..., 3].sum())
+
+    @property
+    def calls(self) -> list[int]:
+        """Per mini-batch, the most micro-batches any process has (the forwards of a collective model)."""
+        return [int(self.per_part[:, part, 2].max()) for part in range(self.per_part.shape[1])]
+
+    def steps_needed(self, part: int) -> int:
+        return int(self.per_part[:, part, 2].max())
+
+    def sequences(self, part: int | None = None) -> int:
+        """The sequences the loss counts, of mini-batch `part` or of all, over all processes."""
+        return int((self.per_part if part is None else self.per_part[:, part])[..., 0].sum())
+
+    def normalizer(self, part: int, settings: TrainerSettings) -> float:
+        """Mini-batch `part`'s loss normalizer: AGE's count of what its valid groups hold, or without AGE every
+        sampled sequence's (or token's), pro rata over the mini-batches."""
+        valid = int(self.per_part[:, part, self.column].sum())
+        counted, sampled = int(self.per_part[..., self.column].sum()), int(self.sampled[:, self.column].sum())
+        share = sampled if self.per_part.shape[1] == 1 else sampled * valid / counted  # AGE off: pro rata
+        return LOSS_NORMALIZERS[settings.age](valid, share)
+
+
+def _plan(learner: Learner, attempts: list[Attempt]) -> list[list[MicroBatch]]:
+    """The update's micro-batches, in mini-batches of settings.ppo_mini_batch sequences (one: the whole rollout).
+    Collective with a mini-batch size: every process takes the same number of optimizer steps."""
+    settings, accelerator = learner.settings, learner.accelerator
+    parts = 1
+    if settings.ppo_mini_batch:
+        valid = accelerator.reduce(torch.tensor(sum(int(a.valid.sum()) for a in attempts),
+                                                device=accelerator.device), "sum")
+        parts = max(1, math.ceil(int(valid) * settings.group_size / settings.ppo_mini_batch))
+    return [list(update_chunks(part, settings.micro_batch_size, settings.micro_batch_tokens,
+                               share_prompt=learner.path.prompt_once, packed=learner.path.packed,
+                               min_padding=learner.path.min_padding))
+            for part in mini_batches(attempts, parts)]
+
+
+def _after_first_step(learner: Learner, attempts: list[Attempt], inputs: StepInputs, plan: list[list[MicroBatch]],
+                      old: list | None, counts: _Counts, result: dict | None, report: dict):
+    """After the first optimizer step: its micro-batches as it resolved them (a teacher's advantages) go into the
+    plan, and its forward's pi_prox log-probs into the old ones. Where its teacher left groups out (`result` None:
+    no weight changed), the counts are taken again and the step runs again with the right normalizer; None as the
+    result when no sequence is left. Returns (plan, counts, correction sums, result, report)."""
+    first, sums = inputs.first, inputs.correction_sums
+    plan = [first.marked if result is None else first.resolved(plan[0]), *plan[1:]]
+    if old is not None:
+        old[0] = [first.logps.get(index, logps) for index, logps in enumerate(old[0])]
+    if result is not None:
+        return plan, counts, sums, result, report
+    counts, sums = _Counts.of(plan, attempts, learner.accelerator, inputs.loss.aggregation), \
+        None if sums is None else CorrectionSums()
+    if counts.sequences() == 0:
+        return plan, counts, sums, None, {}
+    again = replace(inputs, chunks=plan[0], old=old[0] if old is not None else None, first=None,
+                    normalizer=counts.normalizer(0, learner.settings), sequences=counts.sequences(0),
+                    correction_sums=sums)
+    result, report = _optimizer_step(learner, attempts, again)
+    return plan, counts, sums, result, report
+
+
+def _taught(shaping: Shaping | None, plan: list[list[MicroBatch]], attempts: list[Attempt],
+            learner: Learner) -> dict[str, float]:
+    """The teacher's metrics of the update (collective), nothing without a teacher."""
+    if learner.teacher is None:
+        return {}
+    return taught_metrics(taught(shaping, plan, attempts, learner.accelerator), learner.settings)
 
 
 def _every_group(attempts: list[Attempt], accelerator: Accelerator, widen) -> tuple[list[Attempt], int]:
@@ -206,24 +309,6 @@ def _plan_counts(plan: list[list[MicroBatch]], attempts: list[Attempt], accelera
     return accelerator.gather(local)  # [processes, 4 * parts + 2]
 
 
-def _old_and_ref(learner: Learner, plan: list[list[MicroBatch]], attempts: list[Attempt], calls: list[int],
-                 loss: LossCall, *, steps: int, prox: list[list[torch.Tensor]] | None = None):
-    """pi_prox's log-probs, the policy's before this update (a loss that declares "old", when the rollout takes
-    more than one step: `prox` where the correction scored them already) and the reference's (one that declares
-    "ref", with kl_coef > 0), per mini-batch and micro-batch."""
-    old = None
-    if "old" in loss.needs and steps > 1:
-        old = prox if prox is not None else _score_plan(learner, learner.model, plan, attempts, calls)
-    ref = None
-    if "ref" in loss.needs and loss.kl_everywhere:
-        if learner.reference is None:
-            raise ValueError(f"trainer.loss={loss.name} with kl_coef > 0 needs a reference model")
-        ref_model, scope = learner.reference.scoring(learner.model)
-        with scope:
-            ref = _score_plan(learner, ref_model, plan, attempts, calls)
-    return old, ref
-
-
 def _combine_results(results: list[dict]) -> dict[str, float]:
     """The update's metrics from its optimizer steps' (means of loss and gradient norm over several)."""
     metrics = dict(results[0]) if len(results) == 1 else {
@@ -237,29 +322,6 @@ def _combine_results(results: list[dict]) -> dict[str, float]:
            if k in results[0]}}
     metrics["optimizer_steps"] = float(sum(not r["skipped"] for r in results))
     return metrics
-
-
-@torch.no_grad()
-def _score_plan(learner: Learner, model, plan: list[list[MicroBatch]], attempts: list[Attempt],
-                calls: list[int]) -> list[list[torch.Tensor]]:
-    """Log-probs [n, C] of every micro-batch of every mini-batch, without gradient (old or reference), with
-    `model` (the learner's, or the reference's). Where `model`'s forward is collective (FSDP / ZeRO-3),
-    mini-batch p runs `calls[p]` forwards on every process (the most micro-batches any process has), the
-    missing ones on placeholders, dropped here."""
-    policy, settings = learner.policy, learner.settings
-    device = next(model.parameters()).device
-
-    def score(c: MicroBatch) -> torch.Tensor:
-        return c.logps(policy, model, device, temperature=learner.temperature, path=learner.path,
-                       logits_chunk_tokens=settings.logits_chunk_tokens)
-
-    collective = forward_is_collective(model)
-    scored = []
-    for chunks, needed in zip(plan, calls, strict=True):
-        scored.append([score(c) for c in chunks])
-        for _ in range(needed - len(chunks) if collective else 0):
-            score(MicroBatch(*placeholder_chunk(policy, attempts, device)))
-    return scored
 
 
 @dataclass
@@ -276,69 +338,6 @@ class _Sums:
     jsd: float = 0.0  # a teacher loss that reads logits (jsd): its term of the loss, summed over micro-batches
     clip_cov: int = 0  # trainer.clip_cov_ratio: the tokens Clip-Cov took the gradient from
     report: dict = field(default_factory=dict)
-
-
-def _correct_up_front(learner: Learner, correction: ActiveCorrection, loss_fn, plan: list[list[MicroBatch]],
-                      attempts: list[Attempt], sums: CorrectionSums, *, steps: int):
-    """(the plan, the valid groups all rejected or None, pi_prox's log-probs or None): pi_prox is scored once before
-    the first step where the correction's weights must be known before it (a correction that rejects: the
-    normalizer leaves its sequences out) or serve several steps (`_resolve_corrections`); otherwise the one step's
-    forward has it. A loss that takes no weights is refused in one sentence."""
-    if correction.weighs and not takes_weights(loss_fn):
-        raise UserError(f"trainer.correction={correction.name} weighs each token's loss, and trainer.loss="
-                        f"{learner.settings.loss} takes no `weights`; give it a `weights=None` argument (its "
-                        "per-token loss times them) or set trainer.correction=none.")
-    if not (correction.weighs and (correction.rejects or steps > 1)):
-        return plan, None, None
-    prox = _score_before(learner, plan, attempts)
-    plan, groups_rejected = _resolve_corrections(correction, plan, prox, sums, learner.accelerator)
-    return plan, groups_rejected, prox
-
-
-def _score_before(learner: Learner, plan: list[list[MicroBatch]],
-                  attempts: list[Attempt]) -> list[list[torch.Tensor]]:
-    """pi_prox's log-probs [n, C] of every micro-batch, scored once without gradient before the update's first
-    step. Collective: every process scores the most micro-batches any process has (placeholders dropped)."""
-    accelerator = learner.accelerator
-    calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in plan]], device=accelerator.device))
-    return _score_plan(learner, learner.model, plan, attempts, calls.max(dim=0).values.tolist())
-
-
-def _resolve_corrections(correction: ActiveCorrection, plan: list[list[MicroBatch]], prox: list[list[torch.Tensor]],
-                         sums: CorrectionSums, accelerator: Accelerator) -> tuple[list[list[MicroBatch]], int | None]:
-    """The plan with each micro-batch's correction resolved from pi_prox (`prox`) against its behaviour log-probs:
-    its `weights` and `rejected` sequences (so the normalizer leaves them out), the metrics added to `sums`; and,
-    for a correction that rejects, the valid groups over all processes whose sequences were all rejected (they
-    count in AGE's M; collective), else None."""
-    marked, groups = [], {}  # (prompts, prompt index) -> [rejected, sequences]
-    for chunks, logps in zip(plan, prox, strict=True):
-        marked.append([])
-        for chunk, current in zip(chunks, logps, strict=True):
-            if chunk.sampler_logps is None:
-                marked[-1].append(chunk)
-                continue
-            weights, rejected = _chunk_weights(correction, chunk, current, chunk.sampler_logps.to(current.device),
-                                               sums)
-            for row, prompt in enumerate(chunk.prompt_index):
-                count = groups.setdefault((id(chunk.prompts), prompt), [0, 0])
-                count[0], count[1] = count[0] + int(rejected[row]), count[1] + 1
-            marked[-1].append(chunk._replace(weights=weights, rejected=rejected.cpu()))
-    if not correction.rejects:
-        return marked, None
-    all_rejected = sum(1 for rejected, total in groups.values() if rejected == total)
-    return marked, int(accelerator.reduce(torch.tensor(all_rejected, device=accelerator.device), "sum"))
-
-
-def _chunk_weights(correction: ActiveCorrection, chunk: MicroBatch, prox: torch.Tensor, sampler: torch.Tensor,
-                   sums: CorrectionSums) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's correction weights [n, C] (detached, in `prox`'s dtype; 0 on rejected sequences, 1 off the
-    counted tokens) and rejected sequences [n], from pi_prox's log-probs against the behaviour ones; its metrics
-    added to `sums`."""
-    mask = (chunk.completion_mask if chunk.loss_mask is None else chunk.loss_mask).to(prox.device)
-    weights, rejected, capped = apply_correction(correction.name, correction.options, prox, sampler, mask,
-                                                 chunk.advantages)
-    sums.add(prox, sampler, mask, weights, rejected, capped)
-    return weights.to(prox.dtype), rejected
 
 
 def _optimizer_step(learner: Learner, attempts: list[Attempt],
@@ -361,13 +360,18 @@ def _optimizer_step(learner: Learner, attempts: list[Attempt],
     process) adds the on-policy check, `logp_mismatch_mean` / `_max` over all processes' tokens. The loss gets the
     off-policy correction's weights (`step.correction`; with the engine's `tis_cap` > 0, token_tis) as `weights`:
     each micro-batch's resolved before the update, or here at its first step from the forward's own log-probs
-    (pi_prox then: nothing has stepped yet).
+    (pi_prox then: nothing has stepped yet). `step.first`: the update's first step, whose forward gives its
+    micro-batches' pi_prox log-probs (before.py); where its teacher then leaves groups out, the gradient is dropped
+    before any collective of the step and (None, {}) returned: the caller runs the step again.
     Returns (metrics, this process's token-weighted sums of the loss's own metrics).
     """
     model, accelerator, optimizer = learner.model, learner.accelerator, learner.optimizer
     device = accelerator.device
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     sums = _backward_micro_batches(learner, attempts, step, ddp)
+    if step.first is not None and step.first.redo(accelerator, step.chunks):  # collective with a teacher
+        optimizer.zero_grad(set_to_none=True)
+        return None, {}
     if ddp:
         _average_gradients(model, accelerator)  # collective: every process calls it once per update
     # Collective under FSDP (the norm of sharded gradients); the gradients are already reduced, so the
@@ -417,11 +421,14 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
             sync = index == len(chunks) - 1 and not ddp
             accelerator.sync_gradients = sync
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                mask, adv, sampler = chunk.counted.to(device), chunk.advantages, chunk.sampler_logps
                 # Collective under FSDP / ZeRO-3 (weights gathered per module): every process runs this
                 # forward steps_needed times, each with images (require_images), so the calls match.
                 teacher = learner.teacher.of(chunk.task) if learner.teacher is not None else None
                 logps, entropy, distill = _scored(learner, chunk, teacher, device)  # [n, C], [n, C], [n, C] / None
+                if step.first is not None and index < real:  # pi_prox's log-probs: this forward's (a teacher's
+                    chunk = step.first.take(index, chunk, logps)  # advantages read them)
+                mask, adv, sampler = chunk.counted.to(device), chunk.advantages, chunk.sampler_logps
+                prox_old = step.first.old(index) if step.first is not None else None
                 if index < real:
                     sums.entropy += float(torch.where(mask, entropy, torch.zeros_like(entropy)).double().sum())
                 if learner.settings.top_entropy_quantile < 1.0:  # only the top-rho entropy tokens give gradient,
@@ -443,13 +450,14 @@ def _backward_micro_batches(learner: Learner, attempts: list[Attempt], step: Ste
                     sums.gap, sums.gap_max, sums.gap_count = sums.gap + total, max(sums.gap_max, worst), \
                         sums.gap_count + count
                     if corrections is not None and correction.reports:  # the first step: its forward is pi_prox
-                        weights = _chunk_weights(correction, chunk, logps.detach(), sampler, corrections)[0]
+                        weights = chunk_weights(correction, chunk, logps.detach(), sampler, corrections)[0]
                 router_loss = router.router_aux_loss(bare)  # MoE load balancing (None unless turned on)
                 if index >= real:  # placeholder: every parameter takes part, with a zero gradient
                     loss = torch.where(mask, logps, torch.zeros_like(logps)).sum() * 0.0
                 else:
                     loss, info = checked_loss(step.loss.name, step.loss.fn, logps, mask, adv.to(device),
-                                              old_logps=old[index] if old is not None else None,
+                                              old_logps=prox_old if prox_old is not None else
+                                              old[index] if old is not None else None,
                                               ref_logps=ref[index] if ref is not None else None,
                                               aggregation=step.loss.aggregation, normalizer=step.normalizer,
                                               **({"weights": weights} if correction.weighs else {}),

@@ -1,8 +1,9 @@
 """What the teacher gives the update, by what its loss reads of it (gpg_vl/objective/teacher_losses.py: `needs`):
 
-- "logps", the policy-gradient form: before the optimizer steps, each micro-batch's per-token advantages from the
-  teacher's log-probs of the sampled tokens against the student's (`teach`), the groups whose combined advantage is
-  all zero marked rejected (AGE leaves them out);
+- "logps", the policy-gradient form: each micro-batch's per-token advantages from the teacher's log-probs of the
+  sampled tokens against the student's before the update (`Shaping.shape`; the student's are pi_prox's, computed
+  once: gpg_vl/train/step/before.py), the groups whose combined advantage is all zero marked rejected
+  (`Shaping.reject`: AGE leaves them out);
 - "logits", the supervised form: inside each micro-batch's loss, the teacher's whole distribution at each counted
   position against the student's (`distilled_scores`), coef x the loss added to the policy loss.
 
@@ -11,6 +12,8 @@ trains as it would without a teacher.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,93 +24,108 @@ from gpg_vl.rollout.engine import EngineUnreachable
 from gpg_vl.train.teacher.local import chunk_logits
 
 
-def teach(learner, plan: list[list], attempts: list, score_plan) -> tuple[list[list], dict]:
-    """The teachers' part before the update's optimizer steps: the plan's micro-batches whose task's teacher reads
-    log-probs get per-token advantages, the groups whose combined advantage is all zero marked rejected (`shaped`; the
-    student scored by `score_plan(learner, model, plan, attempts, calls)`, train/step/update.py's); the others stay as
-    they are (every group of a teacher that reads logits carries its signal). Returns (plan, {valid groups and sampled
-    groups over all processes; with a teacher that reads log-probs also teacher_kl (the token mean of log student - log
-    teacher) and the groups whose advantages were NaN or infinite (nonfinite); a teacher that reads logits logs its
-    own figure, teacher_jsd}). Collective: a teacher server unreachable from any process raises EngineUnreachable on
-    every one."""
-    accelerator, teachers = learner.accelerator, learner.teacher
-    sampled = sum(len(a.valid) for a in attempts)
-    lost = None  # a teacher's server could not be reached from this process (teacher.urls): its sentence
-    report = {"teacher_kl_sum": 0.0, "teacher_tokens": 0.0, "rejected": 0, "nonfinite": 0}
-    if teachers.any_needs("logps"):  # the same on every process (the settings): the collectives below match
-        wanted = [[c for c in chunks if teachers.needs(c.task) == "logps"] for chunks in plan]
-        calls = accelerator.gather(torch.tensor([[len(chunks) for chunks in wanted]], device=accelerator.device))
-        try:  # the student's collective scoring comes first; the teachers' requests are this process's own
-            students = score_plan(learner, learner.model, wanted, attempts, calls.max(dim=0).values.tolist())
-            plan, report = shaped(learner, plan, attempts, {id(c): s for chunks, scored in zip(wanted, students,
-                                                                                          strict=True)
-                                                             for c, s in zip(chunks, scored, strict=True)})
-        except EngineUnreachable as error:
-            lost = str(error)
-    # every group the plan forwards carries a teacher's signal (or, without a teacher, its task's), but those whose
-    # combined advantage is all zero
-    valid = len({(id(c.prompts), p) for chunks in plan for c in chunks for p in c.prompt_index}) - report["rejected"]
-    totals = accelerator.reduce(torch.tensor([valid, sampled, report["teacher_kl_sum"], report["teacher_tokens"],
-                                              float(lost is not None), report["nonfinite"]],
-                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
-    if totals[4]:  # every process stops at this step (gpg_vl/train/loop.py checkpoints the step before)
-        raise EngineUnreachable(lost or "another training process could not reach the teacher's vLLM server (its "
-                                "log names the server); check the servers, then continue with resume=auto.")
-    taught = {"valid": int(totals[0]), "groups": int(totals[1])}
-    if teachers.any_needs("logps"):  # the sampled KL, and the groups whose advantages were not finite
-        taught.update({"teacher_kl": totals[2] / max(totals[3], 1.0), "nonfinite": int(totals[5])})
-    return plan, taught
+@dataclass
+class Shaping:
+    """The policy-gradient form's part of one update: the teachers' log-probs [n, C] of each micro-batch whose
+    teacher reads them (`nus`, by id), and the sums teacher_kl and AGE's count read (`kl_sum`, `tokens`, `rejected`
+    groups). Both log-probs are kept on each attempt's rollout (`Rollout.token_logps`) for the rollout log."""
+
+    learner: object
+    nus: dict  # `key(chunk)` -> the teacher's log-probs [n, C]
+    rollouts: dict  # id(prompts) -> the attempt's rollout
+    kl_sum: float = 0.0
+    tokens: int = 0
+    rejected: int = 0
+    nonfinite: int = 0  # groups whose combined advantage is NaN or infinite on a counted token (left out, and said)
+
+    def reads(self, chunk) -> bool:
+        """Whether `chunk`'s teacher reads the student's log-probs (its advantages come from them)."""
+        return key(chunk) in self.nus
+
+    def shape(self, chunk, student: torch.Tensor):
+        """`chunk` with its teacher loss's per-token advantages [n, C] (reverse_kl: its group advantage, 0 with
+        teacher.only, + teacher.coef * (log teacher - log student)), the student's log-probs `student` [n, C]."""
+        teacher, nu = self.learner.teacher.of(chunk.task), self.nus[key(chunk)].to(student.device)
+        counted = chunk.counted.to(student.device)
+        advantages = get_teacher_loss(teacher.settings.loss)(
+            chunk.advantages.to(student.device), nu, student, counted, coef=teacher.settings.coef,
+            only=teacher.settings.only, tolerance=teacher.settings.tolerance)  # [n, C]
+        keep_token_logps(self.rollouts[id(chunk.prompts)], chunk, student, nu)
+        total, count = teacher_kl(nu, student, counted)
+        self.kl_sum, self.tokens = self.kl_sum + total, self.tokens + count
+        return chunk._replace(advantages=advantages.cpu())
+
+    def reject(self, chunks: list) -> tuple[list, int]:
+        """One mini-batch's micro-batches (`chunks`, those a teacher shaped with their advantages) with the sequences
+        of each group whose combined advantage is all zero (or not finite) marked `rejected`, and the number of such
+        groups (added to `rejected`)."""
+        groups = {}
+        for index, chunk in enumerate(chunks):
+            if self.reads(chunk):
+                for row, prompt in enumerate(chunk.prompt_index):  # a group's sequences may span micro-batches
+                    groups.setdefault((id(chunk.prompts), prompt), []).append((index, row))
+        rejected = {}
+        for members in groups.values():
+            width = max(chunks[c].completion_mask.shape[1] for c, _ in members)
+            adv = torch.stack([_padded(chunks[c].advantages[r], width) for c, r in members])
+            mask = torch.stack([_padded(chunks[c].counted[r], width) for c, r in members])
+            keep = bool(combined_valid(adv, mask, len(members))[0])
+            self.nonfinite += bool((mask.bool() & ~torch.isfinite(adv)).any())  # left out: counted and said (loop.py)
+            rejected.update({member: not keep for member in members})
+        marked = []
+        for index, chunk in enumerate(chunks):
+            if self.reads(chunk):
+                flags = torch.tensor([rejected[(index, row)] for row in range(len(chunk.prompt_index))])
+                chunk = chunk._replace(rejected=flags if chunk.rejected is None else flags | chunk.rejected)
+            marked.append(chunk)
+        count = sum(rejected[members[0]] for members in groups.values())
+        self.rejected += count
+        return marked, count
 
 
-def shaped(learner, plan: list[list], attempts: list, students: dict) -> tuple[list[list], dict[str, float]]:
-    """The policy-gradient form: each micro-batch of `plan` whose teacher reads log-probs with per-token advantages
-    [n, C] from its teacher's loss (reverse_kl: its group advantage, 0 with teacher.only, + teacher.coef * (log
-    teacher - log student)), the student's log-probs `students[id(chunk)]` [n, C]; the sequences of a group whose
-    combined advantage is all zero marked `rejected`, so the loss's normalizer leaves them out (AGE). Returns (plan,
-    {teacher_kl_sum: the summed log student - log teacher, teacher_tokens: this process's token count, rejected: the
-    groups rejected, nonfinite: those whose combined advantage is NaN or infinite on a counted token}). Both
-    log-probs are kept on each attempt's rollout (`Rollout.token_logps`) for the rollout log."""
-    teachers, device = learner.teacher, learner.accelerator.device
+def key(chunk) -> tuple:
+    """A micro-batch's sequences, as they stay when it is replaced (its advantages, its rejected flags): its attempt's
+    prompts and its rows in that attempt's rollout."""
+    return id(chunk.prompts), tuple(chunk.rows)
+
+
+def teacher_shaping(learner, plan: list[list], attempts: list) -> Shaping:
+    """The teachers' log-probs of every micro-batch of `plan` whose teacher reads log-probs (the teachers' forwards,
+    or their servers' answers), before any student forward. Collective: a teacher server unreachable from any
+    process raises EngineUnreachable on every one (gpg_vl/train/loop.py then checkpoints the step before)."""
+    accelerator, teachers, device = learner.accelerator, learner.teacher, learner.accelerator.device
     rollouts = {id(a.prompts): a.rollout for a in attempts if a.rollout is not None}
     messages, cache = {id(a.prompts): a.messages for a in attempts if a.rollout is not None}, {}
-    kl_sum, tokens, groups, marked = 0.0, 0, {}, []
-    for part, chunks in enumerate(plan):
-        marked.append(list(chunks))
-        for index, chunk in enumerate(chunks):
-            if id(chunk) not in students:
-                continue
-            teacher, student = teachers.of(chunk.task), students[id(chunk)]
-            nu = teacher.logps(learner.policy.family, chunk, device, temperature=learner.temperature,
-                               logits_chunk_tokens=learner.settings.logits_chunk_tokens,
-                               messages=messages[id(chunk.prompts)], cache=cache).to(student.device)
-            counted = chunk.counted.to(student.device)
-            advantages = get_teacher_loss(teacher.settings.loss)(
-                chunk.advantages.to(student.device), nu, student, counted, coef=teacher.settings.coef,
-                only=teacher.settings.only, tolerance=teacher.settings.tolerance)  # [n, C]
-            keep_token_logps(rollouts[id(chunk.prompts)], chunk, student, nu)
-            total, count = teacher_kl(nu, student, counted)
-            kl_sum, tokens = kl_sum + total, tokens + count
-            for row, prompt in enumerate(chunk.prompt_index):  # a group's sequences may span micro-batches
-                groups.setdefault((id(chunk.prompts), prompt), []).append((part, index, row))
-            marked[part][index] = (chunk._replace(advantages=advantages.cpu()), counted.cpu())
-    rejected, nonfinite = {}, 0
-    for members in groups.values():
-        width = max(marked[p][c][1].shape[1] for p, c, _ in members)
-        adv = torch.stack([_padded(marked[p][c][0].advantages[r], width) for p, c, r in members])
-        mask = torch.stack([_padded(marked[p][c][1][r], width) for p, c, r in members])
-        keep = bool(combined_valid(adv, mask, len(members))[0])
-        nonfinite += bool((mask.bool() & ~torch.isfinite(adv)).any())  # left out: counted and said (loop.py)
-        for member in members:
-            rejected[member] = not keep
-    for part, chunks in enumerate(marked):
-        for index, entry in enumerate(chunks):
-            if isinstance(entry, tuple):
-                chunk = entry[0]
-                flags = torch.tensor([rejected[(part, index, row)] for row in range(len(chunk.prompt_index))])
-                earlier = chunk.rejected
-                chunks[index] = chunk._replace(rejected=flags if earlier is None else flags | earlier)
-    return marked, {"teacher_kl_sum": kl_sum, "teacher_tokens": float(tokens),
-                    "rejected": sum(rejected[members[0]] for members in groups.values()), "nonfinite": nonfinite}
+    nus, lost = {}, None
+    try:  # this process's own requests (a server teacher); a local teacher's forward is not collective
+        for chunk in (c for chunks in plan for c in chunks if teachers.needs(c.task) == "logps"):
+            nus[key(chunk)] = teachers.of(chunk.task).logps(
+                learner.policy.family, chunk, device, temperature=learner.temperature,
+                logits_chunk_tokens=learner.settings.logits_chunk_tokens, messages=messages[id(chunk.prompts)],
+                cache=cache)
+    except EngineUnreachable as error:
+        lost = str(error)
+    if accelerator.reduce(torch.tensor(float(lost is not None), device=device), "sum"):  # every process stops
+        raise EngineUnreachable(lost or "another training process could not reach the teacher's vLLM server (its "
+                                "log names the server); check the servers, then continue with resume=auto.")
+    return Shaping(learner, nus, rollouts)
+
+
+def taught(shaping: Shaping, plan: list[list], attempts: list, accelerator) -> dict:
+    """The update's teacher figures over all processes: the valid groups (every group the plan forwards carries a
+    teacher's signal, or without a teacher its task's, but those whose combined advantage is all zero), the sampled
+    groups; with a teacher that reads log-probs also teacher_kl (the token mean of log student - log teacher) and the
+    groups whose advantages were NaN or infinite (nonfinite); a teacher that reads logits logs its own figure,
+    teacher_jsd. Collective."""
+    groups = len({(id(c.prompts), p) for chunks in plan for c in chunks for p in c.prompt_index})
+    sampled = sum(len(a.valid) for a in attempts)
+    totals = accelerator.reduce(torch.tensor([groups - shaping.rejected, sampled, shaping.kl_sum,
+                                              float(shaping.tokens), float(shaping.nonfinite)],
+                                             device=accelerator.device, dtype=torch.float64), "sum").tolist()
+    found = {"valid": int(totals[0]), "groups": int(totals[1])}
+    if shaping.learner.teacher.any_needs("logps"):  # the sampled KL, and the groups whose advantages were not finite
+        found.update({"teacher_kl": totals[2] / max(totals[3], 1.0), "nonfinite": int(totals[4])})
+    return found
 
 
 def keep_token_logps(rollout, chunk, student: torch.Tensor, teacher: torch.Tensor) -> None:
