@@ -73,7 +73,9 @@ def test_stale_rope_deltas_after_generate_do_not_leak_into_training_forward(poli
     with torch.no_grad():
         fresh = token_logps(policy.family, policy.model, prompts, index, completion, mask)
         generate(policy, prompts.select([0, 1, 2]), group_size=1, sampling=Sampling(max_new_tokens=6))  # batch size 3
-        assert policy.model.model.rope_deltas is not None and policy.model.model.rope_deltas.shape[0] == 3
+        # gpg-vl's decoding passes its positions explicitly, so the model keeps no deltas of its own; transformers'
+        # `generate` left them for a batch of 3, as planted here: the training forward must not read them
+        policy.model.model.rope_deltas = torch.full((3, 1), 7, dtype=torch.long)
         after = token_logps(policy.family, policy.model, prompts, index, completion, mask)  # batch size 5
     torch.testing.assert_close(after, fresh)
 
