@@ -85,6 +85,7 @@ class Mixture(Task):
         self.evals = evals or {name: {} for name in tasks}  # name -> its own eval settings (TASK_EVAL_KEYS)
         self.tools = tuple(dict.fromkeys(tool for task in tasks.values() for tool in task.tools))
         self.uses_boxes = any(task.uses_boxes for task in tasks.values())
+        self.uses_points = any(task.uses_points for task in tasks.values())
         self.uses_judge = any(task.uses_judge for task in tasks.values())
         self.temporal = any(getattr(task, "temporal", False) for task in tasks.values())
         self.reward_functions = {name: fn for task in tasks.values() for name, fn in task.reward_functions.items()}
