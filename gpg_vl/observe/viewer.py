@@ -165,7 +165,7 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
                             + (f"&times;{_fmt(weights[n])}" if weights.get(n, 1.0) != 1.0 else "") for n in names)
         end = "EOS" if c["end"] == "eos" else "cut off"
         more = f" (first {len(c['text'])} of {c['chars']} characters)" if c["truncated"] else ""
-        box = f"<br>box {esc(_box_text(c['box']))}" if "box" in c else ""
+        box = f"<br>box {esc(_box_text(c['box']))}" if "box" in c and (c["box"] or "point" not in c) else ""
         box += f"<br>click {esc(_box_text(c['point']))}" if "point" in c else ""
         colour = advantage_colour(c["advantage"], scale)
         body = turns_html(c, f"{key}c{g}", lambda crop: _stored_crop(images, crop)) if "turns" in c else \

@@ -163,3 +163,50 @@ def test_pages_draw_the_click_and_the_target_box(tmp_path):
     assert f"<rect class='pred' id='p0' x='{x1}' y='{y1}'" in html  # the box answer, its centre a ring without id
     assert html.count("<rect class='truth'") == 4 and "4 predictions of 3 rows, 2 right" in html
     assert "ScreenSpot&#x27;s check" in html
+
+
+def test_rollout_viewer_draws_each_click_in_original_pixels_and_chromium_shows_it(tmp_path):
+    """One logged step of hand-made completions in the MODEL's frame (a 448 x 336 screen seen at 224 x 168): the
+    log holds each click in the screen's pixels, rollouts.html draws it beside the target box, and a headless
+    chromium opens the page without an error."""
+    import torch
+    from helpers.browser import CHROMIUM, image_tiles, open_in_chromium, root_tag
+
+    from gpg_vl.models.load import load_policy
+    from gpg_vl.observe.rollout_log import log_rollouts, read_steps
+    from gpg_vl.observe.viewer import write_rollouts_html
+    from gpg_vl.rollout.types import Rollout, in_task_frame
+    from gpg_vl.train.sample import Attempt
+
+    small = load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=VIEW_PIXELS)
+    task = get_task("gui", test_size=4)
+    row = task.load("test")[0]
+    prompts = small.family.encode([task.messages(row)], ids=[row["id"]])
+    x1, y1, x2, y2 = row["box"]
+    texts = [f"<think> it </think><answer>({(x1 + x2) / 4:g}, {(y1 + y2) / 4:g})</answer>",  # the centre, halved
+             "<think> it </think><answer>(10, 20)</answer>",
+             f"<think> it </think><answer>[{x1 / 2:g}, {y1 / 2:g}, {x2 / 2:g}, {y2 / 2:g}]</answer>", "no click"]
+    tokens = small.family.tokenizer(texts, padding=True, return_tensors="pt").input_ids
+    ids = torch.cat([tokens, torch.full((4, 1), small.family.eos_ids[0])], dim=1)
+    scored = in_task_frame(small, task, texts, prompts, 4)
+    scores = [task.reward_components(text, row) for text in scored]
+    rewards = torch.tensor([[task.total(s) for s in scores]])
+    attempt = Attempt([row], prompts, Rollout(ids, torch.ones_like(ids, dtype=torch.bool), texts, 4), rewards,
+                      {n: torch.tensor([[s[n] for s in scores]]) for n in task.reward_functions},
+                      rewards - rewards.mean(), torch.tensor([True]))
+    log_rollouts(1, [attempt], policy=small, task=task, output_dir=tmp_path, every=10, groups=8)
+    page = write_rollouts_html(tmp_path)
+    group = read_steps(tmp_path)[0]["groups"][0]
+    assert group["target_box"] == list(row["box"]) and group["image_sizes"] == [[448, 336]]
+    clicks = [c["point"] for c in group["completions"]]
+    assert clicks[0] == pytest.approx([(x1 + x2) / 2, (y1 + y2) / 2], abs=0.02) and clicks[1] == [20, 40]
+    assert clicks[3] is None and group["completions"][2]["box"] == pytest.approx(list(row["box"]), abs=0.02)
+    assert [s["accuracy"] for s in scores] == [1.0, 0.0, 1.0, 0.0]
+    html = page.read_text()
+    assert "<g class='click' id='s1g0c1'><circle cx='20' cy='40'" in html and html.count("<g class='click'") == 3
+    assert f"<rect class='truth' x='{x1}' y='{y1}' width='{x2 - x1}' height='{y2 - y1}'/>" in html
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium): the page was checked as text only")
+    dom, console = open_in_chromium(page, tmp_path / "rollouts.png")
+    assert 'data-ready="1"' in root_tag(dom) and "data-js-error" not in root_tag(dom) and not console
+    assert image_tiles(tmp_path / "rollouts.png", (0, 0, 1400, 1500)) > 0
