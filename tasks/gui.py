@@ -56,6 +56,8 @@ REFUSE = {"point": " If the element is not on the screenshot, answer <answer>not
           "box": " If the element is not on the screenshot, output only: not found."}
 _BARE_BOX = re.compile(r"\[\s*-?\d+(?:\.\d+)?\s*(?:,\s*-?\d+(?:\.\d+)?\s*){3}\]")
 DATA_SUFFIXES = (".json", ".jsonl")
+IMAGE_COLUMNS = ("image", "img_filename", "image_path")  # image_path: GUI-G²'s training rows
+BOX_COLUMNS = ("bbox", "abs_box", "gt_bbox")  # abs_box: GUI-G²'s rows; gt_bbox: GUI-R1's (xyxy both)
 SPLIT_SEEDS = {"train": 0, "test": 1_000_003, "validation": 2_000_003}
 
 
@@ -63,9 +65,9 @@ SPLIT_SEEDS = {"train": 0, "test": 1_000_003, "validation": 2_000_003}
 # rows: boxes, sizes, files
 # ---------------------------------------------------------------------------------------------
 def row_box(row: dict, box_format: str) -> tuple[float, float, float, float]:
-    """The row's `bbox` as (x1, y1, x2, y2) pixels; `BadRow` when it is not four finite numbers, or has a negative
-    or zero width or height."""
-    values = row.get("bbox")
+    """The row's `bbox` (or `abs_box`, `gt_bbox`) as (x1, y1, x2, y2) pixels; `BadRow` when it is not four finite
+    numbers, or has a negative or zero width or height."""
+    values = next((row[column] for column in BOX_COLUMNS if row.get(column) is not None), None)
     try:
         numbers = [float(v) for v in values] if not isinstance(values, (str, bytes)) else []
     except (TypeError, ValueError):
@@ -199,7 +201,8 @@ class GuiTask(Task):
         return data_image_root(self.image_root, self.data_path)
 
     def image_value(self, row: dict):
-        return row.get("image") if row.get("image") is not None else row.get("img_filename")
+        """The row's image: `image`, or a path in `img_filename` (ScreenSpot) or `image_path` (GUI-G²'s rows)."""
+        return next((row[column] for column in IMAGE_COLUMNS if row.get(column) is not None), None)
 
     def prepare_targets(self, row: dict) -> dict:
         """`box` (x1, y1, x2, y2 pixels), `image_size` (W, H: the row's `img_size` when it has one, as ScreenSpot-Pro
@@ -221,22 +224,23 @@ class GuiTask(Task):
 
     def check_data(self) -> None:
         """Every row of data.path's files: an instruction, a usable box inside its image, an image file that exists
-        (its header read for the size). The first problem ends here in one sentence, with the count of bad rows."""
+        (its header read for the size; it must be the row's `img_size` where it has one). The first problem ends here
+        in one sentence, with the count of bad rows."""
         if self.data_path is None:
             return
         problems, first = 0, None
         for file in data_files(Path(self.data_path).expanduser(), None):
             for record in read_records(file):
+                row = {**record, "id": record.get("id", f"{record['source']}-{record['number']}")}
                 try:
-                    self.check_row({**record, "id": record.get("id", f"{record['source']}-{record['number']}")})
-                    size = self.prepare_targets(record)["image_size"]
-                    if record.get("img_size") is not None:  # the image itself must be there too
-                        image_size(self.image_value(record), self.root(), self.allow_outside_paths, record)
+                    self.check_row(row)
+                    size = image_size(self.image_value(row), self.root(), self.allow_outside_paths, row)
+                    if size != self.scoring_row(row)["image_size"]:
+                        raise BadRow("image size mismatch", f"{row_name(row)} gives img_size {row['img_size']} for a "
+                                                            f"{size[0]}x{size[1]} image; fix img_size or the image.")
                 except BadRow as error:
                     problems += 1
                     first = first or f"{file.name}, row {record['number']}: {error}"
-                    continue
-                del size
         if first:
             raise UserError(f"{first.rstrip('.')} ({problems} bad row(s) in {self.data_path!r}, checked before the "
                             "model loads).")

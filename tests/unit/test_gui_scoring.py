@@ -308,3 +308,16 @@ def test_screenspot_pro_groups_rows_without_a_group_as_its_script_does(tmp_path)
     reference = ref_evaluate([{**r, "group": r["group"]} for r in results])
     assert screenspot_pro_report(results) == reference
     assert reference["leaderboard_simple_style"]["group:None"]["num_total"] == 2
+
+
+def test_screenspot_pro_rows_whose_img_size_is_not_their_image_are_refused_before_the_model_loads(tmp_path):
+    """ScreenSpot-Pro normalises by the row's `img_size`; an image of another size would score every click at the
+    wrong place, so the task refuses it in one sentence when it is built."""
+    from gpg_vl.errors import UserError
+
+    write_images(tmp_path / "images", {"a.png": (120, 100)})
+    row = {"img_filename": "a.png", "bbox": [10, 10, 20, 20], "instruction": "click", "img_size": [100, 100],
+           "application": "app", "platform": "linux", "ui_type": "text", "id": "r0"}
+    (tmp_path / "a.json").write_text(json.dumps([row]))
+    with pytest.raises(UserError, match=r"a\.json, row 0: row 'r0' gives img_size \[100, 100\] for a 120x100 image"):
+        get_task("screenspot_pro", data_path=str(tmp_path / "a.json"), image_root=str(tmp_path / "images"))
