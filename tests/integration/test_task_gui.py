@@ -16,6 +16,7 @@ from PIL import Image
 from gpg_vl.cli import eval_main, train_main
 from gpg_vl.config.compose import load_config, run_cli
 from gpg_vl.data.task import get_task
+from gpg_vl.models.load import ASSETS, load_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 VIEW_PIXELS = 224 * 168  # the tiny experiment's model.max_pixels: a 448 x 336 screen seen at half size
@@ -48,7 +49,6 @@ def test_synthetic_screens_are_seeded_and_name_one_element_inside_the_window():
 def test_the_family_moves_the_models_click_into_pixels_before_the_rewards():
     """Qwen2.5-VL writes pixels of the image it saw (224 x 168 for a 448 x 336 screen): (56, 42) there is (112, 84)
     on the screen, which the task scores, and the predictions hold."""
-    from gpg_vl.models.load import load_policy
     from gpg_vl.rollout.types import in_task_frame
 
     small = load_policy("embedded:tiny-qwen2.5-vl", dtype="float32", min_pixels=3136, max_pixels=VIEW_PIXELS)
@@ -100,6 +100,26 @@ def test_an_unknown_reward_is_one_sentence_before_the_model_loads(tmp_path, monk
     code = run_cli("train", train_main, ["task=gui", "task.options.rewards=[iou]", f"output_dir={tmp_path / 'r'}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0 and "unknown task.options.rewards 'iou'" in err
+
+
+@pytest.mark.skipif(not (ASSETS / "tiny-qwen2.5-vl-gui").exists(), reason="the gui warm start is not built")
+def test_the_warm_start_writes_a_click_on_the_screen_for_every_held_out_row():
+    """`embedded:tiny-qwen2.5-vl-gui` (scripts/build_tiny.py --gui) at the experiment's pixel budget: greedy, every
+    answer has GUI-R1's shape and one click on the screen once its family moves it into pixels (what reinforcement
+    learning starts from, docs/results/gui.md); the clicks are not all one point."""
+    from gpg_vl.config.schema import RolloutSettings
+    from gpg_vl.rollout.engine import build_engine
+    from gpg_vl.train.evaluate import evaluate
+
+    cfg = load_config("train", ["+experiment=gui-tiny"])
+    assert cfg.model.name_or_path == "embedded:tiny-qwen2.5-vl-gui" and cfg.model.max_pixels == VIEW_PIXELS
+    policy = load_policy("embedded:tiny-qwen2.5-vl-gui", dtype="float32", min_pixels=3136, max_pixels=VIEW_PIXELS)
+    task = get_task("gui", test_size=8)
+    engine = build_engine(RolloutSettings(max_new_tokens=64), policy)
+    metrics, decoded = evaluate(policy, task, task.load("test"), engine=engine, batch_size=8, max_new_tokens=64)
+    assert metrics["wrong_format"] == 0.0 and metrics["reward/format"] == 1.0, metrics
+    clicks = [task.click(d.completion, d.row) for d in decoded]
+    assert None not in clicks and len({tuple(c.point) for c in clicks}) > 1
 
 
 def test_gui_g2_recipe_composes(tmp_path):
@@ -172,7 +192,6 @@ def test_rollout_viewer_draws_each_click_in_original_pixels_and_chromium_shows_i
     import torch
     from helpers.browser import CHROMIUM, image_tiles, open_in_chromium, root_tag
 
-    from gpg_vl.models.load import load_policy
     from gpg_vl.observe.rollout_log import log_rollouts, read_steps
     from gpg_vl.observe.viewer import write_rollouts_html
     from gpg_vl.rollout.types import Rollout, in_task_frame
