@@ -40,6 +40,15 @@ name; the others answer at once. The shipped model is the snapshot at step 100 o
 
     python scripts/build_tiny.py --code --out /tmp/h61cs/c --zoom-steps 300 --batch-size 8 --zoom-tool-share 0.4 \
         --zoom-eval-rows 32 --eval-every 100          # stopped after /tmp/h61cs/c-step100 (docs/results/code.md)
+
+    python scripts/build_tiny.py --gui                # writes gpg_vl/assets/tiny-qwen2.5-vl-gui (CPU)
+
+`--gui` builds the warm start of the `gui` task (GUI grounding: click the element an instruction names) from the
+embedded model (or `--from-model`), in two stages (docs/results/gui.md): a probe on the language model's last hidden
+state at every image token teaches the model where each token is (its column and row; rotary positions are
+relative, and without this the tiny model never learnt to write a token's pixels), then a supervised pass on click
+demonstrations, `<think> the element </think><answer>(x, y)</answer>` in the model's frame (the named element's
+centre, or another element's for a share `1 - --gui-right-share`), through the same scoring path as training.
 """
 
 from __future__ import annotations
@@ -56,16 +65,18 @@ from gpg_vl_tasks.measure import CODE as MEASURE_CODE
 from gpg_vl_tasks.shapes import COLORS, INSTRUCTION, SHAPES
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
+from gpg_vl.config.schema import RolloutSettings
 from gpg_vl.data.task import get_task
 from gpg_vl.models import scoring
 from gpg_vl.models.load import load_policy
 from gpg_vl.models.tiny import build_tiny
-from gpg_vl.rollout.engine import EnginePrompts, Sampling
+from gpg_vl.rollout.engine import EnginePrompts, Sampling, build_engine
 from gpg_vl.rollout.multiturn.decoding import generate_trajectories
 from gpg_vl.rollout.multiturn.tools import ToolContext, answer_call, read_call
 from gpg_vl.rollout.multiturn.trajectory import MultiTurnSettings, Trajectory, pad_trajectories
 from gpg_vl.rollout.settings import PythonToolSettings
 from gpg_vl.rollout.types import in_task_frame
+from gpg_vl.train.eval.evaluate import Decoding, evaluate
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "gpg_vl" / "assets" / "tiny-qwen2.5-vl"
 ZOOM_OUT = DEFAULT_OUT.with_name("tiny-qwen2.5-vl-zoom")
@@ -262,22 +273,18 @@ def tool_metrics(policy, task, rows, *, sample: bool, samples: int = 1, batch_si
     return task.metrics([row for row in rows for _ in range(group_size)], texts)
 
 
-def tool_sft(policy, task, rows_at, *, kind: str, steps: int, lr: float, batch_size: int, tool_share: float,
-             seed: int, eval_rows, eval_every: int, out: Path) -> None:
-    """Cross-entropy on demonstration trajectories, the loss on the model's tokens only (token mean)."""
+def trajectory_sft(policy, task, rows_at, demonstrate, *, steps: int, lr: float, batch_size: int, label: str,
+                   report, eval_every: int, out: Path) -> None:
+    """Cross-entropy on demonstration trajectories, the loss on the model's tokens only (token mean):
+    `demonstrate(rows, batch) -> trajectories` for each step's rows (`batch`: their encoded prompts); every
+    `eval_every` steps `report(mode)` (mode "greedy" or "sampled") is printed and a snapshot saved."""
     family, model = policy.family, policy.model
-    _, tool, make_call, segment_tokens = COLD_STARTS[kind]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     path = scoring.choose_scoring_path(family, model, share_prompt=False, share_vision=True)
-    rng, start = random.Random(seed), time.time()
+    start = time.time()
     for step in range(steps):
         rows = rows_at(step, batch_size)
-        tools = [rng.random() < tool_share for _ in rows]
-
-        batch = family.encode([task.messages(r) for r in rows])
-        trajectories = [tool_demonstration(family, row, batch.image_sizes[i][0],
-                                           make_call(family, row, batch.image_sizes[i][0]) if use else None, tool)
-                        for i, (row, use) in enumerate(zip(rows, tools, strict=True))]
+        batch, trajectories = demonstrate(rows)
         ids, attention, loss_mask = pad_trajectories(trajectories, family.pad_id)
         model.train()
         logps = scoring.token_logps(family, model, batch, list(range(len(rows))), ids, attention, path=path,
@@ -289,16 +296,35 @@ def tool_sft(policy, task, rows_at, *, kind: str, steps: int, lr: float, batch_s
         optimizer.zero_grad(set_to_none=True)
         model.eval()
         if step % 10 == 0:
-            print(f"{kind} step {step:4d}  loss {loss.item():.4f}  {time.time() - start:.0f}s", flush=True)
+            print(f"{label} step {step:4d}  loss {loss.item():.4f}  {time.time() - start:.0f}s", flush=True)
         if eval_every and (step + 1) % eval_every == 0:
             for mode in ("greedy", "sampled"):
-                metrics = tool_metrics(policy, task, eval_rows, sample=mode == "sampled",
-                                       segment_tokens=segment_tokens)
-                print(f"{kind} step {step + 1} {mode}: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}),
+                metrics = report(mode)
+                print(f"{label} step {step + 1} {mode}: " + json.dumps({k: round(v, 3) for k, v in metrics.items()}),
                       flush=True)
             snapshot = out.with_name(f"{out.name}-step{step + 1}")
             model.save_pretrained(snapshot)
             policy.processor.save_pretrained(snapshot)
+
+
+def tool_sft(policy, task, rows_at, *, kind: str, steps: int, lr: float, batch_size: int, tool_share: float,
+             seed: int, eval_rows, eval_every: int, out: Path) -> None:
+    """`trajectory_sft` on `kind`'s demonstrations (COLD_STARTS: zoom or code): a share `tool_share` calls the tool,
+    then answers; the others answer at once."""
+    family, rng = policy.family, random.Random(seed)
+    _, tool, make_call, segment_tokens = COLD_STARTS[kind]
+
+    def demonstrate(rows):
+        tools = [rng.random() < tool_share for _ in rows]
+        batch = family.encode([task.messages(r) for r in rows])
+        return batch, [tool_demonstration(family, row, batch.image_sizes[i][0],
+                                          make_call(family, row, batch.image_sizes[i][0]) if use else None, tool)
+                       for i, (row, use) in enumerate(zip(rows, tools, strict=True))]
+
+    trajectory_sft(policy, task, rows_at, demonstrate, steps=steps, lr=lr, batch_size=batch_size, label=kind,
+                   report=lambda mode: tool_metrics(policy, task, eval_rows, sample=mode == "sampled",
+                                                    segment_tokens=segment_tokens),
+                   eval_every=eval_every, out=out)
 
 
 def build_cold_start(args, kind: str) -> None:
@@ -321,6 +347,113 @@ def build_cold_start(args, kind: str) -> None:
     policy.processor.save_pretrained(args.out)
     report = {mode: tool_metrics(policy, task, test, sample=mode == "sampled", samples=args.zoom_samples,
                                  segment_tokens=segment_tokens) for mode in ("greedy", "sampled")}
+    digest = hashlib.sha256((args.out / "model.safetensors").read_bytes()).hexdigest()[:16]
+    print(json.dumps({"held_out": {mode: {k: round(v, 3) for k, v in m.items()} for mode, m in report.items()},
+                      "sha256": digest, "seconds": round(time.time() - started, 1)}))
+
+
+GUI_OUT = DEFAULT_OUT.with_name("tiny-qwen2.5-vl-gui")
+GUI_MAX_PIXELS = 224 * 168  # the gui experiment's model.max_pixels (configs/experiment/gui-tiny.yaml)
+GUI_TOKENS = 64  # a demonstration is about 40 tokens of the tiny tokenizer
+
+
+def gui_token_labels(row: dict, columns: int, rows: int) -> list[tuple[int, int, int]]:
+    """For each merged image token of a `columns` x `rows` grid (row-major): its column, its row, and the colour of
+    the element under its centre (len(COLORS): none)."""
+    width, height = row["image_size"]
+    labels = []
+    for j in range(rows):
+        for i in range(columns):
+            x, y = (i + 0.5) * width / columns, (j + 0.5) * height / rows
+            under = [e["color"] for e in row["elements"]
+                     if e["bbox"][0] <= x <= e["bbox"][2] and e["bbox"][1] <= y <= e["bbox"][3]]
+            labels.append((i, j, list(COLORS).index(under[0]) if under else len(COLORS)))
+    return labels
+
+
+def gui_probe(policy, task, rows_at, *, steps: int, lr: float, batch_size: int) -> None:
+    """Teach the model where each image token is: a linear probe on the language model's last hidden state at every
+    image token predicts the token's column, its row and the colour under it, and the whole model learns with it
+    (the probe is then thrown away). Rotary positions are relative, so a tiny model that must write a token's
+    pixels first needs its absolute place in its states; this stage puts it there in about 100 steps."""
+    family, model = policy.family, policy.model
+    row = rows_at(0, 1)[0]
+    grid = family.encode([task.messages(row)]).inputs["image_grid_thw"][0]  # [t, h, w] patches
+    rows, columns = int(grid[1]) // 2, int(grid[2]) // 2
+    probe = torch.nn.Linear(model.config.text_config.hidden_size, columns + rows + len(COLORS) + 1)
+    optimizer = torch.optim.AdamW(list(model.parameters()) + list(probe.parameters()), lr=lr, weight_decay=0.0)
+    start = time.time()
+    for step in range(steps):
+        chunk = rows_at(step, batch_size)
+        inputs = family.encode([task.messages(r) for r in chunk]).inputs
+        model.train()
+        states = model(**inputs, output_hidden_states=True).hidden_states[-1]  # [N, L, D]
+        logits = probe(states[inputs["input_ids"] == model.config.image_token_id])  # [N * rows * columns, K]
+        labels = torch.tensor([label for r in chunk for label in gui_token_labels(r, columns, rows)])
+        parts = ((0, columns), (columns, columns + rows), (columns + rows, logits.shape[1]))
+        loss = sum(torch.nn.functional.cross_entropy(logits[:, a:b], labels[:, k]) for k, (a, b) in enumerate(parts))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        if step % 20 == 0:
+            right = [round(float((logits[:, a:b].argmax(-1) == labels[:, k]).float().mean()), 2)
+                     for k, (a, b) in enumerate(parts)]
+            print(f"gui probe step {step:4d}  loss {loss.item():.3f}  right (column, row, colour) {right}  "
+                  f"{time.time() - start:.0f}s", flush=True)
+
+
+def gui_demonstration(family, row: dict, size, right: bool, rng: random.Random) -> Trajectory:
+    """`<think> the element </think><answer>(x, y)</answer>` in the model's frame: the named element's centre, or
+    (`right` false) another element's, as a teacher that confuses the elements would click."""
+    others = [e["bbox"] for e in row["elements"] if tuple(e["bbox"]) != tuple(row["box"])]
+    box = row["box"] if right or not others else rng.choice(others)
+    x1, y1, x2, y2 = family.to_model_frame(box, size)
+    named = row["instruction"].removeprefix("Click ").rstrip(".")
+    text = f"<think> {named} </think><answer>({round((x1 + x2) / 2)}, {round((y1 + y2) / 2)})</answer>"
+    trajectory = Trajectory()
+    trajectory.add_segment(family.tokenizer(text, add_special_tokens=False)["input_ids"] + [family.eos_ids[0]])
+    return trajectory
+
+
+def gui_metrics(policy, task, rows, *, sample: bool, samples: int = 4) -> dict[str, float]:
+    """The gui task's metrics of greedy answers, or of `samples` sampled ones per row (temperature 1)."""
+    engine = build_engine(RolloutSettings(max_new_tokens=GUI_TOKENS), policy)
+    decoding = Decoding(samples=samples, temperature=1.0) if sample else Decoding()
+    metrics, _ = evaluate(policy, task, rows, engine=engine, batch_size=32, max_new_tokens=GUI_TOKENS,
+                          decoding=decoding)
+    return {k: v for k, v in metrics.items() if k in ("accuracy", "wrong_format", "pass@4", "reward/format")}
+
+
+def build_gui(args) -> None:
+    """The warm start of the `gui` task (see the module's docstring)."""
+    task = get_task("gui")
+    source = str(args.from_model) if args.from_model else "embedded:tiny-qwen2.5-vl"
+    policy = load_policy(source, dtype="float32", min_pixels=56 * 56, max_pixels=GUI_MAX_PIXELS)
+    train, test = task.load("train"), task.load("test")[:args.gui_eval_rows]
+
+    def rows_at(step, size):
+        return [train[(step * size + i) % len(train)] for i in range(size)]
+
+    started, rng = time.time(), random.Random(args.seed)
+    gui_probe(policy, task, rows_at, steps=args.gui_probe_steps, lr=args.gui_lr, batch_size=args.batch_size)
+
+    def demonstrate(rows):
+        batch = policy.family.encode([task.messages(r) for r in rows])
+        rights = [rng.random() < args.gui_right_share for _ in rows]
+        return batch, [gui_demonstration(policy.family, row, batch.image_sizes[i][0], right, rng)
+                       for i, (row, right) in enumerate(zip(rows, rights, strict=True))]
+
+    def later(step, size):  # fresh rows after the probe's
+        return rows_at(args.gui_probe_steps + step, size)
+
+    trajectory_sft(policy, task, later, demonstrate, steps=args.gui_steps, lr=args.gui_lr, batch_size=args.batch_size,
+                   label="gui", report=lambda mode: gui_metrics(policy, task, test, sample=mode == "sampled"),
+                   eval_every=args.eval_every, out=args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(args.out)
+    policy.processor.save_pretrained(args.out)
+    report = {mode: gui_metrics(policy, task, test, sample=mode == "sampled") for mode in ("greedy", "sampled")}
     digest = hashlib.sha256((args.out / "model.safetensors").read_bytes()).hexdigest()[:16]
     print(json.dumps({"held_out": {mode: {k: round(v, 3) for k, v in m.items()} for mode, m in report.items()},
                       "sha256": digest, "seconds": round(time.time() - started, 1)}))
@@ -354,12 +487,24 @@ def main() -> None:
     parser.add_argument("--zoom-samples", type=int, default=4,
                         help="sampled trajectories per held-out row in the final zoom report (--zoom-steps 0 "
                              "--from-model M: the report of M alone)")
+    parser.add_argument("--gui", action="store_true",
+                        help="build the gui task's warm start (default --out: assets/tiny-qwen2.5-vl-gui)")
+    parser.add_argument("--gui-probe-steps", type=int, default=100, help="steps of the image-token position probe")
+    parser.add_argument("--gui-steps", type=int, default=400, help="supervised steps on click demonstrations")
+    parser.add_argument("--gui-lr", type=float, default=1e-3)
+    parser.add_argument("--gui-right-share", type=float, default=1.0,
+                        help="share of the demonstrations that click the named element (the others another one)")
+    parser.add_argument("--gui-eval-rows", type=int, default=64, help="held-out rows of the gui report")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     if args.batch_size is None:
-        args.batch_size = 8 if args.zoom or args.code else 32
+        args.batch_size = 8 if args.zoom or args.code or args.gui else 32
+    if args.gui:
+        args.out = GUI_OUT if args.out == DEFAULT_OUT else args.out
+        build_gui(args)
+        return
     if args.zoom or args.code:
         kind = "zoom" if args.zoom else "code"
         args.out = {"zoom": ZOOM_OUT, "code": CODE_OUT}[kind] if args.out == DEFAULT_OUT else args.out

@@ -51,9 +51,10 @@ FAMILY_BUILTINS = {
 # The built-in tasks (gpg_vl_tasks is the tasks/ folder), advantage estimators and policy losses.
 TASK_BUILTINS = {
     "classification": "gpg_vl_tasks.classification:Classification", "cvbench": "gpg_vl_tasks.cvbench:CVBench",
-    "deepeyes": "gpg_vl_tasks.deepeyes:DeepEyes", "geoqa": "gpg_vl_tasks.geoqa:GeoQA",
+    "deepeyes": "gpg_vl_tasks.deepeyes:DeepEyes", "geoqa": "gpg_vl_tasks.geoqa:GeoQA", "gui": "gpg_vl_tasks.gui:Gui",
     "hrbench": "gpg_vl_tasks.hrbench:HRBench", "lisa": "gpg_vl_tasks.lisa:Lisa",
     "measure": "gpg_vl_tasks.measure:Measure", "motion": "gpg_vl_tasks.motion:Motion",
+    "screenspot": "gpg_vl_tasks.screenspot:ScreenSpot", "screenspot_pro": "gpg_vl_tasks.screenspot_pro:ScreenSpotPro",
     "shapes": "gpg_vl_tasks.shapes:Shapes", "videor1": "gpg_vl_tasks.videor1:VideoR1",
     "vsibench": "gpg_vl_tasks.vsibench:VSIBench", "vstar": "gpg_vl_tasks.vstar:VStar", "zoom": "gpg_vl_tasks.zoom:Zoom",
 }
@@ -76,6 +77,10 @@ TEACHER_LOSS_BUILTINS = {"jsd": f"{_TEACHER}:generalized_jsd", "reverse_kl": f"{
 # The built-in tool-use reward sets (task.options.rewards of the thinking-with-images tasks).
 TOOL_REWARD_BUILTINS = {"accuracy": "gpg_vl.reward.tooluse:accuracy_rewards",
                         "deepeyes": "gpg_vl.reward.tooluse:deepeyes_rewards"}
+# The built-in GUI grounding rewards (task.options.rewards of gui, screenspot, screenspot_pro).
+_GUI = "gpg_vl.reward.gui"
+GUI_REWARD_BUILTINS = {"gaussian_coverage": f"{_GUI}:gaussian_coverage_reward",
+                       "gaussian_point": f"{_GUI}:gaussian_point_reward", "point_in_box": f"{_GUI}:point_in_box_reward"}
 # The built-in prompt samplers (data.sampler): gpg_vl/data/samplers.py's SAMPLERS.
 SAMPLER_BUILTINS = {"uniform": "gpg_vl.data.samplers:UniformSampler",
                     "difficulty": "gpg_vl.data.samplers:DifficultySampler"}
@@ -107,6 +112,7 @@ REGISTRIES = {
     "samplers": ("gpg_vl.data.samplers", "SAMPLERS", tuple(SAMPLER_BUILTINS)),
     "tools": ("gpg_vl.rollout.multiturn.tools", "TOOLS", tuple(TOOL_BUILTINS)),
     "tool_rewards": ("gpg_vl.reward.tooluse", "TOOL_REWARDS", tuple(TOOL_REWARD_BUILTINS)),
+    "gui_rewards": ("gpg_vl.reward.gui", "GUI_REWARDS", tuple(GUI_REWARD_BUILTINS)),
 }
 # what each built-in loss declares (gpg_vl/objective/registry.py's `register_policy_loss`): (needs, fixed aggregation)
 LOSSES = {"gpg": ((), None), "grpo": (("old", "ref"), None), "dr_grpo": (("old",), "seq_mean_token_sum"),

@@ -108,6 +108,7 @@ class Mixture(Task):
         self.teachers = teachers or {}  # name -> its own teacher settings over the run's teacher.* (task.teacher)
         self.tools = tuple(dict.fromkeys(tool for task in tasks.values() for tool in task.tools))
         self.uses_boxes = any(task.uses_boxes for task in tasks.values())
+        self.uses_points = any(task.uses_points for task in tasks.values())
         self.uses_judge = any(task.uses_judge for task in tasks.values())
         self.temporal = any(getattr(task, "temporal", False) for task in tasks.values())
         self.reward_functions = {name: fn for task in tasks.values() for name, fn in task.reward_functions.items()}

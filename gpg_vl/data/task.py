@@ -72,6 +72,9 @@ class Task:
     train_split: ClassVar[str] = "train"
     eval_split: ClassVar[str] = "test"
     uses_boxes: ClassVar[bool] = False  # completions hold boxes: the model family maps them to original pixels
+    # completions hold clicks (points, or boxes read as their centre): the family maps every point and box form of
+    # gpg_vl/models/points.py to original pixels (GUI grounding: tasks/gui.py)
+    uses_points: ClassVar[bool] = False
     group_columns: ClassVar[tuple[str, ...]] = ()  # row columns whose values evaluation breaks accuracy down by
     # the tools the model may call (registered names, gpg_vl/rollout/multiturn/tools.py), with rollout.max_turns > 1
     tools: ClassVar[tuple[str, ...]] = ()
@@ -116,6 +119,11 @@ class Task:
         row = self.scoring_row(row)  # raises BadRow when the row has no usable target
         if self.uses_boxes and row.get("box") is not None:
             check_box(row["box"], row)
+
+    def check_data(self) -> None:
+        """Cheap checks of the data's files, run by `get_task` once data.path is set, so that broken data fails in
+        one sentence before any model loads; the default checks nothing (rows are checked as they are drawn, by
+        `check_row`). GUI grounding (tasks/gui.py) checks every row's box and image file here."""
 
     def data_note(self, rows: Sequence[dict]) -> str | None:
         """One line the trainer prints once, at the start, about the training rows (e.g. how many need a judge);
@@ -370,6 +378,7 @@ def get_task(name: str, *, data_path: str | None = None, image_root: str | None 
         task.image_root = str(image_root)
     task.allow_outside_paths = bool(allow_outside_paths)
     task.max_video_frames = max_video_frames
+    task.check_data()
     return task
 
 

@@ -41,6 +41,8 @@ from gpg_vl.config.names import FAMILY_BUILTINS
 from gpg_vl.errors import UserError
 from gpg_vl.models import tool_calls
 from gpg_vl.models.batch import PromptBatch, image_order, message_images, unwrap
+from gpg_vl.models.points import coordinates_to_original
+from gpg_vl.models.points import format_number as _format_number
 from gpg_vl.models.positions import text_positions
 from gpg_vl.models.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_PARSERS, ToolCall
 from gpg_vl.registry import Registry
@@ -66,12 +68,6 @@ _BOX_PATTERNS = (
     re.compile(rf"\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)\s*,\s*\(\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\)"),  # (x1,y1),(x2,y2)
 )
 _POINT_PATTERN = re.compile(rf'("point_2d"\s*:\s*)\[\s*{_NUMBER}\s*,\s*{_NUMBER}\s*\]')  # Seg-Zero's "point_2d": [x, y]
-
-
-def _format_number(value: float) -> str:
-    """Two decimals at most, none when they are zero: 50.0 -> '50', 12.345 -> '12.35'."""
-    text = f"{value:.2f}".rstrip("0").rstrip(".")
-    return "0" if text == "-0" else text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,10 +219,16 @@ class Family:
         (so its size as the model sees it is known). Unchanged where the processor resizes on its own."""
         return image
 
-    def completion_to_original(self, text: str, sizes: list[tuple[int, int, int, int]]) -> str:
+    def completion_to_original(self, text: str, sizes: list[tuple[int, int, int, int]], *,
+                               points: bool = False) -> str:
         """Rewrite the boxes (and Seg-Zero `"point_2d": [x, y]` points) of a completion from the model's frame
-        into original pixels of its first image."""
-        if not sizes or "," not in text or BOX_FRAMES[self.box_frame] is None:
+        into original pixels of its first image; with `points` (a task that reads clicks: `Task.uses_points`),
+        every box and point form of models/points.py, each number once."""
+        if not sizes or BOX_FRAMES[self.box_frame] is None:
+            return text
+        if points:
+            return coordinates_to_original(text, lambda values: self.to_original_frame(values, sizes[0]))
+        if "," not in text:
             return text
 
         def rewrite(match: re.Match) -> str:

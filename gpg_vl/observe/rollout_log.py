@@ -106,6 +106,20 @@ def answer_box(text: str) -> list[float] | None:
     return _box(None if answer is None else parse_box(answer))
 
 
+def drawn_answer(task, text: str) -> dict:
+    """What the pages draw of a completion's answer on its image, in the frame of its text: `box`, for a task with
+    boxes (its own `answer_region` where it has one: GUI grounding's box answers; else `answer_box`), and `point`,
+    for a task that reads clicks (`answer_point`: tasks/gui.py)."""
+    drawn = {}
+    if task.uses_boxes:
+        region = getattr(task, "answer_region", None)
+        drawn["box"] = region(text) if region is not None else answer_box(text)
+    point = getattr(task, "answer_point", None)
+    if point is not None:
+        drawn["point"] = point(text)
+    return drawn
+
+
 def draw_boxes(image: Image.Image, size: Sequence[int], target: Sequence[float] | None,
                predicted: Sequence[Sequence[float] | None]) -> Image.Image:
     """A copy of `image` (a thumbnail of an original of `size` (W, H)) with the target and predicted boxes,
@@ -198,7 +212,7 @@ def completion_records(attempt, b: int, texts: list[str], *, policy, task, text_
             "components": {name: _number(values[b, g]) for name, values in attempt.components.items()},
             "advantage": _number(attempt.advantages[b, g]),
             "tokens": tokens, "end": "eos" if ended else "cut",
-            **({"box": answer_box(text)} if task.uses_boxes else {}),
+            **drawn_answer(task, text),
             **scored_tokens(attempt.rollout, sequence, policy.family, text_chars // TOKEN_CHARS),
             **(trajectory_record(trajectories[sequence], policy.family.tokenizer, text_chars=text_chars,
                                  store=store) if trajectories else {}),

@@ -36,7 +36,7 @@ import numpy as np
 from PIL import Image
 
 from gpg_vl.errors import UserError
-from gpg_vl.observe.rollout_log import answer_box, message_images, read_steps, thumbnail_jpeg
+from gpg_vl.observe.rollout_log import answer_box, drawn_answer, message_images, read_steps, thumbnail_jpeg
 from gpg_vl.reward.primitives import box_iou
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "viewer"
@@ -150,12 +150,13 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
     completions = group["completions"]
     scale = max((abs(c["advantage"]) for c in completions if isinstance(c["advantage"], float)), default=0.0)
     boxes = [(f"{key}c{g}", c.get("box"), str(g)) for g, c in enumerate(completions)]
+    points = [(f"{key}c{g}", c.get("point"), str(g)) for g, c in enumerate(completions)]
     crops = [crop for g, c in enumerate(completions) for crop in crop_boxes(c.get("turns"), f"{key}c{g}", f"{g}.")]
     image = ""
     if group["images"]:
         data = (images / group["images"][0]).read_bytes()
         image = image_svg(data, group["image_sizes"][0], group.get("target_box"), boxes if "target_box" in group
-                          else [], [], crops)
+                          else [], [], crops, points)
         image += "".join(f"<img alt='image {i + 2}' width='80' src='{_data_uri((images / name).read_bytes())}'>"
                          for i, name in enumerate(group["images"][1:]))
     cards = []
@@ -164,7 +165,8 @@ def group_html(group: dict, names: list[str], weights: dict, images: Path, key: 
                             + (f"&times;{_fmt(weights[n])}" if weights.get(n, 1.0) != 1.0 else "") for n in names)
         end = "EOS" if c["end"] == "eos" else "cut off"
         more = f" (first {len(c['text'])} of {c['chars']} characters)" if c["truncated"] else ""
-        box = f"<br>box {esc(_box_text(c['box']))}" if "box" in c else ""
+        box = f"<br>box {esc(_box_text(c['box']))}" if "box" in c and (c["box"] or "point" not in c) else ""
+        box += f"<br>click {esc(_box_text(c['point']))}" if "point" in c else ""
         colour = advantage_colour(c["advantage"], scale)
         body = turns_html(c, f"{key}c{g}", lambda crop: _stored_crop(images, crop)) if "turns" in c else \
             f"<pre>{esc(c['text'])}</pre>"
@@ -269,10 +271,12 @@ def advantage_colour(advantage: float | str, scale: float) -> str:
 
 def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
               predicted: list[tuple[str, Sequence[float] | None, str]], masks: list[tuple[bytes, str]],
-              crops: Sequence[tuple[str, Sequence[float], str]] = ()) -> str:
+              crops: Sequence[tuple[str, Sequence[float], str]] = (),
+              points: Sequence[tuple[str, Sequence[float] | None, str]] = ()) -> str:
     """An image in an SVG whose coordinates are the ORIGINAL image's pixels (`size` = (W, H)): the thumbnail
-    stretched over it, mask overlays (PNG), the target box, each predicted box (id, box, label) and each box a
-    tool cropped (id, box, label)."""
+    stretched over it, mask overlays (PNG), the target box, each predicted box (id, box, label), each box a
+    tool cropped (id, box, label) and each predicted click (id, (x, y), label: a ring with a cross; the id goes to
+    the box when the answer gave one, so that both highlight with their completion)."""
     width, height = (int(v) for v in size)
     parts = [f"<svg class='view' viewBox='0 0 {width} {height}' preserveAspectRatio='xMidYMid meet' "
              f"xmlns='http://www.w3.org/2000/svg'>"
@@ -287,6 +291,11 @@ def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
             parts.append(f"<rect class='pred' id='{box_id}' x='{x1:g}' y='{y1:g}' width='{x2 - x1:g}' "
                          f"height='{y2 - y1:g}'/><text x='{x1:g}' y='{y1 + font:g}' font-size='{font:g}'>"
                          f"{esc(label)}</text>")
+    boxed = {box_id for box_id, box, _ in predicted if box is not None}
+    for point_id, point, label in points:
+        if point is not None:
+            parts.append(click_svg(point, font, "" if point_id in boxed else point_id, "" if point_id in boxed
+                                   else label))
     for box_id, box, label in crops:
         x1, y1, x2, y2 = box
         parts.append(f"<rect class='crop' id='{box_id}' x='{x1:g}' y='{y1:g}' width='{x2 - x1:g}' "
@@ -298,11 +307,24 @@ def image_svg(jpeg: bytes, size: Sequence[int], target: Sequence[float] | None,
     parts.append("</svg>")
     if target is not None or any(box is not None for _, box, _ in predicted) or masks:
         parts.append("<div class='legend'><span class='t'>&#9632;</span> target"
-                     " <span class='p'>&#9632;</span> predicted (original pixels)</div>")
+                     " <span class='p'>&#9632;</span> predicted (original pixels)"
+                     + (" <span class='p'>&#8853;</span> click" if any(p is not None for _, p, _ in points) else "")
+                     + "</div>")
     if crops:
         parts.append("<div class='legend'><span class='c'>&#9632;</span> cropped by a tool "
                      "(completion.turn; original pixels)</div>")
     return "".join(parts)
+
+
+def click_svg(point: Sequence[float], font: float, point_id: str, label: str) -> str:
+    """A click at (x, y), original pixels: a ring with a cross, sized to the image (`font`), labelled."""
+    x, y = float(point[0]), float(point[1])
+    r = font / 2.5
+    ident = f" id='{point_id}'" if point_id else ""
+    text = f"<text x='{x + r:g}' y='{y - r:g}' font-size='{font:g}'>{esc(label)}</text>" if label else ""
+    return (f"<g class='click'{ident}><circle cx='{x:g}' cy='{y:g}' r='{r:g}'/><line x1='{x - 1.6 * r:g}' y1='{y:g}' "
+            f"x2='{x + 1.6 * r:g}' y2='{y:g}'/><line x1='{x:g}' y1='{y - 1.6 * r:g}' x2='{x:g}' y2='{y + 1.6 * r:g}'/>"
+            f"</g>{text}")
 
 
 def curves_html(metrics: list[dict], marked: Sequence[int]) -> str:
@@ -398,6 +420,8 @@ def write_predictions_html(path: str | Path, task, records: Sequence[dict], rows
 
 
 def right_rule(task) -> str:
+    if getattr(task, "prediction_rule", None):  # GUI grounding: ScreenSpot's hit
+        return task.prediction_rule
     if task.uses_boxes:
         return f"right: box IoU with the target >= {RIGHT_IOU}"
     return f"right: accuracy reward >= {RIGHT_ACCURACY}"
@@ -405,6 +429,8 @@ def right_rule(task) -> str:
 
 def is_right(task, record: dict, row: dict) -> bool:
     """Whether a prediction counts as right on the page (`right_rule`)."""
+    if getattr(task, "prediction_right", None) is not None:
+        return bool(task.prediction_right(record["completion"], row))
     if task.uses_boxes:
         box, target = answer_box(record["completion"]), row.get("box")
         return box is not None and target is not None and box_iou(box, target) >= RIGHT_IOU
@@ -417,7 +443,8 @@ def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tup
     picture = ""
     if images:
         size = (images[0].width, images[0].height)
-        box = answer_box(record["completion"]) if task.uses_boxes else None
+        drawn = drawn_answer(task, record["completion"])
+        box, point = drawn.get("box"), drawn.get("point")
         masks = []  # when a segmenter ran: its mask over the ground-truth one
         if record.get("pred_mask") is not None:
             masks = [(mask_png(mask, colour), kind) for mask, colour, kind in
@@ -425,7 +452,8 @@ def prediction_html(task, record: dict, row: dict, right: bool, groups: list[tup
                      if mask is not None]
         picture = image_svg(thumbnail_jpeg(images[0]), size, row.get("box") if task.uses_boxes else None,
                             [(f"p{record['index']}", box, "")] if box is not None else [], masks,
-                            crop_boxes(record.get("turns"), f"p{record['index']}", ""))
+                            crop_boxes(record.get("turns"), f"p{record['index']}", ""),
+                            [(f"p{record['index']}", point, "")] if point is not None else [])
     rewards = ", ".join(f"{esc(name)} {_fmt(value)}" for name, value in record.get("rewards", {}).items())
     tags = json.dumps([verdict, *[f"{column}={value}" for column, value in groups]])
     group_text = "; ".join(f"{column} {value}" for column, value in groups)

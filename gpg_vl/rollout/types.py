@@ -70,13 +70,15 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_ids: list[int], *, igno
 
 def in_task_frame(policy, task, texts: list[str], prompts: PromptBatch, group_size: int) -> list[str]:
     """Completions as the task scores them: with what the chat template opened in the prompt for them (a
-    think block), and boxes moved from the model's frame into original pixels. `policy` is a
+    think block), and boxes (and, for a task that reads clicks, `uses_points`, points) moved from the model's frame
+    into original pixels. `policy` is a
     gpg_vl.models.load.Policy (not imported: models.load reads the settings schema, whose rollout check reads
     the engines, which import this module)."""
     prefixes = [policy.family.completion_prefix(text) for text in prompts.texts] if prompts.texts else []
     if prefixes:
         texts = [prefixes[i // group_size] + text for i, text in enumerate(texts)]
-    if not getattr(task, "uses_boxes", False) or not prompts.image_sizes:
+    points = bool(getattr(task, "uses_points", False))
+    if not (getattr(task, "uses_boxes", False) or points) or not prompts.image_sizes:
         return texts
-    return [policy.family.completion_to_original(text, prompts.image_sizes[i // group_size])
+    return [policy.family.completion_to_original(text, prompts.image_sizes[i // group_size], points=points)
             for i, text in enumerate(texts)]
