@@ -12,13 +12,14 @@ from gpg_vl.config import names
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("task", "tool", "judge", "judge mode", "family", "loss", "advantage", "engine", "correction", "sampler",
-         "tool rewards", "teacher loss")
+         "tool rewards", "GUI reward", "teacher loss")
 # kind -> the names.py tables of its built-ins (code first, settings second)
 TABLES = {"task": ("TASK_BUILTINS",), "tool": ("TOOL_BUILTINS", "TOOL_SETTINGS"), "judge": ("JUDGE_BUILTINS",),
           "judge mode": ("JUDGE_MODE_BUILTINS",),
           "family": ("FAMILY_BUILTINS",), "loss": ("LOSS_BUILTINS",), "advantage": ("ADVANTAGE_BUILTINS",),
           "engine": ("ENGINE_BUILTINS", "ENGINE_SETTINGS"), "correction": ("CORRECTION_BUILTINS",),
           "sampler": ("SAMPLER_BUILTINS",), "tool rewards": ("TOOL_REWARD_BUILTINS",),
+          "GUI reward": ("GUI_REWARD_BUILTINS",),
           "teacher loss": ("TEACHER_LOSS_BUILTINS",)}
 
 
