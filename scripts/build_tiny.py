@@ -49,6 +49,8 @@ state at every image token teaches the model where each token is (its column and
 relative, and without this the tiny model never learnt to write a token's pixels), then a supervised pass on click
 demonstrations, `<think> the element </think><answer>(x, y)</answer>` in the model's frame (the named element's
 centre, or another element's for a share `1 - --gui-right-share`), through the same scoring path as training.
+`--gui-elements`, `--gui-instruction-first`, `--gui-target-weight` and `--gui-probe-layer` are the second attempt's
+changes (docs/results/gui.md, none made the click follow the screen); their defaults build the shipped warm start.
 """
 
 from __future__ import annotations
@@ -358,8 +360,8 @@ GUI_TOKENS = 64  # a demonstration is about 40 tokens of the tiny tokenizer
 
 
 def gui_token_labels(row: dict, columns: int, rows: int) -> list[tuple[int, int, int]]:
-    """For each merged image token of a `columns` x `rows` grid (row-major): its column, its row, and the colour of
-    the element under its centre (len(COLORS): none)."""
+    """For each merged image token of a `columns` x `rows` grid (row-major): its column, its row, the colour of the
+    element under its centre (len(COLORS): none) and whether that is the named element (1) or not (0)."""
     width, height = row["image_size"]
     labels = []
     for j in range(rows):
@@ -367,31 +369,57 @@ def gui_token_labels(row: dict, columns: int, rows: int) -> list[tuple[int, int,
             x, y = (i + 0.5) * width / columns, (j + 0.5) * height / rows
             under = [e["color"] for e in row["elements"]
                      if e["bbox"][0] <= x <= e["bbox"][2] and e["bbox"][1] <= y <= e["bbox"][3]]
-            labels.append((i, j, list(COLORS).index(under[0]) if under else len(COLORS)))
+            named = row["box"][0] <= x <= row["box"][2] and row["box"][1] <= y <= row["box"][3]
+            labels.append((i, j, list(COLORS).index(under[0]) if under else len(COLORS), int(named)))
     return labels
 
 
-def gui_probe(policy, task, rows_at, *, steps: int, lr: float, batch_size: int) -> None:
+def gui_target_cell(row: dict, columns: int, rows: int) -> tuple[int, int]:
+    """The column and row of the merged image token under the named element's centre."""
+    (x1, y1, x2, y2), (width, height) = row["box"], row["image_size"]
+    return min(int((x1 + x2) / 2 * columns / width), columns - 1), min(int((y1 + y2) / 2 * rows / height), rows - 1)
+
+
+def gui_probe(policy, task, rows_at, *, steps: int, lr: float, batch_size: int, target_weight: float = 0.0,
+              mark_named: bool = False, layer: int = -1) -> None:
     """Teach the model where each image token is: a linear probe on the language model's last hidden state at every
     image token predicts the token's column, its row and the colour under it, and the whole model learns with it
     (the probe is then thrown away). Rotary positions are relative, so a tiny model that must write a token's
-    pixels first needs its absolute place in its states; this stage puts it there in about 100 steps."""
+    pixels first needs its absolute place in its states; this stage puts it there in about 100 steps.
+    `target_weight` > 0 adds a second probe, on the last prompt token's state (where the answer starts): the column
+    and row of the token under the element the instruction names. The image comes before the instruction, so no
+    image token can know which element is named; the answer must fetch the named element's place, and this probe
+    teaches that lookup with a direct signal instead of through the digits of a click. `mark_named` (the
+    instruction before the screenshot, so image tokens can read it): each image token also learns whether it lies
+    in the named element. `layer`: the hidden state the probes read (-1 the last layer's output; an earlier one
+    leaves the layers above it to read the place through attention, which no attention does with the last one)."""
     family, model = policy.family, policy.model
     row = rows_at(0, 1)[0]
     grid = family.encode([task.messages(row)]).inputs["image_grid_thw"][0]  # [t, h, w] patches
     rows, columns = int(grid[1]) // 2, int(grid[2]) // 2
-    probe = torch.nn.Linear(model.config.text_config.hidden_size, columns + rows + len(COLORS) + 1)
-    optimizer = torch.optim.AdamW(list(model.parameters()) + list(probe.parameters()), lr=lr, weight_decay=0.0)
+    named = 2 if mark_named else 0  # classes of the named-element head
+    probe = torch.nn.Linear(model.config.text_config.hidden_size, columns + rows + len(COLORS) + 1 + named)
+    target_probe = torch.nn.Linear(model.config.text_config.hidden_size, columns + rows) if target_weight else None
+    parameters = list(model.parameters()) + list(probe.parameters())
+    parameters += list(target_probe.parameters()) if target_probe is not None else []
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     start = time.time()
     for step in range(steps):
         chunk = rows_at(step, batch_size)
-        inputs = family.encode([task.messages(r) for r in chunk]).inputs
+        inputs = family.encode([task.messages(r) for r in chunk]).inputs  # left-padded: the prompts end at -1
         model.train()
-        states = model(**inputs, output_hidden_states=True).hidden_states[-1]  # [N, L, D]
+        states = model(**inputs, output_hidden_states=True).hidden_states[layer]  # [N, L, D]
         logits = probe(states[inputs["input_ids"] == model.config.image_token_id])  # [N * rows * columns, K]
         labels = torch.tensor([label for r in chunk for label in gui_token_labels(r, columns, rows)])
-        parts = ((0, columns), (columns, columns + rows), (columns + rows, logits.shape[1]))
+        parts = ((0, columns), (columns, columns + rows), (columns + rows, logits.shape[1] - named))
+        parts += ((logits.shape[1] - named, logits.shape[1]),) if mark_named else ()
         loss = sum(torch.nn.functional.cross_entropy(logits[:, a:b], labels[:, k]) for k, (a, b) in enumerate(parts))
+        if target_probe is not None:
+            target_logits = target_probe(states[:, -1])  # [N, columns + rows]
+            targets = torch.tensor([gui_target_cell(r, columns, rows) for r in chunk])  # [N, 2]
+            loss = loss + target_weight * (
+                torch.nn.functional.cross_entropy(target_logits[:, :columns], targets[:, 0])
+                + torch.nn.functional.cross_entropy(target_logits[:, columns:], targets[:, 1]))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -399,7 +427,12 @@ def gui_probe(policy, task, rows_at, *, steps: int, lr: float, batch_size: int) 
         if step % 20 == 0:
             right = [round(float((logits[:, a:b].argmax(-1) == labels[:, k]).float().mean()), 2)
                      for k, (a, b) in enumerate(parts)]
-            print(f"gui probe step {step:4d}  loss {loss.item():.3f}  right (column, row, colour) {right}  "
+            if target_probe is not None:
+                right += [round(float((target_logits[:, a:b].argmax(-1) == targets[:, k]).float().mean()), 2)
+                          for k, (a, b) in enumerate(((0, columns), (columns, columns + rows)))]
+            shown = "column, row, colour" + (", named" if mark_named else "") + (
+                "; target column, row" if target_probe is not None else "")
+            print(f"gui probe step {step:4d}  loss {loss.item():.3f}  right ({shown}) {right}  "
                   f"{time.time() - start:.0f}s", flush=True)
 
 
@@ -427,7 +460,7 @@ def gui_metrics(policy, task, rows, *, sample: bool, samples: int = 4) -> dict[s
 
 def build_gui(args) -> None:
     """The warm start of the `gui` task (see the module's docstring)."""
-    task = get_task("gui")
+    task = get_task("gui", elements=args.gui_elements, instruction_first=args.gui_instruction_first)
     source = str(args.from_model) if args.from_model else "embedded:tiny-qwen2.5-vl"
     policy = load_policy(source, dtype="float32", min_pixels=56 * 56, max_pixels=GUI_MAX_PIXELS)
     train, test = task.load("train"), task.load("test")[:args.gui_eval_rows]
@@ -436,7 +469,8 @@ def build_gui(args) -> None:
         return [train[(step * size + i) % len(train)] for i in range(size)]
 
     started, rng = time.time(), random.Random(args.seed)
-    gui_probe(policy, task, rows_at, steps=args.gui_probe_steps, lr=args.gui_lr, batch_size=args.batch_size)
+    gui_probe(policy, task, rows_at, steps=args.gui_probe_steps, lr=args.gui_lr, batch_size=args.batch_size,
+              target_weight=args.gui_target_weight, mark_named=args.gui_instruction_first, layer=args.gui_probe_layer)
 
     def demonstrate(rows):
         batch = policy.family.encode([task.messages(r) for r in rows])
@@ -494,6 +528,14 @@ def main() -> None:
     parser.add_argument("--gui-lr", type=float, default=1e-3)
     parser.add_argument("--gui-right-share", type=float, default=1.0,
                         help="share of the demonstrations that click the named element (the others another one)")
+    parser.add_argument("--gui-elements", type=int, default=4,
+                        help="elements per synthetic screen (the experiment's task.options.elements)")
+    parser.add_argument("--gui-instruction-first", action="store_true",
+                        help="the question before the screenshot (the experiment's task.options.instruction_first)")
+    parser.add_argument("--gui-target-weight", type=float, default=0.0,
+                        help="weight of the probe on the last prompt token that names the target's column and row")
+    parser.add_argument("--gui-probe-layer", type=int, default=-1,
+                        help="hidden state the probes read (hidden_states index: 0 the embeddings, -1 the last layer)")
     parser.add_argument("--gui-eval-rows", type=int, default=64, help="held-out rows of the gui report")
     args = parser.parse_args()
 

@@ -457,8 +457,9 @@ class Gui(GuiTask):
     def __init__(self, rewards: str | Sequence[str] = ("point_in_box",), answer: str = "point",
                  format_weight: float = 0.2, weights: dict | None = None, box_format: str = "xyxy",
                  train_size: int = 20_000, test_size: int = 200, width: int = 448, height: int = 336,
-                 elements: int = 4) -> None:
+                 elements: int = 4, instruction_first: bool = False) -> None:
         super().__init__(rewards=rewards, answer=answer, format_weight=format_weight, weights=weights)
+        self.instruction_first = bool(instruction_first)
         if box_format not in BOX_FORMATS:
             raise UserError(f"task gui has no box_format {box_format!r}; set task.options.box_format to one of "
                             f"{', '.join(BOX_FORMATS)}.")
@@ -468,6 +469,14 @@ class Gui(GuiTask):
         self.box_format = box_format
         self.sizes = {"train": train_size, "test": test_size, "validation": test_size}
         self.screen = {"width": int(width), "height": int(height), "elements": int(elements)}
+
+    def messages(self, row: dict) -> list[dict]:
+        """The screenshot then the question; `instruction_first`: the question, then the screenshot (so that, read
+        left to right, each image token can already know which element is named)."""
+        messages = super().messages(row)
+        if self.instruction_first:
+            messages[0]["content"] = messages[0]["content"][::-1]
+        return messages
 
     def load(self, split: str):
         if self.data_path is not None:

@@ -46,6 +46,18 @@ def test_synthetic_screens_are_seeded_and_name_one_element_inside_the_window():
     assert {row["data_type"] for row in rows} == {"text", "icon"}
 
 
+def test_instruction_first_puts_the_question_before_the_screenshot():
+    """task.options.instruction_first: the same question and screenshot, the question first (read left to right,
+    every image token can then know which element is named); off by default, as ScreenSpot's prompts are."""
+    row = get_task("gui", test_size=2).load("test")[1]
+    plain = get_task("gui", test_size=2).messages(row)[0]["content"]
+    first = get_task("gui", test_size=2, instruction_first=True).messages(row)[0]["content"]
+    assert [part["type"] for part in plain] == ["image", "text"]
+    assert [part["type"] for part in first] == ["text", "image"]
+    assert first[0]["text"] == plain[1]["text"] and first[1]["image"] is plain[0]["image"]
+    assert first[0]["text"].startswith(row["instruction"])
+
+
 def test_the_family_moves_the_models_click_into_pixels_before_the_rewards():
     """Qwen2.5-VL writes pixels of the image it saw (224 x 168 for a 448 x 336 screen): (56, 42) there is (112, 84)
     on the screen, which the task scores, and the predictions hold."""
@@ -114,7 +126,7 @@ def test_the_warm_start_writes_a_click_on_the_screen_for_every_held_out_row():
     cfg = load_config("train", ["+experiment=gui-tiny"])
     assert cfg.model.name_or_path == "embedded:tiny-qwen2.5-vl-gui" and cfg.model.max_pixels == VIEW_PIXELS
     policy = load_policy("embedded:tiny-qwen2.5-vl-gui", dtype="float32", min_pixels=3136, max_pixels=VIEW_PIXELS)
-    task = get_task("gui", test_size=8)
+    task = get_task("gui", **{**cfg.task.options, "test_size": 8})  # the experiment's screens
     engine = build_engine(RolloutSettings(max_new_tokens=64), policy)
     metrics, decoded = evaluate(policy, task, task.load("test"), engine=engine, batch_size=8, max_new_tokens=64)
     assert metrics["wrong_format"] == 0.0 and metrics["reward/format"] == 1.0, metrics
