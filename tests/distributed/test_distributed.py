@@ -12,6 +12,7 @@ so a hang fails a test.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -238,7 +239,9 @@ def test_k1_under_fsdp2_gathers_the_samplers_weights_and_trains_as_under_ddp(asy
     ours, ddp = metrics_lines(out / "a"), metrics_lines(async_ddp / "a")
     assert [m["version_lag_max"] for m in ours] == [0, 1, 1]
     assert [m["groups_sampled"] for m in ours] == [m["groups_sampled"] for m in ddp]
-    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ddp], abs=1e-6)
+    # step 3's loss is of weights AdamW moved apart by FSDP's other summation order (up to 1e-4 after 3 steps, the
+XX
+    assert [m["loss"] for m in ours] == pytest.approx([m["loss"] for m in ddp], rel=2e-4, abs=1e-6)
     a, b = load_file(out / "a" / "final" / "model.safetensors"), load_file(async_ddp / "a" / "final" /
                                                                            "model.safetensors")
     assert all(torch.allclose(a[name], b[name], atol=5e-4) for name in b)
@@ -491,7 +494,8 @@ def test_a_launch_with_zero_stage_7_ends_in_one_sentence_before_the_model_loads(
     environment = launch_environment(config, LAUNCH)  # accelerate's launcher accepts the stage
     done = procs.launch(["scripts/train.py", f"output_dir={tmp_path / 'run'}", *TINY_RUN],
                         env={**launch_env(), **environment}, port=free_port())
-    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    # each process's sentence, wherever it starts: the other process's progress bar may end without a newline
+    said = re.findall(r"error: [^\n]*", done.stderr)
     assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
     assert "zero_optimization.stage=7 (zero_stage in the accelerate config file)" in said[0]
     assert "ValidationError" not in done.stderr and "Loading weights" not in done.stderr
@@ -509,7 +513,8 @@ def test_a_failed_save_on_the_main_process_ends_every_process_at_once_with_its_s
                f"output_dir={run}", "trainer.max_steps=2", "trainer.eval_before=false", "trainer.eval_after=false",
                *TINY_RUN]
     done = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
-    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    # each process's sentence, wherever it starts: the other process's progress bar may end without a newline
+    said = re.findall(r"error: [^\n]*", done.stderr)
     assert done.returncode != 0 and len(said) == 2 and said[0] == said[1], done.stderr[-4000:]
     assert "could not save checkpoint-1" in said[0] and "the disk is full (No space left on device)" in said[0]
     assert not list(run.glob("checkpoint-*")) and "[rank0]: Traceback" not in done.stderr
