@@ -146,6 +146,15 @@ def server_lock(tmp_path_factory):
     return FileLock(str(base / "vllm-serve-user.lock"))
 
 
+@pytest.fixture()
+def served(tmp_path_factory):
+    """The shared server's URL, this test alone on it (every integration test's fixture, through
+    tests/integration/conftest.py)."""
+    url = shared_server(tmp_path_factory)
+    with server_lock(tmp_path_factory):
+        yield url
+
+
 BUDGET = ["rollout.max_prompt_tokens=1024", "rollout.max_new_tokens=24"]  # within the server's --max-model-len 2048
 
 

@@ -1,6 +1,7 @@
 """Fixtures the integration tests share."""
 
 import pytest
+from helpers.vllm_real import served  # noqa: F401 (the shared real vLLM server, one test at a time on it)
 
 
 @pytest.fixture()

@@ -15,7 +15,7 @@ import math
 import urllib.request
 
 import pytest
-from helpers.vllm_real import TINY, needs_vllm_env, server_lock, shared_server
+from helpers.vllm_real import TINY, needs_vllm_env
 
 from gpg_vl.config.schema import JudgeSettings
 from gpg_vl.data.task import Task
@@ -23,14 +23,6 @@ from gpg_vl.reward.judge import JudgeError, endpoint_judge
 from gpg_vl.reward.pool import score_completions
 
 pytestmark = needs_vllm_env
-
-
-@pytest.fixture()
-def served(tmp_path_factory):
-    """The shared server's URL, this test alone on it."""
-    url = shared_server(tmp_path_factory)
-    with server_lock(tmp_path_factory):
-        yield url
 
 
 class Sentences(Task):

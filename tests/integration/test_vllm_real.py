@@ -37,8 +37,6 @@ from helpers.vllm_real import (
     request,
     run_overrides,
     server_command,
-    server_lock,
-    shared_server,
     vllm_env,
 )
 
@@ -47,14 +45,6 @@ from gpg_vl.errors import UserError
 from gpg_vl.rollout.engine import Sampling, build_engine, encode_prompts
 
 pytestmark = needs_vllm_env
-
-
-@pytest.fixture()
-def served(tmp_path_factory):
-    """The shared server's URL, this test alone on it."""
-    url = shared_server(tmp_path_factory)
-    with server_lock(tmp_path_factory):
-        yield url
 
 
 def overrides(url: str, tmp_path: Path, *extra: str) -> list[str]:

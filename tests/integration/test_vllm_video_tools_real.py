@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers.runs import train_run
-from helpers.vllm_real import PYTHON, ROOT, needs_vllm_env, push_teacher, server_lock, shared_server, vllm_env
+from helpers.vllm_real import PYTHON, ROOT, needs_vllm_env, push_teacher, vllm_env
 
 pytestmark = [needs_vllm_env, pytest.mark.slow]
 MEAN, LARGEST = 1e-3, 1e-2  # nats per token: vLLM's log-prob of a token it sampled against the trainer's
@@ -35,14 +35,6 @@ MIXTURE = ["task=mix", "task.mixture={motion: 1, zoom: 1}", "algorithm=grpo", "t
            "trainer.batch_size=8", "trainer.group_size=8", "trainer.max_steps=2", "seed=0"]
 MOTION = ["+experiment=motion-tiny", "trainer.batch_size=8", "trainer.group_size=8", "trainer.max_steps=2", "seed=0",
           "rollout.max_prompt_tokens=1024"]
-
-
-@pytest.fixture()
-def served(tmp_path_factory):
-    """The shared server's URL, this test alone on it."""
-    url = shared_server(tmp_path_factory)
-    with server_lock(tmp_path_factory):
-        yield url
 
 
 def metrics(run: Path) -> list[dict]:
