@@ -11,6 +11,7 @@ What differs between families (how a cache forks, a static copy, positions) is a
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -26,7 +27,13 @@ def cache_keyword(model: torch.nn.Module) -> str:
     keyword and ignored: the forward starts an empty cache, so completions scored (prompt-once) or decoded (the
     prefill-once loop) on a forked prompt cache lose their prompt (on transformers 5.15-5.23 the tiny Qwen2.5-VL's
     prompt-once log-probs were 1.25 nats per token off whole sequences' before this was asked)."""
-    return "cache" if "cache" in inspect.signature(unwrap(model).forward).parameters else "past_key_values"
+    return _keyword_of(type(unwrap(model)))
+
+
+@functools.cache
+def _keyword_of(model_class: type) -> str:
+    """`cache_keyword` of a model class, read once (the multi-turn decoder asks it at every fed chunk)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def cache_of(outputs):
